@@ -1,0 +1,190 @@
+"""Replay = fold: the one function that rebuilds servicer state from records.
+
+Live state (``inspect`` on a running servicer) and post-mortem state
+(``enginelink journal replay``) both come from ``fold`` over the latest
+snapshot and the records after it, so they cannot disagree.
+
+Rules:
+- pure and deterministic: the result depends only on the records and the
+  starting state; no clock, no I/O, no randomness, no hashing order;
+- ``fold`` advances the state it is given, in place, and returns it (the
+  live folder feeds records as they come; copying the whole state per call
+  would cost more than the fold). Pass ``FoldState.from_dict(s.to_dict())``
+  to keep an old state;
+- records with ``seq <= state.last_seq`` are skipped, so overlapping feeds
+  (a snapshot, then a ring read that starts before it) fold once;
+- bounded: live requests are bounded by the servicer's in-flight cap, and
+  only the newest ``terminal_max`` terminal requests are kept (default
+  ``TERMINAL_REQUESTS_MAX``);
+- unknown machines and kinds that carry no state are skipped; a
+  ``client.sent`` for a request the fold does not hold (evicted, or before
+  a pruned journal's first record) is counted in ``unmatched``;
+- ``engine.frame`` payloads are not decoded here (yet: token conservation
+  will decode them with the engine's codec).
+
+``to_dict`` / ``from_dict`` round-trip exactly, key order included (the order
+of ``ended`` is the eviction order), which is what ``snapshot`` records hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Final
+
+import msgspec
+
+from . import records as r
+from .records import Record
+
+REQUEST_ADMITTED: Final = "admitted"
+TERMINAL_REQUEST_STATES: Final = frozenset({"finished", "aborted", "failed"})
+TERMINAL_REQUESTS_MAX: Final = 10_000
+# The state of a link or request the fold has seen but no transition for yet.
+STATE_UNSEEN: Final = ""
+
+
+class LinkView(msgspec.Struct):
+    state: str
+    since: float  # time of the transition into ``state``
+    pid: int | None = None
+    facts: dict[str, Any] = {}
+
+
+class RequestView(msgspec.Struct):
+    state: str
+    since: float
+    admitted_at: float | None = None
+    n: int = 1
+    prompt_tokens: int = 0
+    tokens_sent: int = 0  # summed over the choices that completed
+    finish_reason: str | None = None  # of the last choice that completed
+    choices_done: int = 0
+
+
+class RunView(msgspec.Struct):
+    started_at: float | None = None  # trio time of run.start
+    wall_time: float | None = None  # wall clock at trio time 0
+    pid: int | None = None
+    version: str | None = None
+    stopped_at: float | None = None
+    exit_status: int | None = None
+    reason: str | None = None
+
+
+class FoldState(msgspec.Struct):
+    links: dict[str, LinkView] = {}
+    requests: dict[str, RequestView] = {}
+    # Terminal request ids -> time they ended, oldest first: the eviction order.
+    ended: dict[str, float] = {}
+    run: RunView = msgspec.field(default_factory=RunView)
+    last_seq: int = 0
+    unmatched: int = 0
+    # Part of the state (and of snapshots) so a replay evicts exactly as the
+    # live fold did; tests set it small.
+    terminal_max: int = TERMINAL_REQUESTS_MAX
+
+    def to_dict(self) -> dict[str, Any]:
+        # bytes stay bytes: snapshots are msgpack, which carries them as-is.
+        return msgspec.to_builtins(self, builtin_types=(bytes,))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FoldState:
+        return msgspec.convert(data, cls)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Record) -> FoldState:
+        """The state a ``snapshot`` record holds, positioned at its seq."""
+        if snapshot.kind != r.KIND_SNAPSHOT:
+            raise ValueError(f"record {snapshot.seq} is {snapshot.kind!r}, not a snapshot")
+        state = cls.from_dict(snapshot.payload["state"])
+        state.last_seq = snapshot.seq
+        return state
+
+
+def snapshot_payload(state: FoldState) -> dict[str, Any]:
+    """The payload of a ``snapshot`` record holding ``state``."""
+    return {"state": state.to_dict()}
+
+
+def fold(records: Iterable[Record], state: FoldState | None = None) -> FoldState:
+    """Advance ``state`` (a fresh one if None) by ``records``, oldest first."""
+    st = FoldState() if state is None else state
+    for rec in records:
+        if rec.seq <= st.last_seq:
+            continue
+        _apply(st, rec)
+        st.last_seq = rec.seq
+    return st
+
+
+def _apply(st: FoldState, rec: Record) -> None:
+    p = rec.payload
+    match rec.kind:
+        case r.KIND_TRANSITION:
+            if p["machine"] == r.MACHINE_LINK:
+                link = _link(st, p["id"], rec.time)
+                link.state = p["dest"]
+                link.since = rec.time
+            elif p["machine"] == r.MACHINE_REQUEST:
+                _request_transition(st, p["id"], p["dest"], rec.time)
+        case r.KIND_CLIENT_GENERATE:
+            rid = p["request_id"]
+            view = st.requests.get(rid)
+            if view is None or view.state in TERMINAL_REQUEST_STATES:
+                # A reused id starts over: the old request is done.
+                st.ended.pop(rid, None)
+                view = st.requests[rid] = RequestView(state=STATE_UNSEEN, since=rec.time)
+            view.n = p["n"]
+            view.prompt_tokens = p["prompt_tokens"]
+        case r.KIND_CLIENT_SENT:
+            view = st.requests.get(p["request_id"])
+            if view is None:
+                st.unmatched += 1
+            else:
+                view.tokens_sent += p["tokens_sent"]
+                view.finish_reason = p["finish_reason"]
+                view.choices_done += 1
+        case r.KIND_ENGINE_FACTS:
+            link = _link(st, p["link"], rec.time)
+            link.pid = p["pid"]
+            link.facts = p["facts"]
+        case r.KIND_RUN_START:
+            st.run.started_at = rec.time
+            st.run.wall_time = p["wall_time"]
+            st.run.pid = p["pid"]
+            st.run.version = p["version"]
+        case r.KIND_RUN_STOP:
+            st.run.stopped_at = rec.time
+            st.run.exit_status = p["exit_status"]
+            st.run.reason = p["reason"]
+        case _:
+            # Kinds that carry no state the fold keeps (frames, handshakes,
+            # aborts asked for, errors, snapshots): their effects arrive as
+            # transitions.
+            pass
+
+
+def _link(st: FoldState, name: str, now: float) -> LinkView:
+    link = st.links.get(name)
+    if link is None:
+        link = st.links[name] = LinkView(state=STATE_UNSEEN, since=now)
+    return link
+
+
+def _request_transition(st: FoldState, rid: str, dest: str, now: float) -> None:
+    view = st.requests.get(rid)
+    if view is None:
+        view = st.requests[rid] = RequestView(state=STATE_UNSEEN, since=now)
+    view.state = dest
+    view.since = now
+    if dest == REQUEST_ADMITTED and view.admitted_at is None:
+        view.admitted_at = now
+    if dest in TERMINAL_REQUEST_STATES:
+        st.ended.pop(rid, None)  # re-insert at the newest end
+        st.ended[rid] = now
+        while len(st.ended) > st.terminal_max:
+            oldest = next(iter(st.ended))
+            del st.ended[oldest]
+            del st.requests[oldest]
+    else:
+        st.ended.pop(rid, None)

@@ -1,0 +1,123 @@
+"""The engine-link machine: one per engine the servicer drives.
+
+States: ``starting`` (sockets bound, engine launching, handshake under way) →
+``warming_up`` (handshake done; only warm-up requests admitted) → ``serving``
+→ ``draining`` (SIGTERM: admission closed, in-flight requests finishing) →
+``stopped``; ``failed`` from any live state (engine died, went silent, or
+broke its wire). Exactly one of ``stopped`` / ``failed`` ends a link.
+
+Sans-io: ``handle(event, now)`` returns the transition it made (the shell
+journals it); the machine never reads a clock. Admission and health are pure
+functions of the state, so the gRPC layer and the journal's fold agree on
+what a state means.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from enginelink.journal.records import Transition
+from enginelink.machines.table import build_table
+
+WARMUP_REQUEST_PREFIX = "smg-warmup-"
+
+
+class LinkState(StrEnum):
+    STARTING = "starting"
+    WARMING_UP = "warming_up"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class LinkEvent(StrEnum):
+    HANDSHAKE_DONE = "handshake_done"
+    WARMUP_DONE = "warmup_done"
+    DRAIN = "drain"
+    DRAINED = "drained"
+    FAIL = "fail"
+
+
+_LIVE = [LinkState.STARTING, LinkState.WARMING_UP, LinkState.SERVING, LinkState.DRAINING]
+
+LINK_TABLE = build_table(
+    "link",
+    states=[s.value for s in LinkState],
+    transitions=[
+        (LinkEvent.HANDSHAKE_DONE, LinkState.STARTING, LinkState.WARMING_UP),
+        (LinkEvent.WARMUP_DONE, LinkState.WARMING_UP, LinkState.SERVING),
+        (LinkEvent.DRAIN, [LinkState.STARTING, LinkState.WARMING_UP, LinkState.SERVING], LinkState.DRAINING),
+        (LinkEvent.DRAINED, LinkState.DRAINING, LinkState.STOPPED),
+        (LinkEvent.FAIL, list(_LIVE), LinkState.FAILED),
+    ],
+    initial=LinkState.STARTING,
+    terminal={LinkState.STOPPED, LinkState.FAILED},
+)
+
+# What HealthCheck says in each state (the Rust servicer's words where it has them).
+_HEALTH_MESSAGES = {
+    LinkState.STARTING: "Engine is starting",
+    LinkState.WARMING_UP: "Engine is warming up",
+    LinkState.SERVING: "Health",
+    LinkState.DRAINING: "Draining",
+    LinkState.STOPPED: "Engine is not alive",
+    LinkState.FAILED: "Engine is not alive",
+}
+
+
+class LinkMachine:
+    """State of one engine link. ``name`` is stable for the run (e.g. ``vllm-0``)."""
+
+    def __init__(self, name: str, now: float) -> None:
+        self.name = name
+        self.state = LinkState.STARTING
+        self.since = now
+        self.failure: str | None = None
+
+    def handle(self, event: LinkEvent, now: float, reason: str | None = None) -> Transition:
+        dest = LinkState(LINK_TABLE.next_state(self.name, self.state, event))
+        transition = Transition("link", self.name, self.state.value, dest.value, event.value)
+        self.state = dest
+        self.since = now
+        if dest is LinkState.FAILED:
+            self.failure = reason
+        return transition
+
+    def can(self, event: LinkEvent) -> bool:
+        return LINK_TABLE.allows(self.state, event)
+
+    @property
+    def live(self) -> bool:
+        return self.state not in LINK_TABLE.terminal
+
+    def admission_refusal(self, request_id: str) -> str | None:
+        """None if a request with this id may be admitted now, else why not."""
+        return admission_refusal(self.state, request_id)
+
+    @property
+    def healthy(self) -> bool:
+        return self.state in (LinkState.SERVING, LinkState.WARMING_UP)
+
+    @property
+    def health_message(self) -> str:
+        return _HEALTH_MESSAGES[self.state]
+
+    @property
+    def ready(self) -> bool:
+        """Readiness (grpc.health.v1): SERVING only once warm-up ran."""
+        return self.state is LinkState.SERVING
+
+
+def admission_refusal(state: LinkState, request_id: str) -> str | None:
+    if state is LinkState.SERVING:
+        return None
+    if state is LinkState.WARMING_UP:
+        if request_id.startswith(WARMUP_REQUEST_PREFIX):
+            return None
+        return "engine is warming up; retry on another worker or later"
+    if state is LinkState.STARTING:
+        return "engine is starting; retry on another worker or later"
+    if state is LinkState.DRAINING:
+        return "servicer is draining; retry on another worker"
+    return "engine is not alive; retry on another worker"

@@ -1,0 +1,341 @@
+"""The request hub: every Generate in flight, and the engine's outputs fanned out to them.
+
+Theory of operation. A gRPC handler (asyncio, under trio-asyncio) validates
+a call and ``admit``s it: the hub creates its request machine, journals it and
+sends one ADD frame per choice through the link. The link's receive task
+(trio) decodes each engine frame once and hands the batch to ``on_batch``,
+which appends each choice's new tokens to that choice's pending list and sets
+the call's ``wake`` event; the handler wakes, takes everything pending as one
+message per choice (several tokens per chunk when it fell behind) and writes.
+So there is no trio↔asyncio hop per token: one ``Event.set`` per call per
+frame, and the writer coalesces.
+
+Rules:
+- the hub owns the tables; one call's bad luck (stop string, abort, a
+  client gone) never touches another call;
+- a call ends in exactly one terminal state, and every choice of a call that
+  ends OK gets exactly one ``complete``;
+- every state change is a journal record, written by the hub itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Sequence
+
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from enginelink.journal.records import (
+    KIND_CLIENT_ABORT,
+    KIND_CLIENT_GENERATE,
+    KIND_CLIENT_SENT,
+    KIND_ENGINE_REQUEST,
+    KIND_TRANSITION,
+    Transition,
+    request_stream,
+)
+from enginelink.machines.link import LinkMachine
+from enginelink.machines.request import RequestEvent, RequestMachine, RequestState
+from enginelink.runtime.errors import DuplicateRequest, EngineFailure, ServicerError, Unavailable
+from enginelink.runtime.stops import StopMatcher
+from enginelink.runtime.validate import GenerateCall
+from enginelink.wire.engine import EngineCodec, FinishReason, OutputBatch
+
+# Calls in flight at once; beyond it admission answers UNAVAILABLE (retryable).
+IN_FLIGHT_MAX = 4096
+
+
+class Choice:
+    """One of a call's n samples: one engine request."""
+
+    __slots__ = (
+        "index", "engine_id", "pending", "last_delta", "output", "tokens_engine", "tokens_sent",
+        "finish_reason", "matched_token", "matched_str", "complete_sent", "stops", "cached_tokens",
+    )
+
+    def __init__(self, index: int, engine_id: str, keep_output: bool, stops: StopMatcher | None) -> None:
+        self.index = index
+        self.engine_id = engine_id
+        self.pending: list[int] = []
+        self.last_delta: list[int] = []
+        self.output: list[int] | None = [] if keep_output else None
+        self.tokens_engine = 0
+        self.tokens_sent = 0
+        self.finish_reason: str | None = None
+        self.matched_token: int | None = None
+        self.matched_str: str | None = None
+        self.complete_sent = False
+        self.stops = stops
+        self.cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Call:
+    """One Generate in flight, as its handler sees it."""
+
+    __slots__ = ("spec", "machine", "choices", "open_choices", "wake", "error", "admitted_at", "prompt_tokens")
+
+    def __init__(self, spec: GenerateCall, now: float, tokenizer) -> None:
+        self.spec = spec
+        self.machine = RequestMachine(spec.request_id, now)
+        self.choices = [
+            Choice(
+                index,
+                engine_id,
+                keep_output=not spec.stream,
+                stops=StopMatcher(spec.stop_strings, tokenizer, spec.skip_special_tokens)
+                if spec.stop_strings
+                else None,
+            )
+            for index, engine_id in enumerate(spec.engine_ids)
+        ]
+        self.open_choices = len(self.choices)
+        self.wake = asyncio.Event()
+        self.error: ServicerError | None = None
+        self.admitted_at = now
+        self.prompt_tokens = len(spec.prompt_token_ids)
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will be written: failed, or every choice's complete taken."""
+        return self.error is not None or all(c.complete_sent for c in self.choices)
+
+    def take_messages(self) -> list[pb.GenerateResponse]:
+        """Everything the client should get now, in order. Called by the writer."""
+        messages = []
+        stream = self.spec.stream
+        for choice in self.choices:
+            if stream and choice.pending:
+                tokens = choice.pending
+                choice.pending = []
+                choice.last_delta = tokens
+                choice.tokens_sent += len(tokens)
+                messages.append(
+                    pb.GenerateResponse(
+                        chunk=pb.GenerateStreamChunk(
+                            token_ids=tokens,
+                            prompt_tokens=self.prompt_tokens,
+                            completion_tokens=len(tokens),
+                            cached_tokens=choice.cached_tokens,
+                            index=choice.index,
+                        )
+                    )
+                )
+            if choice.finished and not choice.complete_sent:
+                messages.append(self._complete(choice))
+        return messages
+
+    def _complete(self, choice: Choice) -> pb.GenerateResponse:
+        choice.complete_sent = True
+        if self.spec.stream:
+            # As the reference servicer: the complete repeats the last delta.
+            output = choice.last_delta
+        else:
+            output = choice.output or []
+            choice.pending = []
+            choice.tokens_sent = len(output)
+        complete = pb.GenerateComplete(
+            output_ids=output,
+            finish_reason=choice.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=len(output),
+            cached_tokens=choice.cached_tokens,
+            index=choice.index,
+        )
+        if choice.matched_str is not None:
+            complete.matched_stop_str = choice.matched_str
+        elif choice.matched_token is not None:
+            complete.matched_token_id = choice.matched_token
+        return pb.GenerateResponse(complete=complete)
+
+
+class RequestHub:
+    def __init__(
+        self,
+        *,
+        link: LinkMachine,
+        codec: EngineCodec,
+        send_frames: Callable[[list[bytes]], None],
+        journal,
+        tokenizer=None,
+        cached_tokens: Callable[[object], int | None] | None = None,
+        in_flight_max: int = IN_FLIGHT_MAX,
+    ) -> None:
+        self.link = link
+        self.codec = codec
+        self.send_frames = send_frames
+        self.journal = journal
+        self.tokenizer = tokenizer
+        self.cached_tokens = cached_tokens
+        self.in_flight_max = in_flight_max
+        self.calls: dict[str, Call] = {}
+        self.by_engine_id: dict[str, tuple[Call, Choice]] = {}
+        self.late_outputs = 0
+        self.last_receive_wall = 0.0
+
+    # -- admission -------------------------------------------------------------------
+
+    def admit(self, spec: GenerateCall, now: float) -> Call:
+        refusal = self.link.admission_refusal(spec.request_id)
+        if refusal is not None:
+            raise Unavailable(refusal)
+        if spec.request_id in self.calls or any(e in self.by_engine_id for e in spec.engine_ids):
+            raise DuplicateRequest(f"request_id {spec.request_id!r} is already in flight")
+        if len(self.calls) >= self.in_flight_max:
+            raise Unavailable(f"{len(self.calls)} requests in flight (the limit); retry on another worker")
+        if spec.stop_strings and self.tokenizer is None:
+            raise Unavailable("stop strings need the model's tokenizer, which this worker could not load")
+        call = Call(spec, now, self.tokenizer)
+        stream = request_stream(spec.request_id)
+        self.journal.append(
+            now,
+            stream,
+            KIND_CLIENT_GENERATE,
+            {
+                "request_id": spec.request_id,
+                "n": spec.n,
+                "prompt_tokens": call.prompt_tokens,
+                "stream": spec.stream,
+                "max_tokens": spec.max_tokens,
+            },
+        )
+        self.calls[spec.request_id] = call
+        for choice in call.choices:
+            self.by_engine_id[choice.engine_id] = (call, choice)
+        for engine_spec in spec.specs:
+            self.send_frames(self.codec.encode_add(engine_spec))
+        self.journal.append(
+            now,
+            stream,
+            KIND_ENGINE_REQUEST,
+            {"link": self.link.name, "request_ids": spec.engine_ids, "prompt_tokens": call.prompt_tokens},
+        )
+        return call
+
+    # -- engine outputs ---------------------------------------------------------------
+
+    def on_batch(self, batch: OutputBatch, now: float) -> int:
+        """Fan one decoded frame out to its calls; returns the tokens it carried."""
+        by_engine_id = self.by_engine_id
+        cached_tokens = self.cached_tokens
+        generated = 0
+        for out in batch.outputs:
+            entry = by_engine_id.get(out.request_id)
+            if entry is None:
+                # Outputs for a request we already ended (abort, stop string) are expected.
+                self.late_outputs += 1
+                continue
+            call, choice = entry
+            if call.machine.state is RequestState.ADMITTED:
+                self._step(call, RequestEvent.FIRST_OUTPUT, now)
+                if cached_tokens is not None:
+                    choice.cached_tokens = cached_tokens(out) or 0
+            tokens = out.new_token_ids
+            if tokens:
+                generated += len(tokens)
+                choice.tokens_engine += len(tokens)
+                if choice.stops is not None:
+                    tokens, matched = choice.stops.feed(tokens)
+                    if matched is not None:
+                        choice.matched_str = matched
+                        choice.finish_reason = "stop"
+                        # The engine does not do stop strings: stop it ourselves.
+                        self.send_frames(self.codec.encode_abort([choice.engine_id]))
+                choice.pending += tokens
+                if choice.output is not None:
+                    choice.output += tokens
+            if out.finish_reason is not None and choice.finish_reason is None:
+                reason = FinishReason(out.finish_reason)
+                choice.finish_reason = reason.contract_name
+                if reason is FinishReason.STOP and isinstance(out.stop_reason, int):
+                    choice.matched_token = out.stop_reason
+                elif reason is FinishReason.STOP and isinstance(out.stop_reason, str):
+                    choice.matched_str = out.stop_reason
+            if choice.finish_reason is not None:
+                del by_engine_id[choice.engine_id]
+                call.open_choices -= 1
+                if call.open_choices == 0:
+                    self._end(call, RequestEvent.FINISH, now)
+            call.wake.set()
+        return generated
+
+    # -- ending calls -----------------------------------------------------------------
+
+    def abort(self, request_ids: Sequence[str], reason: str, now: float) -> int:
+        """Abort calls by id (unknown ids are a no-op); returns how many were open."""
+        aborted = 0
+        for request_id in request_ids:
+            call = self.calls.get(request_id)
+            if call is None or not call.machine.open:
+                continue
+            aborted += 1
+            self.journal.append(
+                now, request_stream(request_id), KIND_CLIENT_ABORT, {"request_ids": [request_id], "reason": reason}
+            )
+            open_ids = [c.engine_id for c in call.choices if not c.finished]
+            if open_ids:
+                # vLLM sends nothing back for a client abort: we end the choices ourselves.
+                self.send_frames(self.codec.encode_abort(open_ids))
+            for choice in call.choices:
+                if not choice.finished:
+                    choice.finish_reason = "abort"
+                    self.by_engine_id.pop(choice.engine_id, None)
+            call.open_choices = 0
+            self._end(call, RequestEvent.ABORT, now)
+            call.wake.set()
+        return aborted
+
+    def fail_all(self, message: str, now: float) -> int:
+        """The engine is gone: every open call ends with UNAVAILABLE."""
+        failed = 0
+        for call in list(self.calls.values()):
+            if not call.machine.open:
+                continue
+            failed += 1
+            call.error = EngineFailure(message)
+            for choice in call.choices:
+                self.by_engine_id.pop(choice.engine_id, None)
+            call.open_choices = 0
+            self._end(call, RequestEvent.FAIL, now)
+            call.wake.set()
+        return failed
+
+    def take(self, call: Call, now: float) -> list[pb.GenerateResponse]:
+        """The messages a call's writer should send now; journals completed choices."""
+        unsent = [c for c in call.choices if not c.complete_sent]
+        messages = call.take_messages()
+        for choice in unsent:
+            if choice.complete_sent:
+                self._journal_sent(call, choice, now)
+        return messages
+
+    def _journal_sent(self, call: Call, choice: Choice, now: float) -> None:
+        self.journal.append(
+            now,
+            request_stream(call.spec.request_id),
+            KIND_CLIENT_SENT,
+            {
+                "request_id": call.spec.request_id,
+                "index": choice.index,
+                "tokens_sent": choice.tokens_sent,
+                "tokens_engine": choice.tokens_engine,
+                "finish_reason": choice.finish_reason,
+            },
+        )
+
+    def _end(self, call: Call, event: RequestEvent, now: float) -> None:
+        if call.machine.state is RequestState.ADMITTED and event is RequestEvent.FINISH:
+            self._step(call, RequestEvent.FIRST_OUTPUT, now)
+        self._step(call, event, now)
+        self.calls.pop(call.spec.request_id, None)
+
+    def _step(self, call: Call, event: RequestEvent, now: float) -> None:
+        transition: Transition = call.machine.handle(event, now)
+        self.journal.append(now, request_stream(call.spec.request_id), KIND_TRANSITION, transition.payload())
+
+    @property
+    def active_requests(self) -> int:
+        return len(self.calls)

@@ -1,0 +1,62 @@
+"""Engine load, from the scheduler stats that ride on engine output frames.
+
+GetLoads answers from here. The first served rank is always present, zero
+filled before the first stats arrive, so the router sees a responsive worker;
+ranks that never reported are omitted (as the reference servicer does).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from enginelink.wire.engine import SchedulerStats
+
+# Generated-token samples kept per rank for gen_throughput.
+THROUGHPUT_WINDOW_S = 2.0
+
+
+class Loads:
+    def __init__(self, first_rank: int = 0) -> None:
+        self.first_rank = first_rank
+        self.stats: dict[int, SchedulerStats] = {}
+        self._generated: dict[int, deque[tuple[float, int]]] = {}
+
+    def update(self, rank: int, stats: SchedulerStats | None, generated_tokens: int, now: float) -> None:
+        if stats is not None:
+            self.stats[rank] = stats
+        if generated_tokens:
+            window = self._generated.setdefault(rank, deque())
+            window.append((now, generated_tokens))
+            while window and window[0][0] < now - THROUGHPUT_WINDOW_S:
+                window.popleft()
+
+    def gen_throughput(self, rank: int) -> float:
+        window = self._generated.get(rank)
+        if not window:
+            return 0.0
+        return sum(n for _, n in window) / THROUGHPUT_WINDOW_S
+
+    def scheduler_loads(self, max_num_seqs: int, capacity_tokens: int) -> list:
+        ranks = sorted(set(self.stats) | {self.first_rank})
+        loads = []
+        for rank in ranks:
+            stats = self.stats.get(rank, SchedulerStats())
+            hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+            loads.append(
+                pb.SchedulerLoad(
+                    dp_rank=rank,
+                    num_running_reqs=stats.num_running_reqs,
+                    num_waiting_reqs=stats.num_waiting_reqs,
+                    num_total_reqs=stats.num_running_reqs + stats.num_waiting_reqs,
+                    num_used_tokens=round(stats.kv_cache_usage * capacity_tokens),
+                    max_total_num_tokens=capacity_tokens,
+                    token_usage=stats.kv_cache_usage,
+                    utilization=stats.kv_cache_usage,
+                    gen_throughput=self.gen_throughput(rank),
+                    cache_hit_rate=hit_rate,
+                    max_running_requests=max_num_seqs,
+                )
+            )
+        return loads

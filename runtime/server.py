@@ -1,0 +1,217 @@
+"""The servicer's lifetime: one trio nursery around journal, gRPC server and engine link.
+
+Order (DESIGN "Start"): journal → gRPC bound (health NOT_SERVING, HealthCheck
+"Engine is starting") → engine launched and handshaken → warm-up → serving.
+Then the servicer waits for one of: a signal (SIGTERM/SIGINT → drain, exit 0)
+or the link failing (every open call ends UNAVAILABLE, exit 1 so the
+supervisor restarts the pair).
+
+grpclib runs on asyncio inside trio via trio-asyncio; the only trio↔asyncio
+crossings are start/stop of the server and rare utility calls, never per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+import trio_asyncio
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import Health
+from grpclib.server import Server
+
+from enginelink.journal.journal import Journal
+from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
+from enginelink.machines.link import LinkEvent, LinkState
+from enginelink.runtime.app import App
+from enginelink.runtime.engine_link import EngineLink, LinkFailed
+from enginelink.runtime.grpc_vllm import VllmEngineService
+from enginelink.runtime.hub import RequestHub
+from enginelink.runtime.launchers import EngineLauncher
+from enginelink.runtime.model_dir import ModelFacts, load_tokenizer
+from enginelink.wire import codecs
+
+log = logging.getLogger("enginelink")
+
+VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
+# After the link fails, how long writers get to end their streams with UNAVAILABLE.
+FAIL_FLUSH_S = 0.5
+# After a drain, how long writers get to send the abort completes.
+DRAIN_FLUSH_S = 1.0
+# The journal snapshot period: bounds replay time.
+SNAPSHOT_INTERVAL_S = 30.0
+
+
+@dataclass
+class ServeConfig:
+    launcher: EngineLauncher
+    model: ModelFacts
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    journal_path: Path | None = None
+    startup_timeout_s: float = 1800.0
+    drain_s: float = 5.0
+    argv: list[str] = field(default_factory=list)
+
+
+class _Exit(Exception):
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> int:
+    """Run until drained (0) or failed (1); ``task_status.started(app)`` once serving."""
+    journal = Journal(config.journal_path)
+    run_start_trio = trio.current_time()
+    run_start_wall = time.time()
+    codec = codecs.get(config.launcher.engine)
+    exit_status = 1
+    reason = "unknown"
+    async with trio_asyncio.open_loop():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(journal.run)
+            journal.append(
+                run_start_trio,
+                "run",
+                KIND_RUN_START,
+                {
+                    "wall_time": run_start_wall,
+                    "trio_time": run_start_trio,
+                    "pid": os.getpid(),
+                    "argv": config.launcher.redacted(config.argv),
+                    "engine": config.launcher.engine,
+                    "port": config.port,
+                },
+            )
+            link = EngineLink(
+                name=f"{config.launcher.engine}-0",
+                launcher=config.launcher,
+                codec=codec,
+                journal=journal,
+                startup_timeout_s=config.startup_timeout_s,
+            )
+            hub = RequestHub(
+                link=link.machine,
+                codec=codec,
+                send_frames=link.send,
+                journal=journal,
+                tokenizer=_tokenizer_or_none(config.model),
+                cached_tokens=getattr(codec, "cached_tokens", None),
+            )
+            app = App(
+                link=link,
+                hub=hub,
+                journal=journal,
+                model=config.model,
+                served_model_name=config.served_model_name,
+                run_start_wall=run_start_wall,
+                run_start_trio=run_start_trio,
+            )
+            readiness = ServiceStatus()
+            readiness.set(False)
+            health = Health({"": [readiness], VLLM_SERVICE: [readiness]})
+            server = Server([VllmEngineService(app), health])
+            await trio_asyncio.aio_as_trio(server.start)(config.host, config.port)
+            log.info("gRPC bound on %s:%d (health NOT_SERVING until the engine is up)", config.host, config.port)
+
+            failed = trio.Event()
+
+            def on_batch(batch, now: float) -> None:
+                generated = hub.on_batch(batch, now) if batch.outputs else 0
+                app.loads.update(batch.engine_index, batch.stats, generated, now)
+                hub.last_receive_wall = app.wall_time(now)
+
+            def on_failure(message: str, now: float) -> None:
+                readiness.set(False)
+                hub.fail_all(message, now)
+                failed.set()
+
+            link.on_batch = on_batch
+            link.on_failure = on_failure
+            try:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    try:
+                        await nursery.start(link.run)
+                    except LinkFailed as error:
+                        raise _Exit(1, str(error)) from None
+                    if link.machine.state is LinkState.WARMING_UP:
+                        # The planned warm-up comes with its own issue; for now go straight on.
+                        link.step(LinkEvent.WARMUP_DONE)
+                        readiness.set(True)
+                        log.info("serving %s on %s:%d", config.served_model_name, config.host, config.port)
+                        task_status.started(app)
+                    exit_status, reason = await _wait_for_end(signals, failed, link)
+                    if exit_status == 0:
+                        await _drain(app, readiness, config.drain_s)
+                    else:
+                        await trio.sleep(FAIL_FLUSH_S)
+            except _Exit as stop:
+                exit_status, reason = stop.status, stop.reason
+            finally:
+                readiness.set(False)
+                with trio.CancelScope(shield=True):
+                    await link.stop_engine()
+                    server.close()
+                    with trio.move_on_after(2):
+                        await trio_asyncio.aio_as_trio(server.wait_closed)()
+                    journal.append(trio.current_time(), "run", KIND_RUN_STOP, {"exit_status": exit_status, "reason": reason})
+                nursery.cancel_scope.cancel()
+    log.info("exiting with status %d: %s", exit_status, reason)
+    return exit_status
+
+
+async def _wait_for_end(signals, failed: trio.Event, link: EngineLink) -> tuple[int, str]:
+    result: list[tuple[int, str]] = []
+    async with trio.open_nursery() as nursery:
+
+        async def on_signal() -> None:
+            async for signum in signals:
+                result.append((0, f"signal {signal.Signals(signum).name}"))
+                nursery.cancel_scope.cancel()
+                return
+
+        async def on_failure() -> None:
+            await failed.wait()
+            result.append((1, f"engine link failed: {link.machine.failure}"))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(on_signal)
+        nursery.start_soon(on_failure)
+    return result[0]
+
+
+async def _drain(app: App, readiness: ServiceStatus, drain_s: float) -> None:
+    """Close admission, let in-flight calls finish for ``drain_s``, abort the rest."""
+    link, hub = app.link, app.hub
+    readiness.set(False)
+    if link.machine.can(LinkEvent.DRAIN):
+        link.step(LinkEvent.DRAIN)
+    log.info("draining: %d requests in flight, up to %g s", hub.active_requests, drain_s)
+    with trio.move_on_after(drain_s):
+        while hub.active_requests:
+            await trio.sleep(0.05)
+    if hub.active_requests:
+        log.info("drain time is up: aborting %d requests", hub.active_requests)
+        hub.abort(list(hub.calls), "drain", trio.current_time())
+    await trio.sleep(min(DRAIN_FLUSH_S, drain_s))
+    if link.machine.can(LinkEvent.DRAINED):
+        link.step(LinkEvent.DRAINED)
+
+
+def _tokenizer_or_none(model: ModelFacts):
+    if not model.tokenizer_path:
+        return None
+    try:
+        return load_tokenizer(model.tokenizer_path)
+    except Exception as error:  # a broken tokenizer only disables stop strings
+        print(f"enginelink: cannot load the tokenizer ({error}); stop strings will be refused", file=sys.stderr)
+        return None

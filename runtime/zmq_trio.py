@@ -1,0 +1,41 @@
+"""pyzmq under trio: non-blocking sockets, woken by trio's fd readiness.
+
+ZeroMQ's ``FD`` is edge-triggered and only says "socket state may have
+changed", so every wait is followed by draining with ``NOBLOCK`` until
+``Again``; a short fallback timeout on the wait covers the rare lost edge
+(pyzmq's own asyncio integration re-checks for the same reason).
+
+Sends never wait: every socket is made with SNDHWM = 0 (as vLLM does), and a
+ROUTER with ROUTER_MANDATORY raises at once when the peer is not connected.
+"""
+
+from __future__ import annotations
+
+import trio
+import zmq
+
+# Bound on a lost edge of ZMQ_FD: a missed wake-up costs at most this.
+LOST_EDGE_RECHECK_S = 0.05
+
+
+def make_socket(context: zmq.Context, kind: int) -> zmq.Socket:
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+async def wait_readable(sock: zmq.Socket) -> None:
+    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        return
+    with trio.move_on_after(LOST_EDGE_RECHECK_S):
+        await trio.lowlevel.wait_readable(sock.getsockopt(zmq.FD))
+
+
+async def recv_multipart(sock: zmq.Socket) -> list[bytes]:
+    while True:
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            await wait_readable(sock)

@@ -1,0 +1,435 @@
+"""The sim engine's core: a deterministic, sans-io vLLM EngineCore double.
+
+It takes input messages exactly as a headless vLLM engine's DEALER receives
+them and returns output messages exactly as its PUSH sends them (codec:
+``enginelink.wire.vllm``). The process shell (``sim_engine.py``) owns the
+sockets, the clock and the sleeping; this core only computes.
+
+Theory of operation (mirrors vLLM's v1 scheduler where it is observable):
+- ``handle_input`` queues ADDs, drops ABORTed requests silently (vLLM sends
+  nothing for a client abort) and answers utility calls at once.
+- ``step`` schedules FCFS: running requests first (one decode token each, or
+  the next prefill chunk), then waiting ones while ``max_num_seqs`` and the
+  ``max_num_batched_tokens`` budget allow (chunked prefill). It returns ONE
+  EngineCoreOutputs frame carrying one new token per request that finished
+  its prefill, scheduler stats, and the ids it retired, plus the step's cost
+  in seconds (``step_us`` + ``prefill_us_per_token`` x uncached prompt tokens).
+- Tokens are a hash: blake2b of (seed or nothing, prompt ids) and the output
+  position, so output is reproducible and depends on the prompt. A token lands
+  in [3, vocab); the model's EOS id comes out when the hash is 0 mod 16.
+  Before ``min_tokens`` stop ids are masked (vLLM's min-tokens processor).
+- Stop checks follow vLLM's ``check_stop``: EOS = the request's
+  ``_eos_token_id`` (absent when ``ignore_eos``) -> STOP; a stop id -> STOP
+  with ``stop_reason`` = the id; context full or ``max_tokens`` -> LENGTH.
+- The prefix cache holds full blocks by chained block hash (LRU, at most
+  ``num_gpu_blocks``). A newly scheduled request reuses its longest cached
+  prefix, never the whole prompt (the last token is always recomputed, as in
+  vLLM), and reports it in ``prefill_stats`` on its first output.
+- KV space is reserved per request for prompt + max_tokens at admission, so
+  the sim never preempts; ``kv_cache_usage`` reports blocks actually filled.
+
+Rules: no I/O, no clock (``now`` is an argument), no randomness; every
+collection is bounded by a config value. ``SimHooks`` is where KV-event
+publishing and fault injection (die, silence, garbage) attach.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from typing import Final, Sequence
+
+import msgspec
+
+from enginelink.wire import vllm
+from enginelink.wire.engine import FinishReason, WireError
+
+_PACK: Final = msgspec.msgpack.Encoder()
+_FIRST_TOKEN: Final = 3  # ids 0-2 are special in the test tokenizer
+
+
+class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
+    vocab_size: int = 4096
+    max_model_len: int = 1024
+    eos_token_id: int | None = None  # the model's EOS (config.json)
+    block_size: int = 16
+    num_gpu_blocks: int = 8192
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    prefill_us_per_token: float = 0.0
+    step_us: float = 0.0
+    engine_index: int = 0
+    log_stats: bool = True  # vLLM --headless default: stats on
+    dtype: str = "bfloat16"
+    instance_id: str = "sim"
+
+    def __post_init__(self) -> None:
+        if self.vocab_size <= _FIRST_TOKEN:
+            raise ValueError(f"vocab_size must exceed {_FIRST_TOKEN}, got {self.vocab_size}")
+        for name in ("max_model_len", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+def ready_response(config: SimConfig) -> vllm.ReadyResponse:
+    tokens = config.num_gpu_blocks * config.block_size
+    return vllm.ReadyResponse(
+        max_model_len=config.max_model_len,
+        num_gpu_blocks=config.num_gpu_blocks,
+        block_size=config.block_size,
+        dtype=config.dtype,
+        vllm_version=vllm.VLLM_VERSION,
+        data_parallel_rank=config.engine_index,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        instance_id=config.instance_id,
+        kv_cache_size_tokens=tokens,
+        kv_cache_max_concurrency=tokens / config.max_model_len,
+        effective_attention_block_size=config.block_size,
+    )
+
+
+class SimHooks:
+    """Extension points of the core; this base does nothing."""
+
+    def blocks_stored(self, block_hashes: list[int], parent: int | None, token_ids: list[int]) -> None:
+        """Full blocks entered the prefix cache (a KV BlockStored event)."""
+
+    def blocks_removed(self, block_hashes: list[int]) -> None:
+        """Blocks left the prefix cache (a KV BlockRemoved event)."""
+
+    def cache_cleared(self) -> None:
+        """reset_prefix_cache emptied the cache (a KV AllBlocksCleared event)."""
+
+    def outgoing(self, messages: list[list[bytes]], now: float) -> list[list[bytes]]:
+        """Every output message passes here; faults replace or drop them."""
+        return messages
+
+
+def block_hash(parent: int | None, token_ids: Sequence[int], salt: str | None = None) -> int:
+    """Chained 64-bit block hash; the salt enters the first block only."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"\0" * 8 if parent is None else parent.to_bytes(8, "little"))
+    h.update(_PACK.encode([list(token_ids), salt]))
+    return int.from_bytes(h.digest(), "little")
+
+
+class _Request:
+    __slots__ = (
+        "rid", "prompt", "salt", "max_tokens", "min_tokens", "eos", "model_eos",
+        "stop_ids", "masked", "digest", "queued_ts", "scheduled_ts", "num_computed",
+        "cached", "output", "block_hashes", "num_committed", "reserved",
+    )  # fmt: skip
+
+    def __init__(self, req: vllm.EngineCoreRequest, config: SimConfig, now: float) -> None:
+        params = req.sampling_params or vllm.SamplingParams()
+        prompt = req.prompt_token_ids or []
+        self.rid = req.request_id
+        self.prompt = prompt
+        self.salt = req.cache_salt
+        room = config.max_model_len - len(prompt)
+        self.max_tokens = room if params.max_tokens is None else params.max_tokens
+        self.min_tokens = params.min_tokens
+        self.eos = params.eos_token_id  # what stops it; None under ignore_eos
+        self.model_eos = config.eos_token_id if config.eos_token_id is not None else params.eos_token_id
+        self.stop_ids = frozenset(params.stop_token_ids or ())
+        masked = set(params.all_stop_token_ids) | self.stop_ids
+        if self.eos is not None:
+            masked.add(self.eos)
+        self.masked = frozenset(masked)
+        self.digest = hashlib.blake2b(_PACK.encode([params.seed, prompt]), digest_size=16).digest()
+        self.queued_ts = now
+        self.scheduled_ts = now
+        self.num_computed = 0
+        self.cached: int | None = None  # prefix hits, fixed when first scheduled
+        self.output: list[int] = []
+        bs = config.block_size
+        self.block_hashes: list[int] = []
+        for i in range(len(prompt) // bs):
+            parent = self.block_hashes[-1] if i else None
+            self.block_hashes.append(block_hash(parent, prompt[i * bs : (i + 1) * bs], self.salt if i == 0 else None))
+        self.num_committed = 0
+        self.reserved = 0
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class SimEngineCore:
+    """One engine rank. Feed it input messages and call ``step`` while ``has_work``."""
+
+    def __init__(self, config: SimConfig, hooks: SimHooks | None = None) -> None:
+        self.config = config
+        self.hooks = hooks or SimHooks()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._by_id: dict[str, _Request] = {}
+        self._cache: OrderedDict[int, None] = OrderedDict()
+        self._reserved_blocks = 0
+        self._step_counter = 0
+        self._pcs = vllm.PrefixCacheStats()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cache)
+
+    # ---- inputs -----------------------------------------------------------
+
+    def handle_input(self, request_type: bytes, payload: bytes, now: float) -> list[list[bytes]]:
+        """One input message; returns output messages to send now (maybe none).
+
+        Raises WireError for a message vLLM would not accept.
+        """
+        match vllm.decode_input(request_type, payload):
+            case vllm.AddRequest(request=req):
+                return self._add(req, now)
+            case vllm.AbortRequest(request_ids=ids):
+                self._abort(ids)
+                return []
+            case vllm.UtilityCall() as call:
+                out = vllm.EngineCoreOutputs(
+                    self.config.engine_index, [], timestamp=now, utility_output=self._utility(call)
+                )
+                return self.hooks.outgoing([vllm.encode_outputs(out)], now)
+
+    def _add(self, req: vllm.EngineCoreRequest, now: float) -> list[list[bytes]]:
+        if req.request_id in self._by_id:
+            raise WireError(f"duplicate request id {req.request_id!r}")
+        cfg = self.config
+        r = _Request(req, cfg, now)
+        need = _blocks(min(len(r.prompt) + r.max_tokens, cfg.max_model_len), cfg.block_size)
+        if not r.prompt or len(r.prompt) >= cfg.max_model_len or need > cfg.num_gpu_blocks:
+            # vLLM answers a request it cannot preprocess with ERROR at once.
+            out = vllm.EngineCoreOutputs(
+                cfg.engine_index,
+                [vllm.EngineCoreOutput(r.rid, [], finish_reason=FinishReason.ERROR)],
+                timestamp=now,
+                finished_requests=[r.rid],
+            )
+            return self.hooks.outgoing([vllm.encode_outputs(out)], now)
+        self._waiting.append(r)
+        self._by_id[r.rid] = r
+        return []
+
+    def _abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            r = self._by_id.pop(rid, None)  # unknown ids are harmless
+            if r is None:
+                continue
+            if r in self._waiting:
+                self._waiting.remove(r)
+            else:
+                self._running.remove(r)
+                self._reserved_blocks -= r.reserved
+
+    def _utility(self, call: vllm.UtilityCall) -> vllm.UtilityOutput:
+        args = call.args
+        match call.method:
+            case "reset_prefix_cache" if len(args) <= 2:
+                reset_running = bool(args[0]) if args else False
+                # vLLM refuses while running requests hold blocks.
+                if self._running and not reset_running:
+                    return vllm.utility_success(call.call_id, False)
+                self._clear_cache()
+                return vllm.utility_success(call.call_id, True)
+            case "get_supported_tasks" if not args:
+                return vllm.utility_success(call.call_id, ["generate"])
+            case "is_sleeping" if not args:
+                return vllm.utility_success(call.call_id, False)
+            case "reset_mm_cache" | "reset_encoder_cache" if not args:
+                return vllm.utility_success(call.call_id, None)
+            case "profile" if len(args) <= 4:
+                return vllm.utility_failure(call.call_id, call.method, _PROFILE_OFF)
+            case "list_loras" | "add_lora" | "remove_lora" | "pin_lora":
+                return vllm.utility_failure(call.call_id, call.method, _LORA_OFF)
+            case name if name in _KNOWN_METHODS:
+                return vllm.utility_failure(
+                    call.call_id, name, f"{name}() got an unexpected number of arguments ({len(args)})"
+                )
+            case name:
+                return vllm.utility_failure(
+                    call.call_id, name, f"'EngineCoreProc' object has no attribute '{name}'"
+                )
+
+    def _clear_cache(self) -> None:
+        self._cache.clear()
+        for r in self._running:  # their blocks are gone from the cache too
+            r.num_committed = len(r.block_hashes)
+        self._pcs.reset = True
+        self.hooks.cache_cleared()
+
+    # ---- one engine step --------------------------------------------------
+
+    def step(self, now: float) -> tuple[list[list[bytes]], float]:
+        """Run one scheduler step: (output messages, cost in seconds)."""
+        if not self.has_work:
+            return [], 0.0
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        computed = 0  # uncached prompt tokens computed this step
+        scheduled: list[_Request] = []
+        for r in self._running:
+            if budget == 0:
+                break
+            n = 1 if r.num_computed >= len(r.prompt) else min(len(r.prompt) - r.num_computed, budget)
+            if r.num_computed < len(r.prompt):
+                r.num_computed += n
+                computed += n
+            budget -= n
+            scheduled.append(r)
+        while self._waiting and len(self._running) < cfg.max_num_seqs and budget > 0:
+            r = self._waiting[0]
+            need = _blocks(min(len(r.prompt) + r.max_tokens, cfg.max_model_len), cfg.block_size)
+            if self._reserved_blocks + need > cfg.num_gpu_blocks:
+                break  # FCFS: the head waits for space, nothing jumps it
+            self._waiting.popleft()
+            self._reserved_blocks += need
+            r.reserved = need
+            r.scheduled_ts = now
+            r.num_computed = r.cached = self._lookup(r)
+            n = min(len(r.prompt) - r.num_computed, budget)
+            r.num_computed += n
+            computed += n
+            budget -= n
+            self._running.append(r)
+            scheduled.append(r)
+        if not scheduled:
+            return [], 0.0
+        self._step_counter += 1
+        outputs, finished = self._sample_all(scheduled, now)
+        for r in finished:
+            self._running.remove(r)
+            del self._by_id[r.rid]
+            self._reserved_blocks -= r.reserved
+        out = vllm.EngineCoreOutputs(
+            cfg.engine_index,
+            outputs,
+            self._stats() if cfg.log_stats else None,
+            timestamp=now,
+            finished_requests=[r.rid for r in finished] or None,
+        )
+        cost_s = (cfg.step_us + computed * cfg.prefill_us_per_token) * 1e-6
+        return self.hooks.outgoing([vllm.encode_outputs(out)], now), cost_s
+
+    def _sample_all(
+        self, scheduled: list[_Request], now: float
+    ) -> tuple[list[vllm.EngineCoreOutput], list[_Request]]:
+        outputs: list[vllm.EngineCoreOutput] = []
+        finished: list[_Request] = []
+        for r in scheduled:
+            if r.num_computed < len(r.prompt):
+                continue  # a prefill chunk that does not finish the prompt samples nothing
+            token = self._sample(r)
+            r.output.append(token)
+            finish, stop_reason = self._check_stop(r, token)
+            out = vllm.EngineCoreOutput(r.rid, [token], finish_reason=finish, stop_reason=stop_reason)
+            if len(r.output) == 1 and self.config.log_stats:
+                out.events = [
+                    vllm.EngineCoreEvent(vllm.EVENT_QUEUED, r.queued_ts),
+                    vllm.EngineCoreEvent(vllm.EVENT_SCHEDULED, r.scheduled_ts),
+                ]
+                cached = r.cached or 0
+                out.prefill_stats = vllm.PrefillStats(
+                    len(r.prompt), len(r.prompt) - cached, cached, cached, 0
+                )
+            outputs.append(out)
+            self._commit_blocks(r)
+            if finish is not None:
+                finished.append(r)
+        return outputs, finished
+
+    def _sample(self, r: _Request) -> int:
+        i = len(r.output)
+        digest = hashlib.blake2b(r.digest + i.to_bytes(4, "little"), digest_size=8).digest()
+        h = int.from_bytes(digest, "little")
+        span = self.config.vocab_size - _FIRST_TOKEN
+        token = r.model_eos if r.model_eos is not None and h % 16 == 0 else _FIRST_TOKEN + (h >> 4) % span
+        if i < r.min_tokens:
+            k = h >> 4
+            while token in r.masked:  # terminates: vocab is larger than any stop set we accept
+                k += 1
+                token = _FIRST_TOKEN + k % span
+        return token
+
+    def _check_stop(self, r: _Request, token: int) -> tuple[int | None, int | None]:
+        n = len(r.output)
+        if n < r.min_tokens:
+            return None, None
+        if token == r.eos:
+            return FinishReason.STOP, None
+        if token in r.stop_ids:
+            return FinishReason.STOP, token
+        if len(r.prompt) + n >= self.config.max_model_len or n >= r.max_tokens:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    # ---- prefix cache -----------------------------------------------------
+
+    def _lookup(self, r: _Request) -> int:
+        """Cached prompt tokens for a newly scheduled request; records stats."""
+        bs = self.config.block_size
+        hits = 0
+        for h in r.block_hashes[: (len(r.prompt) - 1) // bs]:
+            if h not in self._cache:
+                break
+            self._cache.move_to_end(h)
+            hits += 1
+        self._pcs.requests += 1
+        self._pcs.queries += len(r.prompt)
+        self._pcs.hits += hits * bs
+        return hits * bs
+
+    def _commit_blocks(self, r: _Request) -> None:
+        """Put the request's newly full blocks (KV computed) into the cache."""
+        bs = self.config.block_size
+        n_full = (len(r.prompt) + len(r.output) - 1) // bs
+        if n_full <= r.num_committed:
+            return
+        tokens = r.prompt + r.output
+        while len(r.block_hashes) < n_full:
+            i = len(r.block_hashes)
+            r.block_hashes.append(block_hash(r.block_hashes[-1] if i else None, tokens[i * bs : (i + 1) * bs]))
+        stored: list[int] = []
+        for h in r.block_hashes[r.num_committed : n_full]:
+            if h in self._cache:
+                self._cache.move_to_end(h)
+            else:
+                self._cache[h] = None
+                stored.append(h)
+        if stored:
+            first = n_full - len(stored)
+            parent = r.block_hashes[first - 1] if first else None
+            self.hooks.blocks_stored(stored, parent, tokens[first * bs : n_full * bs])
+        r.num_committed = n_full
+        evicted = []
+        while len(self._cache) > self.config.num_gpu_blocks:
+            evicted.append(self._cache.popitem(last=False)[0])
+        if evicted:
+            self.hooks.blocks_removed(evicted)
+
+    def _stats(self) -> vllm.WireSchedulerStats:
+        bs = self.config.block_size
+        used = sum(_blocks(len(r.prompt) + len(r.output), bs) for r in self._running)
+        pcs, self._pcs = self._pcs, vllm.PrefixCacheStats()
+        return vllm.WireSchedulerStats(
+            num_running_reqs=len(self._running),
+            num_waiting_reqs=len(self._waiting),
+            step_counter=self._step_counter,
+            kv_cache_usage=min(1.0, used / self.config.num_gpu_blocks),
+            prefix_cache_stats=pcs,
+        )
+
+
+_PROFILE_OFF: Final = (
+    "Profiling is not enabled. Please set --profiler-config to enable profiling. Example: "
+    "'--profiler-config.profiler=torch --profiler-config.torch_profiler_dir=YOUR_DIR_PATH_TO_DUMP_TRACE'"
+)
+_LORA_OFF: Final = "LoRA is not enabled. Use --enable-lora to enable LoRA."
+_KNOWN_METHODS: Final = frozenset(
+    {"reset_prefix_cache", "get_supported_tasks", "is_sleeping", "reset_mm_cache", "reset_encoder_cache", "profile"}
+)

@@ -1,0 +1,30 @@
+"""Engine codecs by name: the one place an engine name becomes a codec.
+
+The journal stores raw engine frames with the link's engine name; replay and
+post-mortem tools call ``get(name)`` to decode them with the same codec the
+live servicer used. Rules: names are a closed vocabulary (``NAMES``); an
+unknown name is a ``KeyError`` naming the known ones; each call returns a
+fresh codec (codecs are cheap and hold no per-run state worth sharing).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Final
+
+from enginelink.wire.engine import EngineCodec
+from enginelink.wire.vllm import VllmCodec
+
+_FACTORIES: Final[dict[str, Callable[[], EngineCodec]]] = {
+    "vllm": VllmCodec,
+}
+
+NAMES: Final = tuple(_FACTORIES)
+
+
+def get(name: str) -> EngineCodec:
+    """The codec of engine wire ``name`` (one of ``NAMES``)."""
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise KeyError(f"unknown engine codec {name!r}; known: {', '.join(NAMES)}") from None
+    return factory()
