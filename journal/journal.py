@@ -7,8 +7,8 @@ seq, pushes the row into the in-memory ``Ring`` (what ``inspect`` and the
 live fold read) and into a bounded pending-write buffer. ``Journal.run`` is
 the flusher task: every ``flush_interval_s`` it hands pending rows, in
 batches of at most ``flush_batch_max``, to ``Store.write_batch`` in a worker
-thread; when cancelled it does one last, shielded, time-bounded flush and
-closes the file.
+thread; when cancelled it does one last, shielded flush (bounded by the
+pending budgets) and closes the file.
 
 Rules:
 - the hot path never waits on the disk: when the pending buffer is over its
@@ -43,7 +43,6 @@ from .ring import RING_BYTES_MAX, RING_RECORDS_MAX, Ring
 from .store import STORE_BYTES_MAX, STORE_RECORDS_MAX, Store, StoreStats, open_store, set_aside
 
 __all__ = [
-    "FINAL_FLUSH_TIMEOUT_S",
     "FLUSH_BATCH_MAX",
     "FLUSH_INTERVAL_S",
     "Journal",
@@ -62,12 +61,9 @@ FLUSH_INTERVAL_S: Final = 0.05
 # few milliseconds of SQLite and keeps up with bursts.
 FLUSH_BATCH_MAX: Final = 10_000
 # How far the disk may lag the hot path before rows are dropped from the disk
-# path: about two seconds at 100k records/s.
+# path (about two seconds at 100k records/s); also what bounds the last flush.
 PENDING_RECORDS_MAX: Final = 200_000
 PENDING_BYTES_MAX: Final = 64 * 1024 * 1024
-# The flush on shutdown may not hold the exit longer than this (trio time;
-# a batch already in its worker thread still finishes).
-FINAL_FLUSH_TIMEOUT_S: Final = 5.0
 
 ToThread = Callable[..., Awaitable[Any]]
 
@@ -93,6 +89,8 @@ def default_journal_path(port: int) -> Path:
 
 
 class Journal:
+    """One run's journal: the ring, the pending buffer and (with a path) the file."""
+
     def __init__(
         self,
         path: str | os.PathLike[str] | None,
@@ -105,7 +103,6 @@ class Journal:
         flush_batch_max: int = FLUSH_BATCH_MAX,
         pending_records_max: int = PENDING_RECORDS_MAX,
         pending_bytes_max: int = PENDING_BYTES_MAX,
-        final_flush_timeout_s: float = FINAL_FLUSH_TIMEOUT_S,
         to_thread: ToThread = trio.to_thread.run_sync,
     ) -> None:
         """``path=None`` keeps the journal in memory only (the ring).
@@ -120,7 +117,6 @@ class Journal:
         self.flush_batch_max = flush_batch_max
         self.pending_records_max = pending_records_max
         self.pending_bytes_max = pending_bytes_max
-        self.final_flush_timeout_s = final_flush_timeout_s
         self._to_thread = to_thread
         self._ring = Ring(ring_records_max, ring_bytes_max)
         self._pending: deque[Row] = deque()
@@ -204,42 +200,64 @@ class Journal:
         self._pending_bytes -= sum(len(r[4]) for r in batch)
         return batch
 
-    def _written(self, batch: list[Row], error: Exception | None) -> None:
-        if error is None:
-            self._last_flushed_seq = batch[-1][0]
-        else:
-            self._store_errors += 1
-            self._store_dropped += len(batch)
-            self.last_store_error = f"{type(error).__name__}: {error}"
+    def _take_all(self) -> list[list[Row]]:
+        batches = []
+        while self._pending:
+            batches.append(self._take_batch())
+        return batches
 
-    async def _flush(self, *, until_empty: bool) -> None:
-        """Write one batch, then more while full batches wait (or until empty)."""
-        while self._pending and self._store is not None:
-            batch = self._take_batch()
-            error = None
-            finished = False
+    def _write_batches(self, batches: list[list[Row]]) -> list[Exception | None]:
+        """Blocking; runs in a worker thread. Touches only the store, so the
+        trio thread may keep appending meanwhile; results are accounted
+        back in the trio thread."""
+        store = self._store
+        assert store is not None
+        errors: list[Exception | None] = []
+        for batch in batches:
             try:
-                await self._to_thread(self._store.write_batch, batch)
-                finished = True
+                store.write_batch(batch)
+                errors.append(None)
             except (sqlite3.Error, OSError) as exc:
-                error = exc
-                finished = True
-            finally:
-                if finished:
-                    self._written(batch, error)
-                else:
-                    # Cancelled mid-write: only a cancellable ``to_thread``
-                    # gets here (trio's default waits for the thread), and
-                    # the batch's fate is unknown; count it as lost.
-                    self._store_dropped += len(batch)
-            if not until_empty and len(self._pending) < self.flush_batch_max:
-                return
+                errors.append(exc)
+        return errors
+
+    def _account(self, batches: list[list[Row]], errors: list[Exception | None]) -> None:
+        for batch, error in zip(batches, errors, strict=True):
+            if error is None:
+                self._last_flushed_seq = batch[-1][0]
+            else:
+                self._store_errors += 1
+                self._store_dropped += len(batch)
+                self.last_store_error = f"{type(error).__name__}: {error}"
+
+    async def _flush(self, batches: list[list[Row]]) -> None:
+        finished = False
+        try:
+            errors = await self._to_thread(self._write_batches, batches)
+            finished = True
+        finally:
+            if finished:
+                self._account(batches, errors)
+            else:
+                # Cancelled before the write ran (trio's to_thread checks for
+                # cancellation before it starts a thread, then waits for the
+                # thread it started): the rows go back to the front of the
+                # pending buffer, and the final flush writes them.
+                for batch in reversed(batches):
+                    self._pending.extendleft(reversed(batch))
+                    self._pending_bytes += sum(len(r[4]) for r in batch)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The flusher. Start it in the servicer's nursery; cancel it to stop.
 
-        On cancellation (or any exit) it flushes what is pending, shielded
-        and bounded by ``final_flush_timeout_s``, then closes the file.
+        Each tick writes one batch, then more while full batches wait. On
+        cancellation (or any exit) it writes everything pending in one
+        shielded worker-thread call, then closes the file. That last flush
+        is bounded by the pending budgets, not by a timer: under a MockClock
+        virtual time jumps while a thread works, so a timer would cut it
+        short in tests for no reason, and a write in a thread cannot be
+        interrupted anyway. Append ``run.stop`` before cancelling this, or
+        it stays in the ring only.
         Without a path there is nothing to flush and it returns at once.
         """
         if self._running:
@@ -251,11 +269,14 @@ class Journal:
         try:
             while True:
                 await trio.sleep(self.flush_interval_s)
-                await self._flush(until_empty=False)
+                while self._pending:
+                    await self._flush([self._take_batch()])
+                    if len(self._pending) < self.flush_batch_max:
+                        break
         finally:
-            deadline = trio.current_time() + self.final_flush_timeout_s
-            with trio.CancelScope(deadline=deadline, shield=True):
-                await self._flush(until_empty=True)
+            with trio.CancelScope(shield=True):
+                if self._pending and self._store is not None:
+                    await self._flush(self._take_all())
             self.close()
             self._running = False
 
@@ -263,14 +284,9 @@ class Journal:
         """Write everything pending now, in this thread (tools, tests, no trio)."""
         if self._running:
             raise RuntimeError("flush_sync while Journal.run is running")
-        while self._pending and self._store is not None:
-            batch = self._take_batch()
-            error = None
-            try:
-                self._store.write_batch(batch)
-            except (sqlite3.Error, OSError) as exc:
-                error = exc
-            self._written(batch, error)
+        if self._pending and self._store is not None:
+            batches = self._take_all()
+            self._account(batches, self._write_batches(batches))
 
     def close(self) -> None:
         """Close the file; rows still pending are counted as dropped.

@@ -191,7 +191,9 @@ class EngineLink:
         if not isinstance(hello, dict) or hello.get("status") != "HELLO":
             raise LinkFailed(f"engine sent {hello!r} instead of HELLO on the handshake socket")
         self._identity = identity
-        init = vllm_wire.encode_handshake_init([in_address], [out_address])
+        init = vllm_wire.encode_handshake_init(
+            vllm_wire.HandshakeInit(addresses=vllm_wire.HandshakeAddresses(inputs=[in_address], outputs=[out_address]))
+        )
         handshake.send_multipart([identity, init])
         self._journal_handshake("init", {"inputs": [in_address], "outputs": [out_address]})
         # The ready response (input socket) and READY (handshake socket) come

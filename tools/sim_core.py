@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from typing import Final, Sequence
+from typing import Final, Sequence, assert_never
 
 import msgspec
 
@@ -196,6 +196,8 @@ class SimEngineCore:
                     self.config.engine_index, [], timestamp=now, utility_output=self._utility(call)
                 )
                 return self.hooks.outgoing([vllm.encode_outputs(out)], now)
+            case unreachable:
+                assert_never(unreachable)
 
     def _add(self, req: vllm.EngineCoreRequest, now: float) -> list[list[bytes]]:
         if req.request_id in self._by_id:
@@ -258,8 +260,6 @@ class SimEngineCore:
 
     def _clear_cache(self) -> None:
         self._cache.clear()
-        for r in self._running:  # their blocks are gone from the cache too
-            r.num_committed = len(r.block_hashes)
         self._pcs.reset = True
         self.hooks.cache_cleared()
 
@@ -349,11 +349,13 @@ class SimEngineCore:
         h = int.from_bytes(digest, "little")
         span = self.config.vocab_size - _FIRST_TOKEN
         token = r.model_eos if r.model_eos is not None and h % 16 == 0 else _FIRST_TOKEN + (h >> 4) % span
-        if i < r.min_tokens:
+        if i < r.min_tokens and token in r.masked:
             k = h >> 4
-            while token in r.masked:  # terminates: vocab is larger than any stop set we accept
+            for _ in range(span):  # bounded: gives up only if every id is a stop id
                 k += 1
                 token = _FIRST_TOKEN + k % span
+                if token not in r.masked:
+                    break
         return token
 
     def _check_stop(self, r: _Request, token: int) -> tuple[int | None, int | None]:
@@ -393,7 +395,8 @@ class SimEngineCore:
         tokens = r.prompt + r.output
         while len(r.block_hashes) < n_full:
             i = len(r.block_hashes)
-            r.block_hashes.append(block_hash(r.block_hashes[-1] if i else None, tokens[i * bs : (i + 1) * bs]))
+            parent, salt = (r.block_hashes[-1], None) if i else (None, r.salt)
+            r.block_hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], salt))
         stored: list[int] = []
         for h in r.block_hashes[r.num_committed : n_full]:
             if h in self._cache:

@@ -270,13 +270,14 @@ class WireSchedulerStats(msgspec.Struct, gc=False):
     step_counter: int = 0
     current_wave: int = 0
     kv_cache_usage: float = 0.0
-    prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
-    connector_prefix_cache_stats: PrefixCacheStats | None = None
-    kv_cache_eviction_events: list[Any] = msgspec.field(default_factory=list)
+    # Typed loosely where a None from another version must not fail the frame.
+    prefix_cache_stats: PrefixCacheStats | None = msgspec.field(default_factory=PrefixCacheStats)
+    connector_prefix_cache_stats: Any = None
+    kv_cache_eviction_events: list[Any] | None = msgspec.field(default_factory=list)
     spec_decoding_stats: Any = None
     kv_connector_stats: Any = None
-    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
-    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] | None = msgspec.field(default_factory=dict)
+    running_lora_adapters: dict[str, int] | None = msgspec.field(default_factory=dict)
     cudagraph_stats: Any = None
     perf_stats: Any = None
 
@@ -323,8 +324,8 @@ def _stats(wire: WireSchedulerStats) -> SchedulerStats:
         num_running_reqs=wire.num_running_reqs,
         num_waiting_reqs=wire.num_waiting_reqs,
         kv_cache_usage=wire.kv_cache_usage,
-        prefix_cache_queries=pcs.queries,
-        prefix_cache_hits=pcs.hits,
+        prefix_cache_queries=0 if pcs is None else pcs.queries,
+        prefix_cache_hits=0 if pcs is None else pcs.hits,
         step_counter=wire.step_counter,
     )
 

@@ -36,7 +36,8 @@ def scenario_events(seed: int, requests: int = 60) -> list[Event]:
         "argv": ["enginelink", "serve"], "version": "0.1.0", "budgets": {"ring_records_max": 100},
     })
     transition("link", "0", "new", "starting", "launch")
-    ev(r.engine_stream(0), r.KIND_ENGINE_FACTS, {"link": "0", "pid": 777, "facts": {"max_model_len": 2048, "dp": [0, 1]}})
+    facts = {"max_model_len": 2048, "dp": [0, 1]}
+    ev(r.engine_stream(0), r.KIND_ENGINE_FACTS, {"link": "0", "pid": 777, "facts": facts})
     transition("link", "0", "starting", "warming_up", "ready")
     transition("link", "0", "warming_up", "serving", "warmed")
     live: dict[str, list[int]] = {}  # request id -> [choices left, state index]
@@ -48,7 +49,9 @@ def scenario_events(seed: int, requests: int = 60) -> list[Event]:
             made += 1
             n = rng.choice((1, 1, 2, 3))
             ev(r.request_stream(rid), r.KIND_CLIENT_GENERATE, {
-                "request_id": rid, "n": n, "prompt_tokens": rng.randint(1, 500), "stream": True, "max_tokens": 64})
+                "request_id": rid, "n": n, "prompt_tokens": rng.randint(1, 500),
+                "stream": True, "max_tokens": 64,
+            })
             transition("request", rid, "new", "admitted", "admit")
             live[rid] = [n]
         elif action < 0.6:

@@ -1,0 +1,120 @@
+"""Test harness: real processes on 127.0.0.1, started and stopped by the tests.
+
+``Servicer`` runs ``enginelink serve`` exactly as a user would (a subprocess
+of the project's venv, its own journal file) and waits until grpc.health.v1
+says SERVING. ``Router`` runs the real SMG router (``smg launch``) in front of
+it. Both are always killed at the end, whatever the test did.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
+
+VENV_BIN = Path(sys.executable).parent
+VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            result = predicate()
+            if result:
+                return result
+        except Exception as error:  # the thing is not up yet
+            last_error = error
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} not reached within {timeout_s} s (last error: {last_error!r})")
+
+
+class Servicer:
+    """``enginelink serve`` in a subprocess, with a grpcio channel to it."""
+
+    def __init__(self, tmp: Path, model_dir: Path | None = None, extra: list[str] | None = None,
+                 engine_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.journal = tmp / f"journal-{self.port}.sqlite"
+        self.log_path = tmp / f"servicer-{self.port}.log"
+        argv = [str(VENV_BIN / "enginelink"), "serve", "--port", str(self.port), "--journal", str(self.journal)]
+        if model_dir is not None:
+            argv += ["--model", str(model_dir)]
+        argv += extra or []
+        if engine_args:
+            argv += ["--", *engine_args]
+        self.argv = argv
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+        self.channel: grpc.Channel | None = None
+        self.stub: pb_grpc.VllmEngineStub | None = None
+
+    def start(self, timeout_s: float = 60.0) -> "Servicer":
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.VllmEngineStub(self.channel)
+        health = health_pb2_grpc.HealthStub(self.channel)
+
+        def serving() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"servicer exited with {self.process.returncode}:\n{self.log()}")
+            reply = health.Check(health_pb2.HealthCheckRequest(service=VLLM_SERVICE), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        wait_until(serving, timeout_s, "servicer SERVING")
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+    def stop(self) -> int | None:
+        if self.channel is not None:
+            self.channel.close()
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def __enter__(self) -> "Servicer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def generate_request(request_id: str, input_ids: list[int], *, stream: bool = False, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        tokenized=pb.TokenizedInput(input_ids=input_ids),
+        sampling_params=pb.SamplingParams(**sampling),
+        stream=stream,
+    )

@@ -1,0 +1,195 @@
+"""``enginelink sim-engine``: the sim engine as a process, on vLLM's headless wire.
+
+The process shell around ``sim_core.SimEngineCore``. It behaves like one rank
+of ``vllm serve MODEL --headless``: it dials the front end's handshake ROUTER
+and runs the handshake of reference §3, then serves the input and output
+sockets the front end named. Runnable as ``python -m enginelink.tools.sim_engine``.
+
+Rules:
+- the core decides everything; this file only moves frames, keeps time
+  (``time.monotonic``, like vLLM's engine timestamps) and waits. A step's cost
+  is waited out by polling the input socket until the step's deadline, so
+  aborts and utility calls are still read while "the GPU is busy".
+- one front end (client index 0): inputs[0] and outputs[0] of the init message.
+- it never orphans: SIGTERM/SIGINT end it with status 0, and it exits when
+  its parent process goes away (``os.getppid`` changes).
+- plain blocking pyzmq is fine here: this is its own process, outside trio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from enginelink.tools.sim_core import SimConfig, SimEngineCore, ready_response
+from enginelink.wire import vllm
+from enginelink.wire.engine import WireError
+
+HANDSHAKE_TIMEOUT_S = 300.0  # vLLM's HANDSHAKE_TIMEOUT_MINS
+IDLE_POLL_MS = 100  # how often an idle engine checks for signals and its parent
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--handshake", required=True, help="the front end's handshake ROUTER, tcp://HOST:PORT")
+    parser.add_argument("--model", required=True, type=Path, help="model directory holding config.json")
+    parser.add_argument("--rank", type=int, default=0, help="data-parallel rank (engine index and identity)")
+    parser.add_argument("--prefill-us-per-token", type=float, default=0.0)
+    parser.add_argument("--step-us", type=float, default=0.0)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-gpu-blocks", type=int, default=8192)
+    parser.add_argument("--vocab-size", type=int, default=None, help="default: config.json vocab_size")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """SimConfig from the CLI, with model facts from DIR/config.json."""
+    model = json.loads((args.model / "config.json").read_text())
+    eos = model.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    vocab = args.vocab_size or model.get("vocab_size")
+    max_len = args.max_model_len or model.get("max_position_embeddings")
+    if not vocab or not max_len:
+        raise ValueError(f"{args.model}/config.json lacks vocab_size or max_position_embeddings; pass them")
+    return SimConfig(
+        vocab_size=int(vocab),
+        max_model_len=int(max_len),
+        eos_token_id=eos,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_us_per_token=args.prefill_us_per_token,
+        step_us=args.step_us,
+        engine_index=args.rank,
+        instance_id=f"sim-{os.getpid()}",
+    )
+
+
+class _Lifetime:
+    """Why the process should stop, if it should: a signal or the parent gone."""
+
+    def __init__(self) -> None:
+        self.parent = os.getppid()
+        self.signalled: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signalled = signal.Signals(signum).name
+
+    def reason(self) -> str | None:
+        if self.signalled:
+            return self.signalled
+        if os.getppid() != self.parent:
+            return "parent process exited"
+        return None
+
+
+def _log(message: str) -> None:
+    print(f"sim-engine[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
+
+
+def _handshake(
+    ctx: zmq.Context, args: argparse.Namespace, life: _Lifetime
+) -> tuple[zmq.Socket, vllm.HandshakeInit] | None:
+    """Steps 1-2: HELLO, then the init message (None if told to stop first).
+
+    Returns the handshake socket too: READY goes out on it once the data
+    sockets are up.
+    """
+    identity = args.rank.to_bytes(2, "little")
+    hs = ctx.socket(zmq.DEALER)
+    hs.setsockopt(zmq.IDENTITY, identity)
+    hs.setsockopt(zmq.LINGER, 5000)
+    hs.connect(args.handshake)
+    hs.send(vllm.encode_handshake_status(vllm.HandshakeStatus(status="HELLO", local=False, headless=True)))
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    while not hs.poll(IDLE_POLL_MS):
+        if life.reason() or time.monotonic() > deadline:
+            hs.close(linger=0)
+            return None
+    return hs, vllm.decode_handshake_init(hs.recv())
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    life = _Lifetime()
+    ctx = zmq.Context()
+    try:
+        started = _handshake(ctx, args, life)
+        if started is None:
+            _log(f"no handshake init ({life.reason() or 'timed out'})")
+            return 0 if life.reason() else 1
+        handshake, init = started
+        identity = args.rank.to_bytes(2, "little")
+        inputs = ctx.socket(zmq.DEALER)
+        inputs.setsockopt(zmq.IDENTITY, identity)
+        inputs.connect(init.addresses.inputs[0])
+        # Step 4: the ready response goes first; until it arrives the
+        # front end's ROUTER cannot route to our identity.
+        inputs.send(vllm.encode_ready_response(ready_response(config)))
+        outputs = ctx.socket(zmq.PUSH)
+        outputs.setsockopt(zmq.LINGER, 4000)
+        outputs.connect(init.addresses.outputs[0])
+        ready = vllm.HandshakeStatus(status="READY", local=False, headless=True)
+        handshake.send(vllm.encode_handshake_status(ready))
+        _log(f"ready (rank {args.rank}, vocab {config.vocab_size}, max_model_len {config.max_model_len})")
+        reason = _serve(SimEngineCore(config), inputs, outputs, life)
+        _log(f"stopping: {reason}")
+        return 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _serve(core: SimEngineCore, inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime) -> str:
+    """The engine loop; returns why it stopped."""
+    next_step = 0.0  # monotonic time the current step's cost runs out
+    while True:
+        if (reason := life.reason()) is not None:
+            return reason
+        if core.has_work:
+            timeout_ms = max(0.0, next_step - time.monotonic()) * 1000
+        else:
+            timeout_ms = IDLE_POLL_MS
+        if inputs.poll(timeout_ms):
+            while True:  # drain everything that is already here
+                try:
+                    frames = inputs.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) < 2:
+                    _log(f"ignored a {len(frames)}-frame input message")
+                    continue
+                try:
+                    messages = core.handle_input(frames[0], frames[1], time.monotonic())
+                except WireError as exc:
+                    _log(f"ignored input: {exc}")
+                    continue
+                for message in messages:
+                    outputs.send_multipart(message)
+        now = time.monotonic()
+        if core.has_work and now >= next_step:
+            messages, cost_s = core.step(now)
+            for message in messages:
+                outputs.send_multipart(message)
+            next_step = now + cost_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m enginelink.tools.sim_engine", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
