@@ -39,7 +39,6 @@ from enginelink.wire import codecs
 
 log = logging.getLogger("enginelink")
 
-VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
 # After the link fails, how long writers get to end their streams with UNAVAILABLE.
 FAIL_FLUSH_S = 0.5
 # After a drain, how long writers get to send the abort completes.
@@ -118,8 +117,11 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
             )
             readiness = ServiceStatus()
             readiness.set(False)
-            health = Health({"": [readiness], VLLM_SERVICE: [readiness]})
-            server = Server([VllmEngineService(app), health])
+            engine_service = VllmEngineService(app)
+            # grpclib names the service by the servicer object; "" (overall) gets
+            # the same check, so liveness and readiness agree.
+            health = Health({engine_service: [readiness]})
+            server = Server([engine_service, health])
             await trio_asyncio.aio_as_trio(server.start)(config.host, config.port)
             log.info("gRPC bound on %s:%d (health NOT_SERVING until the engine is up)", config.host, config.port)
 
