@@ -35,6 +35,7 @@ from enginelink.runtime.grpc_vllm import VllmEngineService
 from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.launchers import EngineLauncher
 from enginelink.runtime.model_dir import ModelFacts, load_tokenizer
+from enginelink.runtime.snapshots import run_snapshots
 from enginelink.wire import codecs
 
 log = logging.getLogger("enginelink")
@@ -43,8 +44,6 @@ log = logging.getLogger("enginelink")
 FAIL_FLUSH_S = 0.5
 # After a drain, how long writers get to send the abort completes.
 DRAIN_FLUSH_S = 1.0
-# The journal snapshot period: bounds replay time.
-SNAPSHOT_INTERVAL_S = 30.0
 
 
 @dataclass
@@ -89,8 +88,10 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                     "argv": config.launcher.redacted(config.argv),
                     "engine": config.launcher.engine,
                     "port": config.port,
+                    "version": _version(),
                 },
             )
+            nursery.start_soon(run_snapshots, journal)
             link = EngineLink(
                 name=f"{config.launcher.engine}-0",
                 launcher=config.launcher,
@@ -217,3 +218,12 @@ def _tokenizer_or_none(model: ModelFacts):
     except Exception as error:  # a broken tokenizer only disables stop strings
         print(f"enginelink: cannot load the tokenizer ({error}); stop strings will be refused", file=sys.stderr)
         return None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("enginelink")
+    except PackageNotFoundError:
+        return "unknown"

@@ -17,8 +17,6 @@ SUBCOMMANDS = {
     "sim-engine": ("sim_engine", "run the deterministic sim engine (speaks the vLLM headless wire)"),
     "make-test-model": ("test_model", "build the tiny test model directory, offline and deterministically"),
     "bench": ("bench", "measure the servicer's overhead per token"),
-    "inspect": ("inspect", "show the state of a servicer from its journal"),
-    "journal": ("journal_cmd", "show, replay, verify and export a journal"),
 }
 
 

@@ -14,8 +14,9 @@ Theory of operation (mirrors vLLM's v1 scheduler where it is observable):
   EngineCoreOutputs frame carrying one new token per request that finished
   its prefill, scheduler stats, and the ids it retired, plus the step's cost
   in seconds (``step_us`` + ``prefill_us_per_token`` x uncached prompt tokens).
-- Tokens are a hash: blake2b of (seed or nothing, prompt ids) and the output
-  position, so output is reproducible and depends on the prompt. A token lands
+- Tokens are a hash: blake2b of (seed, prompt ids; plus the request id when
+  sampling unseeded at temperature > 0) and the output position, so greedy
+  output is reproducible and depends on the prompt. A token lands
   in [3, vocab); the model's EOS id comes out when the hash is 0 mod 16.
   Before ``min_tokens`` stop ids are masked (vLLM's min-tokens processor).
 - Stop checks follow vLLM's ``check_stop``: EOS = the request's
@@ -137,7 +138,11 @@ class _Request:
         if self.eos is not None:
             masked.add(self.eos)
         self.masked = frozenset(masked)
-        self.digest = hashlib.blake2b(_PACK.encode([params.seed, prompt]), digest_size=16).digest()
+        # Greedy (temperature 0) or seeded sampling is reproducible from the
+        # prompt; unseeded sampling also depends on the request id, so the n
+        # choices of one call differ as they would on a real engine.
+        salt = req.request_id if (params.temperature or 0) > 0 and params.seed is None else None
+        self.digest = hashlib.blake2b(_PACK.encode([params.seed, salt, prompt]), digest_size=16).digest()
         self.queued_ts = now
         self.scheduled_ts = now
         self.num_computed = 0
