@@ -33,7 +33,6 @@ class App:
     run_start_trio: float
     server_type: str = "vllm-grpc"
     loads: Loads = field(default_factory=Loads)
-    refusals: dict[str, int] = field(default_factory=dict)
 
     # -- time ------------------------------------------------------------------------
 
@@ -115,7 +114,7 @@ class App:
     def refused(self, request_id: str, error: ServicerError, now: float) -> None:
         """A Generate refused before admission: journal it (whose fault, what)."""
         code = error.status.name
-        self.refusals[code] = self.refusals.get(code, 0) + 1
+        self.hub.metrics.refused(error.reason, code)
         self.journal.append(
             now,
             request_stream(request_id or "<empty>"),

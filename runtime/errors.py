@@ -24,6 +24,11 @@ class ServicerError(Exception):
     status = Status.INTERNAL
     whose = "servicer"
 
+    @property
+    def reason(self) -> str:
+        """A short label for metrics (``refusals_total{reason}``)."""
+        return self.status.name.lower()
+
 
 class ClientError(ServicerError):
     status = Status.INVALID_ARGUMENT
@@ -42,6 +47,14 @@ class DuplicateRequest(ServicerError):
 class Unavailable(ServicerError):
     status = Status.UNAVAILABLE
     whose = "servicer"
+
+    def __init__(self, message: str, reason: str = "unavailable") -> None:
+        super().__init__(message)
+        self._reason = reason
+
+    @property
+    def reason(self) -> str:
+        return self._reason
 
 
 class EngineFailure(ServicerError):

@@ -37,6 +37,7 @@ from enginelink.journal.records import (
 from enginelink.machines.link import LinkMachine
 from enginelink.machines.request import RequestEvent, RequestMachine, RequestState
 from enginelink.runtime.errors import DuplicateRequest, EngineFailure, ServicerError, Unavailable
+from enginelink.runtime.metrics import NoMetrics
 from enginelink.runtime.stops import StopMatcher
 from enginelink.runtime.validate import GenerateCall
 from enginelink.wire.engine import EngineCodec, FinishReason, OutputBatch
@@ -51,6 +52,7 @@ class Choice:
     __slots__ = (
         "index", "engine_id", "pending", "last_delta", "output", "tokens_engine", "tokens_sent",
         "finish_reason", "matched_token", "matched_str", "complete_sent", "stops", "cached_tokens",
+        "first_token_at", "last_token_at",
     )
 
     def __init__(self, index: int, engine_id: str, keep_output: bool, stops: StopMatcher | None) -> None:
@@ -67,6 +69,8 @@ class Choice:
         self.complete_sent = False
         self.stops = stops
         self.cached_tokens = 0
+        self.first_token_at = 0.0
+        self.last_token_at = 0.0
 
     @property
     def finished(self) -> bool:
@@ -163,6 +167,7 @@ class RequestHub:
         tokenizer=None,
         cached_tokens: Callable[[object], int | None] | None = None,
         in_flight_max: int = IN_FLIGHT_MAX,
+        metrics=None,
     ) -> None:
         self.link = link
         self.codec = codec
@@ -171,6 +176,7 @@ class RequestHub:
         self.tokenizer = tokenizer
         self.cached_tokens = cached_tokens
         self.in_flight_max = in_flight_max
+        self.metrics = metrics if metrics is not None else NoMetrics()
         self.calls: dict[str, Call] = {}
         self.by_engine_id: dict[str, tuple[Call, Choice]] = {}
         self.late_outputs = 0
@@ -181,13 +187,17 @@ class RequestHub:
     def admit(self, spec: GenerateCall, now: float) -> Call:
         refusal = self.link.admission_refusal(spec.request_id)
         if refusal is not None:
-            raise Unavailable(refusal)
+            raise Unavailable(refusal, reason=self.link.state.value)
         if spec.request_id in self.calls or any(e in self.by_engine_id for e in spec.engine_ids):
             raise DuplicateRequest(f"request_id {spec.request_id!r} is already in flight")
         if len(self.calls) >= self.in_flight_max:
-            raise Unavailable(f"{len(self.calls)} requests in flight (the limit); retry on another worker")
+            raise Unavailable(
+                f"{len(self.calls)} requests in flight (the limit); retry on another worker", reason="capacity"
+            )
         if spec.stop_strings and self.tokenizer is None:
-            raise Unavailable("stop strings need the model's tokenizer, which this worker could not load")
+            raise Unavailable(
+                "stop strings need the model's tokenizer, which this worker could not load", reason="no_tokenizer"
+            )
         call = Call(spec, now, self.tokenizer)
         stream = request_stream(spec.request_id)
         self.journal.append(
@@ -207,6 +217,7 @@ class RequestHub:
             self.by_engine_id[choice.engine_id] = (call, choice)
         for engine_spec in spec.specs:
             self.send_frames(self.codec.encode_add(engine_spec))
+        self.metrics.admitted(call.prompt_tokens, spec.n)
         self.journal.append(
             now,
             stream,
@@ -231,10 +242,14 @@ class RequestHub:
             call, choice = entry
             if call.machine.state is RequestState.ADMITTED:
                 self._step(call, RequestEvent.FIRST_OUTPUT, now)
+                self.metrics.first_output(now - call.admitted_at)
+            if choice.tokens_engine == 0:
+                choice.first_token_at = now
                 if cached_tokens is not None:
                     choice.cached_tokens = cached_tokens(out) or 0
             tokens = out.new_token_ids
             if tokens:
+                choice.last_token_at = now
                 generated += len(tokens)
                 choice.tokens_engine += len(tokens)
                 if choice.stops is not None:
@@ -278,7 +293,7 @@ class RequestHub:
             open_ids = [c.engine_id for c in call.choices if not c.finished]
             if open_ids:
                 # vLLM sends nothing back for a client abort: we end the choices ourselves.
-                self.send_frames(self.codec.encode_abort(open_ids))
+                pass  # MUTATION
             for choice in call.choices:
                 if not choice.finished:
                     choice.finish_reason = "abort"
@@ -313,6 +328,9 @@ class RequestHub:
         return messages
 
     def _journal_sent(self, call: Call, choice: Choice, now: float) -> None:
+        gaps = choice.tokens_engine - 1
+        mean_gap = (choice.last_token_at - choice.first_token_at) / gaps if gaps > 0 else None
+        self.metrics.choice_done(choice.finish_reason, choice.tokens_sent, choice.cached_tokens, mean_gap)
         self.journal.append(
             now,
             request_stream(call.spec.request_id),
@@ -331,6 +349,7 @@ class RequestHub:
             self._step(call, RequestEvent.FIRST_OUTPUT, now)
         self._step(call, event, now)
         self.calls.pop(call.spec.request_id, None)
+        self.metrics.call_ended(now - call.admitted_at, call.error.status.name if call.error else None)
 
     def _step(self, call: Call, event: RequestEvent, now: float) -> None:
         transition: Transition = call.machine.handle(event, now)

@@ -34,6 +34,7 @@ from enginelink.runtime.engine_link import EngineLink, LinkFailed
 from enginelink.runtime.grpc_vllm import VllmEngineService
 from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.launchers import EngineLauncher
+from enginelink.runtime.metrics import Metrics, serve_metrics
 from enginelink.runtime.model_dir import ModelFacts, load_tokenizer
 from enginelink.runtime.snapshots import run_snapshots
 from enginelink.wire import codecs
@@ -56,6 +57,8 @@ class ServeConfig:
     journal_path: Path | None = None
     startup_timeout_s: float = 1800.0
     drain_s: float = 5.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # no endpoint unless asked
     argv: list[str] = field(default_factory=list)
 
 
@@ -99,6 +102,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 journal=journal,
                 startup_timeout_s=config.startup_timeout_s,
             )
+            metrics = Metrics(config.served_model_name) if config.metrics_port is not None else None
             hub = RequestHub(
                 link=link.machine,
                 codec=codec,
@@ -106,7 +110,15 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 journal=journal,
                 tokenizer=_tokenizer_or_none(config.model),
                 cached_tokens=getattr(codec, "cached_tokens", None),
+                metrics=metrics,
             )
+            if metrics is not None:
+                metrics.watch_state(lambda: link.machine.state)
+                metrics.watch_in_flight(lambda: hub.active_requests)
+                metrics.add_gauges("journal", journal.stats)
+                metrics.add_gauges("link", lambda: _link_stats(link, hub))
+                # Bound before the engine starts, so a scrape during start-up says "starting".
+                await nursery.start(serve_metrics, metrics, config.metrics_host, config.metrics_port)
             app = App(
                 link=link,
                 hub=hub,
@@ -227,3 +239,14 @@ def _version() -> str:
         return version("enginelink")
     except PackageNotFoundError:
         return "unknown"
+
+
+@dataclass
+class LinkStats:
+    frames_received: int
+    late_outputs: int
+    in_flight_max: int
+
+
+def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
+    return LinkStats(link.frames_received, hub.late_outputs, hub.in_flight_max)

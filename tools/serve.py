@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gRPC port (default 50051)")
     p.add_argument("--journal", type=Path, default=None,
                    help="journal file (default: journal-<port>.sqlite under the user's state dir)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (default: none; SMG_VLLM_SERVICER_METRICS_PORT)")
+    p.add_argument("--metrics-host", default=None,
+                   help="metrics host (default 127.0.0.1; SMG_VLLM_SERVICER_METRICS_HOST)")
     p.add_argument("--log-level", default=os.environ.get("ENGINELINK_LOG_LEVEL", "INFO"))
     p.set_defaults(engine_args=[])
 
@@ -64,6 +68,23 @@ def default_model_dir() -> Path:
     return make_test_model(path)
 
 
+def _metrics_port(args: argparse.Namespace) -> int | None:
+    port = args.metrics_port
+    if port is None:
+        value = os.environ.get("SMG_VLLM_SERVICER_METRICS_PORT")
+        if not value:
+            return None
+        try:
+            port = int(value)
+        except ValueError:
+            raise ConfigError(f"SMG_VLLM_SERVICER_METRICS_PORT={value!r}: expected a port number") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"metrics port {port}: expected 1..65535")
+    if port == args.port:
+        raise ConfigError(f"metrics port {port} is the gRPC port; pick another --metrics-port")
+    return port
+
+
 def build_config(args: argparse.Namespace):
     from enginelink.runtime.server import ServeConfig
 
@@ -86,6 +107,8 @@ def build_config(args: argparse.Namespace):
             "ENGINELINK_STARTUP_TIMEOUT_SECS", "SMG_VLLM_SERVICER_STARTUP_TIMEOUT_SECS", default=1800.0
         ),
         drain_s=_env_seconds("ENGINELINK_DRAIN_SECS", "SMG_VLLM_SERVICER_DRAIN_SECS", default=5.0),
+        metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or "127.0.0.1",
+        metrics_port=_metrics_port(args),
         argv=list(sys.argv),
     )
 
