@@ -293,7 +293,7 @@ class RequestHub:
             open_ids = [c.engine_id for c in call.choices if not c.finished]
             if open_ids:
                 # vLLM sends nothing back for a client abort: we end the choices ourselves.
-                pass  # MUTATION
+                self.send_frames(self.codec.encode_abort(open_ids))
             for choice in call.choices:
                 if not choice.finished:
                     choice.finish_reason = "abort"

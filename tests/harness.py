@@ -9,11 +9,14 @@ it. Both are always killed at the end, whatever the test did.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -105,6 +108,91 @@ class Servicer:
         return self.process.returncode
 
     def __enter__(self) -> "Servicer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class Router:
+    """The real SMG router (``smg launch``) in front of one gRPC worker, all on 127.0.0.1.
+
+    Ready when ``GET /readiness`` answers 200, i.e. the worker is registered
+    and healthy. ``stop()`` kills it outright by default: on SIGTERM it drains
+    for ~5 s, which a finished test does not need.
+    """
+
+    def __init__(self, tmp: Path, worker_port: int, model_dir: Path, *, log_level: str = "debug",
+                 health_check_interval_s: int = 3, extra: list[str] | None = None) -> None:
+        self.port = free_port()
+        self.prometheus_port = free_port()
+        self.log_path = tmp / f"router-{self.port}.log"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.worker_url = f"grpc://127.0.0.1:{worker_port}"
+        smg = VENV_BIN / "smg"
+        self.argv = [
+            str(smg), "launch",
+            "--worker-urls", self.worker_url,
+            "--model-path", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
+            "--health-check-interval-secs", str(health_check_interval_s),
+            "--log-level", log_level,
+            *(extra or []),
+        ]
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    def start(self, timeout_s: float = 30.0) -> "Router":
+        if not Path(self.argv[0]).exists():
+            raise RuntimeError(f"the SMG router is not installed at {self.argv[0]}; run tools/setup-env --test")
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
+
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"router exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/readiness", timeout=1) as reply:
+                    return reply.status == 200
+            except urllib.error.HTTPError:  # 503 until the worker is registered and healthy
+                return False
+
+        try:
+            wait_until(ready, timeout_s, "router /readiness 200", interval_s=0.2)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def log(self) -> str:
+        """The router's log with its colour codes removed."""
+        if not self.log_path.exists():
+            return ""
+        return _ANSI.sub("", self.log_path.read_text(errors="replace"))
+
+    def stop(self, graceful: bool = False) -> int | None:
+        """SIGKILL, or with ``graceful`` SIGTERM (it drains ~5 s) and SIGKILL after 8 s."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            if graceful:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=8)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+        return self.process.returncode
+
+    def __enter__(self) -> "Router":
         return self.start()
 
     def __exit__(self, *exc) -> None:
