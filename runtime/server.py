@@ -29,14 +29,17 @@ from grpclib.server import Server
 from enginelink.journal.journal import Journal
 from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
 from enginelink.machines.link import LinkEvent, LinkState
+from enginelink.machines.request import RequestState
+from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.app import App
-from enginelink.runtime.engine_link import EngineLink, LinkFailed
+from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
 from enginelink.runtime.grpc_vllm import VllmEngineService
 from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.launchers import EngineLauncher
 from enginelink.runtime.metrics import Metrics, serve_metrics
 from enginelink.runtime.model_dir import ModelFacts, load_tokenizer
 from enginelink.runtime.snapshots import run_snapshots
+from enginelink.runtime.warmup import warm_up
 from enginelink.wire import codecs
 
 log = logging.getLogger("enginelink")
@@ -56,7 +59,11 @@ class ServeConfig:
     port: int = 50051
     journal_path: Path | None = None
     startup_timeout_s: float = 1800.0
+    startup_ceiling_s: float = 14400.0  # 0 = no ceiling
+    silence_timeout_s: float = 300.0
+    prefill_tokens_per_s: float = 2000.0
     drain_s: float = 5.0
+    warmup: WarmupSetting = field(default_factory=lambda: WarmupSetting(WarmupLevel.FULL, 300.0))
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # no endpoint unless asked
     argv: list[str] = field(default_factory=list)
@@ -100,7 +107,12 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 launcher=config.launcher,
                 codec=codec,
                 journal=journal,
-                startup_timeout_s=config.startup_timeout_s,
+                supervision=Supervision(
+                    startup_timeout_s=config.startup_timeout_s,
+                    startup_ceiling_s=config.startup_ceiling_s,
+                    silence_timeout_s=config.silence_timeout_s,
+                    prefill_tokens_per_s=config.prefill_tokens_per_s,
+                ),
             )
             metrics = Metrics(config.served_model_name) if config.metrics_port is not None else None
             hub = RequestHub(
@@ -152,19 +164,26 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
 
             link.on_batch = on_batch
             link.on_failure = on_failure
+            link.load_probe = lambda: (hub.active_requests, _pending_prefill_tokens(hub))
             try:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    try:
-                        await nursery.start(link.run)
-                    except LinkFailed as error:
-                        raise _Exit(1, str(error)) from None
-                    if link.machine.state is LinkState.WARMING_UP:
-                        # The planned warm-up comes with its own issue; for now go straight on.
-                        link.step(LinkEvent.WARMUP_DONE)
-                        readiness.set(True)
-                        log.info("serving %s on %s:%d", config.served_model_name, config.host, config.port)
-                        task_status.started(app)
-                    exit_status, reason = await _wait_for_end(signals, failed, link)
+
+                    async def bring_up() -> None:
+                        """Handshake, warm-up, then readiness: raced against signals and failure."""
+                        try:
+                            await nursery.start(link.run)
+                        except LinkFailed as error:
+                            # 2: the engine is not the release the launch check verified.
+                            raise _Exit(2 if isinstance(error, EngineIncompatible) else 1, str(error)) from None
+                        if link.machine.state is LinkState.WARMING_UP:
+                            await warm_up(config.warmup, link=link, hub=hub, limits=app.limits)
+                        if link.machine.can(LinkEvent.WARMUP_DONE):
+                            link.step(LinkEvent.WARMUP_DONE)
+                            readiness.set(True)
+                            log.info("serving %s on %s:%d", config.served_model_name, config.host, config.port)
+                            task_status.started(app)
+
+                    exit_status, reason = await _wait_for_end(signals, failed, link, bring_up)
                     if exit_status == 0:
                         await _drain(app, readiness, config.drain_s)
                     else:
@@ -184,23 +203,34 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
     return exit_status
 
 
-async def _wait_for_end(signals, failed: trio.Event, link: EngineLink) -> tuple[int, str]:
+async def _wait_for_end(signals, failed: trio.Event, link: EngineLink, bring_up) -> tuple[int, str]:
+    """Run ``bring_up`` and wait for whichever comes first: a signal (0), a failure (1), a refusal (2)."""
     result: list[tuple[int, str]] = []
     async with trio.open_nursery() as nursery:
 
+        def end(status: int, reason: str) -> None:
+            if not result:
+                result.append((status, reason))
+            nursery.cancel_scope.cancel()
+
         async def on_signal() -> None:
             async for signum in signals:
-                result.append((0, f"signal {signal.Signals(signum).name}"))
-                nursery.cancel_scope.cancel()
+                end(0, f"signal {signal.Signals(signum).name}")
                 return
 
         async def on_failure() -> None:
             await failed.wait()
-            result.append((1, f"engine link failed: {link.machine.failure}"))
-            nursery.cancel_scope.cancel()
+            end(1, f"engine link failed: {link.machine.failure}")
+
+        async def start() -> None:
+            try:
+                await bring_up()
+            except _Exit as stop:
+                end(stop.status, stop.reason)
 
         nursery.start_soon(on_signal)
         nursery.start_soon(on_failure)
+        nursery.start_soon(start)
     return result[0]
 
 
@@ -220,6 +250,11 @@ async def _drain(app: App, readiness: ServiceStatus, drain_s: float) -> None:
     await trio.sleep(min(DRAIN_FLUSH_S, drain_s))
     if link.machine.can(LinkEvent.DRAINED):
         link.step(LinkEvent.DRAINED)
+
+
+def _pending_prefill_tokens(hub: RequestHub) -> int:
+    """Prompt tokens of choices the engine has not answered yet (extends the silence limit)."""
+    return sum(call.prompt_tokens * call.open_choices for call in hub.calls.values() if call.machine.state is RequestState.ADMITTED)
 
 
 def _tokenizer_or_none(model: ModelFacts):

@@ -19,7 +19,13 @@ import platformdirs
 import trio
 
 from enginelink.journal.journal import default_journal_path
-from enginelink.runtime.launchers import SimLauncher
+from enginelink.runtime.launchers import (
+    LauncherError,
+    SimLauncher,
+    VllmLauncher,
+    default_vllm_python,
+    flag_value,
+)
 from enginelink.runtime.model_dir import ModelDirError, read_model_facts
 
 
@@ -61,11 +67,42 @@ def _env_seconds(*names: str, default: float) -> float:
     return default
 
 
-def default_model_dir() -> Path:
-    from enginelink.tools.test_model import make_test_model
+def _env_positive(*names: str, default: float) -> float:
+    value = _env_seconds(*names, default=default)
+    if value <= 0:
+        raise ConfigError(f"{'/'.join(names)}: must be greater than 0")
+    return value
 
+
+def _vllm_launcher(model_dir: Path, engine_args: list[str]) -> VllmLauncher:
+    """The real vLLM engine, after checking its release speaks our codec's wire."""
+    from enginelink.runtime.vllm_compat import Incompatible, check_installed
+
+    try:
+        python = default_vllm_python()
+        version, warning = check_installed(python)
+    except (LauncherError, Incompatible) as error:
+        raise ConfigError(str(error)) from None
+    if warning:
+        logging.getLogger("enginelink").warning("%s", warning)
+    return VllmLauncher(python=python, model_dir=model_dir, extra_args=engine_args, checked_version=version)
+
+
+def default_model_dir() -> Path:
+    from enginelink.tools.test_model import is_complete, make_test_model
+
+    # Our own managed directory: a build from an older recipe is replaced.
     path = Path(platformdirs.user_state_dir("enginelink")) / "test-model"
-    return make_test_model(path)
+    return make_test_model(path, force=not is_complete(path))
+
+
+def _warmup():
+    from enginelink.machines.warmup import WarmupKnobError, warmup_setting
+
+    try:
+        return warmup_setting(os.environ)
+    except WarmupKnobError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _metrics_port(args: argparse.Namespace) -> int | None:
@@ -88,25 +125,37 @@ def _metrics_port(args: argparse.Namespace) -> int | None:
 def build_config(args: argparse.Namespace):
     from enginelink.runtime.server import ServeConfig
 
-    if args.engine == "vllm":
-        raise ConfigError("--engine vllm: the real-engine launcher is not in this build yet; use --engine sim")
     model_dir = args.model or default_model_dir()
     try:
         model = read_model_facts(model_dir)
     except ModelDirError as error:
         raise ConfigError(str(error)) from None
-    launcher = SimLauncher(model_dir=model_dir, extra_args=list(args.engine_args))
+    engine_args = list(args.engine_args)
+    if args.engine == "vllm":
+        launcher = _vllm_launcher(model_dir, engine_args)
+    else:
+        launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args)
     return ServeConfig(
         launcher=launcher,
         model=model,
-        served_model_name=args.served_model_name or model_dir.name,
+        served_model_name=args.served_model_name or flag_value(engine_args, "--served-model-name") or model_dir.name,
         host=args.host,
         port=args.port,
         journal_path=args.journal or default_journal_path(args.port),
         startup_timeout_s=_env_seconds(
             "ENGINELINK_STARTUP_TIMEOUT_SECS", "SMG_VLLM_SERVICER_STARTUP_TIMEOUT_SECS", default=1800.0
         ),
+        startup_ceiling_s=_env_seconds(
+            "ENGINELINK_STARTUP_CEILING_SECS", "SMG_VLLM_SERVICER_STARTUP_CEILING_SECS", default=14400.0
+        ),
+        silence_timeout_s=_env_positive(
+            "ENGINELINK_SILENCE_TIMEOUT_SECS", "SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS", default=300.0
+        ),
+        prefill_tokens_per_s=_env_positive(
+            "ENGINELINK_PREFILL_TOKENS_PER_SEC", "SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", default=2000.0
+        ),
         drain_s=_env_seconds("ENGINELINK_DRAIN_SECS", "SMG_VLLM_SERVICER_DRAIN_SECS", default=5.0),
+        warmup=_warmup(),
         metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or "127.0.0.1",
         metrics_port=_metrics_port(args),
         argv=list(sys.argv),
