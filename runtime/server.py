@@ -121,7 +121,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 send_frames=link.send,
                 journal=journal,
                 tokenizer=_tokenizer_or_none(config.model),
-                cached_tokens=getattr(codec, "cached_tokens", None),
+                cached_tokens=codec.cached_tokens,
                 metrics=metrics,
             )
             if metrics is not None:

@@ -14,6 +14,7 @@ stops writing snapshots and says so; replay then starts from the beginning.
 from __future__ import annotations
 
 import logging
+import os
 
 import trio
 
@@ -22,7 +23,8 @@ from enginelink.journal.records import KIND_SNAPSHOT
 
 log = logging.getLogger("enginelink.snapshots")
 
-SNAPSHOT_INTERVAL_S = 30.0
+# ENGINELINK_SNAPSHOT_INTERVAL_SECS overrides it (tests use a short period to get snapshots).
+SNAPSHOT_INTERVAL_S = float(os.environ.get("ENGINELINK_SNAPSHOT_INTERVAL_SECS") or 30.0)
 FOLD_EVERY_S = 0.5
 
 

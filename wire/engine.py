@@ -153,3 +153,7 @@ class EngineCodec(Protocol):
     def decode_output(self, frames: Sequence[bytes]) -> OutputBatch | EngineDead:
         """Raise WireError on a frame it cannot read."""
         ...
+
+    def cached_tokens(self, output: EngineOutput) -> int | None:
+        """Prompt tokens served from the prefix cache, if this output says (first output only)."""
+        ...

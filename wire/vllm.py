@@ -360,6 +360,9 @@ class VllmCodec:
     def __init__(self, client_index: int = 0) -> None:
         self.client_index = client_index
 
+    # Prefix-cache hits of a request, read from its first output's prefill stats.
+    cached_tokens = staticmethod(cached_tokens)
+
     def encode_add(self, spec: GenerateSpec) -> list[bytes]:
         return [REQ_ADD, _ENCODER.encode(request_for(spec, self.client_index))]
 
