@@ -19,8 +19,22 @@ Rules:
 - unknown machines and kinds that carry no state are skipped; a
   ``client.sent`` for a request the fold does not hold (evicted, or before
   a pruned journal's first record) is counted in ``unmatched``;
-- ``engine.frame`` payloads are not decoded here (yet: token conservation
-  will decode them with the engine's codec).
+- ``engine.frame`` payloads are decoded here, and only here (never on the
+  servicer's hot path), with the codec the run names (``run.start``'s
+  ``engine``, default vLLM), and only while some engine request is open: the
+  fold attributes each output's tokens to the choice whose engine id it
+  carries, from the request's ``engine.request`` until the engine finishes
+  that choice, the client aborts the request, or the request ends. Those are
+  exactly the frames the hub counted (it journals a frame before handing it
+  on), so ``engine_tokens`` equals the hub's ``tokens_engine`` except after a
+  stop string, where the hub stops listening at the matching frame while the
+  engine runs on until our abort reaches it. Undecodable frames are counted
+  in ``frames_undecodable``;
+- the request machine starts in ``admitted`` and the link machine in
+  ``starting`` without a transition record, so the fold takes the request's
+  ``engine.request`` (the last step of admission) as entering ``admitted``,
+  and the link's ``engine.handshake`` ``launch`` step as entering
+  ``starting``.
 
 ``to_dict`` / ``from_dict`` round-trip exactly, key order included (the order
 of ``ended`` is the eviction order), which is what ``snapshot`` records hold.
@@ -33,10 +47,21 @@ from typing import Any, Final
 
 import msgspec
 
+from enginelink.wire import codecs
+from enginelink.wire.engine import EngineCodec, EngineDead, WireError
+
 from . import records as r
 from .records import Record
 
 REQUEST_ADMITTED: Final = "admitted"
+# The link machine's initial state (``machines/link.py``; the journal layer
+# does not import machines, so the name is repeated here).
+LINK_STARTING: Final = "starting"
+HANDSHAKE_LAUNCH: Final = "launch"
+REQUEST_STREAM_PREFIX: Final = r.request_stream("")
+LINK_STREAM_PREFIX: Final = r.link_stream("")
+# The wire engine frames are decoded with when run.start names none.
+DEFAULT_CODEC: Final = "vllm"
 TERMINAL_REQUEST_STATES: Final = frozenset({"finished", "aborted", "failed"})
 TERMINAL_REQUESTS_MAX: Final = 10_000
 # The state of a link or request the fold has seen but no transition for yet.
@@ -59,6 +84,14 @@ class RequestView(msgspec.Struct):
     tokens_sent: int = 0  # summed over the choices that completed
     finish_reason: str | None = None  # of the last choice that completed
     choices_done: int = 0
+    # Per choice (index = choice index), from ``engine.request`` and frames.
+    engine_ids: list[str] = []
+    engine_tokens: list[int] = []  # tokens the engine produced for the choice
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the engine produced for this request so far (all choices)."""
+        return sum(self.engine_tokens)
 
 
 class RunView(msgspec.Struct):
@@ -69,6 +102,7 @@ class RunView(msgspec.Struct):
     stopped_at: float | None = None
     exit_status: int | None = None
     reason: str | None = None
+    engine: str | None = None  # codec name of the engine wire
 
 
 class FoldState(msgspec.Struct):
@@ -79,6 +113,11 @@ class FoldState(msgspec.Struct):
     run: RunView = msgspec.field(default_factory=RunView)
     last_seq: int = 0
     unmatched: int = 0
+    # Engine ids of open choices -> (request id, choice index): whose tokens
+    # a frame output carries. Bounded by the open requests' choices.
+    open_engine_ids: dict[str, tuple[str, int]] = {}
+    frames: int = 0
+    frames_undecodable: int = 0
     # Part of the state (and of snapshots) so a replay evicts exactly as the
     # live fold did; tests set it small.
     terminal_max: int = TERMINAL_REQUESTS_MAX
@@ -136,6 +175,22 @@ def _apply(st: FoldState, rec: Record) -> None:
                 view = st.requests[rid] = RequestView(state=STATE_UNSEEN, since=rec.time)
             view.n = p["n"]
             view.prompt_tokens = p["prompt_tokens"]
+        case r.KIND_ENGINE_REQUEST:
+            _engine_request(st, rec)
+        case r.KIND_ENGINE_FRAME:
+            st.frames += 1
+            if st.open_engine_ids:
+                _engine_frame(st, rec.payload)
+        case r.KIND_CLIENT_ABORT:
+            # The hub ends the choices at once; outputs after this are late.
+            for rid in p["request_ids"]:
+                _close_engine_ids(st, rid)
+        case r.KIND_ENGINE_HANDSHAKE:
+            if p.get("step") == HANDSHAKE_LAUNCH and rec.stream.startswith(LINK_STREAM_PREFIX):
+                link = _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time)
+                if link.state == STATE_UNSEEN:
+                    link.state = LINK_STARTING
+                    link.since = rec.time
         case r.KIND_CLIENT_SENT:
             view = st.requests.get(p["request_id"])
             if view is None:
@@ -153,15 +208,75 @@ def _apply(st: FoldState, rec: Record) -> None:
             st.run.wall_time = p["wall_time"]
             st.run.pid = p["pid"]
             st.run.version = p["version"]
+            st.run.engine = p.get("engine")
         case r.KIND_RUN_STOP:
             st.run.stopped_at = rec.time
             st.run.exit_status = p["exit_status"]
             st.run.reason = p["reason"]
         case _:
-            # Kinds that carry no state the fold keeps (frames, handshakes,
-            # aborts asked for, errors, snapshots): their effects arrive as
-            # transitions.
+            # Kinds that carry no state the fold keeps (errors, snapshots):
+            # their effects arrive as transitions.
             pass
+
+
+def _engine_request(st: FoldState, rec: Record) -> None:
+    p = rec.payload
+    if not rec.stream.startswith(REQUEST_STREAM_PREFIX):
+        return
+    rid = rec.stream[len(REQUEST_STREAM_PREFIX):]
+    view = st.requests.get(rid)
+    if view is None:
+        view = st.requests[rid] = RequestView(state=STATE_UNSEEN, since=rec.time)
+    if view.state == STATE_UNSEEN:
+        view.state = REQUEST_ADMITTED
+        view.since = rec.time
+    if view.admitted_at is None:
+        view.admitted_at = rec.time
+    view.engine_ids = list(p["request_ids"])
+    view.engine_tokens = [0] * len(view.engine_ids)
+    for index, engine_id in enumerate(view.engine_ids):
+        st.open_engine_ids[engine_id] = (rid, index)
+
+
+_codecs: dict[str, EngineCodec] = {}
+
+
+def _codec(name: str | None) -> EngineCodec:
+    name = name or DEFAULT_CODEC
+    codec = _codecs.get(name)
+    if codec is None:
+        codec = _codecs[name] = codecs.get(name if name in codecs.NAMES else DEFAULT_CODEC)
+    return codec
+
+
+def _engine_frame(st: FoldState, payload: bytes) -> None:
+    try:
+        batch = _codec(st.run.engine).decode_output([payload])
+    except WireError:
+        st.frames_undecodable += 1
+        return
+    if isinstance(batch, EngineDead):
+        return
+    open_ids = st.open_engine_ids
+    for out in batch.outputs:
+        owner = open_ids.get(out.request_id)
+        if owner is None:
+            continue  # late output (aborted, stopped) or before this journal
+        view = st.requests.get(owner[0])
+        if view is None or owner[1] >= len(view.engine_tokens):
+            del open_ids[out.request_id]
+            continue
+        view.engine_tokens[owner[1]] += len(out.new_token_ids)
+        if out.finish_reason is not None:
+            del open_ids[out.request_id]
+
+
+def _close_engine_ids(st: FoldState, rid: str) -> None:
+    view = st.requests.get(rid)
+    if view is not None:
+        for engine_id in view.engine_ids:
+            if st.open_engine_ids.get(engine_id, (None,))[0] == rid:
+                del st.open_engine_ids[engine_id]
 
 
 def _link(st: FoldState, name: str, now: float) -> LinkView:
@@ -180,6 +295,7 @@ def _request_transition(st: FoldState, rid: str, dest: str, now: float) -> None:
     if dest == REQUEST_ADMITTED and view.admitted_at is None:
         view.admitted_at = now
     if dest in TERMINAL_REQUEST_STATES:
+        _close_engine_ids(st, rid)
         st.ended.pop(rid, None)  # re-insert at the newest end
         st.ended[rid] = now
         while len(st.ended) > st.terminal_max:

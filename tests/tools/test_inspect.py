@@ -1,0 +1,112 @@
+"""``enginelink inspect`` on a live servicer: requests in flight, links, run, journal.
+
+One servicer with a slow engine (20 ms per step) serves long streams that
+stay in flight while the tool reads its journal from the outside, plus a few
+requests that finish or are aborted first.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from tests.harness import VENV_BIN, Servicer, generate_request, wait_until
+from tests.tools.helpers import PROMPT, Stream, copy_journal, engine_pid, enginelink, inspect_json, journal_has
+
+LONG = dict(max_tokens=1500, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory, test_model_dir):
+    """A servicer with long-0, long-1 and long-n2 (n = 2) in flight; short, pair finished; cut aborted."""
+    servicer = Servicer(tmp_path_factory.mktemp("inspect"), model_dir=test_model_dir,
+                        engine_args=["--step-us", "20000"], env={"ENGINELINK_DRAIN_SECS": "0.2"}).start()
+    streams = []
+    try:
+        streams = [Stream(servicer, "long-0", **LONG), Stream(servicer, "long-1", **LONG),
+                   Stream(servicer, "long-n2", n=2, temperature=1.0, **LONG), Stream(servicer, "cut", **LONG)]
+        list(servicer.stub.Generate(generate_request("short", PROMPT, stream=True, max_tokens=4, ignore_eos=True)))
+        list(servicer.stub.Generate(generate_request("pair", PROMPT, n=2, temperature=1.0, max_tokens=3,
+                                                     ignore_eos=True)))
+        for stream in streams:
+            assert stream.streaming.wait(5)
+        servicer.stub.Abort(pb.AbortRequest(request_ids=["cut"]))
+        wait_until(lambda: journal_has(servicer.journal, lambda recs: any(
+            r.kind == "client.sent" and r.payload["request_id"] == "cut" for r in recs)), 5, "cut's abort on disk")
+        yield servicer
+    finally:
+        servicer.stop()
+        for stream in streams:
+            stream.join(10)
+
+
+def test_json_shows_links_requests_in_flight_and_the_live_run(busy):
+    view = inspect_json(busy.journal)
+    assert view["run"]["status"] == "running"
+    assert view["run"]["pid"] == busy.process.pid and view["run"]["pid_alive"] is True
+    assert view["as_of"]["basis"] == "live"
+    [link] = view["links"]
+    assert (link["name"], link["state"]) == ("vllm-0", "serving")
+    assert link["engine_pid"] == engine_pid(busy.journal) and link["engine_alive"] is True
+    assert link["facts"]["max_model_len"] == 2048
+    requests = {q["id"]: q for q in view["requests"]}
+    assert sorted(requests) == ["long-0", "long-1", "long-n2"]  # warm-up, if any, ended before serving
+    pair = requests["long-n2"]
+    assert (pair["state"], pair["n"], pair["prompt_tokens"]) == ("running", 2, len(PROMPT))
+    assert pair["engine_ids"] == ["long-n2#0", "long-n2#1"]
+    assert pair["tokens"] >= 2 and pair["age_s"] > 0
+    assert view["ended_recently"] == {"aborted": 1, "finished": 2}
+    journal = view["journal"]
+    assert journal["path"] == str(busy.journal) and journal["first_seq"] == 1 and journal["pruned_at_start"] == 0
+    assert journal["records"] == journal["last_seq"] and journal["by_kind"]["engine.frame"] > 0
+    assert (journal["records_max"], journal["bytes_max"]) == (5_000_000, 1024 ** 3)
+
+    # Tokens so far keep growing while the streams run.
+    before = requests["long-0"]["tokens"]
+    wait_until(lambda: {q["id"]: q for q in inspect_json(busy.journal)["requests"]}["long-0"]["tokens"] > before + 5,
+               5, "long-0 to make progress in inspect")
+
+
+def test_human_view_lists_the_same(busy):
+    done = enginelink("inspect", "--journal", busy.journal)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert f"servicer pid {busy.process.pid}" in out and "RUNNING (pid alive)" in out
+    assert "vllm-0     serving" in out and "(alive)" in out and "max_model_len=2048" in out
+    assert "requests in flight (3)" in out
+    rows = sorted(line.split() for line in out.splitlines() if line.startswith("  long-"))
+    assert [(row[0], row[1], row[3]) for row in rows] == [("long-0", "running", "1"), ("long-1", "running", "1"),
+                                                          ("long-n2", "running", "2")]
+    assert "recently ended: 1 aborted, 2 finished" in out
+
+
+def test_watch_refreshes_until_interrupted(busy):
+    watch = subprocess.Popen([str(VENV_BIN / "enginelink"), "inspect", "--journal", str(busy.journal), "--json",
+                              "--watch", "0.2"], stdout=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(watch.stdout.readline())
+        second = json.loads(watch.stdout.readline())
+        assert second["as_of"]["seq"] > first["as_of"]["seq"]  # the frames keep coming
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(5) == 0
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+
+
+def test_port_names_the_default_journal(busy, tmp_path):
+    state_home = tmp_path / "state"
+    (state_home / "enginelink").mkdir(parents=True)
+    done = enginelink("inspect", "--port", "50999", env={"XDG_STATE_HOME": str(state_home)})
+    assert done.returncode == 1
+    assert f"no journal at {state_home / 'enginelink' / 'journal-50999.sqlite'}" in done.stderr
+    # A copy of the live journal under the default name is found by port (and read as a dead run's).
+    copy_journal(busy.journal, state_home / "enginelink" / "journal-50999.sqlite")
+    done = enginelink("inspect", "--json", env={"XDG_STATE_HOME": str(state_home), "ENGINELINK_PORT": "50999"})
+    assert done.returncode == 0, done.stderr
+    assert {q["id"] for q in json.loads(done.stdout)["requests"]} >= {"long-0", "long-1"}

@@ -1,0 +1,366 @@
+"""``enginelink inspect``: a servicer's state, read from its journal file.
+
+Works on a live servicer and on the journal a dead one left, with no
+cooperation from the process: the file is opened read-only (SQLite WAL lets
+a reader see every committed batch while the writer goes on), the state is
+``fold`` (the same function the servicer's snapshots use) over the latest
+snapshot and the records after it, and the rest comes from the file itself
+(meta table, counts, sizes) and from ``/proc`` (is the pid still alive).
+
+What the journal cannot show: the records the servicer appended since its
+last flush (at most one flush interval, 50 ms, plus a batch being written).
+So on a live servicer this view lags by up to that much; on a killed one it
+is the state as of the last committed batch.
+
+Also the home of the state rendering that ``enginelink journal replay``
+prints, so the two tools show a state the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from enginelink.journal.fold import TERMINAL_REQUEST_STATES, FoldState, fold
+from enginelink.journal.journal import FLUSH_INTERVAL_S, default_journal_path
+from enginelink.journal.store import Reader, StoreError, open_reader
+from enginelink.machines.link import WARMUP_REQUEST_PREFIX
+
+DEFAULT_PORT = 50051
+WATCH_DEFAULT_S = 2.0
+# Facts worth a line in the human view (the JSON view has them all).
+FACTS_SHOWN = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks",
+               "dtype", "vllm_version", "instance_id")
+ENDED_SHOWN = 20
+# How long before its run.start record a servicer process may have started
+# (interpreter and imports), and the slack for clock granularity (/proc
+# counts in clock ticks, boot time in whole seconds).
+PROCESS_START_SLACK_S = 600.0
+CLOCK_SLACK_S = 2.0
+
+
+def add_journal_arguments(p: argparse.ArgumentParser) -> None:
+    """``--journal PATH`` / ``--port N``: which journal (shared with ``enginelink journal``)."""
+    p.add_argument("--journal", type=Path, default=None,
+                   help="journal file (default: the one `enginelink serve --port N` writes)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("ENGINELINK_PORT", DEFAULT_PORT)),
+                   help=f"port of the servicer whose default journal to read (default {DEFAULT_PORT})")
+
+
+def journal_path(args: argparse.Namespace) -> Path:
+    return args.journal if args.journal is not None else default_journal_path(args.port)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_journal_arguments(p)
+    p.add_argument("--watch", nargs="?", type=float, const=WATCH_DEFAULT_S, default=None, metavar="SECONDS",
+                   help=f"refresh every SECONDS (default {WATCH_DEFAULT_S:g}) until interrupted")
+    p.add_argument("--json", action="store_true", help="one JSON object (per refresh with --watch)")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = journal_path(args)
+    folder = JournalFolder(path)
+    try:
+        while True:
+            try:
+                view = folder.view()
+            except (FileNotFoundError, StoreError) as error:
+                print(f"enginelink inspect: {error}", file=sys.stderr)
+                return 1
+            if args.json:
+                print(json.dumps(view, default=_json_default), flush=True)
+            else:
+                if args.watch is not None and sys.stdout.isatty():
+                    sys.stdout.write("\x1b[H\x1b[2J")
+                print(render_view(view), flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+            if not args.json and not sys.stdout.isatty():
+                print()
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `| head`
+        quiet_stdout()
+        return 0
+
+
+def quiet_stdout() -> None:
+    """After a broken pipe: send what is left to /dev/null, so exiting prints no second error."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+# -- reading -----------------------------------------------------------------------
+
+
+class JournalFolder:
+    """Folds one journal path, incrementally across refreshes.
+
+    First call: the latest snapshot, then the records after it; later calls
+    fold only the new records. Starts over when the path holds a different
+    file (the servicer restarted and set the old one aside) or the store
+    pruned records it had not folded yet.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.state: FoldState | None = None
+        self.inode: int | None = None
+        self.snapshot_seq = 0
+
+    def view(self) -> dict[str, Any]:
+        with open_reader(self.path) as reader:
+            inode = os.stat(self.path).st_ino
+            first = reader.first_seq()
+            st = self.state
+            if st is None or inode != self.inode or first > st.last_seq + 1 or reader.last_seq() < st.last_seq:
+                snap = reader.last_snapshot()
+                st = FoldState.from_snapshot(snap) if snap is not None else FoldState()
+                self.snapshot_seq = 0 if snap is None else snap.seq
+                self.inode = inode
+            fold(reader.iter_records(after_seq=st.last_seq), st)
+            self.state = st
+            return describe(st, reader, self.path)
+
+
+def pid_alive(pid: int | None, *, started_after: float | None = None, started_before: float | None = None) -> bool:
+    """The process exists and is not a zombie; where ``/proc`` tells its start
+    (wall time), it must lie in the bounds given, so a reused pid is not
+    taken for the process the journal names."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, someone else's
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[-1].split()
+    except (FileNotFoundError, PermissionError):
+        return True  # no /proc: trust kill(0)
+    if fields[0] == b"Z":
+        return False
+    started = _boot_wall() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    if started_after is not None and started < started_after:
+        return False
+    return started_before is None or started <= started_before
+
+
+def _boot_wall() -> float:
+    with open("/proc/stat", "rb") as f:
+        for line in f:
+            if line.startswith(b"btime "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def describe(st: FoldState, reader: Reader, path: Path) -> dict[str, Any]:
+    """The state as one JSON-able dict: run, journal, links, requests."""
+    run = st.run
+    # The servicer started before its run.start (imports); its engine after.
+    wall0 = run.wall_time
+    alive = run.stopped_at is None and pid_alive(
+        run.pid, started_after=None if wall0 is None else wall0 - PROCESS_START_SLACK_S,
+        started_before=None if wall0 is None else wall0 + CLOCK_SLACK_S)
+    end_time = _last_time(reader)
+    if alive and run.started_at is not None and run.wall_time is not None:
+        now = run.started_at + (time.time() - run.wall_time)  # the servicer's trio clock, now
+        as_of = "live"
+    else:
+        now = end_time
+        as_of = "journal end"
+    origin = run.started_at
+    status = "stopped" if run.stopped_at is not None else "running" if alive else "dead"
+    requests = []
+    ended: dict[str, int] = {}
+    warmup: dict[str, int] = {}
+    for rid, v in st.requests.items():
+        if rid.startswith(WARMUP_REQUEST_PREFIX):
+            state = v.state or "admitted"
+            warmup[state] = warmup.get(state, 0) + 1
+        if v.state in TERMINAL_REQUEST_STATES:
+            if not rid.startswith(WARMUP_REQUEST_PREFIX):
+                ended[v.state] = ended.get(v.state, 0) + 1
+            continue
+        start = v.admitted_at if v.admitted_at is not None else v.since
+        requests.append({
+            "id": rid, "state": v.state or "admitted", "age_s": _round(None if now is None else now - start),
+            "n": v.n, "prompt_tokens": v.prompt_tokens, "tokens": v.tokens, "engine_ids": v.engine_ids,
+            "admitted_t": _round(_rel(start, origin)), "since_t": _round(_rel(v.since, origin)),
+        })
+    links = [{
+        "name": name, "state": link.state or "starting", "since_t": _round(_rel(link.since, origin)),
+        "for_s": _round(None if now is None else now - link.since), "engine_pid": link.pid,
+        "engine_alive": pid_alive(link.pid, started_after=None if wall0 is None else wall0 - CLOCK_SLACK_S),
+        "facts": link.facts,
+    } for name, link in st.links.items()]
+    return {
+        "as_of": {"basis": as_of, "seq": st.last_seq, "t": _round(_rel(now, origin)),
+                  "journal_end_t": _round(_rel(end_time, origin))},
+        "run": {
+            "status": status, "pid": run.pid, "pid_alive": alive, "version": run.version, "engine": run.engine,
+            "started_wall": run.wall_time, "started": _iso(run.wall_time),
+            "stopped_t": _round(_rel(run.stopped_at, origin)), "exit_status": run.exit_status, "reason": run.reason,
+        },
+        "links": links,
+        "requests": requests,
+        "ended_recently": ended,  # client requests; warm-up requests are counted under "warmup"
+        "warmup": warmup,
+        "fold": {"frames": st.frames, "frames_undecodable": st.frames_undecodable, "unmatched": st.unmatched},
+        "journal": journal_facts(reader, path),
+    }
+
+
+def journal_facts(reader: Reader, path: Path) -> dict[str, Any]:
+    counts = reader.counts()
+    meta = reader.meta()
+    wal = Path(f"{path}-wal")
+    snap = reader.last_snapshot()
+    return {
+        "path": str(path),
+        "file_bytes": path.stat().st_size,
+        "wal_bytes": wal.stat().st_size if wal.exists() else 0,
+        "records": counts.records,
+        "payload_bytes": counts.bytes,
+        "first_seq": counts.first_seq,
+        "last_seq": counts.last_seq,
+        "pruned_at_start": max(0, counts.first_seq - 1),
+        "by_kind": counts.by_kind,
+        "records_max": meta.get("records_max"),
+        "bytes_max": meta.get("bytes_max"),
+        "schema_version": meta.get("schema_version"),
+        "last_snapshot_seq": None if snap is None else snap.seq,
+    }
+
+
+def _last_time(reader: Reader) -> float | None:
+    last = reader.last_seq()
+    recs = reader.records(after_seq=last - 1, limit=1) if last else []
+    return recs[0].time if recs else None
+
+
+# -- rendering ---------------------------------------------------------------------
+
+
+def render_view(view: dict[str, Any]) -> str:
+    run, jr = view["run"], view["journal"]
+    lines = [_run_line(run, view["as_of"])]
+    lines.append(
+        f"journal {jr['path']}: {jr['records']:,} records (seq {jr['first_seq']}..{jr['last_seq']}"
+        + (f", {jr['pruned_at_start']:,} pruned at the start" if jr["pruned_at_start"] else "")
+        + f"), {_bytes(jr['payload_bytes'])} payload; file {_bytes(jr['file_bytes'])} + WAL {_bytes(jr['wal_bytes'])}"
+    )
+    if jr["records_max"]:
+        lines.append(
+            f"  budgets: {jr['records_max']:,} records ({100 * jr['records'] / jr['records_max']:.1f}% used), "
+            f"{_bytes(jr['bytes_max'])} payload ({100 * jr['payload_bytes'] / max(1, jr['bytes_max']):.1f}% used); "
+            f"last snapshot: {'none' if jr['last_snapshot_seq'] is None else 'seq ' + str(jr['last_snapshot_seq'])}"
+        )
+    lines += render_links(view["links"])
+    lines += render_requests(view["requests"])
+    if view["ended_recently"]:
+        lines.append("recently ended: " + ", ".join(f"{n} {s}" for s, n in sorted(view["ended_recently"].items())))
+    if view["warmup"]:
+        lines.append("warm-up requests: " + ", ".join(f"{n} {s}" for s, n in sorted(view["warmup"].items())))
+    return "\n".join(lines)
+
+
+def _run_line(run: dict[str, Any], as_of: dict[str, Any]) -> str:
+    head = f"servicer pid {run['pid']} (enginelink {run['version']}, engine wire {run['engine']}), started {run['started']}"
+    if run["status"] == "stopped":
+        return f"{head}\n  STOPPED at t={run['stopped_t']} s: exit status {run['exit_status']} ({run['reason']})"
+    if run["status"] == "running":
+        return f"{head}\n  RUNNING (pid alive), up {as_of['t']} s; journal lags the process by up to one flush ({FLUSH_INTERVAL_S * 1000:g} ms)"
+    return (f"{head}\n  DEAD: pid {run['pid']} is gone and the journal has no run.stop (killed or crashed);"
+            f" state as of the journal's end, t={as_of['journal_end_t']} s, seq {as_of['seq']}")
+
+
+def render_links(links: list[dict[str, Any]]) -> list[str]:
+    lines = [f"links ({len(links)})"]
+    for link in links:
+        facts = " ".join(f"{k}={link['facts'][k]}" for k in FACTS_SHOWN if link["facts"].get(k) is not None)
+        pid = f"engine pid {link['engine_pid']}"
+        if link["engine_alive"] is not None:
+            pid += " (alive)" if link["engine_alive"] else " (gone)"
+        lasting = "" if link["for_s"] is None else f" (for {link['for_s']} s)"
+        lines.append(f"  {link['name']:<10} {link['state']:<11} since t={link['since_t']} s{lasting}  {pid}")
+        if facts:
+            lines.append(f"             {facts}")
+    return lines
+
+
+def render_requests(requests: list[dict[str, Any]]) -> list[str]:
+    lines = [f"requests in flight ({len(requests)})"]
+    if requests:
+        width = max(10, *(len(q["id"]) for q in requests))
+        lines.append(f"  {'ID':<{width}} {'STATE':<9} {'AGE_S':>8} {'N':>3} {'PROMPT':>7} {'TOKENS':>7}")
+        for q in requests:
+            age = "-" if q["age_s"] is None else f"{q['age_s']:.3f}"
+            lines.append(f"  {q['id']:<{width}} {q['state']:<9} {age:>8} {q['n']:>3} {q['prompt_tokens']:>7} {q['tokens']:>7}")
+    return lines
+
+
+def render_state(st: FoldState) -> str:
+    """A folded state (``journal replay``), without the live facts ``inspect`` adds."""
+    origin = st.run.started_at
+    run = st.run
+    lines = [f"state at seq {st.last_seq}: run pid {run.pid}, started {_iso(run.wall_time)}"
+             + ("" if run.stopped_at is None else
+                f", stopped at t={_round(_rel(run.stopped_at, origin))} s: exit {run.exit_status} ({run.reason})")]
+    lines += render_links([{
+        "name": n, "state": v.state or "starting", "since_t": _round(_rel(v.since, origin)), "for_s": None,
+        "engine_pid": v.pid, "engine_alive": None, "facts": v.facts} for n, v in st.links.items()])
+    live = {rid: v for rid, v in st.requests.items() if v.state not in TERMINAL_REQUEST_STATES}
+    lines += render_requests([{
+        "id": rid, "state": v.state or "admitted", "age_s": None, "n": v.n, "prompt_tokens": v.prompt_tokens,
+        "tokens": v.tokens} for rid, v in live.items()])
+    ended = [(rid, v) for rid, v in st.requests.items() if rid not in live]
+    lines.append(f"requests ended (newest {min(len(ended), ENDED_SHOWN)} of the {len(ended)} kept)")
+    for rid, v in ended[-ENDED_SHOWN:]:
+        lines.append(f"  {rid:<10} {v.state:<9} at t={_round(_rel(v.since, origin))} s  n={v.n} "
+                     f"sent={v.tokens_sent} engine={v.tokens} finish={v.finish_reason}")
+    lines.append(f"frames {st.frames} ({st.frames_undecodable} undecodable), client.sent unmatched {st.unmatched}")
+    return "\n".join(lines)
+
+
+def _rel(t: float | None, origin: float | None) -> float | None:
+    if t is None:
+        return None
+    return t - origin if origin is not None else t
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def _iso(wall: float | None) -> str | None:
+    if wall is None:
+        return None
+    return dt.datetime.fromtimestamp(wall, dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        import base64
+
+        return base64.b64encode(bytes(obj)).decode("ascii")
+    raise TypeError(f"{type(obj).__name__} is not JSON-able")
