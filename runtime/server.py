@@ -24,7 +24,6 @@ import trio
 import trio_asyncio
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
-from grpclib.server import Server
 
 from enginelink.journal.journal import Journal
 from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
@@ -33,6 +32,7 @@ from enginelink.machines.request import RequestState
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.app import App
 from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
+from enginelink.runtime.grpc_transport import CoalescingServer
 from enginelink.runtime.grpc_vllm import VllmEngineService
 from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.launchers import EngineLauncher
@@ -146,7 +146,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
             # grpclib names the service by the servicer object; "" (overall) gets
             # the same check, so liveness and readiness agree.
             health = Health({engine_service: [readiness]})
-            server = Server([engine_service, health])
+            server = CoalescingServer([engine_service, health])
             await trio_asyncio.aio_as_trio(server.start)(config.host, config.port)
             log.info("gRPC bound on %s:%d (health NOT_SERVING until the engine is up)", config.host, config.port)
 
