@@ -67,7 +67,7 @@ class Servicer:
         self.channel: grpc.Channel | None = None
         self.stub: pb_grpc.VllmEngineStub | None = None
 
-    def start(self, timeout_s: float = 60.0) -> "Servicer":
+    def start(self, timeout_s: float = 60.0, wait_serving: bool = True) -> "Servicer":
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
@@ -80,7 +80,8 @@ class Servicer:
             reply = health.Check(health_pb2.HealthCheckRequest(service=VLLM_SERVICE), timeout=1)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-        wait_until(serving, timeout_s, "servicer SERVING")
+        if wait_serving:
+            wait_until(serving, timeout_s, "servicer SERVING")
         return self
 
     def log(self) -> str:

@@ -31,7 +31,8 @@ Theory of operation (mirrors vLLM's v1 scheduler where it is observable):
 
 Rules: no I/O, no clock (``now`` is an argument), no randomness; every
 collection is bounded by a config value. ``SimHooks`` is where KV-event
-publishing and fault injection (die, silence, garbage) attach.
+publishing (``sim_kv.py``: one batch per step, like vLLM) and fault
+injection (die, silence, garbage, KV publisher faults) attach.
 """
 
 from __future__ import annotations
@@ -91,16 +92,28 @@ def ready_response(config: SimConfig) -> vllm.ReadyResponse:
 
 
 class SimHooks:
-    """Extension points of the core; this base does nothing."""
+    """Extension points of the core; this base does nothing (KV events off)."""
 
-    def blocks_stored(self, block_hashes: list[int], parent: int | None, token_ids: list[int]) -> None:
-        """Full blocks entered the prefix cache (a KV BlockStored event)."""
+    def attach(self, core: "SimEngineCore") -> None:
+        """The core these hooks serve (called once, from its constructor)."""
+
+    def blocks_stored(self, block_hashes: list[int], parent: int | None, token_ids: list[int],
+                      extra_keys: list[list | None] | None = None) -> None:  # fmt: skip
+        """A run of full blocks entered the prefix cache (a KV BlockStored event):
+        ``token_ids`` are exactly theirs, ``parent`` the block before the first."""
 
     def blocks_removed(self, block_hashes: list[int]) -> None:
         """Blocks left the prefix cache (a KV BlockRemoved event)."""
 
     def cache_cleared(self) -> None:
         """reset_prefix_cache emptied the cache (a KV AllBlocksCleared event)."""
+
+    def step_done(self, now: float) -> None:
+        """An engine step ran (vLLM publishes the step's KV events here, and only here)."""
+
+    def kv_fault(self, kind: str, count: int) -> str | None:
+        """Inject a KV publisher fault (``tools/sim_kv.py``); None if done, else why not."""
+        return "KV events are off: start the sim engine with --kv-events-config"
 
     def outgoing(self, messages: list[list[bytes]], now: float) -> list[list[bytes]]:
         """Every output message passes here; faults replace or drop them."""
@@ -174,6 +187,7 @@ class SimEngineCore:
         self._reserved_blocks = 0
         self._step_counter = 0
         self._pcs = vllm.PrefixCacheStats()
+        self.hooks.attach(self)
 
     @property
     def has_work(self) -> bool:
@@ -244,6 +258,12 @@ class SimEngineCore:
                     return vllm.utility_success(call.call_id, False)
                 self._clear_cache()
                 return vllm.utility_success(call.call_id, True)
+            case "enginelink_sim_kv_fault" if 1 <= len(args) <= 2:
+                # Test-only fault injection (vLLM itself has no such method).
+                error = self.hooks.kv_fault(str(args[0]), int(args[1]) if len(args) > 1 else 1)
+                if error is not None:
+                    return vllm.utility_failure(call.call_id, call.method, error)
+                return vllm.utility_success(call.call_id, None)
             case "get_supported_tasks" if not args:
                 return vllm.utility_success(call.call_id, ["generate"])
             case "is_sleeping" if not args:
@@ -268,12 +288,16 @@ class SimEngineCore:
         self._pcs.reset = True
         self.hooks.cache_cleared()
 
+    def forget_prefix_cache(self) -> None:
+        """Empty the cache without an event: what an engine restart does (a KV fault)."""
+        self._cache.clear()
+
     # ---- one engine step --------------------------------------------------
 
     def step(self, now: float) -> tuple[list[list[bytes]], float]:
         """Run one scheduler step: (output messages, cost in seconds)."""
         if not self.has_work:
-            return [], 0.0
+            return [], 0.0  # vLLM does not step an engine without requests
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         computed = 0  # uncached prompt tokens computed this step
@@ -304,6 +328,7 @@ class SimEngineCore:
             self._running.append(r)
             scheduled.append(r)
         if not scheduled:
+            self.hooks.step_done(now)
             return [], 0.0
         self._step_counter += 1
         outputs, finished = self._sample_all(scheduled, now)
@@ -319,6 +344,7 @@ class SimEngineCore:
             finished_requests=[r.rid for r in finished] or None,
         )
         cost_s = (cfg.step_us + computed * cfg.prefill_us_per_token) * 1e-6
+        self.hooks.step_done(now)
         return self.hooks.outgoing([vllm.encode_outputs(out)], now), cost_s
 
     def _sample_all(
@@ -402,17 +428,23 @@ class SimEngineCore:
             i = len(r.block_hashes)
             parent, salt = (r.block_hashes[-1], None) if i else (None, r.salt)
             r.block_hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], salt))
-        stored: list[int] = []
-        for h in r.block_hashes[r.num_committed : n_full]:
+        runs: list[tuple[int, list[int]]] = []  # (index of the first block, hashes) per run of new blocks
+        for i in range(r.num_committed, n_full):
+            h = r.block_hashes[i]
             if h in self._cache:
                 self._cache.move_to_end(h)
             else:
                 self._cache[h] = None
-                stored.append(h)
-        if stored:
-            first = n_full - len(stored)
+                if runs and runs[-1][0] + len(runs[-1][1]) == i:
+                    runs[-1][1].append(h)
+                else:
+                    runs.append((i, [h]))
+        # One event per run: a block already cached splits the run, so each event's
+        # tokens are exactly its blocks' and its parent is the block before it.
+        for first, hashes in runs:
             parent = r.block_hashes[first - 1] if first else None
-            self.hooks.blocks_stored(stored, parent, tokens[first * bs : n_full * bs])
+            extra = [[r.salt] if first + k == 0 and r.salt else None for k in range(len(hashes))]
+            self.hooks.blocks_stored(hashes, parent, tokens[first * bs : (first + len(hashes)) * bs], extra)
         r.num_committed = n_full
         evicted = []
         while len(self._cache) > self.config.num_gpu_blocks:

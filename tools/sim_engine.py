@@ -14,6 +14,13 @@ Rules:
 - it never orphans: SIGTERM/SIGINT end it with status 0, and it exits when
   its parent process goes away (``os.getppid`` changes).
 - plain blocking pyzmq is fine here: this is its own process, outside trio.
+- KV events (``--kv-events-config JSON``, vLLM's flag and keys): a PUB socket
+  that binds or connects by vLLM's rule and a replay ROUTER that always
+  binds, both offset by the rank; one batch per engine step that has events
+  (``sim_kv.py``). The ready response's ``kv_events_config`` carries the
+  config with the endpoints this rank actually bound (a tcp port 0 resolved).
+  ``--kv-fault-*`` plan publisher faults; the utility call
+  ``enginelink_sim_kv_fault(kind, count)`` injects them at run time.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ from pathlib import Path
 
 import zmq
 
-from enginelink.tools.sim_core import SimConfig, SimEngineCore, ready_response
-from enginelink.wire import vllm
+from enginelink.tools.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
+from enginelink.tools.sim_kv import KvEventHooks, SimKvFaults, SimKvPublisher
+from enginelink.wire import kv_events, vllm
 from enginelink.wire.engine import WireError
 
 HANDSHAKE_TIMEOUT_S = 300.0  # vLLM's HANDSHAKE_TIMEOUT_MINS
@@ -48,6 +56,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks", type=int, default=8192)
     parser.add_argument("--vocab-size", type=int, default=None, help="default: config.json vocab_size")
+    parser.add_argument("--startup-delay-s", type=float, default=0.0,
+                        help="seconds between the handshake init and the ready response (model loading)")
+    parser.add_argument("--kv-events-config", type=_kv_config, default=None, metavar="JSON",
+                        help="vLLM's KV-event publisher config, e.g. "
+                        '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\'')
+    parser.add_argument("--kv-fault-skip", type=_seqs, default=frozenset(), metavar="SEQ[,SEQ]",
+                        help="KV batches numbered and never sent nor kept for replay (holes)")
+    parser.add_argument("--kv-fault-drop", type=_seqs, default=frozenset(), metavar="SEQ[,SEQ]",
+                        help="KV batches kept for replay but not sent on PUB (repairable)")
+    parser.add_argument("--kv-fault-restart-after", type=int, default=None, metavar="N",
+                        help="restart the KV publisher (and empty the cache) once after N batches")
+    parser.add_argument("--kv-replay-no-topic", action="store_true",
+                        help="answer replay requests without the topic frame (SGLang's form)")
+
+
+def _kv_config(text: str) -> kv_events.KvEventsConfig:
+    try:
+        return kv_events.parse_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seqs(text: str) -> frozenset[int]:
+    return frozenset(int(part) for part in text.split(",") if part.strip())
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -131,29 +163,98 @@ def run(args: argparse.Namespace) -> int:
             _log(f"no handshake init ({life.reason() or 'timed out'})")
             return 0 if life.reason() else 1
         handshake, init = started
+        # Step 3: a real engine loads its model here (18-24 s for vLLM on CPU).
+        loading_until = time.monotonic() + args.startup_delay_s
+        while time.monotonic() < loading_until and not life.reason():
+            time.sleep(0.01)
+        hooks, kv_sockets, kv_resolved = _kv_publisher(ctx, args, config)
         identity = args.rank.to_bytes(2, "little")
         inputs = ctx.socket(zmq.DEALER)
         inputs.setsockopt(zmq.IDENTITY, identity)
         inputs.connect(init.addresses.inputs[0])
         # Step 4: the ready response goes first; until it arrives the
         # front end's ROUTER cannot route to our identity.
-        inputs.send(vllm.encode_ready_response(ready_response(config)))
+        ready = ready_response(config)
+        ready.kv_events_config = kv_resolved
+        inputs.send(vllm.encode_ready_response(ready))
         outputs = ctx.socket(zmq.PUSH)
         outputs.setsockopt(zmq.LINGER, 4000)
         outputs.connect(init.addresses.outputs[0])
         ready = vllm.HandshakeStatus(status="READY", local=False, headless=True)
         handshake.send(vllm.encode_handshake_status(ready))
         _log(f"ready (rank {args.rank}, vocab {config.vocab_size}, max_model_len {config.max_model_len})")
-        reason = _serve(SimEngineCore(config), inputs, outputs, life)
+        reason = _serve(SimEngineCore(config, hooks), inputs, outputs, life, kv_sockets)
         _log(f"stopping: {reason}")
         return 0
     finally:
         ctx.destroy(linger=0)
 
 
-def _serve(core: SimEngineCore, inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime) -> str:
+class _KvSockets:
+    def __init__(self, hooks: KvEventHooks, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
+        self.hooks = hooks
+        self.pub = pub
+        self.replay = replay
+
+    def flush(self) -> None:
+        for message in self.hooks.take_messages():
+            self.pub.send_multipart(message)
+
+    def serve_replay(self) -> None:
+        while self.replay is not None:
+            try:
+                identity, *frames = self.replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                start = kv_events.parse_replay_request(frames)
+            except WireError as exc:
+                _log(f"ignored a KV replay request: {exc}")
+                continue
+            for reply in self.hooks.publisher.replay(start):
+                self.replay.send_multipart([identity, *reply])
+
+
+def _kv_publisher(
+    ctx: zmq.Context, args: argparse.Namespace, config: SimConfig
+) -> tuple[SimHooks | None, _KvSockets | None, dict | None]:
+    """The KV-event publisher of this rank, when --kv-events-config turns it on."""
+    cfg = args.kv_events_config
+    if cfg is None or not cfg.publishing:
+        return None, None, cfg.to_dict() if cfg is not None else None
+    faults = SimKvFaults(
+        skip_seqs=args.kv_fault_skip, drop_seqs=args.kv_fault_drop,
+        restart_after_batches=args.kv_fault_restart_after, replay_topic=not args.kv_replay_no_topic,
+    )  # fmt: skip
+    hooks = KvEventHooks(SimKvPublisher(cfg, args.rank, faults), config.block_size, time.time() - time.monotonic())
+    pub = ctx.socket(zmq.PUB)
+    pub.set_hwm(cfg.hwm)
+    pub.setsockopt(zmq.LINGER, 1000)
+    endpoint = kv_events.endpoint_for_rank(cfg.endpoint, args.rank)
+    resolved = cfg.to_dict()
+    if kv_events.publisher_binds(endpoint):
+        pub.bind(endpoint)
+        resolved["endpoint"] = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    else:
+        pub.connect(endpoint)
+        resolved["endpoint"] = endpoint
+    replay = None
+    if cfg.replay_endpoint:
+        replay = ctx.socket(zmq.ROUTER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.bind(kv_events.endpoint_for_rank(cfg.replay_endpoint, args.rank))
+        resolved["replay_endpoint"] = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+    return hooks, _KvSockets(hooks, pub, replay), resolved
+
+
+def _serve(core: SimEngineCore, inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime,
+           kv: _KvSockets | None = None) -> str:  # fmt: skip
     """The engine loop; returns why it stopped."""
     next_step = 0.0  # monotonic time the current step's cost runs out
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    if kv is not None and kv.replay is not None:
+        poller.register(kv.replay, zmq.POLLIN)
     while True:
         if (reason := life.reason()) is not None:
             return reason
@@ -161,7 +262,10 @@ def _serve(core: SimEngineCore, inputs: zmq.Socket, outputs: zmq.Socket, life: _
             timeout_ms = max(0.0, next_step - time.monotonic()) * 1000
         else:
             timeout_ms = IDLE_POLL_MS
-        if inputs.poll(timeout_ms):
+        ready = dict(poller.poll(timeout_ms))
+        if kv is not None and kv.replay in ready:
+            kv.serve_replay()
+        if inputs in ready:
             while True:  # drain everything that is already here
                 try:
                     frames = inputs.recv_multipart(zmq.NOBLOCK)
@@ -182,6 +286,8 @@ def _serve(core: SimEngineCore, inputs: zmq.Socket, outputs: zmq.Socket, life: _
             messages, cost_s = core.step(now)
             for message in messages:
                 outputs.send_multipart(message)
+            if kv is not None:
+                kv.flush()
             next_step = now + cost_s
 
 
