@@ -1,13 +1,28 @@
 """One engine link: sockets, the engine process, the handshake, and the receive loop.
 
-Lifetime (one nursery): bind the handshake ROUTER (tcp on loopback, a port
-the OS picks), the input ROUTER and the output PULL (ipc sockets in a private
-0700 directory); launch the engine, which dials the handshake socket; HELLO →
-init addresses → ready response (on the input socket) and READY (on the
-handshake socket, in either order); then the link is up and the receive loop
-decodes each output frame once, journals it as received, and hands it to the
-hub. The engine process is watched: if it exits, or says ENGINE_CORE_DEAD,
-the link fails and every open request ends with UNAVAILABLE.
+Lifetime (one nursery): remove stale ipc socket files (only those nothing live
+is bound to); bind the handshake ROUTER (tcp on loopback, a port the OS
+picks), the input ROUTER and the output PULL (ipc sockets in a private 0700
+directory); launch the engine in its own session, which dials the handshake
+socket; HELLO → init addresses → ready response (on the input socket) and
+READY (on the handshake socket, in either order); check the ready response
+with the launcher (a version guard); then the link is up and the receive
+loop decodes each output frame once, journals it as received, and hands it
+to the hub.
+
+Supervision (the reference servicer's knobs, see ``Supervision``):
+- start-up: the handshake may be silent for ``startup_timeout_s``, extended
+  while the engine process lives, never beyond ``startup_ceiling_s`` (0 = no
+  ceiling); the engine process exiting ends the start-up at once;
+- running: the engine is dead when its process exits, it says
+  ENGINE_CORE_DEAD, it drops its connection to our sockets (its EngineCore
+  died while its launcher still runs), or it stays silent with requests in
+  flight for ``silence_timeout_s`` + pending prefill tokens ÷
+  ``prefill_tokens_per_s``. Then the link fails and every open request ends
+  with UNAVAILABLE;
+- stopping: SIGTERM to the engine's whole session, SIGKILL after a grace
+  period, and wait until no process of the session is left (vLLM's
+  launcher spawns EngineCore and Worker processes; none may outlive us).
 
 Rules: no request I/O outside this file and the hub; the machine decides
 state, this file only feeds it events; every handshake message is journaled.
@@ -15,15 +30,19 @@ state, this file only feeds it events; every handshake message is journaled.
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import os
 import signal
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import msgspec
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from enginelink.journal.records import (
     KIND_ENGINE_FACTS,
@@ -35,30 +54,64 @@ from enginelink.journal.records import (
     link_stream,
 )
 from enginelink.machines.link import LinkEvent, LinkMachine
+from enginelink.runtime.engine_process import (
+    SOCKET_PREFIX,
+    remove_stale_files,
+    session_alive,
+    signal_session,
+    socket_dir,
+    wait_session_gone,
+)
 from enginelink.runtime.launchers import EngineLauncher
 from enginelink.runtime.zmq_trio import make_socket, recv_multipart
 from enginelink.wire import vllm as vllm_wire
 from enginelink.wire.engine import EngineCodec, EngineDead, OutputBatch, WireError
 
+log = logging.getLogger("enginelink.link")
+
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
-# After SIGTERM, how long the engine gets before SIGKILL.
+# After SIGTERM, how long the engine's session gets before SIGKILL.
 ENGINE_TERM_GRACE_S = 10.0
+# After SIGKILL, how long we wait for the session to be gone before giving up.
+ENGINE_KILL_WAIT_S = 5.0
 # The handshake is a one-off: polling it keeps the code simple.
 HANDSHAKE_POLL_S = 0.01
+# When the engine drops its connection, how long the process watcher gets to
+# report the exit itself (with its status) before the drop fails the link.
+DISCONNECT_GRACE_S = 0.2
+# Where the link asks an engine to write the config facts its ready response lacks.
+ENGINE_FACTS_ENV = "ENGINELINK_ENGINE_FACTS"
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+)
+_MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+for _event in _HANDSHAKE_FAILED:
+    _MONITOR_EVENTS |= _event
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """How long an engine may take, or stay quiet, before it counts as dead."""
+
+    startup_timeout_s: float = 1800.0  # SMG_VLLM_SERVICER_STARTUP_TIMEOUT_SECS
+    startup_ceiling_s: float = 14400.0  # SMG_VLLM_SERVICER_STARTUP_CEILING_SECS; 0 = none
+    silence_timeout_s: float = 300.0  # SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS
+    prefill_tokens_per_s: float = 2000.0  # SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC
+    term_grace_s: float = ENGINE_TERM_GRACE_S
+
+    def silence_limit_s(self, pending_prefill_tokens: int) -> float:
+        return self.silence_timeout_s + pending_prefill_tokens / self.prefill_tokens_per_s
 
 
 class LinkFailed(Exception):
     """The engine link failed; the message says why (whose fault: the engine's)."""
 
 
-def socket_dir() -> Path:
-    """The private directory for ipc sockets (``SMG_ZMQ_SOCKET_DIR`` honoured)."""
-    configured = os.environ.get("SMG_ZMQ_SOCKET_DIR")
-    path = Path(configured) if configured else Path(tempfile.gettempdir()) / f"smg-zmq-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path.chmod(0o700)
-    return path
+class EngineIncompatible(LinkFailed):
+    """The engine that answered is not what the launch check verified (exit 2)."""
 
 
 class EngineLink:
@@ -69,24 +122,37 @@ class EngineLink:
         launcher: EngineLauncher,
         codec: EngineCodec,
         journal,
-        startup_timeout_s: float,
+        startup_timeout_s: float | None = None,
+        supervision: Supervision | None = None,
     ) -> None:
         self.name = name
         self.launcher = launcher
         self.codec = codec
         self.journal = journal
-        self.startup_timeout_s = startup_timeout_s
+        supervision = supervision or Supervision()
+        if startup_timeout_s is not None:
+            supervision = Supervision(**{**supervision.__dict__, "startup_timeout_s": startup_timeout_s})
+        self.supervision = supervision
         self.machine = LinkMachine(name, trio.current_time())
         self.ready: dict = {}
+        self.engine_facts: dict = {}
         self.process: trio.Process | None = None
         self.on_batch: Callable[[OutputBatch, float], None] = lambda batch, now: None
         self.on_failure: Callable[[str, float], None] = lambda message, now: None
+        # (requests in flight, prompt tokens not yet prefilled), for the silence limit.
+        self.load_probe: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self._context = zmq.Context.instance()
         self._identity = b"\x00\x00"
         self._input: zmq.Socket | None = None
         self._paths: list[Path] = []
         self._next_call_id = 1
         self._utility_waiters: dict[int, tuple[trio.Event, list]] = {}
+        self._startup_scope: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
+        self._handshake_done = False
+        self._progress_at = trio.current_time()
+        self._stop_done: trio.Event | None = None
+        self.last_frame_at = trio.current_time()
         self.frames_received = 0
 
     # -- public --------------------------------------------------------------------
@@ -133,56 +199,132 @@ class EngineLink:
         inputs = make_socket(self._context, zmq.ROUTER)
         outputs = make_socket(self._context, zmq.PULL)
         inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        monitor = None
         try:
+            directory = socket_dir()
+            for path in remove_stale_files(directory):
+                log.info("removed stale %s (nothing was bound to it)", path)
             port = handshake.bind_to_random_port("tcp://127.0.0.1")
-            base = socket_dir() / f"enginelink-{os.getpid()}-{self.name}"
+            base = directory / f"{SOCKET_PREFIX}{os.getpid()}-{self.name}"
             in_path, out_path = Path(f"{base}-in.sock"), Path(f"{base}-out.sock")
-            self._paths = [in_path, out_path]
+            facts_path = Path(f"{base}-facts.json")
+            self._paths = [in_path, out_path, facts_path]
+            facts_path.unlink(missing_ok=True)
             inputs.bind(f"ipc://{in_path}")
             outputs.bind(f"ipc://{out_path}")
+            monitor = outputs.get_monitor_socket(_MONITOR_EVENTS)
             argv, env = self.launcher.command(f"tcp://127.0.0.1:{port}")
             self._journal_handshake("launch", {"argv": self.launcher.redacted(argv), "handshake_port": port})
+            failure: LinkFailed | None = None
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 self.process = await trio.lowlevel.open_process(
-                    argv, env={**os.environ, **env}, start_new_session=True
+                    argv, env={**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}, start_new_session=True
                 )
+                self._progress_at = trio.current_time()
                 nursery.start_soon(self._watch_process)
-                with trio.fail_after(self.startup_timeout_s):
-                    await self._handshake(handshake, inputs, f"ipc://{in_path}", f"ipc://{out_path}")
-                self._input = inputs
-                self.step(LinkEvent.HANDSHAKE_DONE)
-                task_status.started()
-                await self._receive_loop(outputs)
-        except trio.TooSlowError:
-            self._fail(f"engine did not complete the handshake within {self.startup_timeout_s:g} s")
-            raise LinkFailed(self.machine.failure) from None
+                nursery.start_soon(self._supervise_startup)
+                failure = await self._start_up(handshake, inputs, in_path, out_path, facts_path)
+                if failure is None:
+                    self._input = inputs
+                    self.step(LinkEvent.HANDSHAKE_DONE)
+                    task_status.started()
+                    nursery.start_soon(self._watch_disconnect, monitor)
+                    nursery.start_soon(self._watch_silence)
+                    await self._receive_loop(outputs)
+                nursery.cancel_scope.cancel()
+            # Raised outside the nursery, so callers see it bare, not in an ExceptionGroup.
+            if failure is not None:
+                raise failure
         finally:
             self._input = None
-            for sock in (handshake, inputs, outputs):
-                sock.close(linger=0)
+            for sock in (handshake, inputs, outputs, monitor):
+                if sock is not None:
+                    sock.close(linger=0)
             await self.stop_engine()
             for path in self._paths:
                 path.unlink(missing_ok=True)
 
     async def stop_engine(self) -> None:
-        """SIGTERM the engine's process group, SIGKILL after a grace period."""
+        """SIGTERM the engine's session, SIGKILL after the grace period; wait until it is gone."""
         process = self.process
-        if process is None or process.returncode is not None:
+        if process is None:
             return
+        if self._stop_done is not None:
+            with trio.CancelScope(shield=True):
+                await self._stop_done.wait()
+            return
+        self._stop_done = trio.Event()
         with trio.CancelScope(shield=True):
-            _signal_group(process, signal.SIGTERM)
-            with trio.move_on_after(ENGINE_TERM_GRACE_S):
-                await process.wait()
-            if process.returncode is None:
-                _signal_group(process, signal.SIGKILL)
-                await process.wait()
+            try:
+                session = process.pid
+                if session_alive(process, session):
+                    signal_session(session, signal.SIGTERM)
+                    with trio.move_on_after(self.supervision.term_grace_s):
+                        await wait_session_gone(process, session)
+                if session_alive(process, session):
+                    log.warning("engine session %d still alive after SIGTERM: SIGKILL", session)
+                    signal_session(session, signal.SIGKILL)
+                    with trio.move_on_after(ENGINE_KILL_WAIT_S):
+                        await wait_session_gone(process, session)
+                if process.returncode is None:
+                    await process.wait()
+            finally:
+                self._stop_done.set()
 
-    # -- internals -----------------------------------------------------------------
+    # -- internals: start-up -------------------------------------------------------
 
     def _journal_handshake(self, step: str, message: dict) -> None:
+        self._progress_at = trio.current_time()
         self.journal.append(
             trio.current_time(), link_stream(self.name), KIND_ENGINE_HANDSHAKE, {"step": step, "message": message}
         )
+
+    async def _supervise_startup(self) -> None:
+        """Bound the handshake: silence extended while the process lives, and a ceiling."""
+        sup = self.supervision
+        started = trio.current_time()
+        ceiling = started + sup.startup_ceiling_s if sup.startup_ceiling_s > 0 else math.inf
+        while not self._handshake_done and self.machine.live:
+            deadline = min(self._progress_at + sup.startup_timeout_s, ceiling)
+            await trio.sleep_until(deadline)
+            if self._handshake_done or not self.machine.live:
+                return
+            now = trio.current_time()
+            if now >= ceiling:
+                self._fail(
+                    f"engine did not complete the handshake within the start-up ceiling of "
+                    f"{sup.startup_ceiling_s:g} s (SMG_VLLM_SERVICER_STARTUP_CEILING_SECS)"
+                )
+                return
+            if now >= self._progress_at + sup.startup_timeout_s:
+                if self.process is not None and self.process.returncode is None:
+                    log.info("engine still starting after %.0f s (its process is alive): waiting on", now - started)
+                    self._journal_handshake("startup_extended", {"after_s": now - started})
+                else:
+                    self._fail(
+                        f"engine did not complete the handshake within {sup.startup_timeout_s:g} s "
+                        "(SMG_VLLM_SERVICER_STARTUP_TIMEOUT_SECS)"
+                    )
+                    return
+
+    async def _start_up(self, handshake, inputs, in_path: Path, out_path: Path, facts_path: Path) -> LinkFailed | None:
+        """Handshake and check the engine; the failure, if it did not come up."""
+        with trio.CancelScope() as self._startup_scope:
+            try:
+                await self._handshake(handshake, inputs, f"ipc://{in_path}", f"ipc://{out_path}")
+            except (LinkFailed, msgspec.DecodeError) as error:
+                self._fail(f"engine broke the handshake: {error}")
+            else:
+                self._handshake_done = True
+        if not self._handshake_done:
+            return LinkFailed(self.machine.failure or "engine start-up was cancelled")
+        self._read_facts(facts_path)
+        problem = getattr(self.launcher, "check_ready", lambda ready: None)(self.ready)
+        if problem:
+            self._fail(problem)
+            return EngineIncompatible(problem)
+        return None
 
     async def _handshake(self, handshake, inputs, in_address: str, out_address: str) -> None:
         identity, payload = await recv_multipart(handshake)
@@ -219,12 +361,25 @@ class EngineLink:
                     self._journal_handshake("READY", message)
                     got_ready = isinstance(message, dict) and message.get("status") == "READY"
             await trio.sleep(HANDSHAKE_POLL_S)
+
+    def _read_facts(self, facts_path: Path) -> None:
+        """Merge the engine's own config facts into ``ready`` where the response lacks them."""
+        try:
+            facts = json.loads(facts_path.read_text())
+        except (OSError, ValueError):
+            facts = {}
+        if isinstance(facts, dict):
+            self.engine_facts = facts
+            for key, value in facts.items():
+                self.ready.setdefault(key, value)
         self.journal.append(
             trio.current_time(),
             link_stream(self.name),
             KIND_ENGINE_FACTS,
             {"link": self.name, "pid": self.process.pid if self.process else None, "facts": self.ready},
         )
+
+    # -- internals: running --------------------------------------------------------
 
     async def _receive_loop(self, outputs: zmq.Socket) -> None:
         journal_append = self.journal.append
@@ -250,7 +405,7 @@ class EngineLink:
                     if waiter is not None:
                         waiter[1].append(batch.utility)
                         waiter[0].set()
-                if batch.outputs:
+                if batch.outputs or batch.stats is not None:
                     self.on_batch(batch, now)
                 handled += 1
                 if handled >= FRAMES_PER_WAKEUP:
@@ -259,13 +414,74 @@ class EngineLink:
                     frames = outputs.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     frames = None
+            self.last_frame_at = trio.current_time()
             await trio.lowlevel.checkpoint()
 
     async def _watch_process(self) -> None:
         process = self.process
         await process.wait()
-        if self.machine.live:
+        if self.machine.live and self._stop_done is None:
             self._fail(f"engine process {process.pid} exited with status {process.returncode}")
+
+    async def _watch_disconnect(self, monitor: zmq.Socket) -> None:
+        """The engine's connection to our output socket dropped: its engine core is gone.
+
+        Only connections that completed the ZMTP handshake count: a bare
+        connect (another process probing for stale socket files) fails its
+        handshake and is ignored. Events queue in the monitor from before the
+        launch, so they are read here in the order they happened.
+        """
+        unresolved: list[int] = []  # accepted fds, oldest first, handshake not yet done
+        engine_fds: set[int] = set()
+        while True:
+            event = parse_monitor_message(await recv_multipart(monitor))
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                unresolved.append(value)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if unresolved:
+                    engine_fds.add(unresolved.pop(0))
+            elif kind in _HANDSHAKE_FAILED:
+                if unresolved:
+                    unresolved.pop(0)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                if value in unresolved:
+                    unresolved.remove(value)
+                if value not in engine_fds or self._stop_done is not None:
+                    continue
+                # Let the process watcher report a plain exit with its status first.
+                await trio.sleep(DISCONNECT_GRACE_S)
+                if self.machine.live and self._stop_done is None:
+                    pid = self.process.pid if self.process else "?"
+                    self._fail(
+                        f"engine closed its output connection (its engine core exited) while its "
+                        f"launcher process {pid} still runs"
+                    )
+                return
+
+    async def _watch_silence(self) -> None:
+        """Fail the link when the engine says nothing for too long with requests in flight."""
+        sup = self.supervision
+        check_s = max(0.05, min(1.0, sup.silence_timeout_s / 4))
+        busy_since: float | None = None
+        while self.machine.live:
+            await trio.sleep(check_s)
+            in_flight, prefill_tokens = self.load_probe()
+            now = trio.current_time()
+            if not in_flight:
+                busy_since = None
+                continue
+            if busy_since is None:
+                busy_since = now
+            quiet_s = now - max(self.last_frame_at, busy_since)
+            limit_s = sup.silence_limit_s(prefill_tokens)
+            if quiet_s > limit_s:
+                self._fail(
+                    f"engine sent nothing for {quiet_s:.1f} s with {in_flight} requests in flight "
+                    f"(limit {limit_s:.1f} s: SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS "
+                    f"+ {prefill_tokens} pending prefill tokens at SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC)"
+                )
+                return
 
     def _fail(self, message: str) -> None:
         if not self.machine.live:
@@ -273,11 +489,9 @@ class EngineLink:
         now = trio.current_time()
         self.journal.append(now, link_stream(self.name), KIND_ERROR, {"whose": "engine", "code": "UNAVAILABLE", "message": message})
         self.step(LinkEvent.FAIL, message)
+        if self._startup_scope is not None and not self._handshake_done:
+            self._startup_scope.cancel()
         self.on_failure(message, now)
-
-
-def _signal_group(process: trio.Process, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
+        if self._handshake_done and self._nursery is not None:
+            # Nothing the engine sends matters any more: stop it now (run's finally).
+            self._nursery.cancel_scope.cancel()

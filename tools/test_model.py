@@ -35,11 +35,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # Bump when any output byte changes, so old builds stop counting as complete.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 MARKER_NAME = "ENGINELINK-TEST-MODEL"
 
 WEIGHT_SEED = 0
-WEIGHT_STD = 0.02
+# Large enough that greedy output depends on the prompt and keeps changing
+# along the sequence (at 0.02 the residual stream dominates and a model repeats
+# one token forever), with top-2 logit margins of whole bf16 steps, so output
+# equality between two runs of the same engine means something. Checked with
+# vLLM 0.32 on CPU (tests/vllm/).
+WEIGHT_STD = 0.3  # every projection matrix
+EMBED_STD = 1.0  # the (tied) token embeddings
 
 VOCAB_SIZE = 4096
 HIDDEN_SIZE = 256
@@ -201,7 +207,8 @@ def tensor_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def init_values(name: str, count: int) -> list[float]:
-    """The values of one tensor: RMSNorm scales 1.0, everything else N(0, std).
+    """The values of one tensor: RMSNorm scales 1.0, embeddings N(0, EMBED_STD),
+    every other matrix N(0, WEIGHT_STD).
 
     Each tensor draws from its own ``random.Random`` seeded by name (string
     seeds hash with sha512, stable across runs), so changing one tensor's init
@@ -210,7 +217,8 @@ def init_values(name: str, count: int) -> list[float]:
     if name.endswith("norm.weight"):
         return [1.0] * count
     gauss = random.Random(f"{WEIGHT_SEED}/{name}").gauss
-    return [gauss(0.0, WEIGHT_STD) for _ in range(count)]
+    std = EMBED_STD if name == "model.embed_tokens.weight" else WEIGHT_STD
+    return [gauss(0.0, std) for _ in range(count)]
 
 
 def to_bf16_bytes(values: list[float]) -> bytes:

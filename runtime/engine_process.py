@@ -1,0 +1,141 @@
+"""The engine's process session and its files on disk, as the link manages them.
+
+An engine runs in its own session (``start_new_session``): vLLM's launcher
+spawns EngineCore, which spawns a Worker, and none of them may outlive the
+servicer. A session is found in ``/proc`` (a process that left its group is
+still in its session) and signalled as a group and member by member.
+
+Its ipc socket files live in a private 0700 directory (``SMG_ZMQ_SOCKET_DIR``
+honoured), named ``enginelink-<pid>-<link>-…``. A file left by a servicer
+that died is removed at the next start, but only when its pid is gone *and*
+nothing accepts a connection on it: probing a live socket would look, to its
+owner, like a client coming and going.
+
+Rules: no trio here but the waits; Linux ``/proc``, with a pid-only fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+SOCKET_PREFIX = "enginelink-"
+# A socket file younger than this is never judged stale (bind → listen race).
+STALE_SOCKET_MIN_AGE_S = 2.0
+
+
+def socket_dir() -> Path:
+    """The private directory for ipc sockets (``SMG_ZMQ_SOCKET_DIR`` honoured)."""
+    configured = os.environ.get("SMG_ZMQ_SOCKET_DIR")
+    path = Path(configured) if configured else Path(tempfile.gettempdir()) / f"smg-zmq-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def socket_is_live(path: Path) -> bool:
+    """Whether something accepts connections on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True  # cannot tell (permissions, a busy listener): leave it
+        return True
+
+
+def remove_stale_files(directory: Path, now_wall: float | None = None) -> list[Path]:
+    """Remove enginelink's leftovers in ``directory``: socket files of processes
+    that are gone and that nothing live is bound to (a connect is refused), and
+    facts files of processes that are gone. Returns them."""
+    now_wall = time.time() if now_wall is None else now_wall
+    removed = []
+    for path in sorted(directory.glob(f"{SOCKET_PREFIX}*")):
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        if now_wall - info.st_mtime < STALE_SOCKET_MIN_AGE_S:
+            continue
+        if path.is_socket():
+            # Never probe a socket whose owner lives: a probe is a connection
+            # its owner sees come and go.
+            stale = not _pid_alive(_pid_of(path.name)) and not socket_is_live(path)
+        elif path.name.endswith("-facts.json"):
+            stale = not _pid_alive(_pid_of(path.name))
+        else:
+            continue
+        if stale:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _pid_of(name: str) -> int:
+    try:
+        return int(name[len(SOCKET_PREFIX) :].split("-", 1)[0])
+    except ValueError:
+        return -1
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def session_members(session: int) -> list[int]:
+    """Pids of the live (non-zombie) processes in ``session`` (Linux /proc)."""
+    members = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return [session] if _pid_alive(session) else []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp session ...; comm may hold spaces and parens.
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if fields[0] != b"Z" and int(fields[3]) == session:
+            members.append(int(entry))
+    return members
+
+
+def session_alive(process: trio.Process, session: int) -> bool:
+    return process.poll() is None or bool(session_members(session))
+
+
+def signal_session(session: int, sig: int) -> None:
+    """Signal every process of the session: its group, and strays that left the group."""
+    try:
+        os.killpg(session, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in session_members(session):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+async def wait_session_gone(process: trio.Process, session: int) -> None:
+    while session_alive(process, session):
+        await trio.sleep(0.05)

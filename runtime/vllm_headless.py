@@ -1,0 +1,171 @@
+"""A headless vLLM engine that dials enginelink's handshake socket.
+
+Run BY PATH with the vLLM venv's python (enginelink is not installed there):
+
+    VENV/bin/python vllm_headless.py --handshake tcp://127.0.0.1:PORT \
+        [--facts PATH] -- --model DIR [vLLM engine args...]
+        (--facts defaults to $ENGINELINK_ENGINE_FACTS, which enginelink sets)
+    VENV/bin/python vllm_headless.py --print-layout
+
+It does what ``vllm serve DIR --headless`` does for one node
+(reference/vllm-engine-wire.md §1): build the engine config from vLLM's own
+engine-argument parser, start one ``EngineCore`` process per local DP rank
+with ``CoreEngineProcManager(local_client=False)``, and watch them. It needs
+no ``vllm`` dist-info shim, because it never goes through vLLM's CLI entry.
+
+Rules:
+- imports nothing of enginelink; only the standard library and vLLM, and
+  vLLM only inside ``main`` (vLLM starts processes with spawn, so everything
+  that builds an engine sits under ``if __name__ == "__main__"``);
+- never orphans its engines: SIGTERM/SIGINT and the death of its parent
+  (enginelink) both end it through ``CoreEngineProcManager.shutdown``;
+- ``--print-layout`` prints the installed release's positional struct layouts
+  (reference §10), which enginelink compares with its codec before launch;
+- ``--facts`` writes the resolved engine config facts that the ready response
+  lacks (kv cache dtype, served name, profiler) as JSON, before the engines start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from urllib.parse import urlsplit
+
+PARENT_POLL_S = 0.5
+
+
+def print_layout() -> int:
+    import vllm
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+
+    print(
+        json.dumps(
+            {
+                "version": vllm.__version__,
+                "request": list(EngineCoreRequest.__struct_fields__),
+                "request_required": len(EngineCoreRequest.__struct_fields__)
+                - len(EngineCoreRequest.__struct_defaults__),
+                "outputs": list(EngineCoreOutputs.__struct_fields__),
+                "output": list(EngineCoreOutput.__struct_fields__),
+                "sampling_keys": list(SamplingParams.__struct_fields__),
+                "finish_reasons": {r.name: r.value for r in FinishReason},
+            }
+        ),
+        flush=True,
+    )
+    return 0
+
+
+def _watch_parent(parent: int) -> None:
+    """SIGTERM ourselves when the parent goes (reparenting changes getppid)."""
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent:
+            print("vllm-headless: parent process exited; shutting down", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def _write_facts(path: str, vllm_config) -> None:
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    served = model.served_model_name
+    facts = {
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "served_model_name": served if isinstance(served, str) else (served or [model.model])[0],
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "enable_prefix_caching": bool(cache.enable_prefix_caching),
+        "profiler": getattr(vllm_config.profiler_config, "profiler", None),
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(facts, fh)
+    os.replace(tmp, path)
+
+
+def run_engine(handshake: str, facts_path: str | None, engine_argv: list[str]) -> int:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.utils import CoreEngineProcManager
+    from vllm.v1.executor import Executor
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm-headless (enginelink)"))
+    args = parser.parse_args(engine_argv)
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    address = urlsplit(handshake)
+    engine_args.data_parallel_address = address.hostname
+    engine_args.data_parallel_rpc_port = address.port
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size_local <= 0:
+        raise SystemExit("vllm-headless: data_parallel_size_local must be > 0")
+    if facts_path:
+        _write_facts(facts_path, vllm_config)
+
+    shutdown_requested = False
+
+    def on_signal(signum, _frame):
+        nonlocal shutdown_requested
+        if not shutdown_requested:
+            shutdown_requested = True
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    manager = CoreEngineProcManager(
+        local_engine_count=parallel.data_parallel_size_local,
+        start_index=parallel.data_parallel_rank,
+        local_start_index=0,
+        vllm_config=vllm_config,
+        local_client=False,
+        handshake_address=handshake,
+        executor_class=Executor.get_class(vllm_config),
+        log_stats=not engine_args.disable_log_stats,
+    )
+    try:
+        manager.monitor_engine_liveness()
+    finally:
+        manager.shutdown(timeout=vllm_config.shutdown_timeout if shutdown_requested else None)
+    if shutdown_requested:
+        return 0
+    failed = manager.failed_proc_name
+    print(f"vllm-headless: engine process {failed or '?'} exited", file=sys.stderr, flush=True)
+    return 1
+
+
+def main(argv: list[str]) -> int:
+    if "--" in argv:
+        split = argv.index("--")
+        own, engine_argv = argv[:split], argv[split + 1 :]
+    else:
+        own, engine_argv = argv, []
+    parser = argparse.ArgumentParser(prog="vllm_headless.py")
+    parser.add_argument("--print-layout", action="store_true")
+    parser.add_argument("--handshake", help="enginelink's handshake ROUTER, tcp://HOST:PORT")
+    parser.add_argument("--facts", default=os.environ.get("ENGINELINK_ENGINE_FACTS"),
+                        help="write resolved engine facts (JSON) here (default: $ENGINELINK_ENGINE_FACTS)")
+    args = parser.parse_args(own)
+    if args.print_layout:
+        return print_layout()
+    if not args.handshake:
+        parser.error("--handshake is required")
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+    try:
+        return run_engine(args.handshake, args.facts, engine_argv)
+    except SystemExit as stop:  # a signal, or a refused configuration
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,120 @@
+"""Fixtures of the real-engine suite: vLLM 0.32 on CPU, started by the tests.
+
+Every engine here is ``enginelink serve --engine vllm`` over the tiny test
+model, with a short context (``--max-model-len 1024``: long requests last
+seconds, short ones milliseconds) and ``--enforce-eager``
+so a start costs ~20 s on 2 cores. One servicer serves the whole session's
+generation, abort and router tests; the lifecycle tests start their own.
+vLLM's offline ``LLM`` API runs beside it in a subprocess of the vLLM venv
+(``offline_llm.py``) as the reference the outputs are compared with; it
+loads while the servicer's engine starts.
+
+Without a vLLM installation (tools/setup-vllm) these tests are skipped, unless
+``ENGINELINK_REQUIRE_VLLM=1`` (tools/run-tests sets it), where that fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from enginelink.runtime.launchers import LauncherError, default_vllm_python
+from tests.harness import Servicer
+
+ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager"]
+MAX_MODEL_LEN = 1024
+START_TIMEOUT_S = 300.0
+OFFLINE_SCRIPT = Path(__file__).with_name("offline_llm.py")
+
+
+def vllm_python_or_skip() -> str:
+    try:
+        python = default_vllm_python()
+    except LauncherError as error:
+        python, reason = None, str(error)
+    else:
+        reason = f"{python} is missing"
+    if python is None or not Path(python).exists():
+        if os.environ.get("ENGINELINK_REQUIRE_VLLM") == "1":
+            pytest.fail(f"vLLM is required here: {reason}")
+        pytest.skip(f"no vLLM installation (run tools/setup-vllm): {reason}")
+    return python
+
+
+def vllm_servicer(tmp: Path, model_dir: Path, engine_args: list[str] | None = None,
+                  env: dict[str, str] | None = None) -> Servicer:
+    return Servicer(tmp, model_dir=model_dir, extra=["--engine", "vllm"],
+                    engine_args=engine_args or ENGINE_ARGS, env=env)
+
+
+class OfflineVllm:
+    """vLLM's offline ``LLM`` in a subprocess: ``run(cases)`` answers them in order."""
+
+    def __init__(self, python: str, model_dir: Path, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        kwargs = {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True}
+        self.process = subprocess.Popen(
+            [python, str(OFFLINE_SCRIPT), str(model_dir), json.dumps(kwargs)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
+        )
+        self._ready = False
+        self._lock = threading.Lock()
+
+    def _read_line(self, timeout_s: float) -> dict:
+        box: list = []
+        reader = threading.Thread(target=lambda: box.append(self.process.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not box or not box[0]:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"offline vLLM gave no answer within {timeout_s} s:\n{tail}")
+        return json.loads(box[0])
+
+    def run(self, cases: list[dict], timeout_s: float = 120.0) -> dict[str, list[dict]]:
+        """{case id: outputs} for cases {"id", "prompt_token_ids", "sampling"}."""
+        with self._lock:
+            if not self._ready:
+                assert self._read_line(START_TIMEOUT_S) == {"ready": True}
+                self._ready = True
+            for case in cases:
+                self.process.stdin.write(json.dumps(case) + "\n")
+            self.process.stdin.flush()
+            answers = [self._read_line(timeout_s) for _ in cases]
+        return {a["id"]: a["outputs"] for a in answers}
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    return vllm_python_or_skip()
+
+
+@pytest.fixture(scope="session")
+def vllm_stack(tmp_path_factory, test_model_dir, vllm_python):
+    """(servicer, offline vLLM): one real engine behind enginelink, one on its own."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    offline = OfflineVllm(vllm_python, test_model_dir, tmp / "offline-llm.log")
+    # A short drain: the session's end has nothing in flight to wait for.
+    servicer = vllm_servicer(tmp, test_model_dir, env={"ENGINELINK_DRAIN_SECS": "0.5"})
+    try:
+        servicer.start(timeout_s=START_TIMEOUT_S)
+        yield servicer, offline
+    finally:
+        servicer.stop()
+        offline.close()

@@ -1,0 +1,57 @@
+"""vLLM on its own: the offline ``LLM`` API, as the reference the servicer is compared with.
+
+Run by path with the vLLM venv's python (enginelink is not installed there):
+
+    VENV/bin/python offline_llm.py MODEL_DIR [LLM kwargs as JSON]
+
+It builds one ``LLM`` and then answers cases, one JSON line in, one JSON line
+out, until stdin closes:
+
+    in:  {"id": ..., "prompt_token_ids": [...], "sampling": {SamplingParams kwargs}}
+    out: {"id": ..., "outputs": [{"index", "token_ids", "finish_reason", "stop_reason"}]}
+
+Each case is generated on its own (a batch of one), as the servicer's tests
+send them one at a time, so both runs see the same batch shapes. Everything
+vLLM prints goes to stderr; stdout carries only "ready" and the answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> int:
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM (and its child processes) log to stdout: send that to stderr
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    llm = LLM(model=sys.argv[1], **kwargs)
+    answers.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        case = json.loads(line)
+        sampling = case["sampling"]
+        if sampling.get("logit_bias"):  # JSON made the token ids strings
+            sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
+        params = SamplingParams(**sampling)
+        (result,) = llm.generate([TokensPrompt(prompt_token_ids=case["prompt_token_ids"])], params, use_tqdm=False)
+        outputs = [
+            {
+                "index": out.index,
+                "token_ids": list(out.token_ids),
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            for out in sorted(result.outputs, key=lambda o: o.index)
+        ]
+        answers.write(json.dumps({"id": case["id"], "outputs": outputs}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

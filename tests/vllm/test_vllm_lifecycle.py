@@ -1,0 +1,127 @@
+"""Lifecycle with a real vLLM engine: its engine core killed under load, and SIGTERM under load.
+
+Each test starts its own servicer (it ends it). vLLM's headless launcher
+spawns an EngineCore process, which spawns a Worker: all of them live in the
+session enginelink started the launcher in, and none may outlive the servicer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from enginelink.runtime.engine_process import session_members
+from tests.harness import generate_request, wait_until
+from tests.test_lifecycle import StreamReader, engine_pid
+from tests.vllm.conftest import START_TIMEOUT_S, vllm_servicer
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = [318, 283, 1552, 10, 90, 305]
+# A longer context than the generation tests: long requests must outlast the drain.
+ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager"]
+LONG = 1000
+# These servicers test what happens to them, not warm-up: skip it (~4 s each).
+NO_WARMUP = {"SMG_VLLM_SERVICER_WARMUP": "off"}
+
+
+def engine_core_pid(launcher: int) -> int:
+    """The EngineCore process: the launcher's child that runs vLLM's engine (spawned by multiprocessing)."""
+
+    def find():
+        for pid in session_members(launcher):
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmdline = fh.read()
+            except OSError:
+                continue
+            if ppid == launcher and (b"spawn_main" in cmdline or b"EngineCore" in cmdline):
+                return pid
+        return None
+
+    return wait_until(find, 5, "the EngineCore process")
+
+
+def no_process_left(launcher: int) -> None:
+    wait_until(lambda: not session_members(launcher), 10, f"no process left in the engine's session {launcher}")
+
+
+def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_model_dir, vllm_python):
+    servicer = vllm_servicer(tmp_path, test_model_dir, ENGINE_ARGS, env=NO_WARMUP).start(timeout_s=START_TIMEOUT_S)
+    try:
+        launcher = engine_pid(servicer)
+        core = engine_core_pid(launcher)
+        readers = [StreamReader(servicer.stub, generate_request(f"r-{i}", PROMPT, stream=True, temperature=0.0,
+                                                                max_tokens=LONG, ignore_eos=True)) for i in range(4)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            assert reader.started_streaming.wait(30)
+        killed_at = time.monotonic()
+        os.kill(core, signal.SIGKILL)
+        for reader in readers:
+            reader.join(10)
+        ended_within = time.monotonic() - killed_at
+        for reader in readers:
+            assert reader.error is not None and reader.error.code() == grpc.StatusCode.UNAVAILABLE, reader.error
+        assert ended_within < 1.5, f"streams took {ended_within:.2f} s to end"
+        assert servicer.wait(30) == 1
+        assert "engine link failed" in servicer.log()
+        no_process_left(launcher)
+    finally:
+        servicer.stop()
+
+
+def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_python):
+    servicer = vllm_servicer(tmp_path, test_model_dir, ENGINE_ARGS,
+                             env={**NO_WARMUP, "ENGINELINK_DRAIN_SECS": "1.0"}).start(timeout_s=START_TIMEOUT_S)
+    try:
+        launcher = engine_pid(servicer)
+        short = [StreamReader(servicer.stub, generate_request(f"short-{i}", PROMPT, stream=True, temperature=0.0,
+                                                              max_tokens=8, ignore_eos=True)) for i in range(3)]
+        long = [StreamReader(servicer.stub, generate_request(f"long-{i}", PROMPT, stream=True, temperature=0.0,
+                                                             max_tokens=LONG, ignore_eos=True)) for i in range(3)]
+        for reader in short + long:
+            reader.start()
+        for reader in short + long:
+            assert reader.started_streaming.wait(30)
+        servicer.signal(signal.SIGTERM)
+        health = health_pb2_grpc.HealthStub(servicer.channel)
+        wait_until(
+            lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+            == health_pb2.HealthCheckResponse.NOT_SERVING,
+            1.0, "readiness NOT_SERVING right after SIGTERM", interval_s=0.02,
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            list(servicer.stub.Generate(generate_request("late", PROMPT, max_tokens=4), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert servicer.wait(40) == 0
+        for reader in short + long:
+            reader.join(5)
+            assert reader.error is None, reader.error
+        assert [c.finish_reason for r in short for c in r.completes] == ["length"] * 3
+        assert [c.finish_reason for r in long for c in r.completes] == ["abort"] * 3
+        no_process_left(launcher)
+    finally:
+        servicer.stop()
+
+
+def test_servicer_sigkilled_leaves_no_engine_behind(tmp_path, test_model_dir, vllm_python):
+    # No cleanup runs in a SIGKILLed servicer: the engine's launcher notices its
+    # parent is gone and shuts down its EngineCore and Worker itself.
+    servicer = vllm_servicer(tmp_path, test_model_dir, ENGINE_ARGS, env=NO_WARMUP).start(timeout_s=START_TIMEOUT_S)
+    try:
+        launcher = engine_pid(servicer)
+        assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
+        servicer.process.send_signal(signal.SIGKILL)
+        servicer.wait(10)
+        wait_until(lambda: not session_members(launcher), 30, "the engine's session gone after the servicer died")
+    finally:
+        servicer.stop()
