@@ -111,7 +111,8 @@ def vllm_stack(tmp_path_factory, test_model_dir, vllm_python):
     tmp = tmp_path_factory.mktemp("vllm")
     offline = OfflineVllm(vllm_python, test_model_dir, tmp / "offline-llm.log")
     # A short drain: the session's end has nothing in flight to wait for.
-    servicer = vllm_servicer(tmp, test_model_dir, env={"ENGINELINK_DRAIN_SECS": "0.5"})
+    # fast warm-up: tests/vllm/test_vllm_warmup.py checks what it did.
+    servicer = vllm_servicer(tmp, test_model_dir, env={"ENGINELINK_DRAIN_SECS": "0.5", "ENGINELINK_WARMUP": "fast"})
     try:
         servicer.start(timeout_s=START_TIMEOUT_S)
         yield servicer, offline
