@@ -27,7 +27,7 @@ Rules:
 Payload shapes (keys; all required unless marked):
 
 ``run.start``         {wall_time, trio_time, pid, argv, version, budgets: {...}}
-``transition``        {machine: "link"|"request", id, source, dest, event}
+``transition``        {machine: "link"|"request"|"kv_rank"|"kv_subscriber", id, source, dest, event}
 ``client.generate``   {request_id, n, prompt_tokens, stream, max_tokens}
 ``client.abort``      {request_ids, reason: "abort_rpc"|"client_gone"}
 ``engine.frame``      raw bytes of one engine output frame (multi-part frames:
@@ -40,6 +40,14 @@ Payload shapes (keys; all required unless marked):
                       the journal must stay cheap at 100k tokens/s)
 ``error``             {whose: "client"|"engine"|"servicer", code, message, id?}
 ``snapshot``          {state: <fold state as a dict>}  (periodic, bounds replay)
+``kv.batch``          {rank, inc, seq, source: "live"|"replay", payload: bytes}  one
+                      KV event batch the relay accepted, its publisher payload as
+                      received (``machines/kv_relay.py``; stream ``kv/<rank>``)
+``kv.lost``           {rank, inc, first, last, why: "hole"|"before_start"}
+``kv.gap``            {rank, inc, first, last}  (a repair from replay was asked)
+``kv.incarnation``    {rank, inc, base, reason, seq}  a publisher (re)start; the
+                      relay writes incarnation 0 at its own start, with its
+                      sequence base
 ``run.stop``          {exit_status, reason}
 """
 
@@ -61,6 +69,11 @@ KIND_ENGINE_FACTS: Final = "engine.facts"
 KIND_ENGINE_REQUEST: Final = "engine.request"
 KIND_ERROR: Final = "error"
 KIND_SNAPSHOT: Final = "snapshot"
+# The KV relay's (same names as machines/kv_relay_api.py, which writes them).
+KIND_KV_BATCH: Final = "kv.batch"
+KIND_KV_LOST: Final = "kv.lost"
+KIND_KV_GAP: Final = "kv.gap"
+KIND_KV_INCARNATION: Final = "kv.incarnation"
 
 KINDS: Final = frozenset(
     {
@@ -76,6 +89,10 @@ KINDS: Final = frozenset(
         KIND_ENGINE_REQUEST,
         KIND_ERROR,
         KIND_SNAPSHOT,
+        KIND_KV_BATCH,
+        KIND_KV_LOST,
+        KIND_KV_GAP,
+        KIND_KV_INCARNATION,
     }
 )
 

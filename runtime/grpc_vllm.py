@@ -13,49 +13,29 @@ import asyncio
 import datetime
 
 import trio
+import trio_asyncio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
-from enginelink.runtime.errors import ServicerError, grpc_errors, to_grpc_error
-from enginelink.runtime.validate import validate_generate
+from enginelink.runtime.errors import grpc_errors
+from enginelink.runtime.generate import generate
+from enginelink.runtime.grpc_kv import FlushError, flush_cache, subscribe_kv_events
 
 
 class VllmEngineService(VllmEngineBase):
-    def __init__(self, app) -> None:
+    def __init__(self, app, kv_relay=None) -> None:
         self.app = app
+        self.kv_relay = kv_relay  # runtime.kv_relay.KvRelayShell; None: KV events are off
 
     # -- Generate / Abort -----------------------------------------------------------
 
     @grpc_errors
     async def Generate(self, stream) -> None:
         request = await stream.recv_message()
-        app = self.app
-        hub = app.hub
-        now = trio.current_time()
-        try:
-            spec = validate_generate(request, app.limits, app.wall_time(now))
-            call = hub.admit(spec, now)
-        except ServicerError as error:
-            app.refused(request.request_id, error, now)
-            raise to_grpc_error(error) from None
-        try:
-            wake = call.wake
-            while True:
-                await wake.wait()
-                wake.clear()
-                if call.error is not None:
-                    raise to_grpc_error(call.error)
-                for message in hub.take(call, trio.current_time()):
-                    await stream.send_message(message)
-                if call.done:
-                    return
-        except asyncio.CancelledError:
-            # The client went away (or the router cancelled a non-streaming call):
-            # that is an abort, and the engine must stop working on it.
-            hub.abort([call.spec.request_id], "client_gone", trio.current_time())
-            raise
+        # runtime/generate.py: the one Generate loop (the simulation runs it too).
+        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message)
 
     @grpc_errors
     async def Abort(self, stream) -> None:
@@ -102,19 +82,26 @@ class VllmEngineService(VllmEngineBase):
         for data, sha256 in chunks:
             await stream.send_message(common_pb2.GetTokenizerChunk(data=data, sha256=sha256))
 
+    # -- KV cache (runtime/grpc_kv.py) ----------------------------------------------
+
+    @grpc_errors
+    async def SubscribeKvEvents(self, stream) -> None:
+        await subscribe_kv_events(self.kv_relay, stream)
+
+    @grpc_errors
+    async def FlushCache(self, stream) -> None:
+        request = await stream.recv_message()
+        try:
+            reply = await trio_asyncio.trio_as_aio(flush_cache)(self.app.link, request.timeout_s)
+        except FlushError as error:
+            raise GRPCError(error.status, str(error)) from None
+        await stream.send_message(reply)
+
     # -- not offered (yet) ----------------------------------------------------------
 
     @grpc_errors
     async def Embed(self, stream) -> None:
         raise GRPCError(Status.UNIMPLEMENTED, "Embed: this worker serves a generation model")
-
-    @grpc_errors
-    async def SubscribeKvEvents(self, stream) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, "SubscribeKvEvents is not offered by this enginelink build")
-
-    @grpc_errors
-    async def FlushCache(self, stream) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, "FlushCache is not offered by this enginelink build")
 
     @grpc_errors
     async def StartProfile(self, stream) -> None:

@@ -15,13 +15,23 @@ Rules:
   client gone) never touches another call;
 - a call ends in exactly one terminal state, and every choice of a call that
   ends OK gets exactly one ``complete``;
-- every state change is a journal record, written by the hub itself.
+- every state change is a journal record, written by the hub itself;
+- a request id is taken from admission until its writer is done with it
+  (``writing``), and an engine id the engine may still answer for is never
+  given to another call (``retired``), so no record or output of one call is
+  taken for another's;
+- a frame the link cannot send never escapes as an exception (``_send``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
+from collections import OrderedDict
 from typing import Callable, Sequence
+
+import msgspec
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
@@ -44,6 +54,14 @@ from enginelink.wire.engine import EngineCodec, FinishReason, OutputBatch
 
 # Calls in flight at once; beyond it admission answers UNAVAILABLE (retryable).
 IN_FLIGHT_MAX = 4096
+# Engine ids the hub stopped listening to before the engine finished them (an
+# abort, a stop string): the engine may still send outputs for them, so a new
+# call with the same request id gets fresh engine ids (``<engine id>~<n>``)
+# instead of taking those outputs for its own. Stale outputs arrive within a
+# few engine steps, long before this many more calls were cut short.
+RETIRED_ENGINE_IDS_MAX = 65_536
+
+log = logging.getLogger("enginelink.hub")
 
 
 class Choice:
@@ -182,7 +200,14 @@ class RequestHub:
         self._no_metrics = NoMetrics()
         self.metrics = metrics if metrics is not None else self._no_metrics
         self.calls: dict[str, Call] = {}
+        # Calls that ended while their writer still has completes to take: the
+        # id stays taken until the writer is done with it (``take``/``release``),
+        # so a new call with the same id cannot interleave its records with them.
+        self.writing: dict[str, Call] = {}
         self.by_engine_id: dict[str, tuple[Call, Choice]] = {}
+        self.retired: OrderedDict[str, None] = OrderedDict()
+        self.renamed = 0  # calls that got fresh engine ids (see RETIRED_ENGINE_IDS_MAX)
+        self.send_errors = 0  # frames the link could not hand to the engine
         self.late_outputs = 0
         self.last_receive_wall = 0.0
 
@@ -192,7 +217,11 @@ class RequestHub:
         refusal = self.link.admission_refusal(spec.request_id)
         if refusal is not None:
             raise Unavailable(refusal, reason=self.link.state.value)
-        if spec.request_id in self.calls or any(e in self.by_engine_id for e in spec.engine_ids):
+        if (
+            spec.request_id in self.calls
+            or spec.request_id in self.writing
+            or any(e in self.by_engine_id for e in spec.engine_ids)
+        ):
             raise DuplicateRequest(f"request_id {spec.request_id!r} is already in flight")
         if len(self.calls) >= self.in_flight_max:
             raise Unavailable(
@@ -202,6 +231,8 @@ class RequestHub:
             raise Unavailable(
                 "stop strings need the model's tokenizer, which this worker could not load", reason="no_tokenizer"
             )
+        if any(e in self.retired for e in spec.engine_ids):
+            spec = self._fresh_engine_ids(spec)
         # The servicer's own warm-up calls stay out of the client-facing metrics.
         metrics = self._no_metrics if spec.request_id.startswith(WARMUP_REQUEST_PREFIX) else self.metrics
         call = Call(spec, now, self.tokenizer, wake, metrics)
@@ -221,9 +252,12 @@ class RequestHub:
         self.calls[spec.request_id] = call
         for choice in call.choices:
             self.by_engine_id[choice.engine_id] = (call, choice)
-        for engine_spec in spec.specs:
-            self.send_frames(self.codec.encode_add(engine_spec))
         call.metrics.admitted(call.prompt_tokens, spec.n)
+        for sent, engine_spec in enumerate(spec.specs):
+            error = self._send(self.codec.encode_add(engine_spec))
+            if error is not None:
+                self._unreachable(call, spec.engine_ids[:sent], error, now)
+                return call
         self.journal.append(
             now,
             stream,
@@ -231,6 +265,51 @@ class RequestHub:
             {"link": self.link.name, "request_ids": spec.engine_ids, "prompt_tokens": call.prompt_tokens},
         )
         return call
+
+    def _fresh_engine_ids(self, spec: GenerateCall) -> GenerateCall:
+        """The call with engine ids no earlier call of this run was cut short under."""
+        self.renamed += 1
+        suffix = f"~{self.renamed}"
+        engine_ids = [engine_id + suffix for engine_id in spec.engine_ids]
+        specs = [msgspec.structs.replace(s, request_id=e) for s, e in zip(spec.specs, engine_ids, strict=True)]
+        spec = dataclasses.replace(spec, specs=specs, engine_ids=engine_ids)
+        if any(e in self.by_engine_id for e in engine_ids):
+            raise DuplicateRequest(f"request_id {spec.request_id!r} is already in flight")
+        return spec
+
+    def _unreachable(self, call: Call, sent_ids: list[str], error: Exception, now: float) -> None:
+        """An ADD could not be handed to the engine (it is going away): the call fails now."""
+        if sent_ids:
+            self._send(self.codec.encode_abort(sent_ids))
+            self._retire(sent_ids)
+        call.error = EngineFailure(f"engine is not reachable ({type(error).__name__}: {error}); retry on another worker")
+        for choice in call.choices:
+            self.by_engine_id.pop(choice.engine_id, None)
+        call.open_choices = 0
+        self._end(call, RequestEvent.FAIL, now)
+        call.wake.set()
+
+    def _send(self, frames: list[bytes]) -> Exception | None:
+        """Hand frames to the link; the error if it could not (the engine is gone or going).
+
+        The link's supervision fails the link when the engine is gone, so a
+        lost ABORT needs nothing more; a lost ADD fails its call (``_unreachable``).
+        """
+        try:
+            self.send_frames(frames)
+        except Exception as error:  # LinkFailed, zmq errors: whatever the transport says
+            self.send_errors += 1
+            log.warning("could not send a frame to the engine: %s: %s", type(error).__name__, error)
+            return error
+        return None
+
+    def _retire(self, engine_ids: Sequence[str]) -> None:
+        retired = self.retired
+        for engine_id in engine_ids:
+            retired[engine_id] = None
+            retired.move_to_end(engine_id)
+        while len(retired) > RETIRED_ENGINE_IDS_MAX:
+            retired.popitem(last=False)
 
     # -- engine outputs ---------------------------------------------------------------
 
@@ -264,7 +343,8 @@ class RequestHub:
                         choice.matched_str = matched
                         choice.finish_reason = "stop"
                         # The engine does not do stop strings: stop it ourselves.
-                        self.send_frames(self.codec.encode_abort([choice.engine_id]))
+                        self._send(self.codec.encode_abort([choice.engine_id]))
+                        self._retire([choice.engine_id])
                 choice.pending += tokens
                 if choice.output is not None:
                     choice.output += tokens
@@ -299,7 +379,8 @@ class RequestHub:
             open_ids = [c.engine_id for c in call.choices if not c.finished]
             if open_ids:
                 # vLLM sends nothing back for a client abort: we end the choices ourselves.
-                self.send_frames(self.codec.encode_abort(open_ids))
+                self._send(self.codec.encode_abort(open_ids))
+                self._retire(open_ids)
             for choice in call.choices:
                 if not choice.finished:
                     choice.finish_reason = "abort"
@@ -331,7 +412,14 @@ class RequestHub:
         for choice in unsent:
             if choice.complete_sent:
                 self._journal_sent(call, choice, now)
+        if call.done:
+            self.release(call)
         return messages
+
+    def release(self, call: Call) -> None:
+        """The call's writer is gone (done, failed or cancelled): its id is free again."""
+        if self.writing.get(call.spec.request_id) is call:
+            del self.writing[call.spec.request_id]
 
     def _journal_sent(self, call: Call, choice: Choice, now: float) -> None:
         gaps = choice.tokens_engine - 1
@@ -355,6 +443,8 @@ class RequestHub:
             self._step(call, RequestEvent.FIRST_OUTPUT, now)
         self._step(call, event, now)
         self.calls.pop(call.spec.request_id, None)
+        if not call.done:
+            self.writing[call.spec.request_id] = call
         call.metrics.call_ended(now - call.admitted_at, call.error.status.name if call.error else None)
 
     def _step(self, call: Call, event: RequestEvent, now: float) -> None:

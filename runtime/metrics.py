@@ -71,6 +71,10 @@ class Metrics:
         """Export every numeric field of ``read_stats()`` as ``smg_servicer_<prefix>_<field>`` at scrape time."""
         self.registry.register(_StatsCollector(prefix, read_stats, self._labels))
 
+    def add_collector(self, make) -> None:
+        """Register ``make(labels)``, a prometheus-client collector read at scrape time (e.g. the KV relay's)."""
+        self.registry.register(make(dict(self._labels)))
+
     # -- request boundaries (called by the hub) --------------------------------------
 
     def refused(self, reason: str, code: str) -> None:

@@ -35,6 +35,10 @@ from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkF
 from enginelink.runtime.grpc_transport import CoalescingServer
 from enginelink.runtime.grpc_vllm import VllmEngineService
 from enginelink.runtime.hub import RequestHub
+from enginelink.runtime.kv_config import KvPlan
+from enginelink.runtime.kv_loads import LoadSource
+from enginelink.runtime.kv_metrics import KvRelayCollector
+from enginelink.runtime.kv_relay import KvRelayError, KvRelayShell, wall_sequence_base
 from enginelink.runtime.launchers import EngineLauncher
 from enginelink.runtime.metrics import Metrics, serve_metrics
 from enginelink.runtime.model_dir import ModelFacts, load_tokenizer
@@ -66,6 +70,7 @@ class ServeConfig:
     warmup: WarmupSetting = field(default_factory=lambda: WarmupSetting(WarmupLevel.FULL, 300.0))
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # no endpoint unless asked
+    kv_events: KvPlan | None = None  # None: KV events off (SubscribeKvEvents is UNIMPLEMENTED)
     argv: list[str] = field(default_factory=list)
 
 
@@ -140,9 +145,21 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 run_start_wall=run_start_wall,
                 run_start_trio=run_start_trio,
             )
+            kv_relay = None
+            if config.kv_events is not None:
+                loads = LoadSource(
+                    app.loads,
+                    limits=lambda: (app.max_num_seqs, app.kv_capacity_tokens),
+                    last_frame_at=lambda: link.last_frame_at if link.ready else None,
+                    prefill_pending=lambda: _pending_prefill_tokens(hub),
+                )
+                kv_relay = KvRelayShell(config.kv_events, journal, loads, wall_time=app.wall_time,
+                                        sequence_base=wall_sequence_base(run_start_wall))  # fmt: skip
+                if metrics is not None:
+                    metrics.add_collector(lambda labels: KvRelayCollector(kv_relay, labels))
             readiness = ServiceStatus()
             readiness.set(False)
-            engine_service = VllmEngineService(app)
+            engine_service = VllmEngineService(app, kv_relay)
             # grpclib names the service by the servicer object; "" (overall) gets
             # the same check, so liveness and readiness agree.
             health = Health({engine_service: [readiness]})
@@ -170,11 +187,19 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
 
                     async def bring_up() -> None:
                         """Handshake, warm-up, then readiness: raced against signals and failure."""
+                        if kv_relay is not None:
+                            # Subscribed before the engine starts: the history starts with its first batch.
+                            try:
+                                await nursery.start(kv_relay.run)
+                            except KvRelayError as error:
+                                raise _Exit(2, str(error)) from None
                         try:
                             await nursery.start(link.run)
                         except LinkFailed as error:
                             # 2: the engine is not the release the launch check verified.
                             raise _Exit(2 if isinstance(error, EngineIncompatible) else 1, str(error)) from None
+                        if kv_relay is not None:
+                            await kv_relay.after_handshake(link.ready)
                         if link.machine.state is LinkState.WARMING_UP:
                             await warm_up(config.warmup, link=link, hub=hub, limits=app.limits)
                         if link.machine.can(LinkEvent.WARMUP_DONE):
@@ -192,6 +217,8 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 exit_status, reason = stop.status, stop.reason
             finally:
                 readiness.set(False)
+                if kv_relay is not None:
+                    kv_relay.close()  # every KV event stream ends UNAVAILABLE
                 with trio.CancelScope(shield=True):
                     await link.stop_engine()
                     server.close()

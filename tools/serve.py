@@ -122,6 +122,18 @@ def _metrics_port(args: argparse.Namespace) -> int | None:
     return port
 
 
+def _kv_events(engine: str, engine_args: list[str]):
+    """The engine args with the KV-event publisher turned on (unless off or given), and the relay's plan."""
+    from enginelink.runtime.engine_link import SOCKET_PREFIX, socket_dir
+    from enginelink.runtime.kv_config import KvConfigError, plan_kv_events
+
+    try:
+        return plan_kv_events(engine, engine_args, os.environ, socket_dir=socket_dir(),
+                              prefix=f"{SOCKET_PREFIX}{os.getpid()}-{engine}")  # fmt: skip
+    except KvConfigError as error:
+        raise ConfigError(str(error)) from None
+
+
 def build_config(args: argparse.Namespace):
     from enginelink.runtime.server import ServeConfig
 
@@ -130,7 +142,7 @@ def build_config(args: argparse.Namespace):
         model = read_model_facts(model_dir)
     except ModelDirError as error:
         raise ConfigError(str(error)) from None
-    engine_args = list(args.engine_args)
+    engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
     if args.engine == "vllm":
         launcher = _vllm_launcher(model_dir, engine_args)
     else:
@@ -158,6 +170,7 @@ def build_config(args: argparse.Namespace):
         warmup=_warmup(),
         metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or "127.0.0.1",
         metrics_port=_metrics_port(args),
+        kv_events=kv_events,
         argv=list(sys.argv),
     )
 

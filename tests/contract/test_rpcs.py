@@ -109,7 +109,6 @@ def test_grpc_health_watch_yields_serving(servicer):
     "rpc, message",
     [
         ("Embed", pb.EmbedRequest(request_id="e", tokenized=pb.TokenizedInput(input_ids=[5, 6]))),
-        ("FlushCache", common_pb2.FlushCacheRequest()),
         ("StartProfile", common_pb2.StartProfileRequest()),
         ("StopProfile", common_pb2.StopProfileRequest()),
     ],
@@ -120,11 +119,20 @@ def test_unoffered_vllm_rpcs_are_unimplemented(servicer, rpc, message):
     assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_subscribe_kv_events_is_unimplemented(servicer):
-    stream = servicer.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=CALL_TIMEOUT_S)
-    with pytest.raises(grpc.RpcError) as error:
-        list(stream)
-    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+def test_flush_cache_resets_the_prefix_cache(servicer):
+    reply = servicer.stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=CALL_TIMEOUT_S)
+    assert reply.success and reply.message == "Local KV prefix cache flushed successfully"
+
+
+def test_subscribe_kv_events_streams_from_the_relay(servicer):
+    """KV events are on by default (tests/kv/ covers the stream itself)."""
+    stream = servicer.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(load_records_before_first_batch=True),
+                                             timeout=CALL_TIMEOUT_S)  # fmt: skip
+    try:
+        first = next(stream)
+    finally:
+        stream.cancel()
+    assert first.dp_rank == 0 and first.HasField("load")
 
 
 @pytest.mark.parametrize(

@@ -331,7 +331,9 @@ def test_client_disconnect_aborts_the_engine_request(slow_stack):
 def test_router_detected_vllm_and_the_probes_did_no_harm(stack):
     router_log = stack.router.log()
     assert f"Detected backend: vllm for {stack.router.worker_url}" in router_log, router_log[-3000:]
-    assert "Backend does not implement SubscribeKvEvents" in router_log  # UNIMPLEMENTED, as documented
+    # KV events are on by default: the router keeps its subscription (tests/kv/test_kv_router.py).
+    assert "KV event stream connected" in router_log
+    assert "disabling KV event subscription" not in router_log
     # The probes of SGLang/TokenSpeed/TRT-LLM/MLX services got UNIMPLEMENTED and
     # nothing else: the servicer logged no error and is still healthy.
     servicer_log = stack.servicer.log()

@@ -1,0 +1,57 @@
+"""One Generate call from request to its end: the loop the gRPC handler and the simulation both run.
+
+validate → admit → (wait → take → send)* until every choice's ``complete``
+went out, the engine failed the call, or the caller went away; a call the
+caller leaves while it is still open (cancellation, a send that raised) is
+aborted as ``client_gone``, so the engine stops working on it.
+
+Parametrised by the two things that differ between callers:
+- ``wake``: what the hub sets when the call has something new; an
+  ``asyncio.Event`` for grpclib handlers (asyncio under trio-asyncio), a
+  ``warmup.TrioWake`` for trio code (the simulation's clients);
+- ``send``: an async callable taking one ``GenerateResponse``.
+
+Errors: a refusal (validation, admission) is journaled through
+``app.refused`` and raised as the ``ServicerError`` it is; a call the engine
+failed raises its ``EngineFailure``; the caller maps them to a status (the
+gRPC handler with ``errors.grpc_errors``). Time only from ``trio.current_time()``.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from enginelink.runtime.errors import ServicerError
+from enginelink.runtime.validate import validate_generate
+
+
+async def generate(app, request, *, wake, send) -> None:
+    """Serve one ``vllm_engine_pb2.GenerateRequest`` through ``app.hub``; returns when it ended OK."""
+    hub = app.hub
+    now = trio.current_time()
+    try:
+        spec = validate_generate(request, app.limits, app.wall_time(now))
+        call = hub.admit(spec, now, wake=wake)
+    except ServicerError as error:
+        app.refused(request.request_id, error, now)
+        raise
+    try:
+        while True:
+            await wake.wait()
+            wake.clear()
+            if call.error is not None:
+                raise call.error
+            for message in hub.take(call, trio.current_time()):
+                await send(message)
+            if call.error is not None:
+                # The engine failed the call while we were sending: the caller
+                # must see the failure, not a stream that ends OK without completes.
+                raise call.error
+            if call.done:
+                return
+    finally:
+        if call.machine.open:
+            # The client went away (or the router cancelled a non-streaming call):
+            # that is an abort, and the engine must stop working on it.
+            hub.abort([call.spec.request_id], "client_gone", trio.current_time())
+        hub.release(call)

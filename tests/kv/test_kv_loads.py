@@ -1,0 +1,64 @@
+"""Load records and ``load_only`` timing (``runtime/kv_loads.py``): pure, time as an argument."""
+
+from __future__ import annotations
+
+from enginelink.runtime.kv_loads import Beat, LoadSource, LoadView, changed
+from enginelink.runtime.loads import Loads
+from enginelink.wire.engine import SchedulerStats
+
+IDLE = LoadView(running=0, waiting=0, usage=0.0, rate=0.0, silence_s=None)
+
+
+def view(**fields) -> LoadView:
+    return LoadView(**{**IDLE.__dict__, **fields})
+
+
+def test_heartbeats_after_one_second_then_back_off_to_five_after_two_unchanged():
+    beat = Beat()
+    assert beat.due(IDLE, 0.0)  # the first record of a rank goes out at once
+    beat.sent(IDLE, 0.0, load_only=False)  # a KV batch carried it
+    assert not beat.due(IDLE, 0.9) and beat.due(IDLE, 1.0)
+    beat.sent(IDLE, 1.0, load_only=True)
+    assert not beat.due(IDLE, 1.9) and beat.due(IDLE, 2.0)
+    beat.sent(IDLE, 2.0, load_only=True)  # two unchanged heartbeats: back off
+    assert not beat.due(IDLE, 6.9) and beat.due(IDLE, 7.0)
+    beat.sent(IDLE, 7.0, load_only=True)
+    assert not beat.due(IDLE, 11.9) and beat.due(IDLE, 12.0)
+
+
+def test_a_change_is_due_at_once_and_resets_the_back_off():
+    beat = Beat()
+    beat.sent(IDLE, 0.0, load_only=True)
+    beat.sent(IDLE, 1.0, load_only=True)
+    beat.sent(IDLE, 2.0, load_only=True)
+    busy = view(running=1)
+    assert beat.due(busy, 2.1)
+    beat.sent(busy, 2.1, load_only=True)
+    assert not beat.due(busy, 3.0) and beat.due(busy, 3.1)  # 1 s again
+    beat.sent(busy, 3.1, load_only=False)
+    assert beat.unchanged == 0
+
+
+def test_what_counts_as_a_change():
+    assert changed(IDLE, view(waiting=1))
+    assert not changed(view(usage=0.100), view(usage=0.104)) and changed(view(usage=0.100), view(usage=0.106))
+    assert not changed(view(rate=1000.0), view(rate=1040.0)) and changed(view(rate=1000.0), view(rate=1050.0))
+    assert changed(view(rate=100.0), view(rate=106.0)) and not changed(view(rate=10.0), view(rate=10.5))
+    assert changed(view(running=1, silence_s=0), view(running=1, silence_s=1))
+
+
+def test_a_record_from_the_newest_stats():
+    loads = Loads()
+    source = LoadSource(loads, limits=lambda: (8, 1024), last_frame_at=lambda: 9.5, prefill_pending=lambda: 7)
+    empty = source.record(0, 10.0, sample=1, load_only=True, telemetry=True)
+    assert (empty.running_requests, empty.age_ms, empty.max_total_num_tokens) == (0, 0, 1024)
+    loads.update(0, SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25,
+                                   prefix_cache_queries=10, prefix_cache_hits=5), 0, 10.0)  # fmt: skip
+    assert source.view(0, 10.0) == LoadView(2, 1, 0.25, 0.0, 0)
+    record = source.record(0, 10.25, sample=2, load_only=False, telemetry=False)
+    assert (record.running_requests, record.waiting_requests, record.token_usage) == (2, 1, 0.25)
+    assert (record.age_ms, record.sample, record.load_only, record.max_running_requests) == (250, 2, False, 8)
+    assert (record.engine_silence_ms, record.prefill_pending_tokens, record.engine_reports_steps) == (750, 7, True)
+    assert not record.HasField("memory") and record.max_total_num_tokens == 0  # telemetry only when asked
+    full = source.record(0, 10.25, sample=3, load_only=True, telemetry=True)
+    assert (full.cache_hit_rate, full.num_used_tokens, full.memory.token_capacity, full.queues.waiting) == (0.5, 256, 1024, 1)
