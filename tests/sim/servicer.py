@@ -1,0 +1,292 @@
+"""The servicer core in memory: journal, link, hub, app, warm-up, drain and failure, on trio's clock.
+
+``SimServicer.serve`` is ``runtime/server.py``'s ``serve`` without the
+sockets: the same lifetime (run.start → link up → warm-up → serving, then a
+signal → drain, exit 0, or the link failing → every open call UNAVAILABLE,
+exit 1; then engine stopped, handlers closed, run.stop), built from the same
+pieces, with the gRPC-free lifetime functions of ``runtime/core.py``
+(``connect``, ``wait_for_end``, ``drain``). What differs:
+
+- the engine link is a ``MemoryLink`` (the sim engine core in a trio task);
+- the gRPC server is a nursery of handler tasks running
+  ``runtime.generate.generate`` (the handler's own loop) with a ``TrioWake``;
+  closing the server cancels them, as grpclib's ``Server.close`` does;
+- signals come from a memory channel; wall time is a fixed fake start, so
+  every journal byte depends on the seed alone;
+- ``ObservedHub`` is the real ``RequestHub`` that also remembers each call
+  it admitted and which ADD frames carried it (checks only; it changes nothing).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from functools import partial
+
+import trio
+
+from enginelink.journal.journal import Journal
+from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
+from enginelink.machines.link import LinkEvent, LinkState
+from enginelink.machines.warmup import WarmupSetting
+from enginelink.runtime.app import App
+from enginelink.runtime.engine_link import EngineIncompatible, LinkFailed
+from enginelink.runtime.errors import ServicerError
+from enginelink.runtime.generate import generate
+from enginelink.runtime.hub import Call, RequestHub
+from enginelink.runtime.memory_link import MemoryLink
+from enginelink.runtime.model_dir import ModelFacts
+from enginelink.runtime.core import FAIL_FLUSH_S, Exit, connect, drain, wait_for_end
+from enginelink.runtime.snapshots import run_snapshots
+from enginelink.runtime.warmup import TrioWake, warm_up
+from tests.sim.scenario import ClientPlan, Scenario
+
+FAKE_WALL_START = 1_700_000_000.0  # the run's "wall clock" at trio time 0
+FAKE_PID = 31337
+LINK_NAME = "vllm-0"
+# grpclib's wait_closed after close: how long handlers get to end (server.py waits as long).
+CLOSE_WAIT_S = 2.0
+# The journal's ring must hold a whole run: the checks read every record.
+RING_RECORDS_MAX = 2_000_000
+
+
+@dataclass
+class Admission:
+    """A call the hub admitted, and the send sequence numbers of its ADD frames (one per choice)."""
+
+    call: Call
+    add_seqs: list[int]
+    at: float
+
+
+class ObservedHub(RequestHub):
+    def __init__(self, *, shell: MemoryLink, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.shell = shell
+        self.admissions: list[Admission] = []
+        self.by_wake: dict[object, Admission] = {}
+
+    def admit(self, spec, now, *, wake=None):
+        first = self.shell.send_seq + 1
+        call = super().admit(spec, now, wake=wake)
+        admission = Admission(call, list(range(first, self.shell.send_seq + 1)), now)
+        self.admissions.append(admission)
+        if wake is not None:
+            self.by_wake[wake] = admission
+        return call
+
+
+@dataclass
+class Observation:
+    """What one client saw."""
+
+    plan: ClientPlan
+    attempt: int = 0  # 0, then 1.. for the client's retries of the same request
+    outcome: str | None = None  # "ok", a status name, "cancelled", "closed", "unreachable"; None: never arrived
+    error: str = ""
+    messages: list = field(default_factory=list)
+    started_at: float | None = None
+    ended_at: float | None = None
+    admission: Admission | None = None
+
+
+@dataclass
+class FaultRecord:
+    at: float
+    kind: str
+    applied: bool
+    link_state: str
+
+
+class _Readiness:
+    """grpclib's ServiceStatus, as far as the lifetime uses it."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def set(self, value: bool) -> None:
+        self.value = bool(value)
+
+
+class SimServicer:
+    def __init__(self, sc: Scenario, model: ModelFacts, tokenizer) -> None:
+        self.sc = sc
+        self.model = model
+        self.journal = Journal(None, ring_records_max=RING_RECORDS_MAX, ring_bytes_max=1 << 30)
+        self.link = MemoryLink(
+            name=LINK_NAME, config=sc.sim, journal=self.journal, supervision=sc.supervision, options=sc.engine
+        )
+        self.hub = ObservedHub(
+            shell=self.link,
+            link=self.link.machine,
+            codec=self.link.codec,
+            send_frames=self.link.send,
+            journal=self.journal,
+            tokenizer=tokenizer,
+            cached_tokens=self.link.codec.cached_tokens,
+        )
+        self.app = App(
+            link=self.link,
+            hub=self.hub,
+            journal=self.journal,
+            model=model,
+            served_model_name="test-model",
+            run_start_wall=FAKE_WALL_START,
+            run_start_trio=0.0,
+        )
+        self.readiness = _Readiness()
+        self.signals_tx, self.signals_rx = trio.open_memory_channel(4)
+        self.accepting = False
+        self.closing = False
+        self.exit_status: int | None = None
+        self.reason = ""
+        self.serving_at: float | None = None
+        self.sigterm_sent_at: float | None = None
+        self.link_failed_at: float | None = None
+        self.faults: list[FaultRecord] = []
+        self.aborts: list[tuple[float, list[str], int]] = []
+        self._handlers: trio.Nursery | None = None
+        self._handlers_done = trio.Event()
+
+    # -- the lifetime (server.serve, in memory) ------------------------------------------
+
+    async def serve(self) -> int:
+        sc, journal, link, hub, app = self.sc, self.journal, self.link, self.hub, self.app
+        exit_status, reason = 1, "unknown"
+        async with trio.open_nursery() as nursery:
+            await nursery.start(journal.run)
+            journal.append(trio.current_time(), "run", KIND_RUN_START, {
+                "wall_time": FAKE_WALL_START, "trio_time": 0.0, "pid": FAKE_PID,
+                "argv": ["enginelink", "serve", "--sim", str(sc.seed)], "engine": "vllm", "port": 0, "version": "sim",
+            })  # fmt: skip
+            nursery.start_soon(partial(run_snapshots, journal, interval_s=sc.snapshot_interval_s, fold_every_s=0.5))
+            self._handlers = await nursery.start(self._host_handlers)
+            self.accepting = True  # "gRPC bound"
+            readiness = self.readiness
+            failed = trio.Event()
+
+            def on_failed(message: str, now: float) -> None:
+                self.link_failed_at = now
+
+            connect(link, hub, app, readiness, failed, on_failed)
+            try:
+
+                async def bring_up() -> None:
+                    try:
+                        await nursery.start(link.run)
+                    except LinkFailed as error:
+                        raise Exit(2 if isinstance(error, EngineIncompatible) else 1, str(error)) from None
+                    if link.machine.state is LinkState.WARMING_UP:
+                        await warm_up(WarmupSetting(sc.warmup_level, sc.warmup_budget_s), link=link, hub=hub,
+                                      limits=app.limits)  # fmt: skip
+                    if link.machine.can(LinkEvent.WARMUP_DONE):
+                        link.step(LinkEvent.WARMUP_DONE)
+                        readiness.set(True)
+                        self.serving_at = trio.current_time()
+
+                exit_status, reason = await wait_for_end(self.signals_rx, failed, link, bring_up)
+                if exit_status == 0:
+                    await drain(app, readiness, sc.drain_s)
+                else:
+                    await trio.sleep(FAIL_FLUSH_S)
+            except Exit as stop:
+                exit_status, reason = stop.status, stop.reason
+            finally:
+                readiness.set(False)
+                with trio.CancelScope(shield=True):
+                    await link.stop_engine()
+                    self._close_server()
+                    with trio.move_on_after(CLOSE_WAIT_S):
+                        await self._handlers_done.wait()
+                    journal.append(trio.current_time(), "run", KIND_RUN_STOP, {"exit_status": exit_status, "reason": reason})
+                nursery.cancel_scope.cancel()
+        self.exit_status, self.reason = exit_status, reason
+        return exit_status
+
+    async def _host_handlers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with trio.open_nursery() as handlers:
+                task_status.started(handlers)
+                await trio.sleep_forever()
+        finally:
+            self._handlers_done.set()
+
+    def _close_server(self) -> None:
+        """grpclib's Server.close: no new calls, every running handler cancelled."""
+        self.accepting = False
+        self.closing = True
+        if self._handlers is not None:
+            self._handlers.cancel_scope.cancel()
+
+    # -- clients --------------------------------------------------------------------------
+
+    async def client(self, attempts: list[Observation]) -> None:
+        """One client: its call, then its retries of the same request, each as soon as the last ended."""
+        await trio.sleep_until(attempts[0].plan.at)
+        for obs in attempts:
+            if obs.attempt:
+                await trio.sleep(obs.plan.retry_after_s)
+            if not self.accepting:
+                obs.outcome = "unreachable"
+                return
+            done = trio.Event()
+            self._handlers.start_soon(self._handler, obs, done)
+            await done.wait()
+
+    async def _handler(self, obs: Observation, done: trio.Event) -> None:
+        plan = obs.plan
+        obs.started_at = trio.current_time()
+        wake = TrioWake()
+
+        async def send(message) -> None:
+            if plan.slow_s:
+                await trio.sleep(plan.slow_s)
+            obs.messages.append(message)
+
+        try:
+            with trio.CancelScope() as scope:
+                if plan.cancel_after_s is not None:
+                    scope.deadline = obs.started_at + plan.cancel_after_s
+                try:
+                    await generate(self.app, plan.request(), wake=wake, send=send)
+                    obs.outcome = "ok"
+                except ServicerError as error:
+                    obs.outcome = error.status.name
+                    obs.error = str(error)
+                except Exception as error:  # noqa: BLE001 - our bug: the handler would answer INTERNAL
+                    obs.outcome = "INTERNAL"
+                    obs.error = f"{type(error).__name__}: {error}"
+            if scope.cancelled_caught:
+                obs.outcome = "cancelled" if not self.closing else "closed"
+        finally:
+            if obs.outcome is None:
+                obs.outcome = "closed"  # cancelled by the server's close, from outside the handler
+            obs.ended_at = trio.current_time()
+            obs.admission = self.hub.by_wake.get(wake)
+            done.set()
+
+    async def abort_rpc(self, at: float, request_ids: list[str]) -> None:
+        await trio.sleep_until(at)
+        if self.accepting:
+            aborted = self.hub.abort(list(request_ids), "abort_rpc", trio.current_time())
+            self.aborts.append((trio.current_time(), list(request_ids), aborted))
+
+    # -- the operator and the engine's bad luck ------------------------------------------
+
+    async def sigterm(self, at: float) -> None:
+        await trio.sleep_until(at)
+        try:
+            self.signals_tx.send_nowait(signal.SIGTERM)
+            self.sigterm_sent_at = trio.current_time()
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            pass
+
+    async def fault(self, at: float, kind: str) -> None:
+        await trio.sleep_until(at)
+        link = self.link
+        state = link.machine.state.value
+        applied = {
+            "kill": link.kill, "core_dead": link.core_dead, "garbage": link.garbage, "disconnect": link.disconnect,
+            "silence": link.silence, "stray": link.stray,
+        }[kind]()  # fmt: skip
+        self.faults.append(FaultRecord(trio.current_time(), kind, applied, state))
