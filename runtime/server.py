@@ -28,8 +28,8 @@ from grpclib.health.service import Health
 from enginelink.journal.journal import Journal
 from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
 from enginelink.machines.link import LinkEvent, LinkState
-from enginelink.machines.request import RequestState
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
+from enginelink.runtime import core
 from enginelink.runtime.app import App
 from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
 from enginelink.runtime.grpc_transport import CoalescingServer
@@ -48,10 +48,6 @@ from enginelink.wire import codecs
 
 log = logging.getLogger("enginelink")
 
-# After the link fails, how long writers get to end their streams with UNAVAILABLE.
-FAIL_FLUSH_S = 0.5
-# After a drain, how long writers get to send the abort completes.
-DRAIN_FLUSH_S = 1.0
 
 
 @dataclass
@@ -72,13 +68,6 @@ class ServeConfig:
     metrics_port: int | None = None  # no endpoint unless asked
     kv_events: KvPlan | None = None  # None: KV events off (SubscribeKvEvents is UNIMPLEMENTED)
     argv: list[str] = field(default_factory=list)
-
-
-class _Exit(Exception):
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> int:
@@ -151,7 +140,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                     app.loads,
                     limits=lambda: (app.max_num_seqs, app.kv_capacity_tokens),
                     last_frame_at=lambda: link.last_frame_at if link.ready else None,
-                    prefill_pending=lambda: _pending_prefill_tokens(hub),
+                    prefill_pending=lambda: core.pending_prefill_tokens(hub),
                 )
                 kv_relay = KvRelayShell(config.kv_events, journal, loads, wall_time=app.wall_time,
                                         sequence_base=wall_sequence_base(run_start_wall))  # fmt: skip
@@ -168,20 +157,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
             log.info("gRPC bound on %s:%d (health NOT_SERVING until the engine is up)", config.host, config.port)
 
             failed = trio.Event()
-
-            def on_batch(batch, now: float) -> None:
-                generated = hub.on_batch(batch, now) if batch.outputs else 0
-                app.loads.update(batch.engine_index, batch.stats, generated, now)
-                hub.last_receive_wall = app.wall_time(now)
-
-            def on_failure(message: str, now: float) -> None:
-                readiness.set(False)
-                hub.fail_all(message, now)
-                failed.set()
-
-            link.on_batch = on_batch
-            link.on_failure = on_failure
-            link.load_probe = lambda: (hub.active_requests, _pending_prefill_tokens(hub))
+            core.connect(link, hub, app, readiness, failed)
             try:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
 
@@ -192,12 +168,12 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                             try:
                                 await nursery.start(kv_relay.run)
                             except KvRelayError as error:
-                                raise _Exit(2, str(error)) from None
+                                raise core.Exit(2, str(error)) from None
                         try:
                             await nursery.start(link.run)
                         except LinkFailed as error:
                             # 2: the engine is not the release the launch check verified.
-                            raise _Exit(2 if isinstance(error, EngineIncompatible) else 1, str(error)) from None
+                            raise core.Exit(2 if isinstance(error, EngineIncompatible) else 1, str(error)) from None
                         if kv_relay is not None:
                             await kv_relay.after_handshake(link.ready)
                         if link.machine.state is LinkState.WARMING_UP:
@@ -208,12 +184,12 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                             log.info("serving %s on %s:%d", config.served_model_name, config.host, config.port)
                             task_status.started(app)
 
-                    exit_status, reason = await _wait_for_end(signals, failed, link, bring_up)
+                    exit_status, reason = await core.wait_for_end(signals, failed, link, bring_up)
                     if exit_status == 0:
-                        await _drain(app, readiness, config.drain_s)
+                        await core.drain(app, readiness, config.drain_s)
                     else:
-                        await trio.sleep(FAIL_FLUSH_S)
-            except _Exit as stop:
+                        await trio.sleep(core.FAIL_FLUSH_S)
+            except core.Exit as stop:
                 exit_status, reason = stop.status, stop.reason
             finally:
                 readiness.set(False)
@@ -228,60 +204,6 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 nursery.cancel_scope.cancel()
     log.info("exiting with status %d: %s", exit_status, reason)
     return exit_status
-
-
-async def _wait_for_end(signals, failed: trio.Event, link: EngineLink, bring_up) -> tuple[int, str]:
-    """Run ``bring_up`` and wait for whichever comes first: a signal (0), a failure (1), a refusal (2)."""
-    result: list[tuple[int, str]] = []
-    async with trio.open_nursery() as nursery:
-
-        def end(status: int, reason: str) -> None:
-            if not result:
-                result.append((status, reason))
-            nursery.cancel_scope.cancel()
-
-        async def on_signal() -> None:
-            async for signum in signals:
-                end(0, f"signal {signal.Signals(signum).name}")
-                return
-
-        async def on_failure() -> None:
-            await failed.wait()
-            end(1, f"engine link failed: {link.machine.failure}")
-
-        async def start() -> None:
-            try:
-                await bring_up()
-            except _Exit as stop:
-                end(stop.status, stop.reason)
-
-        nursery.start_soon(on_signal)
-        nursery.start_soon(on_failure)
-        nursery.start_soon(start)
-    return result[0]
-
-
-async def _drain(app: App, readiness: ServiceStatus, drain_s: float) -> None:
-    """Close admission, let in-flight calls finish for ``drain_s``, abort the rest."""
-    link, hub = app.link, app.hub
-    readiness.set(False)
-    if link.machine.can(LinkEvent.DRAIN):
-        link.step(LinkEvent.DRAIN)
-    log.info("draining: %d requests in flight, up to %g s", hub.active_requests, drain_s)
-    with trio.move_on_after(drain_s):
-        while hub.active_requests:
-            await trio.sleep(0.05)
-    if hub.active_requests:
-        log.info("drain time is up: aborting %d requests", hub.active_requests)
-        hub.abort(list(hub.calls), "drain", trio.current_time())
-    await trio.sleep(min(DRAIN_FLUSH_S, drain_s))
-    if link.machine.can(LinkEvent.DRAINED):
-        link.step(LinkEvent.DRAINED)
-
-
-def _pending_prefill_tokens(hub: RequestHub) -> int:
-    """Prompt tokens of choices the engine has not answered yet (extends the silence limit)."""
-    return sum(call.prompt_tokens * call.open_choices for call in hub.calls.values() if call.machine.state is RequestState.ADMITTED)
 
 
 def _tokenizer_or_none(model: ModelFacts):
