@@ -69,6 +69,8 @@ from enginelink.wire.engine import EngineCodec, EngineDead, OutputBatch, WireErr
 
 log = logging.getLogger("enginelink.link")
 
+# The journal stream of engine output frames (one engine, rank 0, per link today).
+ENGINE_STREAM = engine_stream(0)
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
 # After SIGTERM, how long the engine's session gets before SIGKILL.
@@ -382,31 +384,12 @@ class EngineLink:
     # -- internals: running --------------------------------------------------------
 
     async def _receive_loop(self, outputs: zmq.Socket) -> None:
-        journal_append = self.journal.append
-        decode = self.codec.decode_output
-        stream = engine_stream(0)
         while True:
             frames = await recv_multipart(outputs)
             handled = 0
             while frames is not None:
-                now = trio.current_time()
-                self.frames_received += 1
-                journal_append(now, stream, KIND_ENGINE_FRAME, frames[0])
-                try:
-                    batch = decode(frames)
-                except WireError as error:
-                    self._fail(f"engine sent a frame enginelink cannot read: {error}")
+                if not self._handle_frames(frames):
                     return
-                if isinstance(batch, EngineDead):
-                    self._fail("engine reported ENGINE_CORE_DEAD")
-                    return
-                if batch.utility is not None:
-                    waiter = self._utility_waiters.get(batch.utility.call_id)
-                    if waiter is not None:
-                        waiter[1].append(batch.utility)
-                        waiter[0].set()
-                if batch.outputs or batch.stats is not None:
-                    self.on_batch(batch, now)
                 handled += 1
                 if handled >= FRAMES_PER_WAKEUP:
                     break
@@ -416,6 +399,32 @@ class EngineLink:
                     frames = None
             self.last_frame_at = trio.current_time()
             await trio.lowlevel.checkpoint()
+
+    def _handle_frames(self, frames: list[bytes]) -> bool:
+        """One output frame: journal it as received, decode it once, dispatch it.
+
+        Returns False when the frame failed the link (unreadable, or the
+        engine's ENGINE_CORE_DEAD); the receive loop then ends.
+        """
+        now = trio.current_time()
+        self.frames_received += 1
+        self.journal.append(now, ENGINE_STREAM, KIND_ENGINE_FRAME, frames[0])
+        try:
+            batch = self.codec.decode_output(frames)
+        except WireError as error:
+            self._fail(f"engine sent a frame enginelink cannot read: {error}")
+            return False
+        if isinstance(batch, EngineDead):
+            self._fail("engine reported ENGINE_CORE_DEAD")
+            return False
+        if batch.utility is not None:
+            waiter = self._utility_waiters.get(batch.utility.call_id)
+            if waiter is not None:
+                waiter[1].append(batch.utility)
+                waiter[0].set()
+        if batch.outputs or batch.stats is not None:
+            self.on_batch(batch, now)
+        return True
 
     async def _watch_process(self) -> None:
         process = self.process

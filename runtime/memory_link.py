@@ -48,7 +48,7 @@ import msgspec
 import trio
 import zmq
 
-from enginelink.journal.records import KIND_ENGINE_FACTS, KIND_ENGINE_FRAME, engine_stream, link_stream
+from enginelink.journal.records import KIND_ENGINE_FACTS, link_stream
 from enginelink.machines.link import LinkEvent
 from enginelink.runtime.engine_link import DISCONNECT_GRACE_S, FRAMES_PER_WAKEUP, EngineLink, LinkFailed, Supervision
 from enginelink.tools.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
@@ -427,32 +427,13 @@ class MemoryLink(EngineLink):
 
     async def _memory_receive_loop(self) -> None:
         """``EngineLink._receive_loop`` reading the memory channel."""
-        journal_append = self.journal.append
-        decode = self.codec.decode_output
-        stream = engine_stream(0)
         rx = self._link_inbox
         while True:
             frames = await rx.receive()
             handled = 0
             while frames is not None:
-                now = trio.current_time()
-                self.frames_received += 1
-                journal_append(now, stream, KIND_ENGINE_FRAME, frames[0])
-                try:
-                    batch = decode(frames)
-                except WireError as error:
-                    self._fail(f"engine sent a frame enginelink cannot read: {error}")
+                if not self._handle_frames(frames):
                     return
-                if isinstance(batch, EngineDead):
-                    self._fail("engine reported ENGINE_CORE_DEAD")
-                    return
-                if batch.utility is not None:
-                    waiter = self._utility_waiters.get(batch.utility.call_id)
-                    if waiter is not None:
-                        waiter[1].append(batch.utility)
-                        waiter[0].set()
-                if batch.outputs or batch.stats is not None:
-                    self.on_batch(batch, now)
                 handled += 1
                 if handled >= FRAMES_PER_WAKEUP:
                     break
