@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from enginelink.journal.records import KIND_KV_BATCH, KIND_KV_INCARNATION, KIND_KV_LOST, KIND_TRANSITION
 from enginelink.journal.fold import TERMINAL_REQUEST_STATES, FoldState, fold
 from enginelink.journal.journal import FLUSH_INTERVAL_S, default_journal_path
 from enginelink.journal.store import Reader, StoreError, open_reader
@@ -217,6 +218,7 @@ def describe(st: FoldState, reader: Reader, path: Path) -> dict[str, Any]:
         "warmup": warmup,
         "fold": {"frames": st.frames, "frames_undecodable": st.frames_undecodable, "unmatched": st.unmatched},
         "journal": journal_facts(reader, path),
+        "kv": kv_facts(reader),
     }
 
 
@@ -240,6 +242,42 @@ def journal_facts(reader: Reader, path: Path) -> dict[str, Any]:
         "schema_version": meta.get("schema_version"),
         "last_snapshot_seq": None if snap is None else snap.seq,
     }
+
+
+# How far back from the journal's end to look for each rank's newest KV batch.
+KV_TAIL_RECORDS = 20_000
+
+
+def kv_facts(reader: Reader) -> dict[str, Any] | None:
+    """The KV relay as its journal records show it: window, holes, incarnations, subscribers.
+
+    None when the run relayed no KV events. The window is what the journal
+    holds; the relay's in-memory window is at most SMG_KV_EVENT_HISTORY_BATCHES
+    of the newest of these.
+    """
+    batches = reader.counts().by_kind.get(KIND_KV_BATCH, 0)
+    ranks: dict[str, dict[str, Any]] = {}
+    subscribers: dict[str, str] = {}
+    for rec in reader.records(stream_prefix="kv/", kinds=[KIND_TRANSITION, KIND_KV_LOST, KIND_KV_INCARNATION]):
+        p = rec.payload
+        if rec.kind == KIND_TRANSITION and p["machine"] == "kv_subscriber":
+            subscribers[p["id"]] = p["dest"]
+        elif rec.kind == KIND_TRANSITION and p["machine"] == "kv_rank":
+            ranks.setdefault(p["id"], {})["state"] = p["dest"]
+        elif rec.kind == KIND_KV_LOST:
+            ranks.setdefault(str(p["rank"]), {}).setdefault("holes", []).append([p["first"], p["last"], p["why"]])
+        elif rec.kind == KIND_KV_INCARNATION:
+            ranks.setdefault(str(p["rank"]), {})["incarnation"] = p["inc"]
+    last = reader.last_seq()
+    for rec in reader.records(kinds=[KIND_KV_BATCH], after_seq=max(0, last - KV_TAIL_RECORDS)):
+        rank = ranks.setdefault(str(rec.payload["rank"]), {})
+        rank["newest_seq"] = rec.payload["seq"]
+        rank.setdefault("oldest_seq_in_tail", rec.payload["seq"])
+    if not batches and not ranks and not subscribers:
+        return None
+    open_subscribers = sorted((sid for sid, state in subscribers.items() if state != "ended"), key=int)
+    return {"batches_journaled": batches, "ranks": ranks, "subscribers_open": open_subscribers,
+            "subscribers_seen": len(subscribers)}
 
 
 def _last_time(reader: Reader) -> float | None:
@@ -271,7 +309,21 @@ def render_view(view: dict[str, Any]) -> str:
         lines.append("recently ended: " + ", ".join(f"{n} {s}" for s, n in sorted(view["ended_recently"].items())))
     if view["warmup"]:
         lines.append("warm-up requests: " + ", ".join(f"{n} {s}" for s, n in sorted(view["warmup"].items())))
+    lines += render_kv(view.get("kv"))
     return "\n".join(lines)
+
+
+def render_kv(kv: dict[str, Any] | None) -> list[str]:
+    if kv is None:
+        return ["KV events: none relayed"]
+    lines = [f"KV events: {kv['batches_journaled']:,} batches journaled; subscribers open "
+             f"{len(kv['subscribers_open'])} {kv['subscribers_open'] or ''} of {kv['subscribers_seen']} seen"]
+    for rank, facts in sorted(kv["ranks"].items()):
+        holes = facts.get("holes", [])
+        lines.append(f"  rank {rank}: {facts.get('state', '?')}, incarnation {facts.get('incarnation', 0)}, "
+                     f"newest seq {facts.get('newest_seq', '-')}, {len(holes)} hole(s)"
+                     + (f" {holes[-3:]}" if holes else ""))
+    return lines
 
 
 def _run_line(run: dict[str, Any], as_of: dict[str, Any]) -> str:

@@ -110,3 +110,21 @@ def test_port_names_the_default_journal(busy, tmp_path):
     done = enginelink("inspect", "--json", env={"XDG_STATE_HOME": str(state_home), "ENGINELINK_PORT": "50999"})
     assert done.returncode == 0, done.stderr
     assert {q["id"] for q in json.loads(done.stdout)["requests"]} >= {"long-0", "long-1"}
+
+
+def test_inspect_shows_the_kv_relay_window_and_its_subscribers(tmp_path, test_model_dir):
+    from tests.kv.kv_client import KvSubscription, generate, prompt
+
+    with Servicer(tmp_path, model_dir=test_model_dir) as servicer:
+        with KvSubscription(servicer) as subscription:
+            subscription.caught_up()
+            generate(servicer, "kv-inspect", prompt(7, 64))
+            wait_until(lambda: inspect_json(servicer.journal)["kv"]["subscribers_open"], 5, "subscriber journaled")
+            kv = inspect_json(servicer.journal)["kv"]
+            assert kv["batches_journaled"] > 0
+            assert len(kv["subscribers_open"]) == 1 and kv["subscribers_seen"] == 1
+            assert kv["ranks"]["0"]["state"] == "live" and kv["ranks"]["0"].get("holes", []) == []
+            subscription.cancel()
+        wait_until(lambda: inspect_json(servicer.journal)["kv"]["subscribers_open"] == [], 5, "subscriber gone")
+        text = enginelink("inspect", "--journal", servicer.journal).stdout
+        assert "KV events:" in text and "subscribers open 0" in text and "rank 0: live" in text
