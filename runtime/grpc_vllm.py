@@ -21,6 +21,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
 from enginelink.runtime.errors import grpc_errors
 from enginelink.runtime.generate import generate
+from enginelink.runtime.profiling import check_start_options, profile
 from enginelink.runtime.grpc_kv import FlushError, flush_cache, subscribe_kv_events
 
 
@@ -105,9 +106,12 @@ class VllmEngineService(VllmEngineBase):
 
     @grpc_errors
     async def StartProfile(self, stream) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, "StartProfile is not offered by this enginelink build")
+        request = await stream.recv_message()
+        check_start_options(request)
+        await stream.send_message(await trio_asyncio.trio_as_aio(profile)(self.app.link, True))
 
     @grpc_errors
     async def StopProfile(self, stream) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, "StopProfile is not offered by this enginelink build")
+        await stream.recv_message()
+        await stream.send_message(await trio_asyncio.trio_as_aio(profile)(self.app.link, False))
 

@@ -109,14 +109,32 @@ def test_grpc_health_watch_yields_serving(servicer):
     "rpc, message",
     [
         ("Embed", pb.EmbedRequest(request_id="e", tokenized=pb.TokenizedInput(input_ids=[5, 6]))),
-        ("StartProfile", common_pb2.StartProfileRequest()),
-        ("StopProfile", common_pb2.StopProfileRequest()),
     ],
 )
 def test_unoffered_vllm_rpcs_are_unimplemented(servicer, rpc, message):
     with pytest.raises(grpc.RpcError) as error:
         getattr(servicer.stub, rpc)(message, timeout=CALL_TIMEOUT_S)
     assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize(
+    "rpc, message",
+    [("StartProfile", common_pb2.StartProfileRequest()), ("StopProfile", common_pb2.StopProfileRequest())],
+)
+def test_profiling_is_refused_clearly_when_the_engine_has_no_profiler(servicer, rpc, message):
+    """The engine was launched without --profiler-config: its own refusal reaches the caller."""
+    with pytest.raises(grpc.RpcError) as error:
+        getattr(servicer.stub, rpc)(message, timeout=CALL_TIMEOUT_S)
+    assert error.value.code() == grpc.StatusCode.INTERNAL
+    assert "Profiling is not enabled. Please set --profiler-config" in error.value.details()
+
+
+def test_start_profile_options_are_refused_before_the_engine_sees_them(servicer):
+    with pytest.raises(grpc.RpcError) as error:
+        servicer.stub.StartProfile(common_pb2.StartProfileRequest(output_dir="/tmp/x", num_steps=3),
+                                   timeout=CALL_TIMEOUT_S)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "output_dir, num_steps" in error.value.details() and "--profiler-config" in error.value.details()
 
 
 def test_flush_cache_resets_the_prefix_cache(servicer):
