@@ -101,3 +101,19 @@ def test_proc_cpu_counts_this_process():
         pass
     later = bench.proc_cpu_s(os.getpid())
     assert later[0] + later[1] > user + system
+
+
+def test_engine_vllm_options_parse_without_starting_anything(capsys):
+    # Several concurrencies are for --engine vllm only; the sim bench refuses them.
+    assert bench.run(_args("--concurrency", "32", "128")) == 2
+    assert "--engine vllm" in capsys.readouterr().err
+    args = _args("--engine", "vllm", "--concurrency", "32", "128", "--rounds", "0")
+    assert args.concurrency == [32, 128]
+    assert bench.run(args) == 2  # refused before any engine starts
+
+    from enginelink.tools import bench_engine
+
+    args = _args("--engine", "vllm")
+    assert bench_engine.engine_args_for(args, 32) == [
+        "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "128"]
+    assert bench_engine.engine_args_for(args, 200)[-1] == "200"

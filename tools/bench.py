@@ -62,7 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drive this running servicer instead of starting one")
     p.add_argument("--servicer-pid", type=int, default=None,
                    help="with --target: the servicer's process id, to read its CPU from /proc")
-    p.add_argument("--concurrency", type=int, default=128, help="streaming calls open at once (default 128)")
+    p.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                   help="sim: the servicer's CPU per token with the sim engine (default); vllm: enginelink + "
+                        "the real vLLM engine vs a bare ZMQ driver of it, alternating (tools/bench_engine.py)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="with --engine vllm: (enginelink, raw) pairs per concurrency (default 2)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[128],
+                   help="streaming calls open at once (default 128); --engine vllm takes several")
     p.add_argument("--requests", type=int, default=None, help="total calls (default: run for --duration-s)")
     p.add_argument("--duration-s", type=float, default=None,
                    help=f"start calls for this long, then let open ones finish (default {DEFAULT_DURATION_S:g})")
@@ -235,15 +241,18 @@ def bench_model_dir() -> Path:
 class Servicer:
     """``enginelink serve`` in a subprocess with a temporary journal."""
 
-    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+    def __init__(self, args: argparse.Namespace, tmp: Path, engine: str = "sim", model_dir: Path | None = None,
+                 engine_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
+        tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = tmp / "servicer.log"
-        engine_args = engine_args_of(args)
+        engine_args = engine_args_of(args) if engine_args is None else engine_args
         self.argv = [
             sys.executable, "-m", "enginelink.tools.cli", "serve", "--port", str(self.port),
-            "--journal", str(tmp / "journal.sqlite"), "--log-level", "WARNING",
-            "--model", str(args.model or bench_model_dir()), "--", *engine_args,
+            "--journal", str(tmp / "journal.sqlite"), "--log-level", "WARNING", *(["--engine", engine]),
+            "--model", str(model_dir or args.model or bench_model_dir()), "--", *engine_args,
         ]
+        self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
         self._log = None
 
@@ -251,11 +260,11 @@ class Servicer:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = SERVING_TIMEOUT_S) -> None:
         self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         try:
-            wait_serving(self.target, SERVING_TIMEOUT_S, self.process)
+            wait_serving(self.target, timeout_s, self.process)
         except Exception as error:
             self.stop()
             raise RuntimeError(f"servicer did not start: {error}") from None
@@ -315,14 +324,17 @@ async def _client(conn, index: int, plan: dict) -> dict:
     # Ids 0-2 are special in the test model; stay inside any vocabulary.
     span = max(1, min(61, plan["vocab_size"] - 3))
     prompt = [3 + (i % span) for i in range(plan["prompt_tokens"])]
+    temperature = plan.get("temperature", 0.0)
+    rng = __import__("random").Random() if plan.get("random_prompt") else None
     max_tokens = plan["max_tokens"]
     tag = f"bench-{plan['tag']}-{index}"
 
     def request(n: int, tokens: int) -> pb.GenerateRequest:
         return pb.GenerateRequest(
             request_id=f"{tag}-{n}",
-            tokenized=pb.TokenizedInput(input_ids=prompt),
-            sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+            tokenized=pb.TokenizedInput(
+                input_ids=prompt if rng is None else [3 + rng.randrange(max(1, plan["vocab_size"] - 3)) for _ in prompt]),
+            sampling_params=pb.SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True),
             stream=True,
         )
 
@@ -430,6 +442,7 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
                 "target": target, "tag": tag, "channels": args.channels, "concurrency": conc[i],
                 "requests": reqs[i], "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "vocab_size": server["vocab_size"],
+                "temperature": getattr(args, "temperature", 0.0), "random_prompt": getattr(args, "random_prompt", False),
             }
             proc = ctx.Process(target=_client_main, args=(child, i, plan), daemon=False)
             proc.start()
@@ -688,6 +701,10 @@ class OptionError(BenchError):
 
 
 def check_options(args: argparse.Namespace) -> None:
+    if isinstance(args.concurrency, list):
+        if len(args.concurrency) != 1:
+            raise OptionError("several --concurrency values go with --engine vllm")
+        args.concurrency = args.concurrency[0]
     for name in ("concurrency", "max_tokens", "prompt_tokens", "client_procs", "channels"):
         if getattr(args, name) < 1:
             raise OptionError(f"--{name.replace('_', '-')} must be >= 1")
@@ -724,6 +741,18 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "sim") == "vllm":
+        from enginelink.tools import bench_engine
+
+        if args.target is not None or any(c < 1 for c in args.concurrency) or args.rounds < 1:
+            print("enginelink bench: --engine vllm needs --concurrency >= 1, --rounds >= 1 and no --target",
+                  file=sys.stderr)
+            return 2
+        try:
+            return bench_engine.run(args)
+        except (RuntimeError, TimeoutError) as error:
+            print(f"enginelink bench: {error}", file=sys.stderr)
+            return 1
     try:
         report = measure(args)
     except BenchError as error:

@@ -1,0 +1,258 @@
+"""``enginelink bench --engine vllm``: enginelink vs a bare ZMQ driver of the same vLLM engine.
+
+Theory of operation. For each ``--concurrency`` value the bench alternates
+(enginelink, raw, enginelink, raw, ... ``--rounds`` pairs) the same load:
+``--requests`` streaming requests, ``--concurrency`` in flight, each with
+``--prompt-tokens`` random prompt tokens, temperature 1, ``ignore_eos`` and
+``--max-tokens`` output tokens.
+
+- enginelink: ``enginelink serve --engine vllm --model DIR -- ENGINE_ARGS``
+  (``ENGINELINK_WARMUP=off``; KV events off, so both sides run the very same
+  engine configuration), driven by ``tools/bench.py``'s gRPC load client.
+- raw: this module binds the handshake ROUTER (tcp loopback), the input ROUTER
+  and the output PULL (ipc) itself, launches the engine with the same
+  ``VllmLauncher.command(...)``, does the handshake with ``wire/vllm.py`` and
+  keeps the requests in flight by sending ADD frames and counting output
+  tokens until each finishes. No gRPC, no journal, no servicer.
+
+Each side's figure is output tokens / load window (first request sent to last
+finished; one short warm-up request before). Engine start-up is outside the
+window. The ratio is enginelink / raw of the per-concurrency medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HANDSHAKE_TIMEOUT_S = 600.0
+ENGINE_ARGS_DEFAULT = ["--max-model-len", "1024", "--enforce-eager"]
+
+
+def engine_args_for(args: argparse.Namespace, concurrency: int) -> list[str]:
+    import shlex
+
+    engine_args = shlex.split(args.engine_args_text) + list(args.engine_args)
+    if not engine_args:
+        engine_args = list(ENGINE_ARGS_DEFAULT)
+    if not any(a.split("=", 1)[0] == "--max-num-seqs" for a in engine_args):
+        engine_args += ["--max-num-seqs", str(max(128, concurrency))]
+    return engine_args
+
+
+def vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    # Ids 0-2 are special in the test model.
+    return [rng.randrange(3, max(4, vocab)) for _ in range(n)]
+
+
+# -- raw: a bare ZMQ driver -----------------------------------------------------------
+
+
+def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, requests: int,
+                max_tokens: int, prompt_tokens: int, log_path: Path) -> dict:
+    import msgspec
+    import zmq
+    from enginelink.tools.serve import _vllm_launcher
+    from enginelink.wire import vllm as vllm_wire
+    from enginelink.wire.engine import EngineDead, GenerateSpec, SamplingSpec
+
+    launcher = _vllm_launcher(model_dir, engine_args)
+    codec = vllm_wire.VllmCodec()
+    vocab = vocab_size(model_dir)
+    rng = random.Random()
+    ctx = zmq.Context()
+    handshake = ctx.socket(zmq.ROUTER)
+    inputs = ctx.socket(zmq.ROUTER)
+    outputs = ctx.socket(zmq.PULL)
+    inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    tmp = Path(tempfile.mkdtemp(prefix="enginelink-rawbench-"))
+    process = None
+    log = open(log_path, "wb")
+    try:
+        port = handshake.bind_to_random_port("tcp://127.0.0.1")
+        in_addr, out_addr = f"ipc://{tmp}/in.sock", f"ipc://{tmp}/out.sock"
+        inputs.bind(in_addr)
+        outputs.bind(out_addr)
+        argv, env = launcher.command(f"tcp://127.0.0.1:{port}")
+        env = {**os.environ, **env}
+        env.pop("ENGINELINK_ENGINE_FACTS", None)
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        # Handshake: HELLO -> init -> ready response (inputs) + READY (handshake).
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        poller = zmq.Poller()
+        poller.register(handshake, zmq.POLLIN)
+        poller.register(inputs, zmq.POLLIN)
+        identity = None
+        got_ready = got_response = False
+        while not (got_ready and got_response):
+            if time.monotonic() > deadline:
+                raise RuntimeError("engine handshake timed out")
+            if process.poll() is not None:
+                raise RuntimeError(f"engine exited with status {process.returncode} during the handshake")
+            events = dict(poller.poll(500))
+            if handshake in events:
+                ident, payload = handshake.recv_multipart()
+                message = msgspec.msgpack.decode(payload)
+                if identity is None:
+                    identity = ident
+                    init = vllm_wire.HandshakeInit(addresses=vllm_wire.HandshakeAddresses(
+                        inputs=[in_addr], outputs=[out_addr]))
+                    handshake.send_multipart([identity, vllm_wire.encode_handshake_init(init)])
+                elif isinstance(message, dict) and message.get("status") == "READY":
+                    got_ready = True
+            if inputs in events:
+                inputs.recv_multipart()
+                got_response = True
+
+        def add(request_id: str, tokens: int) -> None:
+            spec = GenerateSpec(
+                request_id=request_id,
+                prompt_token_ids=random_prompt(rng, prompt_tokens, vocab),
+                sampling=SamplingSpec(max_tokens=tokens, temperature=1.0, ignore_eos=True),
+                arrival_time=time.time(),
+            )
+            inputs.send_multipart([identity, *codec.encode_add(spec)])
+
+        def drive(n_requests: int, n_concurrent: int, tokens_each: int, tag: str) -> dict:
+            sent = done = tokens = short = 0
+            per_request: dict[str, int] = {}
+            while sent < min(n_concurrent, n_requests):
+                add(f"{tag}-{sent}", tokens_each)
+                sent += 1
+            while done < n_requests:
+                if not outputs.poll(60_000):
+                    raise RuntimeError("no engine output for 60 s")
+                batch = codec.decode_output(outputs.recv_multipart())
+                if isinstance(batch, EngineDead):
+                    raise RuntimeError("engine reported ENGINE_CORE_DEAD")
+                for out in batch.outputs:
+                    got = len(out.new_token_ids)
+                    tokens += got
+                    per_request[out.request_id] = per_request.get(out.request_id, 0) + got
+                    if out.finish_reason is not None:
+                        done += 1
+                        if per_request.pop(out.request_id) != tokens_each:
+                            short += 1
+                        if sent < n_requests:
+                            add(f"{tag}-{sent}", tokens_each)
+                            sent += 1
+            return {"tokens": tokens, "short": short, "requests": done}
+
+        drive(1, 1, 2, "warm")
+        cpu0 = time.process_time()
+        t0 = time.monotonic()
+        counts = drive(requests, concurrency, max_tokens, "raw")
+        wall = time.monotonic() - t0
+        cpu = time.process_time() - cpu0
+        return {**counts, "wall_s": wall, "tokens_per_s": counts["tokens"] / wall, "driver_cpu_s": cpu}
+    finally:
+        for sock in (handshake, inputs, outputs):
+            sock.close(linger=0)
+        ctx.term()
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait()
+        log.close()
+        for f in tmp.iterdir():
+            f.unlink(missing_ok=True)
+        tmp.rmdir()
+
+
+# -- enginelink -------------------------------------------------------------------------
+
+
+def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: list[str], concurrency: int,
+                       tmp: Path) -> dict:
+    from enginelink.tools import bench
+
+    run_args = argparse.Namespace(**vars(args))
+    run_args.concurrency = concurrency
+    run_args.target = None
+    run_args.servicer_pid = None
+    run_args.duration_s = None
+    run_args.temperature = 1.0
+    run_args.random_prompt = True
+    servicer = bench.Servicer(run_args, tmp, engine="vllm", model_dir=model_dir, engine_args=engine_args,
+                              env={"ENGINELINK_WARMUP": "off", "ENGINELINK_KV_EVENTS": "off"})
+    servicer.start(timeout_s=HANDSHAKE_TIMEOUT_S)
+    try:
+        report = bench.run_load(run_args, servicer.target, servicer.process.pid)
+    except Exception as error:
+        raise RuntimeError(f"{error}\nservicer log ends:\n{servicer.log()}") from None
+    finally:
+        servicer.stop()
+    return {
+        "tokens": report["output_tokens"], "short": report["short"] + report["errors"],
+        "requests": report["requests"], "wall_s": report["wall_s"], "tokens_per_s": report["tokens_per_s"],
+        "servicer_cpu_s": report["servicer_cpu_s"], "client_cpu_s": report["client_cpu_s"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from enginelink.tools.bench import machine_facts
+
+    model_dir = Path(args.model) if args.model else None
+    if model_dir is None:
+        from enginelink.tools.bench import bench_model_dir
+
+        model_dir = bench_model_dir()
+    requests = args.requests or 256
+    args.requests = requests
+    results = []
+    with tempfile.TemporaryDirectory(prefix="enginelink-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        for concurrency in args.concurrency:
+            engine_args = engine_args_for(args, concurrency)
+            runs = {"enginelink": [], "raw": []}
+            for r in range(args.rounds):
+                for side in ("enginelink", "raw"):
+                    t = time.monotonic()
+                    if side == "enginelink":
+                        res = measure_enginelink(args, model_dir, engine_args, concurrency, tmp / f"el-{concurrency}-{r}")
+                    else:
+                        res = measure_raw(model_dir, engine_args, concurrency, requests, args.max_tokens,
+                                          args.prompt_tokens, tmp / "raw-engine.log")
+                    res["total_s"] = time.monotonic() - t
+                    runs[side].append(res)
+                    print(f"concurrency {concurrency} round {r + 1} {side:10s} {res['tokens_per_s']:8.0f} tokens/s "
+                          f"({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed; "
+                          f"{res['total_s']:.0f} s with start-up)", file=sys.stderr, flush=True)
+            el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
+            raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])
+            results.append({"concurrency": concurrency, "engine_args": engine_args, "runs": runs,
+                            "enginelink_tokens_per_s": el, "raw_tokens_per_s": raw, "ratio": el / raw})
+    report = {"machine": machine_facts(), "requests": requests, "max_tokens": args.max_tokens,
+              "prompt_tokens": args.prompt_tokens, "model": str(model_dir), "results": results}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"enginelink bench --engine vllm: {requests} requests x {args.max_tokens} tokens, "
+              f"prompt {args.prompt_tokens} random tokens, temperature 1, ignore_eos")
+        for r in results:
+            el = ", ".join(f"{x['tokens_per_s']:.0f}" for x in r["runs"]["enginelink"])
+            raw = ", ".join(f"{x['tokens_per_s']:.0f}" for x in r["runs"]["raw"])
+            print(f"  concurrency {r['concurrency']:4d}: enginelink {r['enginelink_tokens_per_s']:7.0f} tokens/s ({el})"
+                  f"  raw {r['raw_tokens_per_s']:7.0f} tokens/s ({raw})  ratio {r['ratio']:.3f}")
+    bad = any(x["short"] for r in results for side in r["runs"].values() for x in side)
+    return 1 if bad else 0
