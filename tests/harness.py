@@ -23,6 +23,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
 
+from enginelink.journal.records import KIND_ENGINE_FACTS
+from enginelink.journal.store import open_reader
+
 VENV_BIN = Path(sys.executable).parent
 VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
 
@@ -207,3 +210,26 @@ def generate_request(request_id: str, input_ids: list[int], *, stream: bool = Fa
         sampling_params=pb.SamplingParams(**sampling),
         stream=stream,
     )
+
+
+def engine_pid(journal: Path) -> int:
+    """The engine's pid, from the servicer's ``engine.facts`` journal record."""
+
+    def find():
+        with open_reader(journal) as reader:
+            records = reader.records(kinds=[KIND_ENGINE_FACTS])
+        return records[-1].payload["pid"] if records else None
+
+    return wait_until(find, 5, "engine.facts record in the journal")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -11,31 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from enginelink.journal.records import KIND_ENGINE_FACTS
-from enginelink.journal.store import open_reader
-from tests.harness import Servicer, generate_request, wait_until
+from tests.harness import Servicer, alive, engine_pid, generate_request, wait_until
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
 SLOW_ENGINE = ["--step-us", "20000"]  # 50 steps/s: long requests stay in flight
-
-
-def engine_pid(servicer: Servicer) -> int:
-    def find():
-        records = open_reader(servicer.journal).records(kinds=[KIND_ENGINE_FACTS])
-        return records[-1].payload["pid"] if records else None
-
-    return wait_until(find, 5, "engine.facts record in the journal")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not alive
-        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 class StreamReader(threading.Thread):
@@ -67,7 +46,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, test_model_dir
     servicer = Servicer(tmp_path, model_dir=test_model_dir, engine_args=SLOW_ENGINE,
                         env={"ENGINELINK_DRAIN_SECS": "1.5"}).start()
     try:
-        pid = engine_pid(servicer)
+        pid = engine_pid(servicer.journal)
         # Short calls finish inside the drain budget; long ones cannot.
         short = [StreamReader(servicer.stub, generate_request(f"short-{i}", PROMPT, stream=True,
                                                               max_tokens=20, ignore_eos=True)) for i in range(3)]
@@ -102,7 +81,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, test_model_dir
 def test_engine_killed_under_load_fails_streams_and_exits_1(tmp_path, test_model_dir):
     servicer = Servicer(tmp_path, model_dir=test_model_dir, engine_args=SLOW_ENGINE).start()
     try:
-        pid = engine_pid(servicer)
+        pid = engine_pid(servicer.journal)
         readers = [StreamReader(servicer.stub, generate_request(f"r-{i}", PROMPT, stream=True,
                                                                 max_tokens=1500, ignore_eos=True)) for i in range(4)]
         for reader in readers:

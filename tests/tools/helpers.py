@@ -10,9 +10,8 @@ from pathlib import Path
 
 import grpc
 
-from enginelink.journal.records import KIND_ENGINE_FACTS
 from enginelink.journal.store import open_reader
-from tests.harness import VENV_BIN, Servicer, generate_request, wait_until
+from tests.harness import VENV_BIN, Servicer, alive, engine_pid, generate_request, wait_until  # noqa: F401 (re-exported)
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
 CLI_TIMEOUT_S = 30
@@ -28,26 +27,6 @@ def inspect_json(journal: Path) -> dict:
     done = enginelink("inspect", "--journal", journal, "--json")
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
-
-
-def engine_pid(journal: Path) -> int:
-    def find():
-        with open_reader(journal) as reader:
-            records = reader.records(kinds=[KIND_ENGINE_FACTS])
-        return records[-1].payload["pid"] if records else None
-
-    return wait_until(find, 5, "engine.facts record in the journal")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not alive
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 class Stream(threading.Thread):

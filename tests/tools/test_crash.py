@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from enginelink.journal.store import open_reader
 
 from tests.harness import Servicer, generate_request, wait_until
-from tests.tools.helpers import (PROMPT, Stream, alive, engine_pid, enginelink, journal_has, verify_report,
+from tests.tools.helpers import (PROMPT, Stream, alive, engine_pid, enginelink, verify_report,
                                  warmup_admitted)
 
 LONG = dict(max_tokens=1500, ignore_eos=True)

@@ -189,7 +189,7 @@ def test_verify_names_each_violation(journal, tmp_path):
     done = enginelink("journal", "verify", "--journal", bad)
     assert done.returncode == 1, done.stdout
     out = done.stdout
-    assert f"FAIL  sequence" in out and f"hole: records {hole} missing" in out
+    assert "FAIL  sequence" in out and f"hole: records {hole} missing" in out
     assert "FAIL  tokens" in out and "request 'short' choice 0 (short, finish length): 6 tokens sent, but the engine produced 5" in out
     assert "FAIL  transitions" in out and "link 'vllm-0': draining -[drained]-> serving is not in the link table" in out
     assert "FAIL  terminals" in out and "request 'pair' ended twice" in out

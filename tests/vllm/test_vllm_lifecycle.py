@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginelink.runtime.engine_process import session_members
-from tests.harness import generate_request, wait_until
-from tests.test_lifecycle import StreamReader, engine_pid
+from tests.harness import engine_pid, generate_request, wait_until
+from tests.test_lifecycle import StreamReader
 from tests.vllm.conftest import START_TIMEOUT_S, vllm_servicer
 
 pytestmark = pytest.mark.vllm
@@ -56,7 +56,7 @@ def no_process_left(launcher: int) -> None:
 def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_model_dir, vllm_python):
     servicer = vllm_servicer(tmp_path, test_model_dir, ENGINE_ARGS, env=NO_WARMUP).start(timeout_s=START_TIMEOUT_S)
     try:
-        launcher = engine_pid(servicer)
+        launcher = engine_pid(servicer.journal)
         core = engine_core_pid(launcher)
         readers = [StreamReader(servicer.stub, generate_request(f"r-{i}", PROMPT, stream=True, temperature=0.0,
                                                                 max_tokens=LONG, ignore_eos=True)) for i in range(4)]
@@ -83,7 +83,7 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
     servicer = vllm_servicer(tmp_path, test_model_dir, ENGINE_ARGS,
                              env={**NO_WARMUP, "ENGINELINK_DRAIN_SECS": "1.0"}).start(timeout_s=START_TIMEOUT_S)
     try:
-        launcher = engine_pid(servicer)
+        launcher = engine_pid(servicer.journal)
         short = [StreamReader(servicer.stub, generate_request(f"short-{i}", PROMPT, stream=True, temperature=0.0,
                                                               max_tokens=8, ignore_eos=True)) for i in range(3)]
         long = [StreamReader(servicer.stub, generate_request(f"long-{i}", PROMPT, stream=True, temperature=0.0,
@@ -118,7 +118,7 @@ def test_servicer_sigkilled_leaves_no_engine_behind(tmp_path, test_model_dir, vl
     # parent is gone and shuts down its EngineCore and Worker itself.
     servicer = vllm_servicer(tmp_path, test_model_dir, ENGINE_ARGS, env=NO_WARMUP).start(timeout_s=START_TIMEOUT_S)
     try:
-        launcher = engine_pid(servicer)
+        launcher = engine_pid(servicer.journal)
         assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
         servicer.process.send_signal(signal.SIGKILL)
         servicer.wait(10)
