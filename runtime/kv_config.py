@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Final, Mapping
 
 from enginelink.machines.kv_relay_api import KvRelayConfig
+from enginelink.runtime.launchers import flag_value
 from enginelink.wire import kv_events as kv
 
 KV_EVENTS_ENVS: Final = ("SMG_VLLM_SERVICER_KV_EVENTS", "ENGINELINK_KV_EVENTS")
@@ -109,7 +110,7 @@ def plan_kv_events(engine: str, engine_args: list[str], env: Mapping[str, str], 
     are cleaned up by the next.
     """
     ranks = engine_ranks(engine, engine_args)
-    given = _flag_value(engine_args, KV_EVENTS_FLAG)
+    given = flag_value(engine_args, KV_EVENTS_FLAG)
     try:
         relay_bounds = KvRelayConfig.from_env(env)
     except ValueError as error:
@@ -210,18 +211,8 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
     raise KvConfigError(f"no run of {count} free tcp ports on {host} for the KV event publishers")
 
 
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    value = None
-    for index, arg in enumerate(argv):
-        if arg == flag and index + 1 < len(argv):
-            value = argv[index + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def _int_flag(argv: list[str], flag: str, default: int) -> int:
-    value = _flag_value(argv, flag)
+    value = flag_value(argv, flag)
     if value is None:
         return default
     try:

@@ -233,3 +233,14 @@ def alive(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def scrape(port: int) -> dict[str, float]:
+    """One Prometheus scrape of 127.0.0.1:port/metrics as {sample name with labels: value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples

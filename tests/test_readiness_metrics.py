@@ -7,28 +7,17 @@ asserts a duration.
 
 from __future__ import annotations
 
-import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from tests.harness import Servicer, free_port, generate_request, wait_until
+from tests.harness import Servicer, free_port, generate_request, scrape, wait_until
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def current_state(samples: dict[str, float]) -> str:

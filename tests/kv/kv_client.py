@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
 from smg_grpc_proto.generated import common_pb2
 
-from tests.harness import Servicer, generate_request
+from tests.harness import Servicer, generate_request, scrape  # noqa: F401 (re-exported for tests/kv)
 
 
 class KvSubscription:
@@ -142,16 +141,6 @@ def generate(servicer: Servicer, request_id: str, prompt: list[int], max_tokens:
 def prompt(seed: int, length: int, vocab: int = 4096) -> list[int]:
     """Distinct, deterministic prompt ids (away from the warm-up's 1000.. range)."""
     return [(seed * 7919 + i * 104729) % (vocab - 100) + 50 for i in range(length)]
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def metric(samples: dict[str, float], family: str, **labels) -> float:
