@@ -34,7 +34,7 @@ from enginelink.runtime.app import App
 from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
 from enginelink.runtime.grpc_transport import CoalescingServer
 from enginelink.runtime.grpc_vllm import VllmEngineService
-from enginelink.runtime.hub import RequestHub
+from enginelink.runtime.hub import RETIRED_ENGINE_IDS_MAX, RequestHub
 from enginelink.runtime.kv_config import KvPlan
 from enginelink.runtime.kv_loads import LoadSource
 from enginelink.runtime.kv_metrics import KvRelayCollector
@@ -230,7 +230,15 @@ class LinkStats:
     frames_received: int
     late_outputs: int
     in_flight_max: int
+    # The hub's other bounds and what they caught (runtime/hub.py).
+    retired_engine_ids: int
+    retired_engine_ids_max: int
+    renamed_calls: int
+    send_errors: int
 
 
 def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
-    return LinkStats(link.frames_received, hub.late_outputs, hub.in_flight_max)
+    return LinkStats(
+        link.frames_received, hub.late_outputs, hub.in_flight_max,
+        len(hub.retired), RETIRED_ENGINE_IDS_MAX, hub.renamed, hub.send_errors,
+    )
