@@ -24,8 +24,8 @@ from enginelink.runtime import engine_link as el
 from enginelink.runtime import engine_process as ep
 from enginelink.runtime.launchers import redact_args
 from enginelink.wire.vllm import VllmCodec
-from tests.harness import VENV_BIN, Servicer, free_port, generate_request
-from tests.test_lifecycle import StreamReader, alive, engine_pid
+from tests.harness import VENV_BIN, Servicer, alive, engine_pid, free_port, generate_request
+from tests.test_lifecycle import StreamReader
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
 
@@ -156,7 +156,7 @@ def test_sigkill_of_the_servicer_leaves_no_engine_behind(tmp_path, test_model_di
     # The engine watches its parent: when enginelink dies without cleaning up, the engine goes too.
     servicer = Servicer(tmp_path, model_dir=test_model_dir, env={"SMG_VLLM_SERVICER_WARMUP": "off"}).start()
     try:
-        pid = engine_pid(servicer)
+        pid = engine_pid(servicer.journal)
         servicer.process.send_signal(signal.SIGKILL)
         servicer.wait(10)
         deadline = time.monotonic() + 5
