@@ -23,9 +23,13 @@ from tests.vllm.conftest import START_TIMEOUT_S, vllm_servicer
 pytestmark = pytest.mark.vllm
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
-# A longer context than the generation tests: long requests must outlast the drain.
-ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager"]
-LONG = 1000
+# The model's whole context (max_position_embeddings 2048), twice the generation
+# tests': a long request must still be running in the engine when the test acts
+# (the kill, the drain's end). Alone it takes ~7 s here; 1000 tokens (~3.6 s)
+# once finished before a SIGKILL landed on a loaded CI machine, because the
+# servicer read the engine's queued outputs seconds late.
+ENGINE_ARGS = ["--max-model-len", "2048", "--enforce-eager"]
+LONG = 2040
 # These servicers test what happens to them, not warm-up: skip it (~4 s each).
 NO_WARMUP = {"SMG_VLLM_SERVICER_WARMUP": "off"}
 
@@ -70,7 +74,10 @@ def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_
             reader.join(10)
         ended_within = time.monotonic() - killed_at
         for reader in readers:
-            assert reader.error is not None and reader.error.code() == grpc.StatusCode.UNAVAILABLE, reader.error
+            assert reader.error is not None and reader.error.code() == grpc.StatusCode.UNAVAILABLE, (
+                f"{reader.request.request_id}: error {reader.error}, {len(reader.messages)} messages, "
+                f"completes {[c.finish_reason for c in reader.completes]}\n{servicer.log()[-3000:]}"
+            )
         assert ended_within < 1.5, f"streams took {ended_within:.2f} s to end"
         assert servicer.wait(30) == 1
         assert "engine link failed" in servicer.log()
