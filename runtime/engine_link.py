@@ -55,7 +55,9 @@ from enginelink.journal.records import (
 )
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.runtime.engine_process import (
+    ENGINE_NICE_DEFAULT,
     SOCKET_PREFIX,
+    lower_priority,
     remove_stale_files,
     session_alive,
     signal_session,
@@ -126,8 +128,10 @@ class EngineLink:
         journal,
         startup_timeout_s: float | None = None,
         supervision: Supervision | None = None,
+        engine_nice: int = ENGINE_NICE_DEFAULT,
     ) -> None:
         self.name = name
+        self.engine_nice = engine_nice
         self.launcher = launcher
         self.codec = codec
         self.journal = journal
@@ -223,7 +227,7 @@ class EngineLink:
                 self.process = await trio.lowlevel.open_process(
                     argv, env={**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}, start_new_session=True
                 )
-                self._progress_at = trio.current_time()
+                self._journal_handshake("priority", lower_priority(self.process.pid, self.engine_nice))
                 nursery.start_soon(self._watch_process)
                 nursery.start_soon(self._supervise_startup)
                 failure = await self._start_up(handshake, inputs, in_path, out_path, facts_path)

@@ -5,6 +5,9 @@ spawns EngineCore, which spawns a Worker, and none of them may outlive the
 servicer. A session is found in ``/proc`` (a process that left its group is
 still in its session) and signalled as a group and member by member.
 
+The engine runs below the servicer's CPU priority (``lower_priority``): see
+that function for why.
+
 Its ipc socket files live in a private 0700 directory (``SMG_ZMQ_SOCKET_DIR``
 honoured), named ``enginelink-<pid>-<link>-…``. A file left by a servicer
 that died is removed at the next start, but only when its pid is gone *and*
@@ -25,6 +28,9 @@ from pathlib import Path
 import trio
 
 SOCKET_PREFIX = "enginelink-"
+# Nice levels between the servicer and its engine (ENGINELINK_ENGINE_NICE).
+ENGINE_NICE_DEFAULT = 10
+NICE_MAX = 19
 # A socket file younger than this is never judged stale (bind → listen race).
 STALE_SOCKET_MIN_AGE_S = 2.0
 
@@ -117,6 +123,53 @@ def session_members(session: int) -> list[int]:
         if fields[0] != b"Z" and int(fields[3]) == session:
             members.append(int(entry))
     return members
+
+
+def _autogroup_nice(pid: int | str) -> int | None:
+    """The nice value of the process's autogroup, or None without autogroup support."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as fh:
+            return int(fh.read().split()[-1])  # "/autogroup-123 nice 0"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def lower_priority(session: int, levels: int) -> dict:
+    """Run the engine's new session ``levels`` nice steps below this process.
+
+    Why: vLLM's EngineCore and Worker busy-poll (``sched_yield`` loops) while
+    a step runs, so with few cores they are always runnable, and the servicer
+    (and the router) wait for a core every time they wake. Each hop they lag
+    is time the engine runs under-full: on 2 cores the servicer spent 15.8 s
+    of a 21 s load waiting to run, and the engine reached half of the tokens/s
+    a bare ZMQ driver gets (docs/benchmarks.md). The front end uses little CPU,
+    so letting it go first costs the engine almost nothing.
+
+    Two settings, because with the kernel's autogroups (a session is its own
+    scheduling group) a task's nice value only ranks it inside its group: the
+    launcher's nice value (EngineCore and the Worker inherit it; they start
+    seconds later) and its session's autogroup. Call it right after the launch.
+    Returns what it set, for the journal; nothing here may fail a launch.
+    """
+    applied: dict = {"levels": levels}
+    if levels <= 0:
+        return applied
+    try:
+        nice = min(NICE_MAX, os.getpriority(os.PRIO_PROCESS, 0) + levels)
+        os.setpriority(os.PRIO_PROCESS, session, nice)
+        applied["nice"] = nice
+    except OSError as error:
+        applied["nice_error"] = str(error)
+    own_group = _autogroup_nice("self")
+    if own_group is not None:
+        group_nice = min(NICE_MAX, own_group + levels)
+        try:
+            with open(f"/proc/{session}/autogroup", "w") as fh:
+                fh.write(str(group_nice))
+            applied["autogroup_nice"] = group_nice
+        except OSError as error:
+            applied["autogroup_error"] = str(error)
+    return applied
 
 
 def session_alive(process: trio.Process, session: int) -> bool:

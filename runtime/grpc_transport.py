@@ -13,7 +13,16 @@ Rules: ordering is preserved (one buffer per connection, flushed in order);
 flow control is untouched (the real transport still calls the protocol's
 ``pause_writing`` / ``resume_writing``).
 
-``CoalescingServer`` installs it. It overrides grpclib's ``_protocol_factory``
+``CoalescingServer`` installs it, and raises the HTTP/2 limit on concurrent
+streams per connection from h2's default of 100 to ``MAX_CONCURRENT_STREAMS``.
+The router multiplexes every call over one connection: at 100 the 101st call
+waited in the client, unseen, while the engine ran under-full (measured at
+concurrency 128: the engine never held more than 100 requests). Admission
+(``RequestHub``, ``IN_FLIGHT_MAX``) is the bound that answers, with a
+retryable UNAVAILABLE; the transport's limit sits above it with room for the
+control calls (health, loads, KV subscriptions) beside a full load.
+
+It overrides grpclib's ``_protocol_factory``
 (private API): grpclib is pinned below 0.5 in pyproject.toml for that reason.
 """
 
@@ -23,6 +32,11 @@ import asyncio
 
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
+from h2.settings import SettingCodes
+
+from enginelink.runtime.hub import IN_FLIGHT_MAX
+
+MAX_CONCURRENT_STREAMS = IN_FLIGHT_MAX + 256
 
 
 class CoalescingTransport:
@@ -64,6 +78,8 @@ class CoalescingTransport:
 class _CoalescingProtocol(H2Protocol):
     def connection_made(self, transport) -> None:
         super().connection_made(CoalescingTransport(transport))
+        self.connection._connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS})
+        self.connection.flush()
 
 
 class CoalescingServer(Server):

@@ -13,7 +13,8 @@ Theory of operation. For each ``--concurrency`` value the bench alternates
   and the output PULL (ipc) itself, launches the engine with the same
   ``VllmLauncher.command(...)``, does the handshake with ``wire/vllm.py`` and
   keeps the requests in flight by sending ADD frames and counting output
-  tokens until each finishes. No gRPC, no journal, no servicer.
+  tokens until each finishes. No gRPC, no journal, no servicer. The engine
+  runs at the priority enginelink gives it (``ENGINELINK_ENGINE_NICE``).
 
 Each side's figure is output tokens / load window (first request sent to last
 finished; one short warm-up request before). Engine start-up is outside the
@@ -65,11 +66,13 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
                 max_tokens: int, prompt_tokens: int, log_path: Path) -> dict:
     import msgspec
     import zmq
-    from enginelink.tools.serve import _vllm_launcher
+    from enginelink.runtime.engine_process import lower_priority
+    from enginelink.tools.serve import _engine_nice, _vllm_launcher
     from enginelink.wire import vllm as vllm_wire
     from enginelink.wire.engine import EngineDead, GenerateSpec, SamplingSpec
 
     launcher = _vllm_launcher(model_dir, engine_args)
+    engine_nice = _engine_nice()
     codec = vllm_wire.VllmCodec()
     vocab = vocab_size(model_dir)
     rng = random.Random()
@@ -90,6 +93,8 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
         env = {**os.environ, **env}
         env.pop("ENGINELINK_ENGINE_FACTS", None)
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # The same engine as enginelink runs: its priority too (runtime/engine_process.py).
+        lower_priority(process.pid, engine_nice)
 
         # Handshake: HELLO -> init -> ready response (inputs) + READY (handshake).
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S

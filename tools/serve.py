@@ -74,6 +74,21 @@ def _env_positive(*names: str, default: float) -> float:
     return value
 
 
+def _engine_nice() -> int:
+    from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, NICE_MAX
+
+    value = os.environ.get("ENGINELINK_ENGINE_NICE")
+    if not value:
+        return ENGINE_NICE_DEFAULT
+    try:
+        levels = int(value)
+    except ValueError:
+        raise ConfigError(f"ENGINELINK_ENGINE_NICE={value!r}: expected a whole number of nice levels, 0 to {NICE_MAX}") from None
+    if not 0 <= levels <= NICE_MAX:
+        raise ConfigError(f"ENGINELINK_ENGINE_NICE={value!r}: must be 0 (same priority as the servicer) to {NICE_MAX}")
+    return levels
+
+
 def _vllm_launcher(model_dir: Path, engine_args: list[str]) -> VllmLauncher:
     """The real vLLM engine, after checking its release speaks our codec's wire."""
     from enginelink.runtime.vllm_compat import Incompatible, check_installed
@@ -167,6 +182,7 @@ def build_config(args: argparse.Namespace):
             "ENGINELINK_PREFILL_TOKENS_PER_SEC", "SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", default=2000.0
         ),
         drain_s=_env_seconds("ENGINELINK_DRAIN_SECS", "SMG_VLLM_SERVICER_DRAIN_SECS", default=5.0),
+        engine_nice=_engine_nice(),
         warmup=_warmup(),
         metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or "127.0.0.1",
         metrics_port=_metrics_port(args),

@@ -1,0 +1,109 @@
+"""What keeps the engine full: the front end gets the CPU first, and no transport limit below admission.
+
+Both were found measuring a real vLLM engine (docs/benchmarks.md): its
+processes busy-poll, so a servicer at the same priority waited for a core on
+every wake-up; and h2's default of 100 concurrent streams per connection held
+the 101st call in the client. These tests run ``enginelink serve`` over the
+sim engine and look where a user would: the processes' priorities in
+``/proc``, the journal, and calls on one channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+from enginelink.journal.store import open_reader
+from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
+from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, session_members
+from tests.harness import Servicer, engine_pid, generate_request
+
+PROMPT = [318, 283, 1552, 10, 90, 305]
+
+
+def autogroup_nice(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except OSError:
+        return None
+
+
+def priority_record(journal: Path) -> dict:
+    with open_reader(journal) as reader:
+        steps = [r.payload for r in reader.records(kinds=[KIND_ENGINE_HANDSHAKE])]
+    return next(s["message"] for s in steps if s["step"] == "priority")
+
+
+def test_engine_runs_ten_nice_levels_below_the_servicer(tmp_path, test_model_dir):
+    with Servicer(tmp_path, model_dir=test_model_dir) as servicer:
+        engine = engine_pid(servicer.journal)
+        own = os.getpriority(os.PRIO_PROCESS, servicer.process.pid)
+        expected = min(19, own + ENGINE_NICE_DEFAULT)
+        for pid in session_members(engine):
+            assert os.getpriority(os.PRIO_PROCESS, pid) == expected, pid
+        record = priority_record(servicer.journal)
+        assert record["nice"] == expected
+        group = autogroup_nice(servicer.process.pid)
+        if group is not None:  # the kernel groups sessions: the engine's group is lowered too
+            assert autogroup_nice(engine) == min(19, group + ENGINE_NICE_DEFAULT)
+            assert record["autogroup_nice"] == autogroup_nice(engine)
+
+
+def test_engine_nice_zero_keeps_the_servicers_priority(tmp_path, test_model_dir):
+    with Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_ENGINE_NICE": "0"}) as servicer:
+        engine = engine_pid(servicer.journal)
+        assert os.getpriority(os.PRIO_PROCESS, engine) == os.getpriority(os.PRIO_PROCESS, servicer.process.pid)
+        assert priority_record(servicer.journal) == {"levels": 0}
+
+
+@pytest.mark.parametrize("value", ["high", "20", "-1"])
+def test_bad_engine_nice_is_refused_before_anything_starts(tmp_path, test_model_dir, value):
+    servicer = Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_ENGINE_NICE": value})
+    servicer.start(wait_serving=False)
+    try:
+        assert servicer.wait(30) == 2
+        assert f"ENGINELINK_ENGINE_NICE={value!r}" in servicer.log()
+    finally:
+        servicer.stop()
+
+
+def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir):
+    """The router sends every call over one connection: none may wait in the transport."""
+    calls = 160
+    # 20 ms steps and 100 tokens: every call lasts ~2 s; the engine holds them all.
+    engine_args = ["--step-us", "20000", "--max-num-seqs", "256"]
+    with Servicer(tmp_path, model_dir=test_model_dir, engine_args=engine_args) as servicer:
+
+        async def run() -> tuple[int, int]:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{servicer.port}") as channel:
+                stub = pb_grpc.VllmEngineStub(channel)
+                first_token = asyncio.Event()
+                started = 0
+                finished_before_all_started = 0
+                all_started = asyncio.Event()
+
+                async def one(i: int) -> None:
+                    nonlocal started, finished_before_all_started
+                    request = generate_request(f"many-{i}", PROMPT, stream=True, max_tokens=100, ignore_eos=True)
+                    seen_first = False
+                    async for response in stub.Generate(request, timeout=60):
+                        if response.HasField("chunk") and not seen_first:
+                            seen_first = True
+                            started += 1
+                            if started == calls:
+                                all_started.set()
+                            first_token.set()
+                        if response.HasField("complete") and not all_started.is_set():
+                            finished_before_all_started += 1
+
+                await asyncio.gather(*(one(i) for i in range(calls)))
+                return started, finished_before_all_started
+
+        started, finished_early = asyncio.run(run())
+        assert started == calls
+        assert finished_early == 0, f"{finished_early} calls finished before the last one got its first token"
