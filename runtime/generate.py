@@ -25,8 +25,13 @@ from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.validate import validate_generate
 
 
-async def generate(app, request, *, wake, send) -> None:
-    """Serve one ``vllm_engine_pb2.GenerateRequest`` through ``app.hub``; returns when it ended OK."""
+async def generate(app, request, *, wake, send, direct_send=None) -> None:
+    """Serve one ``vllm_engine_pb2.GenerateRequest`` through ``app.hub``; returns when it ended OK.
+
+    ``direct_send`` (gRPC only): the stream's synchronous writer, handed to
+    the hub once the first message (and so the headers) went out; from then
+    on the hub writes chunks itself while this loop is idle.
+    """
     hub = app.hub
     now = trio.current_time()
     try:
@@ -41,8 +46,16 @@ async def generate(app, request, *, wake, send) -> None:
             wake.clear()
             if call.error is not None:
                 raise call.error
-            for message in hub.take(call, trio.current_time()):
-                await send(message)
+            call.writer_busy = True
+            wrote = False
+            try:
+                for message in hub.take(call, trio.current_time()):
+                    await send(message)
+                    wrote = True
+            finally:
+                call.writer_busy = False
+            if wrote and call.direct_send is None:
+                call.direct_send = direct_send
             if call.error is not None:
                 # The engine failed the call while we were sending: the caller
                 # must see the failure, not a stream that ends OK without completes.

@@ -21,6 +21,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
 from enginelink.runtime.errors import grpc_errors
 from enginelink.runtime.generate import generate
+from enginelink.runtime.grpc_transport import direct_sender
 from enginelink.runtime.profiling import check_start_options, profile
 from enginelink.runtime.grpc_kv import FlushError, flush_cache, subscribe_kv_events
 
@@ -36,7 +37,8 @@ class VllmEngineService(VllmEngineBase):
     async def Generate(self, stream) -> None:
         request = await stream.recv_message()
         # runtime/generate.py: the one Generate loop (the simulation runs it too).
-        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message)
+        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message,
+                       direct_send=direct_sender(stream))
 
     @grpc_errors
     async def Abort(self, stream) -> None:

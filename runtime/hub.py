@@ -100,6 +100,7 @@ class Call:
 
     __slots__ = (
         "spec", "machine", "choices", "open_choices", "wake", "error", "admitted_at", "prompt_tokens", "metrics",
+        "direct_send", "writer_busy", "backlog",
     )
 
     def __init__(self, spec: GenerateCall, now: float, tokenizer, wake, metrics) -> None:
@@ -123,6 +124,11 @@ class Call:
         self.error: ServicerError | None = None
         self.admitted_at = now
         self.prompt_tokens = len(spec.prompt_token_ids)
+        # The writer's synchronous path (grpc_transport.direct_sender), set by
+        # the writer once its headers are out; None until then and off gRPC.
+        self.direct_send = None
+        self.writer_busy = False  # the writer holds messages it has not written yet
+        self.backlog: list[pb.GenerateResponse] = []  # taken, not written: the writer's first
 
     @property
     def done(self) -> bool:
@@ -360,8 +366,29 @@ class RequestHub:
                 call.open_choices -= 1
                 if call.open_choices == 0:
                     self._end(call, RequestEvent.FINISH, now)
-            call.wake.set()
+            if not self._write_now(call):
+                call.wake.set()
         return generated
+
+    @staticmethod
+    def _write_now(call: Call) -> bool:
+        """Write a streaming call's new chunks from here, without waking its writer.
+
+        Only chunks of a call whose choices are all still open (completes are
+        journaled by ``take``) and whose writer is idle with nothing queued, so
+        the order on the wire is the order taken. What cannot go now becomes
+        the writer's backlog. True when nothing is left for the writer.
+        """
+        send = call.direct_send
+        if (send is None or call.writer_busy or call.backlog or call.error is not None
+                or call.open_choices != len(call.choices) or call.wake.is_set()):
+            return False
+        messages = call.take_messages()
+        written = send(messages)
+        if written == len(messages):
+            return True
+        call.backlog = messages[written:]
+        return False
 
     # -- ending calls -----------------------------------------------------------------
 
@@ -409,6 +436,9 @@ class RequestHub:
         """The messages a call's writer should send now; journals completed choices."""
         unsent = [c for c in call.choices if not c.complete_sent]
         messages = call.take_messages()
+        if call.backlog:
+            messages = call.backlog + messages
+            call.backlog = []
         for choice in unsent:
             if choice.complete_sent:
                 self._journal_sent(call, choice, now)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
+import grpc
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
-from tests.contract.helpers import generate, greedy, new_id, prompt
+from tests.contract.helpers import CALL_TIMEOUT_S, Outcome, generate, greedy, new_id, prompt
+from tests.harness import generate_request
 
 EOS = 2
 CONTEXT = 2048
@@ -42,6 +47,32 @@ def test_streaming_sends_deltas_then_one_complete(servicer, slow_servicer):
     assert complete.finish_reason == "length"
     assert complete.prompt_tokens == len(ids)
     assert list(complete.output_ids) == list(chunks[-1].token_ids), "a streaming complete repeats the last delta"
+
+
+def test_a_client_that_reads_late_gets_every_token_in_order(servicer, slow_servicer):
+    """The servicer writes each step's chunk at once until the client's
+    flow-control window is full; the rest must queue, in order, not vanish.
+
+    A 1 KiB stream window and no BDP probing (grpc C-core would widen it), a
+    100-token stream at 20 ms a step (~30 bytes a message), and a client that
+    reads nothing for the first 2.5 s: the window fills after ~30 chunks.
+    """
+    ids = prompt(5)
+    expected = greedy(servicer.stub, ids, 100)
+    options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    with grpc.insecure_channel(f"127.0.0.1:{slow_servicer.port}", options=options) as channel:
+        stub = pb_grpc.VllmEngineStub(channel)
+        responses = stub.Generate(
+            generate_request(new_id("late-reader"), ids, stream=True, temperature=0.0, max_tokens=100,
+                             ignore_eos=True),
+            timeout=CALL_TIMEOUT_S,
+        )
+        time.sleep(2.5)
+        out = Outcome(list(responses))
+    assert out.streamed(0) == expected
+    assert len(out.chunks[0]) > 1
+    assert [m.WhichOneof("response") for m in out.messages][-1] == "complete"
+    assert out.complete(0).finish_reason == "length"
 
 
 def test_non_streaming_sends_one_full_complete(servicer):
