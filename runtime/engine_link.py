@@ -110,6 +110,17 @@ class Supervision:
         return self.silence_timeout_s + pending_prefill_tokens / self.prefill_tokens_per_s
 
 
+def _describe_priority(applied: dict) -> str:
+    if applied["levels"] <= 0:
+        return "at the servicer's priority (ENGINELINK_ENGINE_NICE=0)"
+    parts = [f"nice {applied['nice']}" if "nice" in applied else f"nice unchanged ({applied.get('nice_error')})"]
+    if "autogroup_nice" in applied:
+        parts.append(f"its session's autogroup nice {applied['autogroup_nice']}")
+    elif "autogroup_error" in applied:
+        parts.append(f"autogroup unchanged ({applied['autogroup_error']})")
+    return f"{applied['levels']} levels below the servicer: " + ", ".join(parts)
+
+
 class LinkFailed(Exception):
     """The engine link failed; the message says why (whose fault: the engine's)."""
 
@@ -227,7 +238,9 @@ class EngineLink:
                 self.process = await trio.lowlevel.open_process(
                     argv, env={**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}, start_new_session=True
                 )
-                self._journal_handshake("priority", lower_priority(self.process.pid, self.engine_nice))
+                priority = lower_priority(self.process.pid, self.engine_nice)
+                self._journal_handshake("priority", priority)
+                log.info("engine process %d started, %s", self.process.pid, _describe_priority(priority))
                 nursery.start_soon(self._watch_process)
                 nursery.start_soon(self._supervise_startup)
                 failure = await self._start_up(handshake, inputs, in_path, out_path, facts_path)

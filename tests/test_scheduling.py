@@ -48,6 +48,7 @@ def test_engine_runs_ten_nice_levels_below_the_servicer(tmp_path, test_model_dir
             assert os.getpriority(os.PRIO_PROCESS, pid) == expected, pid
         record = priority_record(servicer.journal)
         assert record["nice"] == expected
+        assert f"engine process {engine} started, 10 levels below the servicer: nice {expected}" in servicer.log()
         group = autogroup_nice(servicer.process.pid)
         if group is not None:  # the kernel groups sessions: the engine's group is lowered too
             assert autogroup_nice(engine) == min(19, group + ENGINE_NICE_DEFAULT)
