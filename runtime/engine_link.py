@@ -265,7 +265,7 @@ class EngineLink:
                 path.unlink(missing_ok=True)
 
     async def stop_engine(self) -> None:
-        """SIGTERM the engine's session, SIGKILL after the grace period; wait until it is gone."""
+        """Stop the engine once (``_end_process``), shielded; later callers wait for that one stop."""
         process = self.process
         if process is None:
             return
@@ -276,20 +276,24 @@ class EngineLink:
         self._stop_done = trio.Event()
         with trio.CancelScope(shield=True):
             try:
-                session = process.pid
-                if session_alive(process, session):
-                    signal_session(session, signal.SIGTERM)
-                    with trio.move_on_after(self.supervision.term_grace_s):
-                        await wait_session_gone(process, session)
-                if session_alive(process, session):
-                    log.warning("engine session %d still alive after SIGTERM: SIGKILL", session)
-                    signal_session(session, signal.SIGKILL)
-                    with trio.move_on_after(ENGINE_KILL_WAIT_S):
-                        await wait_session_gone(process, session)
-                if process.returncode is None:
-                    await process.wait()
+                await self._end_process(process)
             finally:
                 self._stop_done.set()
+
+    async def _end_process(self, process) -> None:
+        """SIGTERM the engine's session, SIGKILL after the grace period; wait until it is gone."""
+        session = process.pid
+        if session_alive(process, session):
+            signal_session(session, signal.SIGTERM)
+            with trio.move_on_after(self.supervision.term_grace_s):
+                await wait_session_gone(process, session)
+        if session_alive(process, session):
+            log.warning("engine session %d still alive after SIGTERM: SIGKILL", session)
+            signal_session(session, signal.SIGKILL)
+            with trio.move_on_after(ENGINE_KILL_WAIT_S):
+                await wait_session_gone(process, session)
+        if process.returncode is None:
+            await process.wait()
 
     # -- internals: start-up -------------------------------------------------------
 
@@ -327,17 +331,25 @@ class EngineLink:
                     )
                     return
 
-    async def _start_up(self, handshake, inputs, in_path: Path, out_path: Path, facts_path: Path) -> LinkFailed | None:
-        """Handshake and check the engine; the failure, if it did not come up."""
+    async def _run_handshake(self, handshake) -> LinkFailed | None:
+        """Run ``handshake()`` inside the start-up scope (supervision cancels it); the failure, if any."""
         with trio.CancelScope() as self._startup_scope:
             try:
-                await self._handshake(handshake, inputs, f"ipc://{in_path}", f"ipc://{out_path}")
+                await handshake()
             except (LinkFailed, msgspec.DecodeError) as error:
                 self._fail(f"engine broke the handshake: {error}")
             else:
                 self._handshake_done = True
         if not self._handshake_done:
             return LinkFailed(self.machine.failure or "engine start-up was cancelled")
+        return None
+
+    async def _start_up(self, handshake, inputs, in_path: Path, out_path: Path, facts_path: Path) -> LinkFailed | None:
+        """Handshake and check the engine; the failure, if it did not come up."""
+        failure = await self._run_handshake(
+            lambda: self._handshake(handshake, inputs, f"ipc://{in_path}", f"ipc://{out_path}"))
+        if failure is not None:
+            return failure
         self._read_facts(facts_path)
         problem = getattr(self.launcher, "check_ready", lambda ready: None)(self.ready)
         if problem:

@@ -171,23 +171,11 @@ class MemoryLink(EngineLink):
             self._connected = False
             await self.stop_engine()
 
-    async def stop_engine(self) -> None:
+    async def _end_process(self, process) -> None:
         """SIGTERM: the sim engine exits at once with status 0; wait until it has."""
-        process = self.process
-        if process is None:
-            return
-        if self._stop_done is not None:
-            with trio.CancelScope(shield=True):
-                await self._stop_done.wait()
-            return
-        self._stop_done = trio.Event()
-        with trio.CancelScope(shield=True):
-            try:
-                if process.returncode is None:
-                    self._end_engine(0)
-                await process.wait()
-            finally:
-                self._stop_done.set()
+        if process.returncode is None:
+            self._end_engine(0)
+        await process.wait()
 
     # -- faults ----------------------------------------------------------------------
 
@@ -393,15 +381,9 @@ class MemoryLink(EngineLink):
 
     async def _memory_start_up(self) -> LinkFailed | None:
         """Handshake; the failure, if the engine did not come up (as ``EngineLink._start_up``)."""
-        with trio.CancelScope() as self._startup_scope:
-            try:
-                await self._memory_handshake()
-            except (LinkFailed, msgspec.DecodeError) as error:
-                self._fail(f"engine broke the handshake: {error}")
-            else:
-                self._handshake_done = True
-        if not self._handshake_done:
-            return LinkFailed(self.machine.failure or "engine start-up was cancelled")
+        failure = await self._run_handshake(self._memory_handshake)
+        if failure is not None:
+            return failure
         self.journal.append(
             trio.current_time(),
             link_stream(self.name),
