@@ -215,6 +215,10 @@ class RequestHub:
         self.renamed = 0  # calls that got fresh engine ids (see RETIRED_ENGINE_IDS_MAX)
         self.send_errors = 0  # frames the link could not hand to the engine
         self.late_outputs = 0
+        # The direct write path (_write_now): chunks it wrote, and times it had to
+        # hand the rest to the call's writer (a full flow-control window: a slow client).
+        self.direct_writes = 0
+        self.direct_handovers = 0
         self.last_receive_wall = 0.0
 
     # -- admission -------------------------------------------------------------------
@@ -370,8 +374,7 @@ class RequestHub:
                 call.wake.set()
         return generated
 
-    @staticmethod
-    def _write_now(call: Call) -> bool:
+    def _write_now(self, call: Call) -> bool:
         """Write a streaming call's new chunks from here, without waking its writer.
 
         Only chunks of a call whose choices are all still open (completes are
@@ -385,8 +388,10 @@ class RequestHub:
             return False
         messages = call.take_messages()
         written = send(messages)
+        self.direct_writes += written
         if written == len(messages):
             return True
+        self.direct_handovers += 1
         call.backlog = messages[written:]
         return False
 

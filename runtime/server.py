@@ -33,7 +33,7 @@ from enginelink.runtime import core
 from enginelink.runtime.app import App
 from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT
 from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
-from enginelink.runtime.grpc_transport import CoalescingServer
+from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS, CoalescingServer
 from enginelink.runtime.grpc_vllm import VllmEngineService
 from enginelink.runtime.hub import RETIRED_ENGINE_IDS_MAX, RequestHub
 from enginelink.runtime.kv_config import KvPlan
@@ -238,10 +238,15 @@ class LinkStats:
     retired_engine_ids_max: int
     renamed_calls: int
     send_errors: int
+    # The gRPC side: streams one connection may carry, and the direct write path.
+    max_concurrent_streams: int
+    direct_writes: int
+    direct_handovers: int
 
 
 def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
     return LinkStats(
         link.frames_received, hub.late_outputs, hub.in_flight_max,
         len(hub.retired), RETIRED_ENGINE_IDS_MAX, hub.renamed, hub.send_errors,
+        MAX_CONCURRENT_STREAMS, hub.direct_writes, hub.direct_handovers,
     )

@@ -21,7 +21,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from enginelink.journal.store import open_reader
 from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
 from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, session_members
-from tests.harness import Servicer, engine_pid, generate_request
+from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS
+from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
 
@@ -78,7 +79,9 @@ def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir)
     calls = 160
     # 20 ms steps and 100 tokens: every call lasts ~2 s; the engine holds them all.
     engine_args = ["--step-us", "20000", "--max-num-seqs", "256"]
-    with Servicer(tmp_path, model_dir=test_model_dir, engine_args=engine_args) as servicer:
+    metrics_port = free_port()
+    with Servicer(tmp_path, model_dir=test_model_dir, engine_args=engine_args,
+                  extra=["--metrics-port", str(metrics_port)]) as servicer:
 
         async def run() -> tuple[int, int]:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{servicer.port}") as channel:
@@ -108,3 +111,7 @@ def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir)
         started, finished_early = asyncio.run(run())
         assert started == calls
         assert finished_early == 0, f"{finished_early} calls finished before the last one got its first token"
+        # The operator sees the transport's bound, and that chunks went out the direct way.
+        metrics = {name.split("{")[0]: value for name, value in scrape(metrics_port).items()}
+        assert metrics["smg_servicer_link_max_concurrent_streams"] == MAX_CONCURRENT_STREAMS > calls
+        assert metrics["smg_servicer_link_direct_writes"] > calls
