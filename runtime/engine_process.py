@@ -125,8 +125,13 @@ def session_members(session: int) -> list[int]:
     return members
 
 
-def _autogroup_nice(pid: int | str) -> int | None:
-    """The nice value of the process's autogroup, or None without autogroup support."""
+def autogroup_nice(pid: int | str) -> int | None:
+    """The nice value of the process's autogroup, or None where autogroups do not apply.
+
+    None covers a kernel without them (no file) and a task in a cgroup other
+    than the root, which containers and CI runners use: there the kernel
+    prints nothing, and nice values rank the tasks of the cgroup directly.
+    """
     try:
         with open(f"/proc/{pid}/autogroup") as fh:
             return int(fh.read().split()[-1])  # "/autogroup-123 nice 0"
@@ -160,7 +165,7 @@ def lower_priority(session: int, levels: int) -> dict:
         applied["nice"] = nice
     except OSError as error:
         applied["nice_error"] = str(error)
-    own_group = _autogroup_nice("self")
+    own_group = autogroup_nice("self")
     if own_group is not None:
         group_nice = min(NICE_MAX, own_group + levels)
         try:

@@ -20,18 +20,11 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from enginelink.journal.store import open_reader
 from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
-from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, session_members
+from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, autogroup_nice, session_members
 from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS
 from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
-
-
-def autogroup_nice(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
-    except OSError:
-        return None
 
 
 def priority_record(journal: Path) -> dict:
@@ -54,6 +47,8 @@ def test_engine_runs_ten_nice_levels_below_the_servicer(tmp_path, test_model_dir
         if group is not None:  # the kernel groups sessions: the engine's group is lowered too
             assert autogroup_nice(engine) == min(19, group + ENGINE_NICE_DEFAULT)
             assert record["autogroup_nice"] == autogroup_nice(engine)
+        else:  # a cgroup (container, CI runner): nice alone ranks the tasks, and nothing claims a group
+            assert "autogroup_nice" not in record
 
 
 def test_engine_nice_zero_keeps_the_servicers_priority(tmp_path, test_model_dir):
@@ -115,3 +110,20 @@ def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir)
         metrics = {name.split("{")[0]: value for name, value in scrape(metrics_port).items()}
         assert metrics["smg_servicer_link_max_concurrent_streams"] == MAX_CONCURRENT_STREAMS > calls
         assert metrics["smg_servicer_link_direct_writes"] > calls
+
+
+def test_without_autogroups_only_the_nice_value_is_set(monkeypatch):
+    """In a container the kernel prints an empty /proc/PID/autogroup: the launch goes on with nice alone."""
+    import subprocess
+
+    from enginelink.runtime import engine_process
+
+    monkeypatch.setattr(engine_process, "autogroup_nice", lambda pid: None)
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        applied = engine_process.lower_priority(child.pid, 5)
+        assert applied == {"levels": 5, "nice": min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)}
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == applied["nice"]
+    finally:
+        child.kill()
+        child.wait()
