@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["sim", "vllm"], default="sim",
                    help="sim: the servicer's CPU per token with the sim engine (default); vllm: enginelink + "
                         "the real vLLM engine vs a bare ZMQ driver of it, alternating (tools/bench_engine.py)")
+    p.add_argument("--raw-front-end-us", type=float, nargs="+", default=[], metavar="US",
+                   help="with --engine vllm: also run the raw driver as if it were a front end that spends "
+                        "US CPU microseconds per output token (a busy loop in the driver), one side per value; "
+                        "shows how much of the ratio a front end's CPU alone costs on this machine")
     p.add_argument("--rounds", type=int, default=2,
                    help="with --engine vllm: (enginelink, raw) pairs per concurrency (default 2)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[128],

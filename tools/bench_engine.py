@@ -62,8 +62,15 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 # -- raw: a bare ZMQ driver -----------------------------------------------------------
 
 
+def spend_cpu(seconds: float) -> None:
+    """Busy-loop until this thread has used ``seconds`` of CPU: CPU taken, not wall time slept."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, requests: int,
-                max_tokens: int, prompt_tokens: int, log_path: Path) -> dict:
+                max_tokens: int, prompt_tokens: int, log_path: Path, front_end_us: float = 0.0) -> dict:
     import msgspec
     import zmq
     from enginelink.runtime.engine_process import lower_priority
@@ -144,6 +151,9 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
                 batch = codec.decode_output(outputs.recv_multipart())
                 if isinstance(batch, EngineDead):
                     raise RuntimeError("engine reported ENGINE_CORE_DEAD")
+                if front_end_us:
+                    # A stand-in front end: the CPU a servicer (and its client) would spend on these tokens.
+                    spend_cpu(front_end_us * 1e-6 * sum(len(out.new_token_ids) for out in batch.outputs))
                 for out in batch.outputs:
                     got = len(out.new_token_ids)
                     tokens += got
@@ -229,15 +239,17 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(tmp_name)
         for concurrency in args.concurrency:
             engine_args = engine_args_for(args, concurrency)
-            runs = {"enginelink": [], "raw": []}
+            sides = ["enginelink", "raw", *(f"raw+{us:g}us" for us in args.raw_front_end_us)]
+            runs = {side: [] for side in sides}
             for r in range(args.rounds):
-                for side in ("enginelink", "raw"):
+                for side in sides:
                     t = time.monotonic()
                     if side == "enginelink":
                         res = measure_enginelink(args, model_dir, engine_args, concurrency, tmp / f"el-{concurrency}-{r}")
                     else:
+                        front_end_us = float(side[4:-2]) if side != "raw" else 0.0
                         res = measure_raw(model_dir, engine_args, concurrency, requests, args.max_tokens,
-                                          args.prompt_tokens, tmp / "raw-engine.log")
+                                          args.prompt_tokens, tmp / "raw-engine.log", front_end_us)
                     res["total_s"] = time.monotonic() - t
                     runs[side].append(res)
                     print(f"concurrency {concurrency} round {r + 1} {side:10s} {res['tokens_per_s']:8.0f} tokens/s "
@@ -245,8 +257,11 @@ def run(args: argparse.Namespace) -> int:
                           f"{res['total_s']:.0f} s with start-up)", file=sys.stderr, flush=True)
             el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
             raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])
+            stand_ins = {side: statistics.median(x["tokens_per_s"] for x in runs[side]) / raw
+                         for side in sides[2:]}
             results.append({"concurrency": concurrency, "engine_args": engine_args, "runs": runs,
-                            "enginelink_tokens_per_s": el, "raw_tokens_per_s": raw, "ratio": el / raw})
+                            "enginelink_tokens_per_s": el, "raw_tokens_per_s": raw, "ratio": el / raw,
+                            "stand_in_ratios": stand_ins})
     report = {"machine": machine_facts(), "requests": requests, "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "model": str(model_dir), "results": results}
     if args.json:
@@ -259,5 +274,8 @@ def run(args: argparse.Namespace) -> int:
             raw = ", ".join(f"{x['tokens_per_s']:.0f}" for x in r["runs"]["raw"])
             print(f"  concurrency {r['concurrency']:4d}: enginelink {r['enginelink_tokens_per_s']:7.0f} tokens/s ({el})"
                   f"  raw {r['raw_tokens_per_s']:7.0f} tokens/s ({raw})  ratio {r['ratio']:.3f}")
+            for side, ratio in r["stand_in_ratios"].items():
+                runs_text = ", ".join(f"{x['tokens_per_s']:.0f}" for x in r["runs"][side])
+                print(f"      {side:>12s} (raw driver spending that much CPU per token): ratio {ratio:.3f} ({runs_text})")
     bad = any(x["short"] for r in results for side in r["runs"].values() for x in side)
     return 1 if bad else 0
