@@ -117,3 +117,14 @@ def test_engine_vllm_options_parse_without_starting_anything(capsys):
     assert bench_engine.engine_args_for(args, 32) == [
         "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "128"]
     assert bench_engine.engine_args_for(args, 200)[-1] == "200"
+
+
+def test_stand_in_front_end_takes_cpu_not_wall_time():
+    """--raw-front-end-us charges the engine's cores: the driver must run for it, not sleep."""
+    from enginelink.tools import bench_engine
+
+    args = _args("--engine", "vllm", "--raw-front-end-us", "40", "100")
+    assert args.raw_front_end_us == [40.0, 100.0]
+    cpu0 = time.thread_time()
+    bench_engine.spend_cpu(0.05)
+    assert time.thread_time() - cpu0 >= 0.05
