@@ -73,9 +73,9 @@ def remove_stale_files(directory: Path, now_wall: float | None = None) -> list[P
         if path.is_socket():
             # Never probe a socket whose owner lives: a probe is a connection
             # its owner sees come and go.
-            stale = not _pid_alive(_pid_of(path.name)) and not socket_is_live(path)
+            stale = not pid_alive(_pid_of(path.name)) and not socket_is_live(path)
         elif path.name.endswith("-facts.json"):
-            stale = not _pid_alive(_pid_of(path.name))
+            stale = not pid_alive(_pid_of(path.name))
         else:
             continue
         if stale:
@@ -91,16 +91,39 @@ def _pid_of(name: str) -> int:
         return -1
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
+def pid_alive(pid: int | None, *, started_after: float | None = None, started_before: float | None = None) -> bool:
+    """The process exists and is not a zombie; where ``/proc`` tells its start
+    (wall time), it must lie in the bounds given, so a reused pid is not
+    taken for the process the journal names (``enginelink inspect``)."""
+    if pid is None or pid <= 0:  # kill(0 or -n, 0) would ask about whole process groups
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass  # exists, someone else's
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[-1].split()
+    except (FileNotFoundError, PermissionError):
+        return True  # no /proc: trust kill(0)
+    if fields[0] == b"Z":
+        return False
+    if started_after is None and started_before is None:
         return True
-    return True
+    started = _boot_wall() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    if started_after is not None and started < started_after:
+        return False
+    return started_before is None or started <= started_before
+
+
+def _boot_wall() -> float:
+    with open("/proc/stat", "rb") as f:
+        for line in f:
+            if line.startswith(b"btime "):
+                return float(line.split()[1])
+    return 0.0
 
 
 def session_members(session: int) -> list[int]:
@@ -109,7 +132,7 @@ def session_members(session: int) -> list[int]:
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return [session] if _pid_alive(session) else []
+        return [session] if pid_alive(session) else []
     for entry in entries:
         if not entry.isdigit():
             continue

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import grpc
@@ -116,6 +117,26 @@ def test_stale_files_go_and_live_ones_stay(tmp_path):
         listener.close()
     assert sorted(removed) == sorted([stale, stale_facts])
     assert all(p.exists() for p in (live, mine, young, other))
+
+
+def test_an_unreaped_or_unnamed_owner_is_not_alive(tmp_path):
+    """A zombie holds no socket any more: its files are leftovers like a dead process's."""
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child.pid}/stat").read_bytes().rsplit(b")", 1)[-1].split()[0] != b"Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert ep.pid_alive(os.getpid())
+        assert not ep.pid_alive(child.pid)  # exited, not yet reaped
+        assert not ep.pid_alive(-1) and not ep.pid_alive(0) and not ep.pid_alive(None)
+    finally:
+        child.wait()
+    dead_owned = tmp_path / f"enginelink-{child.pid}-vllm-0-facts.json"
+    dead_owned.write_text("{}")
+    old = time.time() - 60
+    os.utime(dead_owned, (old, old))
+    assert ep.remove_stale_files(tmp_path) == [dead_owned]
 
 
 def test_silence_with_requests_in_flight_fails_the_link(tmp_path, test_model_dir):

@@ -32,6 +32,7 @@ from enginelink.journal.fold import TERMINAL_REQUEST_STATES, FoldState, fold
 from enginelink.journal.journal import FLUSH_INTERVAL_S, default_journal_path
 from enginelink.journal.store import Reader, StoreError, open_reader
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
+from enginelink.runtime.engine_process import pid_alive
 
 DEFAULT_PORT = 50051
 WATCH_DEFAULT_S = 2.0
@@ -129,39 +130,6 @@ class JournalFolder:
             fold(reader.iter_records(after_seq=st.last_seq), st)
             self.state = st
             return describe(st, reader, self.path)
-
-
-def pid_alive(pid: int | None, *, started_after: float | None = None, started_before: float | None = None) -> bool:
-    """The process exists and is not a zombie; where ``/proc`` tells its start
-    (wall time), it must lie in the bounds given, so a reused pid is not
-    taken for the process the journal names."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, someone else's
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[-1].split()
-    except (FileNotFoundError, PermissionError):
-        return True  # no /proc: trust kill(0)
-    if fields[0] == b"Z":
-        return False
-    started = _boot_wall() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    if started_after is not None and started < started_after:
-        return False
-    return started_before is None or started <= started_before
-
-
-def _boot_wall() -> float:
-    with open("/proc/stat", "rb") as f:
-        for line in f:
-            if line.startswith(b"btime "):
-                return float(line.split()[1])
-    return 0.0
 
 
 def describe(st: FoldState, reader: Reader, path: Path) -> dict[str, Any]:
