@@ -56,8 +56,10 @@ from enginelink.journal.records import (
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.runtime.engine_process import (
     ENGINE_NICE_DEFAULT,
+    SERVICER_SCHED_DEFAULT,
     SOCKET_PREFIX,
     lower_priority,
+    run_threads_as_batch,
     remove_stale_files,
     session_alive,
     signal_session,
@@ -112,13 +114,21 @@ class Supervision:
 
 def _describe_priority(applied: dict) -> str:
     if applied["levels"] <= 0:
-        return "at the servicer's priority (ENGINELINK_ENGINE_NICE=0)"
-    parts = [f"nice {applied['nice']}" if "nice" in applied else f"nice unchanged ({applied.get('nice_error')})"]
-    if "autogroup_nice" in applied:
-        parts.append(f"its session's autogroup nice {applied['autogroup_nice']}")
-    elif "autogroup_error" in applied:
-        parts.append(f"autogroup unchanged ({applied['autogroup_error']})")
-    return f"{applied['levels']} levels below the servicer: " + ", ".join(parts)
+        text = "at the servicer's priority (ENGINELINK_ENGINE_NICE=0)"
+    else:
+        parts = [f"nice {applied['nice']}" if "nice" in applied else f"nice unchanged ({applied.get('nice_error')})"]
+        if "autogroup_nice" in applied:
+            parts.append(f"its session's autogroup nice {applied['autogroup_nice']}")
+        elif "autogroup_error" in applied:
+            parts.append(f"autogroup unchanged ({applied['autogroup_error']})")
+        text = f"{applied['levels']} levels below the servicer: " + ", ".join(parts)
+    servicer = applied.get("servicer")
+    if servicer is not None:
+        if "error" in servicer:
+            text += f"; servicer threads not SCHED_BATCH ({servicer['error']})"
+        else:
+            text += f"; the servicer's {servicer['threads']} threads run SCHED_BATCH, so they wait for the engine to yield"
+    return text
 
 
 class LinkFailed(Exception):
@@ -140,9 +150,11 @@ class EngineLink:
         startup_timeout_s: float | None = None,
         supervision: Supervision | None = None,
         engine_nice: int = ENGINE_NICE_DEFAULT,
+        servicer_sched: str = SERVICER_SCHED_DEFAULT,
     ) -> None:
         self.name = name
         self.engine_nice = engine_nice
+        self.servicer_sched = servicer_sched
         self.launcher = launcher
         self.codec = codec
         self.journal = journal
@@ -239,6 +251,8 @@ class EngineLink:
                     argv, env={**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}, start_new_session=True
                 )
                 priority = lower_priority(self.process.pid, self.engine_nice)
+                if self.servicer_sched == "batch":
+                    priority["servicer"] = run_threads_as_batch()
                 self._journal_handshake("priority", priority)
                 log.info("engine process %d started, %s", self.process.pid, _describe_priority(priority))
                 nursery.start_soon(self._watch_process)

@@ -30,6 +30,9 @@ import trio
 SOCKET_PREFIX = "enginelink-"
 # Nice levels between the servicer and its engine (ENGINELINK_ENGINE_NICE).
 ENGINE_NICE_DEFAULT = 10
+# The servicer's own scheduling policy once its engine runs (ENGINELINK_SERVICER_SCHED).
+SERVICER_SCHED_CHOICES = ("batch", "normal")
+SERVICER_SCHED_DEFAULT = "batch"
 NICE_MAX = 19
 # A socket file younger than this is never judged stale (bind → listen race).
 STALE_SOCKET_MIN_AGE_S = 2.0
@@ -197,6 +200,37 @@ def lower_priority(session: int, levels: int) -> dict:
             applied["autogroup_nice"] = group_nice
         except OSError as error:
             applied["autogroup_error"] = str(error)
+    return applied
+
+
+def run_threads_as_batch() -> dict:
+    """Put every thread of this process in ``SCHED_BATCH``. Returns what it did, for the journal.
+
+    Why: with the engine filling the cores, the servicer wakes at every
+    engine step (the step's outputs arrive) and, at normal policy and a
+    higher priority than the engine (``lower_priority``), preempts whatever
+    engine task holds the core, often EngineCore in the middle of its part
+    of the step. A ``SCHED_BATCH`` task does not preempt on wake-up: it runs
+    when the engine's busy-poll yields (``sched_yield``), i.e. while the
+    engine waits anyway. Measured on 2 cores with a real vLLM engine at
+    concurrency 128, side by side: +7% to +11% engine tokens/s
+    (docs/benchmarks.md). Where cores are free it changes nothing: a waking
+    task on an idle core runs at once.
+
+    Call it after the engine is launched, so the engine keeps its policy;
+    threads started later inherit it from the thread that starts them.
+    Nothing here may fail a start-up: an error is reported, not raised.
+    """
+    applied: dict = {"policy": "batch", "threads": 0}
+    for name in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(name), os.SCHED_BATCH, os.sched_param(0))
+            applied["threads"] += 1
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+        except OSError as error:
+            applied["error"] = str(error)
+            break
     return applied
 
 

@@ -31,7 +31,7 @@ from enginelink.machines.link import LinkEvent, LinkState
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime import core
 from enginelink.runtime.app import App
-from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT
+from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
 from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS, CoalescingServer
 from enginelink.runtime.grpc_vllm import VllmEngineService
@@ -65,6 +65,7 @@ class ServeConfig:
     prefill_tokens_per_s: float = 2000.0
     drain_s: float = 5.0
     engine_nice: int = ENGINE_NICE_DEFAULT  # nice levels below the servicer
+    servicer_sched: str = SERVICER_SCHED_DEFAULT  # the servicer's policy once the engine runs
     warmup: WarmupSetting = field(default_factory=lambda: WarmupSetting(WarmupLevel.FULL, 300.0))
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # no endpoint unless asked
@@ -110,6 +111,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                     prefill_tokens_per_s=config.prefill_tokens_per_s,
                 ),
                 engine_nice=config.engine_nice,
+                servicer_sched=config.servicer_sched,
             )
             metrics = Metrics(config.served_model_name) if config.metrics_port is not None else None
             hub = RequestHub(

@@ -51,11 +51,55 @@ def test_engine_runs_ten_nice_levels_below_the_servicer(tmp_path, test_model_dir
             assert "autogroup_nice" not in record
 
 
+def thread_policies(pid: int) -> dict[int, int]:
+    policies = {}
+    for name in os.listdir(f"/proc/{pid}/task"):
+        try:
+            policies[int(name)] = os.sched_getscheduler(int(name))
+        except ProcessLookupError:
+            pass
+    return policies
+
+
+def test_servicer_threads_wait_for_the_engine_to_yield(tmp_path, test_model_dir):
+    """By default every servicer thread runs SCHED_BATCH once the engine runs; the engine keeps SCHED_OTHER."""
+    with Servicer(tmp_path, model_dir=test_model_dir) as servicer:
+        engine = engine_pid(servicer.journal)
+        policies = thread_policies(servicer.process.pid)
+        assert len(policies) > 1 and set(policies.values()) == {os.SCHED_BATCH}, policies
+        assert {os.sched_getscheduler(pid) for pid in session_members(engine)} == {os.SCHED_OTHER}
+        servicer_record = priority_record(servicer.journal)["servicer"]
+        assert servicer_record["policy"] == "batch" and servicer_record["threads"] >= 1
+        assert "threads run SCHED_BATCH, so they wait for the engine to yield" in servicer.log()
+        # And it still serves.
+        with grpc.insecure_channel(f"127.0.0.1:{servicer.port}") as channel:
+            stub = pb_grpc.VllmEngineStub(channel)
+            responses = list(stub.Generate(generate_request("after-batch", PROMPT, stream=True, max_tokens=4), timeout=30))
+        assert responses[-1].complete.finish_reason == "length"
+
+
+def test_servicer_sched_normal_leaves_the_policy_alone(tmp_path, test_model_dir):
+    with Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_SERVICER_SCHED": "normal"}) as servicer:
+        assert set(thread_policies(servicer.process.pid).values()) == {os.SCHED_OTHER}
+        assert "servicer" not in priority_record(servicer.journal)
+
+
+def test_bad_servicer_sched_is_refused_before_anything_starts(tmp_path, test_model_dir):
+    servicer = Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_SERVICER_SCHED": "fifo"})
+    servicer.start(wait_serving=False)
+    try:
+        assert servicer.wait(30) == 2
+        assert "ENGINELINK_SERVICER_SCHED='fifo': expected one of batch, normal" in servicer.log()
+    finally:
+        servicer.stop()
+
+
 def test_engine_nice_zero_keeps_the_servicers_priority(tmp_path, test_model_dir):
     with Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_ENGINE_NICE": "0"}) as servicer:
         engine = engine_pid(servicer.journal)
         assert os.getpriority(os.PRIO_PROCESS, engine) == os.getpriority(os.PRIO_PROCESS, servicer.process.pid)
-        assert priority_record(servicer.journal) == {"levels": 0}
+        assert priority_record(servicer.journal)["levels"] == 0
+        assert "nice" not in priority_record(servicer.journal)
 
 
 @pytest.mark.parametrize("value", ["high", "20", "-1"])

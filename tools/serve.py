@@ -74,6 +74,17 @@ def _env_positive(*names: str, default: float) -> float:
     return value
 
 
+def _servicer_sched() -> str:
+    from enginelink.runtime.engine_process import SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT
+
+    value = os.environ.get("ENGINELINK_SERVICER_SCHED")
+    if value is None or value.strip() == "":
+        return SERVICER_SCHED_DEFAULT
+    if value.strip().lower() not in SERVICER_SCHED_CHOICES:
+        raise ConfigError(f"ENGINELINK_SERVICER_SCHED={value!r}: expected one of {', '.join(SERVICER_SCHED_CHOICES)}")
+    return value.strip().lower()
+
+
 def _engine_nice() -> int:
     from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, NICE_MAX
 
@@ -183,6 +194,7 @@ def build_config(args: argparse.Namespace):
         ),
         drain_s=_env_seconds("ENGINELINK_DRAIN_SECS", "SMG_VLLM_SERVICER_DRAIN_SECS", default=5.0),
         engine_nice=_engine_nice(),
+        servicer_sched=_servicer_sched(),
         warmup=_warmup(),
         metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or "127.0.0.1",
         metrics_port=_metrics_port(args),

@@ -40,3 +40,6 @@ def test_every_engine_process_runs_below_the_servicer(vllm_stack):
     assert {"VLLM::EngineCor", "VLLM::Worker"} <= names, names  # comm is cut at 15 characters
     expected = min(19, os.getpriority(os.PRIO_PROCESS, servicer.process.pid) + ENGINE_NICE_DEFAULT)
     assert {pid: os.getpriority(os.PRIO_PROCESS, pid) for pid in members} == {pid: expected for pid in members}
+    # The servicer waits for the engine to yield rather than preempt it; the engine keeps the normal policy.
+    assert {pid: os.sched_getscheduler(pid) for pid in members} == {pid: os.SCHED_OTHER for pid in members}
+    assert os.sched_getscheduler(servicer.process.pid) == os.SCHED_BATCH
