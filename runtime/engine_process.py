@@ -181,8 +181,17 @@ def lower_priority(session: int, levels: int) -> dict:
     launcher's nice value (EngineCore and the Worker inherit it; they start
     seconds later) and its session's autogroup. Call it right after the launch.
     Returns what it set, for the journal; nothing here may fail a launch.
+
+    The engine also gets the normal scheduling policy explicitly: a servicer
+    that already runs ``SCHED_BATCH`` (``run_threads_as_batch``; or started
+    under ``chrt -b``, or from a process that did) would hand it down, and
+    the engine's step must not wait for others to yield.
     """
     applied: dict = {"levels": levels}
+    try:
+        os.sched_setscheduler(session, os.SCHED_OTHER, os.sched_param(0))
+    except OSError as error:
+        applied["policy_error"] = str(error)
     if levels <= 0:
         return applied
     try:

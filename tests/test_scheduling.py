@@ -78,6 +78,22 @@ def test_servicer_threads_wait_for_the_engine_to_yield(tmp_path, test_model_dir)
         assert responses[-1].complete.finish_reason == "length"
 
 
+def test_a_servicer_started_as_batch_still_gives_its_engine_the_normal_policy(tmp_path, test_model_dir):
+    """Policies are inherited: under `chrt -b` (here: a SCHED_BATCH parent) the engine must not be batch."""
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    try:
+        servicer = Servicer(tmp_path, model_dir=test_model_dir)
+        servicer.start()
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    try:
+        engine = engine_pid(servicer.journal)
+        assert {os.sched_getscheduler(pid) for pid in session_members(engine)} == {os.SCHED_OTHER}
+        assert "policy_error" not in priority_record(servicer.journal)
+    finally:
+        servicer.stop()
+
+
 def test_servicer_sched_normal_leaves_the_policy_alone(tmp_path, test_model_dir):
     with Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_SERVICER_SCHED": "normal"}) as servicer:
         assert set(thread_policies(servicer.process.pid).values()) == {os.SCHED_OTHER}

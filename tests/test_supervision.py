@@ -55,8 +55,9 @@ class ScriptLauncher:
 
 def make_link(launcher, tmp_path, monkeypatch, **supervision) -> el.EngineLink:
     monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(tmp_path / "sockets"))
+    # servicer_sched="normal": the link runs inside pytest, whose threads must keep their policy.
     return el.EngineLink(name="vllm-0", launcher=launcher, codec=VllmCodec(), journal=RecordingJournal(),
-                         supervision=el.Supervision(**supervision))
+                         supervision=el.Supervision(**supervision), servicer_sched="normal")
 
 
 async def test_startup_ceiling_bounds_an_engine_that_never_dials(tmp_path, monkeypatch):
