@@ -226,7 +226,8 @@ def run_threads_as_batch() -> dict:
     (docs/benchmarks.md). Where cores are free it changes nothing: a waking
     task on an idle core runs at once.
 
-    Call it after the engine is launched, so the engine keeps its policy;
+    Call it after the engine is launched (``lower_priority`` gives the
+    engine the normal policy explicitly, whatever this process runs as);
     threads started later inherit it from the thread that starts them.
     Nothing here may fail a start-up: an error is reported, not raised.
     """
