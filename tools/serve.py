@@ -85,18 +85,25 @@ def _servicer_sched() -> str:
     return value.strip().lower()
 
 
+def _env_int(name: str, expected: str) -> int | None:
+    """The whole number in environment variable ``name``; None when unset or empty."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected {expected}") from None
+
+
 def _engine_nice() -> int:
     from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, NICE_MAX
 
-    value = os.environ.get("ENGINELINK_ENGINE_NICE")
-    if not value:
+    levels = _env_int("ENGINELINK_ENGINE_NICE", f"a whole number of nice levels, 0 to {NICE_MAX}")
+    if levels is None:
         return ENGINE_NICE_DEFAULT
-    try:
-        levels = int(value)
-    except ValueError:
-        raise ConfigError(f"ENGINELINK_ENGINE_NICE={value!r}: expected a whole number of nice levels, 0 to {NICE_MAX}") from None
     if not 0 <= levels <= NICE_MAX:
-        raise ConfigError(f"ENGINELINK_ENGINE_NICE={value!r}: must be 0 (same priority as the servicer) to {NICE_MAX}")
+        raise ConfigError(f"ENGINELINK_ENGINE_NICE={os.environ['ENGINELINK_ENGINE_NICE']!r}: must be 0 (same priority as the servicer) to {NICE_MAX}")
     return levels
 
 
@@ -134,13 +141,9 @@ def _warmup():
 def _metrics_port(args: argparse.Namespace) -> int | None:
     port = args.metrics_port
     if port is None:
-        value = os.environ.get("SMG_VLLM_SERVICER_METRICS_PORT")
-        if not value:
+        port = _env_int("SMG_VLLM_SERVICER_METRICS_PORT", "a port number")
+        if port is None:
             return None
-        try:
-            port = int(value)
-        except ValueError:
-            raise ConfigError(f"SMG_VLLM_SERVICER_METRICS_PORT={value!r}: expected a port number") from None
     if not 0 < port < 65536:
         raise ConfigError(f"metrics port {port}: expected 1..65535")
     if port == args.port:
