@@ -239,15 +239,16 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(tmp_name)
         for concurrency in args.concurrency:
             engine_args = engine_args_for(args, concurrency)
-            sides = ["enginelink", "raw", *(f"raw+{us:g}us" for us in args.raw_front_end_us)]
-            runs = {side: [] for side in sides}
+            # (label, stand-in front end's CPU µs per token): None is enginelink itself.
+            sides = [("enginelink", None), ("raw", 0.0),
+                     *((f"raw+{us:g}us", us) for us in args.raw_front_end_us)]
+            runs = {side: [] for side, _ in sides}
             for r in range(args.rounds):
-                for side in sides:
+                for side, front_end_us in sides:
                     t = time.monotonic()
-                    if side == "enginelink":
+                    if front_end_us is None:
                         res = measure_enginelink(args, model_dir, engine_args, concurrency, tmp / f"el-{concurrency}-{r}")
                     else:
-                        front_end_us = float(side[4:-2]) if side != "raw" else 0.0
                         res = measure_raw(model_dir, engine_args, concurrency, requests, args.max_tokens,
                                           args.prompt_tokens, tmp / "raw-engine.log", front_end_us)
                     res["total_s"] = time.monotonic() - t
@@ -258,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
             el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
             raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])
             stand_ins = {side: statistics.median(x["tokens_per_s"] for x in runs[side]) / raw
-                         for side in sides[2:]}
+                         for side, _ in sides[2:]}
             results.append({"concurrency": concurrency, "engine_args": engine_args, "runs": runs,
                             "enginelink_tokens_per_s": el, "raw_tokens_per_s": raw, "ratio": el / raw,
                             "stand_in_ratios": stand_ins})
