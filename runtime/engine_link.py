@@ -122,6 +122,8 @@ def _describe_priority(applied: dict) -> str:
         elif "autogroup_error" in applied:
             parts.append(f"autogroup unchanged ({applied['autogroup_error']})")
         text = f"{applied['levels']} levels below the servicer: " + ", ".join(parts)
+    if "policy_error" in applied:
+        text += f"; engine's scheduling policy unchanged ({applied['policy_error']})"
     servicer = applied.get("servicer")
     if servicer is not None:
         if "error" in servicer:

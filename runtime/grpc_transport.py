@@ -29,7 +29,6 @@ It overrides grpclib's ``_protocol_factory``
 from __future__ import annotations
 
 import asyncio
-
 import time
 
 from grpclib.protocol import H2Protocol
