@@ -53,18 +53,20 @@ def _check_counts(report: dict, requests: int, max_tokens: int) -> None:
 
 
 @pytest.mark.slow
-def test_cli_json_report_counts_are_consistent(test_model_dir):
-    """The command as a user runs it: two client processes, JSON on stdout."""
+@pytest.mark.parametrize("client", ["h2", "grpcio"])
+def test_cli_json_report_counts_are_consistent(test_model_dir, client):
+    """The command as a user runs it: two client processes, JSON on stdout, with either load client."""
     result = subprocess.run(
         [str(VENV_BIN / "enginelink"), "bench", "--model", str(test_model_dir), "--json",
          "--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS), "--concurrency", "8",
-         "--client-procs", "2"],
+         "--client-procs", "2", "--client", client],
         capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     _check_counts(report, REQUESTS, MAX_TOKENS)
     assert report["config"]["client_procs"] == 2
+    assert report["config"]["client"] == client
     assert report["config"]["engine_args"] == ["--max-num-seqs", "128"]
 
 
@@ -83,6 +85,8 @@ def test_refused_options_exit_2(capsys):
     assert bench.run(_args("--concurrency", "0")) == 2
     assert "--concurrency must be >= 1" in capsys.readouterr().err
     assert bench.run(_args("--servicer-pid", "1")) == 2
+    assert bench.run(_args("--channels", "2")) == 2
+    assert "--channels goes with --client grpcio" in capsys.readouterr().err
 
 
 def test_percentile_is_nearest_rank():
@@ -107,8 +111,11 @@ def test_engine_vllm_options_parse_without_starting_anything(capsys):
     # Several concurrencies are for --engine vllm only; the sim bench refuses them.
     assert bench.run(_args("--concurrency", "32", "128")) == 2
     assert "--engine vllm" in capsys.readouterr().err
-    args = _args("--engine", "vllm", "--concurrency", "32", "128", "--rounds", "0")
+    assert bench.run(_args("--client", "h2", "grpcio")) == 2
+    assert "several --client values go with --engine vllm" in capsys.readouterr().err
+    args = _args("--engine", "vllm", "--concurrency", "32", "128", "--rounds", "0", "--client", "h2", "grpcio")
     assert args.concurrency == [32, 128]
+    assert args.client == ["h2", "grpcio"]
     assert bench.run(args) == 2  # refused before any engine starts
 
     from enginelink.tools import bench_engine
@@ -128,3 +135,92 @@ def test_stand_in_front_end_takes_cpu_not_wall_time():
     cpu0 = time.thread_time()
     bench_engine.spend_cpu(0.05)
     assert time.thread_time() - cpu0 >= 0.05
+
+
+# -- the lean load client (tools/bench_h2client.py) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servicer(test_model_dir, tmp_path_factory):
+    from tests.harness import Servicer
+
+    with Servicer(tmp_path_factory.mktemp("h2client"), model_dir=test_model_dir) as running:
+        yield running
+
+
+def _h2_calls(servicer, requests: dict, **connection_options) -> tuple[dict, int]:
+    """Run ``requests`` (n -> GenerateRequest) over one h2 client connection.
+
+    Returns n -> (tokens, complete seen, (status, message)), and the DATA bytes the connection carried."""
+    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+    from enginelink.tools.bench_h2client import Connection, run_calls
+
+    seen = {n: [[], False, None] for n in requests}
+    pending = iter(sorted(requests))
+
+    def on_message(n, body):
+        response = pb.GenerateResponse.FromString(body)
+        if response.WhichOneof("response") == "chunk":
+            seen[n][0] += list(response.chunk.token_ids)
+        else:
+            seen[n][1] = True
+
+    def on_end(n, code, text):
+        seen[n][2] = (code, text)
+
+    connection = Connection(f"127.0.0.1:{servicer.port}", f"/{bench.VLLM_SERVICE}/Generate", **connection_options)
+    try:
+        run_calls(connection, 4, lambda: next(pending, None), lambda n: requests[n].SerializeToString(),
+                  on_message, on_end)
+    finally:
+        connection.close()
+    return {n: tuple(v) for n, v in seen.items()}, connection.data_received
+
+
+def test_h2_client_streams_what_grpcio_streams(servicer):
+    """The bench's own client reads the same greedy tokens a real gRPC library gets, and the OK status."""
+    from tests.harness import generate_request
+
+    prompts = {n: [5 + n, 17, 42 + 3 * n, 9] for n in range(6)}
+    requests = {n: generate_request(f"h2-same-{n}", p, stream=True, max_tokens=12, temperature=0.0, ignore_eos=True)
+                for n, p in prompts.items()}
+    seen, _ = _h2_calls(servicer, requests)
+    for n, prompt in prompts.items():
+        expected = []
+        for reply in servicer.stub.Generate(generate_request(f"grpcio-same-{n}", prompt, stream=True, max_tokens=12,
+                                                             temperature=0.0, ignore_eos=True)):
+            if reply.WhichOneof("response") == "chunk":
+                expected += list(reply.chunk.token_ids)
+        assert len(expected) == 12
+        assert seen[n] == (expected, True, (0, "")), n
+
+
+def test_h2_client_reports_a_refused_call_and_the_others_finish(servicer):
+    """A call the servicer refuses ends with its gRPC status; the calls beside it on the connection go on."""
+    from tests.harness import generate_request
+
+    requests = {n: generate_request(f"h2-mixed-{n}", [7, 8, 9], stream=True, max_tokens=8, ignore_eos=True)
+                for n in range(5)}
+    requests[2] = generate_request("h2-mixed-bad", [], stream=True, max_tokens=8)  # no prompt: refused
+    seen, _ = _h2_calls(servicer, requests)
+    tokens, complete, (code, text) = seen[2]
+    assert (tokens, complete, code) == ([], False, 3)  # INVALID_ARGUMENT, before any chunk
+    assert text
+    for n in (0, 1, 3, 4):
+        assert len(seen[n][0]) == 8 and seen[n][1:] == (True, (0, "")), n
+
+
+def test_h2_client_tops_up_small_windows(servicer):
+    """With small windows the calls only finish if the client gives the server more room as it reads.
+
+    Each stream's window is 4 KiB and the connection's is HTTP/2's initial 64 KiB; the streams carry more
+    than that, each and together (checked, so the test cannot pass without a top-up)."""
+    from tests.harness import generate_request
+
+    requests = {n: generate_request(f"h2-window-{n}", [3 + n, 4], stream=True, max_tokens=1500, ignore_eos=True)
+                for n in range(32)}
+    seen, data_bytes = _h2_calls(servicer, requests, window=4096, timeout_s=30.0)
+    assert data_bytes > 2 * 65_535
+    for n in requests:
+        assert len(seen[n][0]) == 1500 and seen[n][1:] == (True, (0, "")), n

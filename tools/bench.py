@@ -80,6 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per call (default 16)")
     p.add_argument("--client-procs", type=int, default=1, help="load-generator processes (default 1)")
     p.add_argument("--channels", type=int, default=1, help="gRPC channels (connections) per client process")
+    p.add_argument("--client", choices=["h2", "grpcio"], nargs="+", default=["h2"],
+                   help="load client: h2, a lean HTTP/2 client that reads the wire itself (default; "
+                        "tools/bench_h2client.py), or grpcio, grpc.aio, which spends about as much CPU per "
+                        "message as the servicer; on a small machine that CPU is counted against enginelink. "
+                        "--engine vllm takes both: one enginelink side each, the first one's is the ratio")
     p.add_argument("--model", type=Path, default=None,
                    help="model directory for the servicer it starts (default: the tiny test model, "
                         "the bench's own copy in the user cache dir)")
@@ -304,14 +309,47 @@ def engine_args_of(args: argparse.Namespace) -> list[str]:
 def _client_main(conn, index: int, plan: dict) -> None:
     """A client process: connect, report ready, wait for go, run its share, report."""
     try:
-        import asyncio
+        if plan["client"] == "h2":
+            from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-        result = asyncio.run(_client(conn, index, plan))
+            from enginelink.tools.bench_h2client import client_load
+
+            result = client_load(conn, plan, f"/{VLLM_SERVICE}/Generate", _request_factory(plan, index),
+                                 pb.GenerateResponse.FromString)
+        else:
+            import asyncio
+
+            result = asyncio.run(_client(conn, index, plan))
         conn.send(("done", result))
     except BaseException:  # a separate process: report everything, then exit
         conn.send(("error", traceback.format_exc()))
     finally:
         conn.close()
+
+
+def _request_factory(plan: dict, index: int):
+    """``request(n, tokens)``: call number ``n`` of this client process, the same for either client."""
+    import random
+
+    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+    # Ids 0-2 are special in the test model; stay inside any vocabulary.
+    span = max(1, min(61, plan["vocab_size"] - 3))
+    prompt = [3 + (i % span) for i in range(plan["prompt_tokens"])]
+    temperature = plan.get("temperature", 0.0)
+    rng = random.Random() if plan.get("random_prompt") else None
+    tag = f"bench-{plan['tag']}-{index}"
+
+    def request(n: int, tokens: int) -> pb.GenerateRequest:
+        return pb.GenerateRequest(
+            request_id=f"{tag}-{n}",
+            tokenized=pb.TokenizedInput(
+                input_ids=prompt if rng is None else [3 + rng.randrange(max(1, plan["vocab_size"] - 3)) for _ in prompt]),
+            sampling_params=pb.SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True),
+            stream=True,
+        )
+
+    return request
 
 
 async def _client(conn, index: int, plan: dict) -> dict:
@@ -325,22 +363,8 @@ async def _client(conn, index: int, plan: dict) -> dict:
         for _ in range(plan["channels"])
     ]
     stubs = [pb_grpc.VllmEngineStub(c) for c in channels]
-    # Ids 0-2 are special in the test model; stay inside any vocabulary.
-    span = max(1, min(61, plan["vocab_size"] - 3))
-    prompt = [3 + (i % span) for i in range(plan["prompt_tokens"])]
-    temperature = plan.get("temperature", 0.0)
-    rng = __import__("random").Random() if plan.get("random_prompt") else None
     max_tokens = plan["max_tokens"]
-    tag = f"bench-{plan['tag']}-{index}"
-
-    def request(n: int, tokens: int) -> pb.GenerateRequest:
-        return pb.GenerateRequest(
-            request_id=f"{tag}-{n}",
-            tokenized=pb.TokenizedInput(
-                input_ids=prompt if rng is None else [3 + rng.randrange(max(1, plan["vocab_size"] - 3)) for _ in prompt]),
-            sampling_params=pb.SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True),
-            stream=True,
-        )
+    request = _request_factory(plan, index)
 
     # Warm-up: one short call per channel, so connections exist before "go".
     for i, stub in enumerate(stubs):
@@ -444,6 +468,7 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
             parent, child = ctx.Pipe()
             plan = {
                 "target": target, "tag": tag, "channels": args.channels, "concurrency": conc[i],
+                "client": args.client,
                 "requests": reqs[i], "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "vocab_size": server["vocab_size"],
                 "temperature": getattr(args, "temperature", 0.0), "random_prompt": getattr(args, "random_prompt", False),
@@ -620,7 +645,7 @@ def summarize(args, results: list[dict], wall_s: float, servicer_cpu: tuple[floa
         "config": {
             "target": args.target, "concurrency": args.concurrency, "requests": args.requests,
             "duration_s": args.duration_s, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-            "client_procs": args.client_procs, "channels": args.channels,
+            "client": args.client, "client_procs": args.client_procs, "channels": args.channels,
             "engine_args": None if args.target else engine_args_of(args),
         },
         "machine": machine_facts(),
@@ -656,7 +681,8 @@ def format_report(report: dict) -> str:
 
     lines = [
         f"enginelink bench: concurrency {c['concurrency']}, max_tokens {c['max_tokens']}, "
-        f"prompt {c['prompt_tokens']}, client procs {c['client_procs']} x {c['channels']} channel(s)",
+        f"prompt {c['prompt_tokens']}, {c['client']} client, {c['client_procs']} process(es) x "
+        f"{c['channels']} connection(s)",
         f"  machine            {report['machine']['nproc']} cpu, {report['machine']['cpu_model']}, "
         f"Python {report['machine']['python']}",
         f"  load window        {report['wall_s']:.2f} s",
@@ -705,10 +731,11 @@ class OptionError(BenchError):
 
 
 def check_options(args: argparse.Namespace) -> None:
-    if isinstance(args.concurrency, list):
-        if len(args.concurrency) != 1:
-            raise OptionError("several --concurrency values go with --engine vllm")
-        args.concurrency = args.concurrency[0]
+    for name in ("concurrency", "client"):
+        if isinstance(getattr(args, name), list):
+            if len(getattr(args, name)) != 1:
+                raise OptionError(f"several --{name} values go with --engine vllm")
+            setattr(args, name, getattr(args, name)[0])
     for name in ("concurrency", "max_tokens", "prompt_tokens", "client_procs", "channels"):
         if getattr(args, name) < 1:
             raise OptionError(f"--{name.replace('_', '-')} must be >= 1")
@@ -718,6 +745,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise OptionError("--duration-s must be > 0")
     if args.servicer_pid is not None and args.target is None:
         raise OptionError("--servicer-pid goes with --target")
+    if args.client == "h2" and args.channels != 1:
+        raise OptionError("--channels goes with --client grpcio (the h2 client uses one connection)")
     args.client_procs = min(args.client_procs, args.concurrency)
 
 

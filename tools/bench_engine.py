@@ -8,7 +8,9 @@ Theory of operation. For each ``--concurrency`` value the bench alternates
 
 - enginelink: ``enginelink serve --engine vllm --model DIR -- ENGINE_ARGS``
   (``ENGINELINK_WARMUP=off``; KV events off, so both sides run the very same
-  engine configuration), driven by ``tools/bench.py``'s gRPC load client.
+  engine configuration), driven by ``tools/bench.py``'s load client
+  (``--client``: the lean h2 client by default, grpc.aio as ``grpcio``; both
+  given, each is an enginelink side and the first one's makes the ratio).
 - raw: this module binds the handshake ROUTER (tcp loopback), the input ROUTER
   and the output PULL (ipc) itself, launches the engine with the same
   ``VllmLauncher.command(...)``, does the handshake with ``wire/vllm.py`` and
@@ -198,11 +200,12 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
 
 
 def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: list[str], concurrency: int,
-                       tmp: Path) -> dict:
+                       client: str, tmp: Path) -> dict:
     from enginelink.tools import bench
 
     run_args = argparse.Namespace(**vars(args))
     run_args.concurrency = concurrency
+    run_args.client = client
     run_args.target = None
     run_args.servicer_pid = None
     run_args.duration_s = None
@@ -239,30 +242,36 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(tmp_name)
         for concurrency in args.concurrency:
             engine_args = engine_args_for(args, concurrency)
-            # (label, stand-in front end's CPU µs per token): None is enginelink itself.
-            sides = [("enginelink", None), ("raw", 0.0),
-                     *((f"raw+{us:g}us", us) for us in args.raw_front_end_us)]
+            # (label, load client) for enginelink, (label, stand-in front end's CPU µs per token) for raw.
+            clients = list(dict.fromkeys(args.client))
+            sides = [("enginelink", clients[0]), ("raw", 0.0),
+                     *((f"raw+{us:g}us", us) for us in args.raw_front_end_us),
+                     *((f"enginelink/{client}", client) for client in clients[1:])]
             runs = {side: [] for side, _ in sides}
             for r in range(args.rounds):
-                for side, front_end_us in sides:
+                for side, how in sides:
                     t = time.monotonic()
-                    if front_end_us is None:
-                        res = measure_enginelink(args, model_dir, engine_args, concurrency, tmp / f"el-{concurrency}-{r}")
+                    if side.startswith("enginelink"):
+                        res = measure_enginelink(args, model_dir, engine_args, concurrency, how,
+                                                 tmp / f"el-{concurrency}-{r}-{how}")
                     else:
                         res = measure_raw(model_dir, engine_args, concurrency, requests, args.max_tokens,
-                                          args.prompt_tokens, tmp / "raw-engine.log", front_end_us)
+                                          args.prompt_tokens, tmp / "raw-engine.log", how)
                     res["total_s"] = time.monotonic() - t
                     runs[side].append(res)
-                    print(f"concurrency {concurrency} round {r + 1} {side:10s} {res['tokens_per_s']:8.0f} tokens/s "
+                    cpu = (f"; servicer {res['servicer_cpu_s'] / res['tokens'] * 1e6:.0f} us/token, "
+                           f"{how} client {res['client_cpu_s'] / res['tokens'] * 1e6:.0f} us/token"
+                           if side.startswith("enginelink") and res["tokens"] else "")
+                    print(f"concurrency {concurrency} round {r + 1} {side:18s} {res['tokens_per_s']:8.0f} tokens/s "
                           f"({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed; "
-                          f"{res['total_s']:.0f} s with start-up)", file=sys.stderr, flush=True)
+                          f"{res['total_s']:.0f} s with start-up{cpu})", file=sys.stderr, flush=True)
             el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
             raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])
-            stand_ins = {side: statistics.median(x["tokens_per_s"] for x in runs[side]) / raw
-                         for side, _ in sides[2:]}
+            others = {side: statistics.median(x["tokens_per_s"] for x in runs[side]) / raw
+                      for side, _ in sides[2:]}
             results.append({"concurrency": concurrency, "engine_args": engine_args, "runs": runs,
                             "enginelink_tokens_per_s": el, "raw_tokens_per_s": raw, "ratio": el / raw,
-                            "stand_in_ratios": stand_ins})
+                            "client": clients[0], "other_ratios": others})
     report = {"machine": machine_facts(), "requests": requests, "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "model": str(model_dir), "results": results}
     if args.json:
@@ -273,10 +282,13 @@ def run(args: argparse.Namespace) -> int:
         for r in results:
             el = ", ".join(f"{x['tokens_per_s']:.0f}" for x in r["runs"]["enginelink"])
             raw = ", ".join(f"{x['tokens_per_s']:.0f}" for x in r["runs"]["raw"])
-            print(f"  concurrency {r['concurrency']:4d}: enginelink {r['enginelink_tokens_per_s']:7.0f} tokens/s ({el})"
+            print(f"  concurrency {r['concurrency']:4d}: enginelink ({r['client']} client) "
+                  f"{r['enginelink_tokens_per_s']:7.0f} tokens/s ({el})"
                   f"  raw {r['raw_tokens_per_s']:7.0f} tokens/s ({raw})  ratio {r['ratio']:.3f}")
-            for side, ratio in r["stand_in_ratios"].items():
+            for side, ratio in r["other_ratios"].items():
                 runs_text = ", ".join(f"{x['tokens_per_s']:.0f}" for x in r["runs"][side])
-                print(f"      {side:>12s} (raw driver spending that much CPU per token): ratio {ratio:.3f} ({runs_text})")
+                what = ("the servicer, with this load client" if side.startswith("enginelink")
+                        else "raw driver spending that much CPU per token")
+                print(f"      {side:>18s} ({what}): ratio {ratio:.3f} ({runs_text})")
     bad = any(x["short"] for r in results for side in r["runs"].values() for x in side)
     return 1 if bad else 0
