@@ -327,6 +327,25 @@ def _client_main(conn, index: int, plan: dict) -> None:
         conn.close()
 
 
+def call_numbers(requests: int | None, stop_at: float | None):
+    """``take()``: the next call's number (1, 2, ...), or None once ``requests`` calls were taken
+    or, without a count, once ``stop_at`` (time.monotonic) has passed."""
+    left = [requests]
+    taken = [0]
+
+    def take() -> int | None:
+        if requests is not None:
+            if left[0] <= 0:
+                return None
+            left[0] -= 1
+        elif time.monotonic() >= stop_at:
+            return None
+        taken[0] += 1
+        return taken[0]
+
+    return take
+
+
 def _request_factory(plan: dict, index: int):
     """``request(n, tokens)``: call number ``n`` of this client process, the same for either client."""
     import random
@@ -376,23 +395,12 @@ async def _client(conn, index: int, plan: dict) -> dict:
     gap_tok = array("d")
     counts = {"requests": 0, "ok": 0, "short": 0, "errors": 0, "tokens": 0, "messages": 0, "chunks": 0}
     error_codes: dict[str, int] = {}
-    quota = [plan["requests"]] if plan["requests"] is not None else None
-    next_id = [0]
-
+    
     conn.send(("ready", None))
     message, stop_at = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
     assert message == "go", message
     clock = time.perf_counter
-
-    def take() -> int | None:
-        if quota is not None:
-            if quota[0] <= 0:
-                return None
-            quota[0] -= 1
-        elif time.monotonic() >= stop_at:
-            return None
-        next_id[0] += 1
-        return next_id[0]
+    take = call_numbers(plan["requests"], stop_at)
 
     async def one(stub, n: int) -> None:
         counts["requests"] += 1

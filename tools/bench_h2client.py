@@ -322,6 +322,8 @@ class Recorder:
 
 def client_load(conn, plan: dict, path: str, request, parse) -> dict:
     """The bench's client process body with this client (``tools/bench.py``'s ``_client`` is the other)."""
+    from enginelink.tools.bench import call_numbers
+
     connection = Connection(plan["target"], path)
     try:
         # Warm-up: one short call, so the connection and the server's call path are up before "go".
@@ -331,22 +333,10 @@ def client_load(conn, plan: dict, path: str, request, parse) -> dict:
             raise ProtocolError(f"the warm-up call failed: {warm.counts} {warm.error_codes}")
 
         record = Recorder(request, parse, plan["max_tokens"])
-        quota = [plan["requests"]] if plan["requests"] is not None else None
-        next_id = [0]
         conn.send(("ready", None))
         message, stop_at = conn.recv()
         assert message == "go", message
-
-        def take() -> int | None:
-            if quota is not None:
-                if quota[0] <= 0:
-                    return None
-                quota[0] -= 1
-            elif time.monotonic() >= stop_at:
-                return None
-            next_id[0] += 1
-            return next_id[0]
-
+        take = call_numbers(plan["requests"], stop_at)
         cpu0 = time.process_time()
         run_calls(connection, plan["concurrency"], take, record.make_request, record.on_message, record.on_end)
         cpu1 = time.process_time()
