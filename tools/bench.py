@@ -310,12 +310,7 @@ def _client_main(conn, index: int, plan: dict) -> None:
     """A client process: connect, report ready, wait for go, run its share, report."""
     try:
         if plan["client"] == "h2":
-            from smg_grpc_proto.generated import vllm_engine_pb2 as pb
-
-            from enginelink.tools.bench_h2client import client_load
-
-            result = client_load(conn, plan, f"/{VLLM_SERVICE}/Generate", _request_factory(plan, index),
-                                 pb.GenerateResponse.FromString)
+            result = _h2_client(conn, index, plan)
         else:
             import asyncio
 
@@ -371,11 +366,111 @@ def _request_factory(plan: dict, index: int):
     return request
 
 
+class CallRecorder:
+    """What a client process reports of its calls, whichever client made them: counts, TTFT and the gaps."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.ttft, self.gap_msg, self.gap_tok = array("d"), array("d"), array("d")
+        self.counts = {"requests": 0, "ok": 0, "short": 0, "errors": 0, "tokens": 0, "messages": 0, "chunks": 0}
+        self.error_codes: dict[str, int] = {}
+        self.open: dict[int, list] = {}  # call number -> [start, last chunk, tokens, complete seen]
+        self.clock = time.perf_counter
+
+    def start(self, n: int) -> None:
+        self.counts["requests"] += 1
+        now = self.clock()
+        self.open[n] = [now, now, 0, False]
+
+    def on_response(self, n: int, response) -> None:
+        now = self.clock()
+        state = self.open[n]
+        self.counts["messages"] += 1
+        if response.WhichOneof("response") == "chunk":
+            got = len(response.chunk.token_ids)
+            if state[2] == 0:
+                self.ttft.append(now - state[0])
+            elif got:
+                gap = now - state[1]
+                self.gap_msg.append(gap)
+                self.gap_tok.append(gap / got)
+            self.counts["chunks"] += 1
+            state[2] += got
+            state[1] = now
+        else:
+            state[3] = True
+
+    def end(self, n: int, error: str | None) -> None:
+        """The call ended: OK (``error`` None) or with the gRPC status named ``error``."""
+        _, _, tokens, completed = self.open.pop(n)
+        self.counts["tokens"] += tokens
+        if error is not None:
+            self.counts["errors"] += 1
+            self.error_codes[error] = self.error_codes.get(error, 0) + 1
+        elif completed and tokens == self.max_tokens:
+            self.counts["ok"] += 1
+        elif completed:
+            self.counts["short"] += 1
+
+    def report(self, cpu_s: float) -> dict:
+        return {
+            **self.counts,
+            "error_codes": self.error_codes,
+            "cpu_s": cpu_s,
+            "ttft": self.ttft.tobytes(),
+            "gap_msg": self.gap_msg.tobytes(),
+            "gap_tok": self.gap_tok.tobytes(),
+        }
+
+
+def _h2_client(conn, index: int, plan: dict) -> dict:
+    """A client process's load over the lean HTTP/2 client (``tools/bench_h2client.py``), one connection."""
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+    from enginelink.tools.bench_h2client import Connection, run_calls
+
+    status_names = {code.value[0]: code.name for code in grpc.StatusCode}
+    request = _request_factory(plan, index)
+    parse = pb.GenerateResponse.FromString
+
+    def calls(record: CallRecorder, tokens: int):
+        def make_request(n: int) -> bytes:
+            record.start(n)
+            return request(n, tokens).SerializeToString()
+
+        def on_end(n: int, code: int, text: str) -> None:
+            record.end(n, None if code == 0 else status_names.get(code, str(code)))
+
+        return make_request, lambda n, body: record.on_response(n, parse(body)), on_end
+
+    connection = Connection(plan["target"], f"/{VLLM_SERVICE}/Generate")
+    try:
+        # Warm-up: one short call, so the connection and the server's call path are up before "go".
+        warm, warm_ids = CallRecorder(2), iter([-1])
+        run_calls(connection, 1, lambda: next(warm_ids, None), *calls(warm, 2))
+        if warm.counts["ok"] != 1:
+            raise RuntimeError(f"the warm-up call failed: {warm.counts} {warm.error_codes}")
+
+        record = CallRecorder(plan["max_tokens"])
+        conn.send(("ready", None))
+        message, stop_at = conn.recv()
+        assert message == "go", message
+        cpu0 = time.process_time()
+        run_calls(connection, plan["concurrency"], call_numbers(plan["requests"], stop_at),
+                  *calls(record, plan["max_tokens"]))
+        cpu1 = time.process_time()
+    finally:
+        connection.close()
+    return record.report(cpu1 - cpu0)
+
+
 async def _client(conn, index: int, plan: dict) -> dict:
+    """A client process's load over grpc.aio, ``--channels`` channels."""
     import asyncio
 
     import grpc
-    from smg_grpc_proto.generated import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
     channels = [
         grpc.aio.insecure_channel(plan["target"], options=[("grpc.use_local_subchannel_pool", 1)])
@@ -390,49 +485,21 @@ async def _client(conn, index: int, plan: dict) -> dict:
         async for _ in stub.Generate(request(-1 - i, 2)):
             pass
 
-    ttft = array("d")
-    gap_msg = array("d")
-    gap_tok = array("d")
-    counts = {"requests": 0, "ok": 0, "short": 0, "errors": 0, "tokens": 0, "messages": 0, "chunks": 0}
-    error_codes: dict[str, int] = {}
-    
+    record = CallRecorder(max_tokens)
     conn.send(("ready", None))
     message, stop_at = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
     assert message == "go", message
-    clock = time.perf_counter
     take = call_numbers(plan["requests"], stop_at)
 
     async def one(stub, n: int) -> None:
-        counts["requests"] += 1
-        tokens = 0
-        completed = False
-        start = last = clock()
+        record.start(n)
         try:
             async for response in stub.Generate(request(n, max_tokens)):
-                now = clock()
-                counts["messages"] += 1
-                if response.WhichOneof("response") == "chunk":
-                    got = len(response.chunk.token_ids)
-                    if tokens == 0:
-                        ttft.append(now - start)
-                    elif got:
-                        gap = now - last
-                        gap_msg.append(gap)
-                        gap_tok.append(gap / got)
-                    counts["chunks"] += 1
-                    tokens += got
-                    last = now
-                else:
-                    completed = True
+                record.on_response(n, response)
         except grpc.aio.AioRpcError as error:
-            counts["errors"] += 1
-            code = error.code().name
-            error_codes[code] = error_codes.get(code, 0) + 1
-        counts["tokens"] += tokens
-        if completed and tokens == max_tokens:
-            counts["ok"] += 1
-        elif completed:
-            counts["short"] += 1
+            record.end(n, error.code().name)
+        else:
+            record.end(n, None)
 
     async def worker(stub) -> None:
         while (n := take()) is not None:
@@ -443,14 +510,7 @@ async def _client(conn, index: int, plan: dict) -> dict:
     cpu1 = time.process_time()
     for c in channels:
         await c.close()
-    return {
-        **counts,
-        "error_codes": error_codes,
-        "cpu_s": cpu1 - cpu0,
-        "ttft": ttft.tobytes(),
-        "gap_msg": gap_msg.tobytes(),
-        "gap_tok": gap_tok.tobytes(),
-    }
+    return record.report(cpu1 - cpu0)
 
 
 def _shares(total: int, parts: int) -> list[int]:

@@ -36,9 +36,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 HANDSHAKE_TIMEOUT_S = 600.0
 ENGINE_ARGS_DEFAULT = ["--max-model-len", "1024", "--enforce-eager"]
+
+
+class Side(NamedTuple):
+    """One side of the comparison: enginelink driven by ``client``, or the raw driver
+    spending ``front_end_us`` CPU per token as a stand-in front end (0: none)."""
+
+    label: str
+    client: str | None = None
+    front_end_us: float = 0.0
 
 
 def engine_args_for(args: argparse.Namespace, concurrency: int) -> list[str]:
@@ -240,35 +250,35 @@ def run(args: argparse.Namespace) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="enginelink-bench-") as tmp_name:
         tmp = Path(tmp_name)
+        clients = list(dict.fromkeys(args.client))
+        # enginelink with the first client and raw make the ratio; the other sides are compared to raw.
+        sides = [Side("enginelink", client=clients[0]), Side("raw"),
+                 *(Side(f"raw+{us:g}us", front_end_us=us) for us in args.raw_front_end_us),
+                 *(Side(f"enginelink/{client}", client=client) for client in clients[1:])]
         for concurrency in args.concurrency:
             engine_args = engine_args_for(args, concurrency)
-            # (label, load client) for enginelink, (label, stand-in front end's CPU µs per token) for raw.
-            clients = list(dict.fromkeys(args.client))
-            sides = [("enginelink", clients[0]), ("raw", 0.0),
-                     *((f"raw+{us:g}us", us) for us in args.raw_front_end_us),
-                     *((f"enginelink/{client}", client) for client in clients[1:])]
-            runs = {side: [] for side, _ in sides}
+            runs = {side.label: [] for side in sides}
             for r in range(args.rounds):
-                for side, how in sides:
+                for side in sides:
                     t = time.monotonic()
-                    if side.startswith("enginelink"):
-                        res = measure_enginelink(args, model_dir, engine_args, concurrency, how,
-                                                 tmp / f"el-{concurrency}-{r}-{how}")
+                    if side.client is not None:
+                        res = measure_enginelink(args, model_dir, engine_args, concurrency, side.client,
+                                                 tmp / f"el-{concurrency}-{r}-{side.client}")
                     else:
                         res = measure_raw(model_dir, engine_args, concurrency, requests, args.max_tokens,
-                                          args.prompt_tokens, tmp / "raw-engine.log", how)
+                                          args.prompt_tokens, tmp / "raw-engine.log", side.front_end_us)
                     res["total_s"] = time.monotonic() - t
-                    runs[side].append(res)
+                    runs[side.label].append(res)
                     cpu = (f"; servicer {res['servicer_cpu_s'] / res['tokens'] * 1e6:.0f} us/token, "
-                           f"{how} client {res['client_cpu_s'] / res['tokens'] * 1e6:.0f} us/token"
-                           if side.startswith("enginelink") and res["tokens"] else "")
-                    print(f"concurrency {concurrency} round {r + 1} {side:18s} {res['tokens_per_s']:8.0f} tokens/s "
-                          f"({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed; "
+                           f"{side.client} client {res['client_cpu_s'] / res['tokens'] * 1e6:.0f} us/token"
+                           if side.client is not None and res["tokens"] else "")
+                    print(f"concurrency {concurrency} round {r + 1} {side.label:18s} {res['tokens_per_s']:8.0f} "
+                          f"tokens/s ({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed; "
                           f"{res['total_s']:.0f} s with start-up{cpu})", file=sys.stderr, flush=True)
             el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
             raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])
-            others = {side: statistics.median(x["tokens_per_s"] for x in runs[side]) / raw
-                      for side, _ in sides[2:]}
+            others = {side.label: statistics.median(x["tokens_per_s"] for x in runs[side.label]) / raw
+                      for side in sides[2:]}
             results.append({"concurrency": concurrency, "engine_args": engine_args, "runs": runs,
                             "enginelink_tokens_per_s": el, "raw_tokens_per_s": raw, "ratio": el / raw,
                             "client": clients[0], "other_ratios": others})
@@ -287,8 +297,8 @@ def run(args: argparse.Namespace) -> int:
                   f"  raw {r['raw_tokens_per_s']:7.0f} tokens/s ({raw})  ratio {r['ratio']:.3f}")
             for side, ratio in r["other_ratios"].items():
                 runs_text = ", ".join(f"{x['tokens_per_s']:.0f}" for x in r["runs"][side])
-                what = ("the servicer, with this load client" if side.startswith("enginelink")
-                        else "raw driver spending that much CPU per token")
+                what = ("raw driver spending that much CPU per token" if side.startswith("raw")
+                        else "the servicer, with this load client")
                 print(f"      {side:>18s} ({what}): ratio {ratio:.3f} ({runs_text})")
     bad = any(x["short"] for r in results for side in r["runs"].values() for x in side)
     return 1 if bad else 0

@@ -22,14 +22,15 @@ a load client must not guess.
 
 Single-threaded, blocking socket: the load is one connection and the client
 does nothing but read it, so there is no event loop to pay for.
+
+This module is the protocol only; ``tools/bench.py`` (``_h2_client``) runs
+the load over it and records the calls as it does for grpc.aio.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-import time
-from array import array
 
 import hpack
 
@@ -42,15 +43,6 @@ WINDOW_DEFAULT = 65_535  # RFC 9113 6.9.2: every window starts here
 RECV_BYTES = 1 << 18
 
 _u32 = struct.Struct(">I")
-
-# gRPC status codes by number, for the report (grpc.StatusCode names).
-STATUS_NAMES = {
-    0: "OK", 1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 5: "NOT_FOUND",
-    6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION",
-    10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED", 13: "INTERNAL", 14: "UNAVAILABLE",
-    15: "DATA_LOSS", 16: "UNAUTHENTICATED",
-}
-
 
 # An RST_STREAM's HTTP/2 error as the gRPC status a client reports (gRPC's PROTOCOL-HTTP2.md);
 # anything else is INTERNAL.
@@ -269,84 +261,3 @@ def run_calls(connection: Connection, n_concurrent: int, take, make_request, on_
         start_next()
     while connection.open_calls:
         connection.pump()
-
-
-class Recorder:
-    """What the bench reports of the calls: counts, TTFT and the gaps between messages."""
-
-    def __init__(self, request, parse, max_tokens: int) -> None:
-        self.request, self.parse, self.max_tokens = request, parse, max_tokens
-        self.ttft, self.gap_msg, self.gap_tok = array("d"), array("d"), array("d")
-        self.counts = {"requests": 0, "ok": 0, "short": 0, "errors": 0, "tokens": 0, "messages": 0, "chunks": 0}
-        self.error_codes: dict[str, int] = {}
-        self.open: dict[int, list] = {}  # call number -> [start, last message, tokens, complete seen]
-        self.clock = time.perf_counter
-
-    def make_request(self, n: int) -> bytes:
-        self.counts["requests"] += 1
-        now = self.clock()
-        self.open[n] = [now, now, 0, False]
-        return self.request(n, self.max_tokens).SerializeToString()
-
-    def on_message(self, n: int, body: bytes) -> None:
-        now = self.clock()
-        state = self.open[n]
-        response = self.parse(body)
-        self.counts["messages"] += 1
-        if response.WhichOneof("response") == "chunk":
-            got = len(response.chunk.token_ids)
-            if state[2] == 0:
-                self.ttft.append(now - state[0])
-            elif got:
-                gap = now - state[1]
-                self.gap_msg.append(gap)
-                self.gap_tok.append(gap / got)
-            self.counts["chunks"] += 1
-            state[2] += got
-            state[1] = now
-        else:
-            state[3] = True
-
-    def on_end(self, n: int, code: int, text: str) -> None:
-        _, _, tokens, completed = self.open.pop(n)
-        self.counts["tokens"] += tokens
-        if code != 0:
-            self.counts["errors"] += 1
-            name = STATUS_NAMES.get(code, str(code))
-            self.error_codes[name] = self.error_codes.get(name, 0) + 1
-        elif completed and tokens == self.max_tokens:
-            self.counts["ok"] += 1
-        elif completed:
-            self.counts["short"] += 1
-
-
-def client_load(conn, plan: dict, path: str, request, parse) -> dict:
-    """The bench's client process body with this client (``tools/bench.py``'s ``_client`` is the other)."""
-    from enginelink.tools.bench import call_numbers
-
-    connection = Connection(plan["target"], path)
-    try:
-        # Warm-up: one short call, so the connection and the server's call path are up before "go".
-        warm, warm_ids = Recorder(request, parse, 2), iter([-1])
-        run_calls(connection, 1, lambda: next(warm_ids, None), warm.make_request, warm.on_message, warm.on_end)
-        if warm.counts["ok"] != 1:
-            raise ProtocolError(f"the warm-up call failed: {warm.counts} {warm.error_codes}")
-
-        record = Recorder(request, parse, plan["max_tokens"])
-        conn.send(("ready", None))
-        message, stop_at = conn.recv()
-        assert message == "go", message
-        take = call_numbers(plan["requests"], stop_at)
-        cpu0 = time.process_time()
-        run_calls(connection, plan["concurrency"], take, record.make_request, record.on_message, record.on_end)
-        cpu1 = time.process_time()
-    finally:
-        connection.close()
-    return {
-        **record.counts,
-        "error_codes": record.error_codes,
-        "cpu_s": cpu1 - cpu0,
-        "ttft": record.ttft.tobytes(),
-        "gap_msg": record.gap_msg.tobytes(),
-        "gap_tok": record.gap_tok.tobytes(),
-    }
