@@ -77,12 +77,11 @@ def _env_positive(*names: str, default: float) -> float:
 def _servicer_sched() -> str:
     from enginelink.runtime.engine_process import SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT
 
-    value = os.environ.get("ENGINELINK_SERVICER_SCHED")
-    if value is None or value.strip() == "":
-        return SERVICER_SCHED_DEFAULT
-    if value.strip().lower() not in SERVICER_SCHED_CHOICES:
+    value = os.environ.get("ENGINELINK_SERVICER_SCHED", "")
+    policy = value.strip().lower() or SERVICER_SCHED_DEFAULT
+    if policy not in SERVICER_SCHED_CHOICES:
         raise ConfigError(f"ENGINELINK_SERVICER_SCHED={value!r}: expected one of {', '.join(SERVICER_SCHED_CHOICES)}")
-    return value.strip().lower()
+    return policy
 
 
 def _env_int(name: str, expected: str) -> int | None:
