@@ -26,11 +26,20 @@ def make_socket(context: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
-async def wait_readable(sock: zmq.Socket) -> None:
-    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-        return
+def has_message(sock: zmq.Socket) -> bool:
+    """A whole message is waiting. Reading ``EVENTS`` also re-arms ``FD``'s edge."""
+    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+
+async def wait_fd(fd: int) -> None:
+    """Park until ``fd`` (a socket's ``FD``) signals, or the lost-edge bound passes."""
     with trio.move_on_after(LOST_EDGE_RECHECK_S):
-        await trio.lowlevel.wait_readable(sock.getsockopt(zmq.FD))
+        await trio.lowlevel.wait_readable(fd)
+
+
+async def wait_readable(sock: zmq.Socket) -> None:
+    if not has_message(sock):
+        await wait_fd(sock.getsockopt(zmq.FD))
 
 
 async def recv_multipart(sock: zmq.Socket) -> list[bytes]:
