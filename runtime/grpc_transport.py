@@ -66,6 +66,13 @@ class CoalescingTransport:
         if buffer and not self._transport.is_closing():
             self._transport.write(buffer[0] if len(buffer) == 1 else b"".join(buffer))
 
+    def write_now(self, data: bytes) -> None:
+        """Write at once (``FrameWrites``), after anything this tick buffered."""
+        if self._buffer:
+            self._buffer.append(data)
+        elif not self._transport.is_closing():
+            self._transport.write(data)
+
     def close(self) -> None:
         self._flush()
         self._transport.close()
@@ -96,68 +103,119 @@ class CoalescingServer(Server):
 _SENDABLE_STREAM_STATES = frozenset({StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE})
 
 
-def direct_sender(stream):
-    """Write stream messages now, from the caller's stack, when nothing has to wait.
+class FrameWrites:
+    """The direct path's DATA frames of one engine frame: one socket write per connection.
+
+    At one token per message every call gets one message per engine frame,
+    and writing each call's message as it comes cost a transport write, a
+    clock read and the connection's counters per call, and one trio-asyncio
+    callback (the coalescing flush) per frame. Here the frames are collected
+    per connection while the hub fans one engine frame out, and ``flush``
+    (the hub's ``end_of_batch``) writes each connection's at once, straight
+    to its socket. Nothing else writes to a connection while the hub fans
+    out (it is one synchronous call), so the order on the wire is the order
+    taken; bytes h2 had queued go first.
+    """
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        # grpclib Connection -> [DATA frames, their bytes, messages]
+        self._pending: dict[object, list] = {}
+
+    def add(self, connection, frames: list[bytes], size: int) -> None:
+        entry = self._pending.get(connection)
+        if entry is None:
+            self._pending[connection] = [frames, size, len(frames)]
+        else:
+            entry[0] += frames
+            entry[1] += size
+            entry[2] += len(frames)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        now = time.monotonic()
+        for connection, (frames, size, count) in pending.items():
+            if connection.is_closing():
+                continue  # gone: its streams' writers see the connection closed
+            connection._transport.write_now(connection._connection.data_to_send() + b"".join(frames))
+            connection.data_sent += size
+            connection.messages_sent += count
+            connection.last_data_sent = connection.last_message_sent = now
+            connection.ping_count_in_sequence = 0
+
+
+class DirectSender:
+    """Write stream messages from the caller's stack, when nothing has to wait.
 
     A streamed token otherwise costs an asyncio wake-up of the call's writer
     task (under trio-asyncio: a hop through trio's queue), grpclib's event
     dispatch and three awaits, about half the servicer's CPU per message
     (docs/benchmarks.md). This does what grpclib's ``send_message`` does
-    once its headers are out: encode, frame, flush.
+    once its headers are out: encode, frame, send; the socket write itself
+    is ``writes.flush``'s, once per connection per engine frame.
 
     The DATA frame is built here, not by ``h2.send_data``: h2 spends about as
     much again per frame on logging calls, state-machine inputs that change
     nothing in these states, a frame object and its serialisation. What h2
-    must know is kept exact: both flow-control windows are charged, and
-    anything h2 had queued goes out first, so the wire order is h2's.
+    must know is kept exact: both flow-control windows are charged here, at
+    once, and anything h2 had queued goes out first, so the wire order is h2's.
+    grpclib's per-stream counters (``data_sent``, ``_messages_sent``) feed
+    only channelz, which enginelink does not serve, and are left alone; the
+    connection's are kept (``FrameWrites.flush``).
+
+    One object with slots rather than a closure: at one message per call per
+    engine frame, each call's state is read cold, and every closure cell or
+    extra object is another cache miss (docs/benchmarks.md).
 
     ``stream`` is a grpclib server ``Stream`` whose initial headers were sent.
-    The returned function takes messages in order and returns how many it
-    wrote; it stops at the first one that would have to wait (connection
-    paused, flow-control window or frame size too small) or fail (the stream
-    or the connection is closing), and the caller hands the rest to the
-    writer task, which waits or raises as grpclib does. Private grpclib and
-    h2 API: grpclib is pinned below 0.5 and h2 below 5.
+    ``send`` takes messages in order and returns how many it wrote; it stops
+    at the first one that would have to wait (connection paused, flow-control
+    window or frame size too small) or fail (the stream or the connection is
+    closing), and the caller hands the rest to the writer task, which waits
+    or raises as grpclib does. Private grpclib and h2 API: grpclib is pinned
+    below 0.5 and h2 below 5.
     """
-    h2_stream = stream._stream
-    connection = h2_stream.connection
-    h2_connection = h2_stream._h2_connection
-    h2_state = h2_connection.state_machine
-    codec, reply_type = stream._codec, stream._send_type
-    stream_id = h2_stream.id
-    frame_id = stream_id.to_bytes(4, "big")
-    own = h2_connection.streams.get(stream_id)
 
-    def send(messages) -> int:
-        if (own is None or own.state_machine.state not in _SENDABLE_STREAM_STATES
-                or h2_state.state is not ConnectionState.SERVER_OPEN):
+    __slots__ = ("_own", "_own_machine", "_h2_connection", "_h2_machine", "_connection", "_write_ready",
+                 "_frame_tail", "_writes")
+
+    def __init__(self, stream, writes: FrameWrites) -> None:
+        h2_stream = stream._stream
+        self._connection = h2_stream.connection
+        self._h2_connection = h2_stream._h2_connection
+        self._h2_machine = self._h2_connection.state_machine
+        self._own = self._h2_connection.streams.get(h2_stream.id)
+        self._own_machine = None if self._own is None else self._own.state_machine
+        self._write_ready = self._connection.write_ready
+        # DATA frame header after its 24-bit length (RFC 9113 4.1): type 0, no flags, stream id.
+        self._frame_tail = b"\x00\x00" + h2_stream.id.to_bytes(4, "big")
+        self._writes = writes
+
+    def send(self, messages) -> int:
+        own = self._own
+        h2_connection = self._h2_connection
+        if (own is None or self._own_machine.state not in _SENDABLE_STREAM_STATES
+                or self._h2_machine.state is not ConnectionState.SERVER_OPEN or not self._write_ready.is_set()):
             return 0
+        window = min(h2_connection.outbound_flow_control_window, own.outbound_flow_control_window)
+        frame_max = h2_connection.max_outbound_frame_size
+        frame_tail = self._frame_tail
         frames = []
         size = 0
         for message in messages:
-            if not connection.write_ready.is_set():
-                break
-            body = codec.encode(message, reply_type)
+            # The hub's own GenerateResponse: grpclib's codec would only add a type check.
+            body = message.SerializeToString()
             length = len(body) + 5
-            if length > min(h2_connection.outbound_flow_control_window, own.outbound_flow_control_window,
-                            h2_connection.max_outbound_frame_size):
+            if length > frame_max or size + length > window:
                 break
-            # DATA frame header (RFC 9113 4.1): 24-bit length, type 0, no flags, stream id; then the gRPC prefix.
-            frames.append(length.to_bytes(3, "big") + b"\x00\x00" + frame_id
-                          + b"\x00" + len(body).to_bytes(4, "big") + body)
-            h2_connection.outbound_flow_control_window -= length
-            own.outbound_flow_control_window -= length
+            # The frame header, then gRPC's prefix: not compressed, 32-bit length.
+            frames.append(length.to_bytes(3, "big") + frame_tail + b"\x00" + len(body).to_bytes(4, "big") + body)
             size += length
-        written = len(frames)
-        if written:
-            h2_stream._transport.write(h2_connection.data_to_send() + b"".join(frames))
-            now = time.monotonic()
-            h2_stream.data_sent += size
-            connection.data_sent += size
-            connection.messages_sent += written
-            connection.last_data_sent = connection.last_message_sent = now
-            connection.ping_count_in_sequence = 0
-            stream._messages_sent += written
-        return written
-
-    return send
+        if size:
+            h2_connection.outbound_flow_control_window -= size
+            own.outbound_flow_control_window -= size
+            self._writes.add(self._connection, frames, size)
+        return len(frames)

@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
 from enginelink.runtime.errors import grpc_errors
 from enginelink.runtime.generate import generate
-from enginelink.runtime.grpc_transport import direct_sender
+from enginelink.runtime.grpc_transport import DirectSender, FrameWrites
 from enginelink.runtime.profiling import check_start_options, profile
 from enginelink.runtime.grpc_kv import FlushError, flush_cache, subscribe_kv_events
 
@@ -30,6 +30,9 @@ class VllmEngineService(VllmEngineBase):
     def __init__(self, app, kv_relay=None) -> None:
         self.app = app
         self.kv_relay = kv_relay  # runtime.kv_relay.KvRelayShell; None: KV events are off
+        # The direct path's writes of one engine frame, sent when the hub is done with it.
+        self.frame_writes = FrameWrites()
+        app.hub.end_of_batch = self.frame_writes.flush
 
     # -- Generate / Abort -----------------------------------------------------------
 
@@ -38,7 +41,7 @@ class VllmEngineService(VllmEngineBase):
         request = await stream.recv_message()
         # runtime/generate.py: the one Generate loop (the simulation runs it too).
         await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message,
-                       direct_send=direct_sender(stream))
+                       direct_send=DirectSender(stream, self.frame_writes).send)
 
     @grpc_errors
     async def Abort(self, stream) -> None:

@@ -124,7 +124,7 @@ class Call:
         self.error: ServicerError | None = None
         self.admitted_at = now
         self.prompt_tokens = len(spec.prompt_token_ids)
-        # The writer's synchronous path (grpc_transport.direct_sender), set by
+        # The writer's synchronous path (grpc_transport.DirectSender.send), set by
         # the writer once its headers are out; None until then and off gRPC.
         self.direct_send = None
         self.writer_busy = False  # the writer holds messages it has not written yet
@@ -219,6 +219,9 @@ class RequestHub:
         # hand the rest to the call's writer (a full flow-control window: a slow client).
         self.direct_writes = 0
         self.direct_handovers = 0
+        # Called once at the end of every on_batch: the direct path's writes go
+        # out there, one per connection (grpc_transport.FrameWrites.flush).
+        self.end_of_batch: Callable[[], None] | None = None
         self.last_receive_wall = 0.0
 
     # -- admission -------------------------------------------------------------------
@@ -325,6 +328,13 @@ class RequestHub:
 
     def on_batch(self, batch: OutputBatch, now: float) -> int:
         """Fan one decoded frame out to its calls; returns the tokens it carried."""
+        try:
+            return self._fan_out(batch, now)
+        finally:
+            if self.end_of_batch is not None:
+                self.end_of_batch()
+
+    def _fan_out(self, batch: OutputBatch, now: float) -> int:
         by_engine_id = self.by_engine_id
         cached_tokens = self.cached_tokens
         generated = 0
