@@ -25,12 +25,17 @@ from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.validate import validate_generate
 
 
-async def generate(app, request, *, wake, send, direct_send=None) -> None:
+async def generate(app, request, *, wake, send, direct_send=None, send_headers=None) -> None:
     """Serve one ``vllm_engine_pb2.GenerateRequest`` through ``app.hub``; returns when it ended OK.
 
-    ``direct_send`` (gRPC only): the stream's synchronous writer, handed to
-    the hub once the first message (and so the headers) went out; from then
-    on the hub writes chunks itself while this loop is idle.
+    ``direct_send`` and ``send_headers`` (gRPC only): the stream's synchronous
+    writer, and the coroutine that sends its response headers. Once a
+    streaming call is admitted its headers go out and the writer is handed
+    to the hub, which from then on writes chunks itself while this loop is
+    idle; this loop wakes for the completes and anything the hub could not
+    write. (Headers right after admission rather than with the first chunk:
+    the first chunk then needs no wake-up of this task either. A refusal is
+    still a trailers-only response.)
     """
     hub = app.hub
     now = trio.current_time()
@@ -41,21 +46,20 @@ async def generate(app, request, *, wake, send, direct_send=None) -> None:
         app.refused(request.request_id, error, now)
         raise
     try:
+        if direct_send is not None and spec.stream:
+            await send_headers()
+            call.direct_send = direct_send
         while True:
             await wake.wait()
             wake.clear()
             if call.error is not None:
                 raise call.error
             call.writer_busy = True
-            wrote = False
             try:
                 for message in hub.take(call, trio.current_time()):
                     await send(message)
-                    wrote = True
             finally:
                 call.writer_busy = False
-            if wrote and call.direct_send is None:
-                call.direct_send = direct_send
             if call.error is not None:
                 # The engine failed the call while we were sending: the caller
                 # must see the failure, not a stream that ends OK without completes.

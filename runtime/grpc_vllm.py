@@ -41,7 +41,8 @@ class VllmEngineService(VllmEngineBase):
         request = await stream.recv_message()
         # runtime/generate.py: the one Generate loop (the simulation runs it too).
         await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message,
-                       direct_send=DirectSender(stream, self.frame_writes).send)
+                       direct_send=DirectSender(stream, self.frame_writes).send,
+                       send_headers=stream.send_initial_metadata)
 
     @grpc_errors
     async def Abort(self, stream) -> None:
