@@ -58,6 +58,7 @@ REQUEST_ADMITTED: Final = "admitted"
 # does not import machines, so the name is repeated here).
 LINK_STARTING: Final = "starting"
 HANDSHAKE_LAUNCH: Final = "launch"
+HANDSHAKE_PRIORITY: Final = "priority"
 REQUEST_STREAM_PREFIX: Final = r.request_stream("")
 LINK_STREAM_PREFIX: Final = r.link_stream("")
 # The wire engine frames are decoded with when run.start names none.
@@ -73,6 +74,9 @@ class LinkView(msgspec.Struct):
     since: float  # time of the transition into ``state``
     pid: int | None = None
     facts: dict[str, Any] = {}
+    # What the launch set: the engine's nice value and autogroup, the servicer's
+    # scheduling policy (the ``priority`` handshake step; engine_process.lower_priority).
+    priority: dict[str, Any] = {}
 
 
 class RequestView(msgspec.Struct):
@@ -191,6 +195,8 @@ def _apply(st: FoldState, rec: Record) -> None:
                 if link.state == STATE_UNSEEN:
                     link.state = LINK_STARTING
                     link.since = rec.time
+            elif p.get("step") == HANDSHAKE_PRIORITY and rec.stream.startswith(LINK_STREAM_PREFIX):
+                _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time).priority = p["message"]
         case r.KIND_CLIENT_SENT:
             view = st.requests.get(p["request_id"])
             if view is None:

@@ -58,6 +58,7 @@ from enginelink.runtime.engine_process import (
     ENGINE_NICE_DEFAULT,
     SERVICER_SCHED_DEFAULT,
     SOCKET_PREFIX,
+    describe_priority,
     lower_priority,
     run_threads_as_batch,
     remove_stale_files,
@@ -110,27 +111,6 @@ class Supervision:
 
     def silence_limit_s(self, pending_prefill_tokens: int) -> float:
         return self.silence_timeout_s + pending_prefill_tokens / self.prefill_tokens_per_s
-
-
-def _describe_priority(applied: dict) -> str:
-    if applied["levels"] <= 0:
-        text = "at the servicer's priority (ENGINELINK_ENGINE_NICE=0)"
-    else:
-        parts = [f"nice {applied['nice']}" if "nice" in applied else f"nice unchanged ({applied.get('nice_error')})"]
-        if "autogroup_nice" in applied:
-            parts.append(f"its session's autogroup nice {applied['autogroup_nice']}")
-        elif "autogroup_error" in applied:
-            parts.append(f"autogroup unchanged ({applied['autogroup_error']})")
-        text = f"{applied['levels']} levels below the servicer: " + ", ".join(parts)
-    if "policy_error" in applied:
-        text += f"; engine's scheduling policy unchanged ({applied['policy_error']})"
-    servicer = applied.get("servicer")
-    if servicer is not None:
-        if "error" in servicer:
-            text += f"; servicer threads not SCHED_BATCH ({servicer['error']})"
-        else:
-            text += f"; the servicer's {servicer['threads']} threads run SCHED_BATCH, so they wait for the engine to yield"
-    return text
 
 
 class LinkFailed(Exception):
@@ -256,7 +236,7 @@ class EngineLink:
                 if self.servicer_sched == "batch":
                     priority["servicer"] = run_threads_as_batch()
                 self._journal_handshake("priority", priority)
-                log.info("engine process %d started, %s", self.process.pid, _describe_priority(priority))
+                log.info("engine process %d started, %s", self.process.pid, describe_priority(priority))
                 nursery.start_soon(self._watch_process)
                 nursery.start_soon(self._supervise_startup)
                 failure = await self._start_up(handshake, inputs, in_path, out_path, facts_path)

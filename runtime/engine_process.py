@@ -244,6 +244,32 @@ def run_threads_as_batch() -> dict:
     return applied
 
 
+
+def describe_priority(applied: dict) -> str:
+    """What ``lower_priority`` (and ``run_threads_as_batch``, under "servicer") did, in words.
+
+    For the start-up log and ``enginelink inspect``, from the journal's
+    ``engine.handshake`` ``priority`` step.
+    """
+    if applied.get("levels", 0) <= 0:
+        text = "at the servicer's priority (ENGINELINK_ENGINE_NICE=0)"
+    else:
+        parts = [f"nice {applied['nice']}" if "nice" in applied else f"nice unchanged ({applied.get('nice_error')})"]
+        if "autogroup_nice" in applied:
+            parts.append(f"its session's autogroup nice {applied['autogroup_nice']}")
+        elif "autogroup_error" in applied:
+            parts.append(f"autogroup unchanged ({applied['autogroup_error']})")
+        text = f"{applied['levels']} levels below the servicer: " + ", ".join(parts)
+    if "policy_error" in applied:
+        text += f"; engine's scheduling policy unchanged ({applied['policy_error']})"
+    servicer = applied.get("servicer")
+    if servicer is not None:
+        if "error" in servicer:
+            text += f"; servicer threads not SCHED_BATCH ({servicer['error']})"
+        else:
+            text += f"; the servicer's {servicer['threads']} threads run SCHED_BATCH, so they wait for the engine to yield"
+    return text
+
 def session_alive(process: trio.Process, session: int) -> bool:
     return process.poll() is None or bool(session_members(session))
 

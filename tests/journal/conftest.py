@@ -36,6 +36,8 @@ def scenario_events(seed: int, requests: int = 60) -> list[Event]:
         "argv": ["enginelink", "serve"], "version": "0.1.0", "budgets": {"ring_records_max": 100},
     })
     transition("link", "0", "new", "starting", "launch")
+    ev(r.link_stream("0"), r.KIND_ENGINE_HANDSHAKE, {"step": "priority", "message": {
+        "levels": 10, "nice": 10, "autogroup_nice": 10, "servicer": {"policy": "batch", "threads": 4}}})
     facts = {"max_model_len": 2048, "dp": [0, 1]}
     ev(r.engine_stream(0), r.KIND_ENGINE_FACTS, {"link": "0", "pid": 777, "facts": facts})
     transition("link", "0", "starting", "warming_up", "ready")

@@ -77,6 +77,24 @@ def test_fold_rebuilds_links_requests_and_run():
     assert (st.last_seq, st.unmatched) == (12, 1)
 
 
+def test_the_launch_priority_is_part_of_the_link_and_of_snapshots():
+    """What ``lower_priority`` set is kept as the handshake's ``priority`` step said it, and survives a snapshot."""
+    priority = {"levels": 10, "nice": 10, "autogroup_nice": 10, "servicer": {"policy": "batch", "threads": 4}}
+    recs = journaled([
+        (0.0, r.link_stream("vllm-0"), r.KIND_ENGINE_HANDSHAKE, {"step": "launch", "message": {"argv": ["vllm"]}}),
+        (0.1, r.link_stream("vllm-0"), r.KIND_ENGINE_HANDSHAKE, {"step": "priority", "message": priority}),
+        (0.2, r.link_stream("vllm-0"), r.KIND_ENGINE_HANDSHAKE, {"step": "init", "message": {"inputs": []}}),
+    ])
+    st = fold(recs)
+    assert st.links["vllm-0"].priority == priority
+    assert st.links["vllm-0"].state == "starting"
+    assert FoldState.from_dict(st.to_dict()).links["vllm-0"].priority == priority
+    # A snapshot written before the field existed still loads, with no priority.
+    old = st.to_dict()
+    del old["links"]["vllm-0"]["priority"]
+    assert FoldState.from_dict(old).links["vllm-0"].priority == {}
+
+
 def test_generate_before_any_transition_is_unseen():
     st = fold([generate(1, 1.0, "a", n=1, prompt_tokens=3)])
     assert st.requests["a"] == RequestView(state=STATE_UNSEEN, since=1.0, admitted_at=None, n=1, prompt_tokens=3)

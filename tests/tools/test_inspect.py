@@ -8,6 +8,7 @@ requests that finish or are aborted first.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 
@@ -18,6 +19,11 @@ from tests.harness import VENV_BIN, Servicer, generate_request, wait_until
 from tests.tools.helpers import PROMPT, Stream, copy_journal, engine_pid, enginelink, inspect_json, journal_has
 
 LONG = dict(max_tokens=1500, ignore_eos=True)
+
+
+def engine_nice(servicer) -> int:
+    """The nice value the launch gives the engine: 10 below the servicer's own, at most 19."""
+    return min(19, os.getpriority(os.PRIO_PROCESS, servicer.process.pid) + 10)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +59,9 @@ def test_json_shows_links_requests_in_flight_and_the_live_run(busy):
     assert (link["name"], link["state"]) == ("vllm-0", "serving")
     assert link["engine_pid"] == engine_pid(busy.journal) and link["engine_alive"] is True
     assert link["facts"]["max_model_len"] == 2048
+    # What the launch set for the engine and the servicer (ENGINELINK_ENGINE_NICE, ENGINELINK_SERVICER_SCHED defaults).
+    assert link["priority"]["levels"] == 10 and link["priority"]["nice"] == engine_nice(busy)
+    assert link["priority"]["servicer"]["policy"] == "batch" and link["priority"]["servicer"]["threads"] >= 1
     requests = {q["id"]: q for q in view["requests"]}
     assert sorted(requests) == ["long-0", "long-1", "long-n2"]  # warm-up, if any, ended before serving
     pair = requests["long-n2"]
@@ -77,6 +86,8 @@ def test_human_view_lists_the_same(busy):
     out = done.stdout
     assert f"servicer pid {busy.process.pid}" in out and "RUNNING (pid alive)" in out
     assert "vllm-0     serving" in out and "(alive)" in out and "max_model_len=2048" in out
+    assert f"priority: engine 10 levels below the servicer: nice {engine_nice(busy)}" in out
+    assert "run SCHED_BATCH" in out
     assert "requests in flight (3)" in out
     rows = sorted(line.split() for line in out.splitlines() if line.startswith("  long-"))
     assert [(row[0], row[1], row[3]) for row in rows] == [("long-0", "running", "1"), ("long-1", "running", "1"),
