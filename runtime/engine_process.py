@@ -244,7 +244,6 @@ def run_threads_as_batch() -> dict:
     return applied
 
 
-
 def describe_priority(applied: dict) -> str:
     """What ``lower_priority`` (and ``run_threads_as_batch``, under "servicer") did, in words.
 
@@ -269,6 +268,7 @@ def describe_priority(applied: dict) -> str:
         else:
             text += f"; the servicer's {servicer['threads']} threads run SCHED_BATCH, so they wait for the engine to yield"
     return text
+
 
 def session_alive(process: trio.Process, session: int) -> bool:
     return process.poll() is None or bool(session_members(session))

@@ -170,8 +170,9 @@ class DirectSender:
     engine frame, each call's state is read cold, and every closure cell or
     extra object is another cache miss (docs/benchmarks.md).
 
-    ``stream`` is a grpclib server ``Stream`` whose initial headers were sent.
-    ``send`` takes messages in order and returns how many it wrote; it stops
+    ``stream`` is a grpclib server ``Stream``; ``send`` may only be called
+    once its initial headers were sent (``generate`` hands it to the hub
+    then). ``send`` takes messages in order and returns how many it wrote; it stops
     at the first one that would have to wait (connection paused, flow-control
     window or frame size too small) or fail (the stream or the connection is
     closing), and the caller hands the rest to the writer task, which waits
