@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import grpc
@@ -10,7 +13,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
 from tests.contract.helpers import CALL_TIMEOUT_S, Outcome, generate, greedy, new_id, prompt
-from tests.harness import generate_request
+from tests.harness import engine_pid, generate_request
 
 EOS = 2
 CONTEXT = 2048
@@ -72,6 +75,34 @@ def test_a_client_that_reads_late_gets_every_token_in_order(servicer, slow_servi
     assert out.streamed(0) == expected
     assert len(out.chunks[0]) > 1
     assert [m.WhichOneof("response") for m in out.messages][-1] == "complete"
+    assert out.complete(0).finish_reason == "length"
+
+
+def test_a_streaming_call_gets_its_headers_before_the_engine_answers(servicer, slow_servicer):
+    """Response headers go out once the call is admitted, not with the first token.
+
+    The engine is stopped (SIGSTOP) while the call starts: the client must
+    still see the call accepted (initial metadata), and once the engine runs
+    again the stream is the same as ever.
+    """
+    ids = prompt(7)
+    expected = greedy(servicer.stub, ids, 6)
+    engine = engine_pid(slow_servicer.journal)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        call = slow_servicer.stub.Generate(
+            generate_request(new_id("early-headers"), ids, stream=True, temperature=0.0, max_tokens=6,
+                             ignore_eos=True),
+            timeout=CALL_TIMEOUT_S,
+        )
+        headers = threading.Thread(target=call.initial_metadata, daemon=True)
+        headers.start()
+        headers.join(5)
+        assert not headers.is_alive(), "no response headers while the engine had not answered"
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    out = Outcome(list(call))
+    assert out.streamed(0) == expected
     assert out.complete(0).finish_reason == "length"
 
 
