@@ -25,15 +25,14 @@ from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.validate import validate_generate
 
 
-async def generate(app, request, *, wake, send, direct_send=None, send_headers=None) -> None:
+async def generate(app, request, *, wake, send, direct=None) -> None:
     """Serve one ``vllm_engine_pb2.GenerateRequest`` through ``app.hub``; returns when it ended OK.
 
-    ``direct_send`` and ``send_headers`` (gRPC only): the stream's synchronous
-    writer, and the coroutine that sends its response headers. Once a
-    streaming call is admitted its headers go out and the writer is handed
-    to the hub, which from then on writes chunks itself while this loop is
-    idle; this loop wakes for the completes and anything the hub could not
-    write. (Headers right after admission rather than with the first chunk:
+    ``direct`` (gRPC only): the stream's ``grpc_transport.DirectSender``.
+    Once a streaming call is admitted its headers go out and its synchronous
+    ``send`` is handed to the hub, which from then on writes chunks itself
+    while this loop is idle; this loop wakes for the completes and anything
+    the hub could not write. (Headers right after admission rather than with the first chunk:
     the first chunk then needs no wake-up of this task either. A refusal is
     still a trailers-only response.)
     """
@@ -46,9 +45,9 @@ async def generate(app, request, *, wake, send, direct_send=None, send_headers=N
         app.refused(request.request_id, error, now)
         raise
     try:
-        if direct_send is not None and spec.stream:
-            await send_headers()
-            call.direct_send = direct_send
+        if direct is not None and spec.stream:
+            await direct.send_headers()
+            call.direct_send = direct.send
         while True:
             await wake.wait()
             wake.clear()

@@ -120,29 +120,27 @@ class FrameWrites:
     __slots__ = ("_pending",)
 
     def __init__(self) -> None:
-        # grpclib Connection -> [DATA frames, their bytes, messages]
-        self._pending: dict[object, list] = {}
+        self._pending: dict[object, list[bytes]] = {}  # grpclib Connection -> its DATA frames, in order
 
-    def add(self, connection, frames: list[bytes], size: int) -> None:
-        entry = self._pending.get(connection)
-        if entry is None:
-            self._pending[connection] = [frames, size, len(frames)]
+    def add(self, connection, frames: list[bytes]) -> None:
+        pending = self._pending.get(connection)
+        if pending is None:
+            self._pending[connection] = frames
         else:
-            entry[0] += frames
-            entry[1] += size
-            entry[2] += len(frames)
+            pending += frames
 
     def flush(self) -> None:
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
         now = time.monotonic()
-        for connection, (frames, size, count) in pending.items():
+        for connection, frames in pending.items():
             if connection.is_closing():
                 continue  # gone: its streams' writers see the connection closed
-            connection._transport.write_now(connection._connection.data_to_send() + b"".join(frames))
-            connection.data_sent += size
-            connection.messages_sent += count
+            data = b"".join(frames)
+            connection._transport.write_now(connection._connection.data_to_send() + data)
+            connection.data_sent += len(data)
+            connection.messages_sent += len(frames)
             connection.last_data_sent = connection.last_message_sent = now
             connection.ping_count_in_sequence = 0
 
@@ -167,12 +165,12 @@ class DirectSender:
     connection's are kept (``FrameWrites.flush``).
 
     One object with slots rather than a closure: at one message per call per
-    engine frame, each call's state is read cold, and every closure cell or
-    extra object is another cache miss (docs/benchmarks.md).
+    engine frame, each call's state is read cold, and every closure cell is
+    another object to read (docs/benchmarks.md).
 
     ``stream`` is a grpclib server ``Stream``; ``send`` may only be called
-    once its initial headers were sent (``generate`` hands it to the hub
-    then). ``send`` takes messages in order and returns how many it wrote; it stops
+    once ``send_headers`` has sent its initial headers (``generate`` hands
+    it to the hub then). ``send`` takes messages in order and returns how many it wrote; it stops
     at the first one that would have to wait (connection paused, flow-control
     window or frame size too small) or fail (the stream or the connection is
     closing), and the caller hands the rest to the writer task, which waits
@@ -180,26 +178,28 @@ class DirectSender:
     below 0.5 and h2 below 5.
     """
 
-    __slots__ = ("_own", "_own_machine", "_h2_connection", "_h2_machine", "_connection", "_write_ready",
-                 "_frame_tail", "_writes")
+    __slots__ = ("_stream", "_own", "_h2_connection", "_connection", "_frame_tail", "_writes")
 
     def __init__(self, stream, writes: FrameWrites) -> None:
         h2_stream = stream._stream
+        self._stream = stream
         self._connection = h2_stream.connection
         self._h2_connection = h2_stream._h2_connection
-        self._h2_machine = self._h2_connection.state_machine
         self._own = self._h2_connection.streams.get(h2_stream.id)
-        self._own_machine = None if self._own is None else self._own.state_machine
-        self._write_ready = self._connection.write_ready
         # DATA frame header after its 24-bit length (RFC 9113 4.1): type 0, no flags, stream id.
         self._frame_tail = b"\x00\x00" + h2_stream.id.to_bytes(4, "big")
         self._writes = writes
 
+    async def send_headers(self) -> None:
+        """The response headers; ``send`` may be used once they are out."""
+        await self._stream.send_initial_metadata()
+
     def send(self, messages) -> int:
         own = self._own
         h2_connection = self._h2_connection
-        if (own is None or self._own_machine.state not in _SENDABLE_STREAM_STATES
-                or self._h2_machine.state is not ConnectionState.SERVER_OPEN or not self._write_ready.is_set()):
+        if (own is None or own.state_machine.state not in _SENDABLE_STREAM_STATES
+                or h2_connection.state_machine.state is not ConnectionState.SERVER_OPEN
+                or not self._connection.write_ready.is_set()):
             return 0
         window = min(h2_connection.outbound_flow_control_window, own.outbound_flow_control_window)
         frame_max = h2_connection.max_outbound_frame_size
@@ -218,5 +218,5 @@ class DirectSender:
         if size:
             h2_connection.outbound_flow_control_window -= size
             own.outbound_flow_control_window -= size
-            self._writes.add(self._connection, frames, size)
+            self._writes.add(self._connection, frames)
         return len(frames)

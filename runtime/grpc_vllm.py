@@ -41,8 +41,7 @@ class VllmEngineService(VllmEngineBase):
         request = await stream.recv_message()
         # runtime/generate.py: the one Generate loop (the simulation runs it too).
         await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message,
-                       direct_send=DirectSender(stream, self.frame_writes).send,
-                       send_headers=stream.send_initial_metadata)
+                       direct=DirectSender(stream, self.frame_writes))
 
     @grpc_errors
     async def Abort(self, stream) -> None:
