@@ -189,13 +189,14 @@ def _apply(st: FoldState, rec: Record) -> None:
             # The hub ends the choices at once; outputs after this are late.
             for rid in p["request_ids"]:
                 _close_engine_ids(st, rid)
-        case r.KIND_ENGINE_HANDSHAKE:
-            if p.get("step") == HANDSHAKE_LAUNCH and rec.stream.startswith(LINK_STREAM_PREFIX):
+        case r.KIND_ENGINE_HANDSHAKE if rec.stream.startswith(LINK_STREAM_PREFIX):
+            step = p.get("step")
+            if step == HANDSHAKE_LAUNCH:
                 link = _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time)
                 if link.state == STATE_UNSEEN:
                     link.state = LINK_STARTING
                     link.since = rec.time
-            elif p.get("step") == HANDSHAKE_PRIORITY and rec.stream.startswith(LINK_STREAM_PREFIX):
+            elif step == HANDSHAKE_PRIORITY:
                 _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time).priority = p["message"]
         case r.KIND_CLIENT_SENT:
             view = st.requests.get(p["request_id"])
