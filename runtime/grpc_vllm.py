@@ -27,12 +27,11 @@ from enginelink.runtime.grpc_kv import FlushError, flush_cache, subscribe_kv_eve
 
 
 class VllmEngineService(VllmEngineBase):
-    def __init__(self, app, kv_relay=None) -> None:
+    def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
         self.app = app
+        # The direct path's writes of one engine frame; the hub flushes them (server.py wires it).
+        self.frame_writes = frame_writes
         self.kv_relay = kv_relay  # runtime.kv_relay.KvRelayShell; None: KV events are off
-        # The direct path's writes of one engine frame, sent when the hub is done with it.
-        self.frame_writes = FrameWrites()
-        app.hub.end_of_batch = self.frame_writes.flush
 
     # -- Generate / Abort -----------------------------------------------------------
 

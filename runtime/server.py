@@ -33,7 +33,7 @@ from enginelink.runtime import core
 from enginelink.runtime.app import App
 from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
-from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS, CoalescingServer
+from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS, CoalescingServer, FrameWrites
 from enginelink.runtime.grpc_vllm import VllmEngineService
 from enginelink.runtime.hub import RETIRED_ENGINE_IDS_MAX, RequestHub
 from enginelink.runtime.kv_config import KvPlan
@@ -153,7 +153,9 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                     metrics.add_collector(lambda labels: KvRelayCollector(kv_relay, labels))
             readiness = ServiceStatus()
             readiness.set(False)
-            engine_service = VllmEngineService(app, kv_relay)
+            frame_writes = FrameWrites()
+            hub.end_of_batch = frame_writes.flush  # the direct path's writes go out once per engine frame
+            engine_service = VllmEngineService(app, frame_writes, kv_relay)
             # grpclib names the service by the servicer object; "" (overall) gets
             # the same check, so liveness and readiness agree.
             health = Health({engine_service: [readiness]})
