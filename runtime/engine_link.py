@@ -56,10 +56,13 @@ from enginelink.journal.records import (
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.runtime.engine_process import (
     ENGINE_NICE_DEFAULT,
+    PLACEMENT_DEFAULT,
     SERVICER_SCHED_DEFAULT,
     SOCKET_PREFIX,
+    describe_placement,
     describe_priority,
     lower_priority,
+    place_front_end,
     run_threads_as_batch,
     remove_stale_files,
     session_alive,
@@ -133,10 +136,12 @@ class EngineLink:
         supervision: Supervision | None = None,
         engine_nice: int = ENGINE_NICE_DEFAULT,
         servicer_sched: str = SERVICER_SCHED_DEFAULT,
+        placement: str = PLACEMENT_DEFAULT,
     ) -> None:
         self.name = name
         self.engine_nice = engine_nice
         self.servicer_sched = servicer_sched
+        self.placement = placement
         self.launcher = launcher
         self.codec = codec
         self.journal = journal
@@ -241,6 +246,11 @@ class EngineLink:
                 nursery.start_soon(self._supervise_startup)
                 failure = await self._start_up(handshake, inputs, in_path, out_path, facts_path)
                 if failure is None:
+                    if self.placement == "auto":
+                        # After the handshake: vLLM binds its compute threads while it loads.
+                        placement = place_front_end(self.process.pid)
+                        self._journal_handshake("placement", placement)
+                        log.info("placement: %s", describe_placement(placement))
                     self._input = inputs
                     self.step(LinkEvent.HANDSHAKE_DONE)
                     task_status.started()

@@ -31,7 +31,7 @@ from enginelink.machines.link import LinkEvent, LinkState
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime import core
 from enginelink.runtime.app import App
-from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, SERVICER_SCHED_DEFAULT
+from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
 from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS, CoalescingServer, FrameWrites
 from enginelink.runtime.grpc_vllm import VllmEngineService
@@ -66,6 +66,7 @@ class ServeConfig:
     drain_s: float = 5.0
     engine_nice: int = ENGINE_NICE_DEFAULT  # nice levels below the servicer
     servicer_sched: str = SERVICER_SCHED_DEFAULT  # the servicer's policy once the engine runs
+    placement: str = PLACEMENT_DEFAULT  # keep off the CPUs the engine binds (engine_process.place_front_end)
     warmup: WarmupSetting = field(default_factory=lambda: WarmupSetting(WarmupLevel.FULL, 300.0))
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # no endpoint unless asked
@@ -112,6 +113,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 ),
                 engine_nice=config.engine_nice,
                 servicer_sched=config.servicer_sched,
+                placement=config.placement,
             )
             metrics = Metrics(config.served_model_name) if config.metrics_port is not None else None
             hub = RequestHub(

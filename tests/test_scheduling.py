@@ -187,3 +187,83 @@ def test_without_autogroups_only_the_nice_value_is_set(monkeypatch):
     finally:
         child.kill()
         child.wait()
+
+
+# -- placement: off the CPUs the engine binds (ENGINELINK_PLACEMENT) ---------------------
+
+
+def placement_record(journal: Path) -> dict | None:
+    with open_reader(journal) as reader:
+        steps = [r.payload for r in reader.records(kinds=[KIND_ENGINE_HANDSHAKE])]
+    return next((s["message"] for s in steps if s["step"] == "placement"), None)
+
+
+def thread_affinities(pid: int) -> dict[str, set[int]]:
+    """Each thread's CPUs, keyed ``tid name``."""
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            found[f"{tid} {name}"] = os.sched_getaffinity(int(tid))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return found
+
+
+def two_cpus() -> set[int]:
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip(f"placement needs 2 CPUs to choose between; this process may use {sorted(allowed)}")
+    return allowed
+
+
+def test_servicer_and_unbound_engine_threads_keep_off_the_cpu_the_engine_binds(tmp_path, test_model_dir):
+    """The sim engine binds one thread to a CPU, as vLLM's CPU backend binds its Worker's OpenMP thread."""
+    allowed = two_cpus()
+    bound = min(allowed)
+    front_end = allowed - {bound}
+    with Servicer(tmp_path, model_dir=test_model_dir, engine_args=["--bind-cpu", str(bound)]) as servicer:
+        servicer_threads = thread_affinities(servicer.process.pid)
+        assert len(servicer_threads) > 1 and set(map(frozenset, servicer_threads.values())) == {frozenset(front_end)}, \
+            servicer_threads
+        engine = thread_affinities(engine_pid(servicer.journal))
+        # The engine's bound thread stays where it bound itself; every other engine thread moved.
+        assert sorted(map(sorted, engine.values())) == sorted([[bound]] + [sorted(front_end)] * (len(engine) - 1)), \
+            engine
+        record = placement_record(servicer.journal)
+        assert record["bound_cpus"] == [bound] and record["front_end_cpus"] == sorted(front_end)
+        # Threads started later inherit their creator's CPUs: the counts are those moved at the handshake.
+        assert record["servicer_threads"] >= 1 and record["engine_threads"] >= 1
+        assert f"placement: the engine binds CPU {bound}; the servicer's " in servicer.log()
+        # It still serves.
+        with grpc.insecure_channel(f"127.0.0.1:{servicer.port}") as channel:
+            stub = pb_grpc.VllmEngineStub(channel)
+            responses = list(stub.Generate(generate_request("placed", PROMPT, stream=True, max_tokens=4, ignore_eos=True),
+                                           timeout=30))
+        assert responses[-1].complete.finish_reason == "length"
+
+
+def test_an_engine_that_binds_nothing_leaves_every_cpu_to_everyone(tmp_path, test_model_dir):
+    allowed = two_cpus()
+    with Servicer(tmp_path, model_dir=test_model_dir) as servicer:
+        assert set(map(frozenset, thread_affinities(servicer.process.pid).values())) == {frozenset(allowed)}
+        assert placement_record(servicer.journal)["skipped"] == "the engine binds no thread to particular CPUs"
+        assert "placement: unchanged: the engine binds no thread to particular CPUs" in servicer.log()
+
+
+def test_placement_off_leaves_affinity_alone(tmp_path, test_model_dir):
+    allowed = two_cpus()
+    with Servicer(tmp_path, model_dir=test_model_dir, engine_args=["--bind-cpu", str(min(allowed))],
+                  env={"ENGINELINK_PLACEMENT": "off"}) as servicer:
+        assert set(map(frozenset, thread_affinities(servicer.process.pid).values())) == {frozenset(allowed)}
+        assert placement_record(servicer.journal) is None
+
+
+def test_bad_placement_is_refused_before_anything_starts(tmp_path, test_model_dir):
+    servicer = Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_PLACEMENT": "pinned"})
+    servicer.start(wait_serving=False)
+    try:
+        assert servicer.wait(30) == 2
+        assert "ENGINELINK_PLACEMENT='pinned': expected one of auto, off" in servicer.log()
+    finally:
+        servicer.stop()

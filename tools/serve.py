@@ -74,14 +74,13 @@ def _env_positive(*names: str, default: float) -> float:
     return value
 
 
-def _servicer_sched() -> str:
-    from enginelink.runtime.engine_process import SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT
-
-    value = os.environ.get("ENGINELINK_SERVICER_SCHED", "")
-    policy = value.strip().lower() or SERVICER_SCHED_DEFAULT
-    if policy not in SERVICER_SCHED_CHOICES:
-        raise ConfigError(f"ENGINELINK_SERVICER_SCHED={value!r}: expected one of {', '.join(SERVICER_SCHED_CHOICES)}")
-    return policy
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of environment variable ``name``, one of ``choices`` (any case); ``default`` when unset or empty."""
+    value = os.environ.get(name, "")
+    choice = value.strip().lower() or default
+    if choice not in choices:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return choice
 
 
 def _env_int(name: str, expected: str) -> int | None:
@@ -163,6 +162,9 @@ def _kv_events(engine: str, engine_args: list[str]):
 
 
 def build_config(args: argparse.Namespace):
+    from enginelink.runtime.engine_process import (
+        PLACEMENT_CHOICES, PLACEMENT_DEFAULT, SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT,
+    )
     from enginelink.runtime.server import ServeConfig
 
     model_dir = args.model or default_model_dir()
@@ -196,7 +198,8 @@ def build_config(args: argparse.Namespace):
         ),
         drain_s=_env_seconds("ENGINELINK_DRAIN_SECS", "SMG_VLLM_SERVICER_DRAIN_SECS", default=5.0),
         engine_nice=_engine_nice(),
-        servicer_sched=_servicer_sched(),
+        servicer_sched=_env_choice("ENGINELINK_SERVICER_SCHED", SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT),
+        placement=_env_choice("ENGINELINK_PLACEMENT", PLACEMENT_CHOICES, PLACEMENT_DEFAULT),
         warmup=_warmup(),
         metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or "127.0.0.1",
         metrics_port=_metrics_port(args),

@@ -30,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=None, help="default: config.json vocab_size")
     parser.add_argument("--startup-delay-s", type=float, default=0.0,
                         help="seconds between the handshake init and the ready response (model loading)")
+    parser.add_argument("--bind-cpu", type=int, default=None, metavar="CPU",
+                        help="while loading, bind one thread to CPU, as vLLM's CPU backend binds its Worker's "
+                        "OpenMP thread (for placement tests; the thread only waits)")
     parser.add_argument("--kv-events-config", type=_kv_config, default=None, metavar="JSON",
                         help="vLLM's KV-event publisher config, e.g. "
                         '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\'')
@@ -167,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         loading_until = time.monotonic() + args.startup_delay_s
         while time.monotonic() < loading_until and not life.reason():
             time.sleep(0.01)
+        if args.bind_cpu is not None:
+            _start_bound_thread(args.bind_cpu)
         hooks, kv_sockets, kv_resolved = _kv_publisher(ctx, args, config)
         identity = args.rank.to_bytes(2, "little")
         inputs = ctx.socket(zmq.DEALER)
@@ -188,6 +194,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         ctx.destroy(linger=0)
+
+
+def _start_bound_thread(cpu: int) -> None:
+    bound = threading.Event()
+
+    def compute() -> None:
+        os.sched_setaffinity(0, {cpu})  # 0: the calling thread
+        bound.set()
+        threading.Event().wait()  # lives as long as the engine (daemon)
+
+    threading.Thread(target=compute, name="sim-compute", daemon=True).start()
+    bound.wait()
 
 
 class _KvSockets:

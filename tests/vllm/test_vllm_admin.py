@@ -1,4 +1,4 @@
-"""FlushCache, the profiler RPCs (the engine was launched without a profiler) and the engine's priority, against a real vLLM engine."""
+"""FlushCache, the profiler RPCs (the engine was launched without a profiler), the engine's priority and placement, against a real vLLM engine."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2
 
-from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, session_members
+from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
+from enginelink.journal.store import open_reader
+from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, cpu_list, session_members
 from tests.harness import engine_pid
 
 pytestmark = pytest.mark.vllm
@@ -43,3 +45,29 @@ def test_every_engine_process_runs_below_the_servicer(vllm_stack):
     # The servicer waits for the engine to yield rather than preempt it; the engine keeps the normal policy.
     assert {pid: os.sched_getscheduler(pid) for pid in members} == {pid: os.SCHED_OTHER for pid in members}
     assert os.sched_getscheduler(servicer.process.pid) == os.SCHED_BATCH
+
+
+def test_the_servicer_and_engine_core_keep_off_the_cpu_the_worker_binds(vllm_stack):
+    """vLLM's CPU backend binds the Worker's OpenMP thread (core 0 of 2) and leaves the rest to the
+    front end: the servicer and EngineCore run there, so neither preempts the Worker mid-step."""
+    servicer, _ = vllm_stack
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("vLLM binds its only CPU: nothing is left to place the front end on")
+    with open_reader(servicer.journal) as reader:
+        steps = [r.payload for r in reader.records(kinds=[KIND_ENGINE_HANDSHAKE])]
+    placement = next(s["message"] for s in steps if s["step"] == "placement")
+    bound, front_end = set(placement["bound_cpus"]), set(placement["front_end_cpus"])
+    assert bound and front_end and not bound & front_end, placement
+    assert bound | front_end == os.sched_getaffinity(0)
+    threads = {}
+    for pid in [servicer.process.pid, *session_members(engine_pid(servicer.journal))]:
+        process = Path(f"/proc/{pid}/comm").read_text().strip()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            threads[(process, int(tid))] = os.sched_getaffinity(int(tid))
+    worker_main = [cpus for (process, tid), cpus in threads.items()
+                   if process == "VLLM::Worker" and Path(f"/proc/{tid}/comm").read_text().strip() == "VLLM::Worker"]
+    assert worker_main and all(cpus <= bound for cpus in worker_main), worker_main
+    for (process, tid), cpus in threads.items():
+        if process != "VLLM::Worker":  # the servicer, the launcher and EngineCore: every thread
+            assert cpus == front_end, (process, tid, cpus)
+    assert f"placement: the engine binds CPU {cpu_list(bound)}; the servicer's" in servicer.log()
