@@ -59,6 +59,7 @@ REQUEST_ADMITTED: Final = "admitted"
 LINK_STARTING: Final = "starting"
 HANDSHAKE_LAUNCH: Final = "launch"
 HANDSHAKE_PRIORITY: Final = "priority"
+HANDSHAKE_PLACEMENT: Final = "placement"
 REQUEST_STREAM_PREFIX: Final = r.request_stream("")
 LINK_STREAM_PREFIX: Final = r.link_stream("")
 # The wire engine frames are decoded with when run.start names none.
@@ -77,6 +78,9 @@ class LinkView(msgspec.Struct):
     # What the launch set: the engine's nice value and autogroup, the servicer's
     # scheduling policy (the ``priority`` handshake step; engine_process.lower_priority).
     priority: dict[str, Any] = {}
+    # Which CPUs the engine binds and where the servicer runs (the ``placement``
+    # handshake step; engine_process.place_front_end).
+    placement: dict[str, Any] = {}
 
 
 class RequestView(msgspec.Struct):
@@ -198,6 +202,8 @@ def _apply(st: FoldState, rec: Record) -> None:
                     link.since = rec.time
             elif step == HANDSHAKE_PRIORITY:
                 _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time).priority = p["message"]
+            elif step == HANDSHAKE_PLACEMENT:
+                _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time).placement = p["message"]
         case r.KIND_CLIENT_SENT:
             view = st.requests.get(p["request_id"])
             if view is None:

@@ -32,7 +32,7 @@ from enginelink.journal.fold import TERMINAL_REQUEST_STATES, FoldState, fold
 from enginelink.journal.journal import FLUSH_INTERVAL_S, default_journal_path
 from enginelink.journal.store import Reader, StoreError, open_reader
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
-from enginelink.runtime.engine_process import describe_priority, pid_alive
+from enginelink.runtime.engine_process import describe_placement, describe_priority, pid_alive
 
 DEFAULT_PORT = 50051
 WATCH_DEFAULT_S = 2.0
@@ -170,7 +170,7 @@ def describe(st: FoldState, reader: Reader, path: Path) -> dict[str, Any]:
         "name": name, "state": link.state or "starting", "since_t": _round(_rel(link.since, origin)),
         "for_s": _round(None if now is None else now - link.since), "engine_pid": link.pid,
         "engine_alive": pid_alive(link.pid, started_after=None if wall0 is None else wall0 - CLOCK_SLACK_S),
-        "facts": link.facts, "priority": link.priority,
+        "facts": link.facts, "priority": link.priority, "placement": link.placement,
     } for name, link in st.links.items()]
     return {
         "as_of": {"basis": as_of, "seq": st.last_seq, "t": _round(_rel(now, origin)),
@@ -317,6 +317,8 @@ def render_links(links: list[dict[str, Any]]) -> list[str]:
             lines.append(f"             {facts}")
         if link.get("priority"):
             lines.append(f"             priority: engine {describe_priority(link['priority'])}")
+        if link.get("placement"):
+            lines.append(f"             placement: {describe_placement(link['placement'])}")
     return lines
 
 
@@ -340,7 +342,8 @@ def render_state(st: FoldState) -> str:
                 f", stopped at t={_round(_rel(run.stopped_at, origin))} s: exit {run.exit_status} ({run.reason})")]
     lines += render_links([{
         "name": n, "state": v.state or "starting", "since_t": _round(_rel(v.since, origin)), "for_s": None,
-        "engine_pid": v.pid, "engine_alive": None, "facts": v.facts, "priority": v.priority}
+        "engine_pid": v.pid, "engine_alive": None, "facts": v.facts, "priority": v.priority,
+        "placement": v.placement}
         for n, v in st.links.items()])
     live = {rid: v for rid, v in st.requests.items() if v.state not in TERMINAL_REQUEST_STATES}
     lines += render_requests([{

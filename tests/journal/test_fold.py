@@ -95,6 +95,22 @@ def test_the_launch_priority_is_part_of_the_link_and_of_snapshots():
     assert FoldState.from_dict(old).links["vllm-0"].priority == {}
 
 
+def test_the_placement_is_part_of_the_link_and_of_snapshots():
+    """What ``place_front_end`` did is kept as the handshake's ``placement`` step said it, and survives a snapshot."""
+    placement = {"bound_cpus": [0], "servicer_cpus": [0, 1], "front_end_cpus": [1], "engine_threads": 50,
+                 "servicer_threads": 4}
+    recs = journaled([
+        (0.0, r.link_stream("vllm-0"), r.KIND_ENGINE_HANDSHAKE, {"step": "launch", "message": {"argv": ["vllm"]}}),
+        (0.3, r.link_stream("vllm-0"), r.KIND_ENGINE_HANDSHAKE, {"step": "placement", "message": placement}),
+    ])
+    st = fold(recs)
+    assert st.links["vllm-0"].placement == placement
+    assert FoldState.from_dict(st.to_dict()).links["vllm-0"].placement == placement
+    old = st.to_dict()
+    del old["links"]["vllm-0"]["placement"]
+    assert FoldState.from_dict(old).links["vllm-0"].placement == {}
+
+
 def test_generate_before_any_transition_is_unseen():
     st = fold([generate(1, 1.0, "a", n=1, prompt_tokens=3)])
     assert st.requests["a"] == RequestView(state=STATE_UNSEEN, since=1.0, admitted_at=None, n=1, prompt_tokens=3)

@@ -21,6 +21,10 @@ from tests.tools.helpers import PROMPT, Stream, copy_journal, engine_pid, engine
 LONG = dict(max_tokens=1500, ignore_eos=True)
 
 
+# The engine binds a thread to this CPU, as vLLM's CPU backend binds its Worker's: inspect shows the placement.
+BOUND_CPU = min(os.sched_getaffinity(0))
+
+
 def engine_nice(servicer) -> int:
     """The nice value the launch gives the engine: 10 below the servicer's own, at most 19."""
     return min(19, os.getpriority(os.PRIO_PROCESS, servicer.process.pid) + 10)
@@ -30,7 +34,7 @@ def engine_nice(servicer) -> int:
 def busy(tmp_path_factory, test_model_dir):
     """A servicer with long-0, long-1 and long-n2 (n = 2) in flight; short, pair finished; cut aborted."""
     servicer = Servicer(tmp_path_factory.mktemp("inspect"), model_dir=test_model_dir,
-                        engine_args=["--step-us", "20000"], env={"ENGINELINK_DRAIN_SECS": "0.2"}).start()
+                        engine_args=["--step-us", "20000", "--bind-cpu", str(BOUND_CPU)], env={"ENGINELINK_DRAIN_SECS": "0.2"}).start()
     streams = []
     try:
         streams = [Stream(servicer, "long-0", **LONG), Stream(servicer, "long-1", **LONG),
@@ -62,6 +66,7 @@ def test_json_shows_links_requests_in_flight_and_the_live_run(busy):
     # What the launch set for the engine and the servicer (ENGINELINK_ENGINE_NICE, ENGINELINK_SERVICER_SCHED defaults).
     assert link["priority"]["levels"] == 10 and link["priority"]["nice"] == engine_nice(busy)
     assert link["priority"]["servicer"]["policy"] == "batch" and link["priority"]["servicer"]["threads"] >= 1
+    assert link["placement"]["bound_cpus"] == [BOUND_CPU]  # ENGINELINK_PLACEMENT default: auto
     requests = {q["id"]: q for q in view["requests"]}
     assert sorted(requests) == ["long-0", "long-1", "long-n2"]  # warm-up, if any, ended before serving
     pair = requests["long-n2"]
@@ -88,6 +93,10 @@ def test_human_view_lists_the_same(busy):
     assert "vllm-0     serving" in out and "(alive)" in out and "max_model_len=2048" in out
     assert f"priority: engine 10 levels below the servicer: nice {engine_nice(busy)}" in out
     assert "run SCHED_BATCH" in out
+    if len(os.sched_getaffinity(0)) > 1:
+        assert f"placement: the engine binds CPU {BOUND_CPU}; the servicer's " in out
+    else:
+        assert "placement: unchanged: the engine binds no thread to particular CPUs" in out  # its only CPU
     assert "requests in flight (3)" in out
     rows = sorted(line.split() for line in out.splitlines() if line.startswith("  long-"))
     assert [(row[0], row[1], row[3]) for row in rows] == [("long-0", "running", "1"), ("long-1", "running", "1"),
