@@ -309,6 +309,8 @@ def engine_args_of(args: argparse.Namespace) -> list[str]:
 def _client_main(conn, index: int, plan: dict) -> None:
     """A client process: connect, report ready, wait for go, run its share, report."""
     try:
+        if plan["cpus"]:
+            os.sched_setaffinity(0, plan["cpus"])
         if plan["client"] == "h2":
             result = _h2_client(conn, index, plan)
         else:
@@ -540,6 +542,9 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
                 "requests": reqs[i], "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "vocab_size": server["vocab_size"],
                 "temperature": getattr(args, "temperature", 0.0), "random_prompt": getattr(args, "random_prompt", False),
+                # The client stands for the router: it runs where the servicer runs, so off the CPUs
+                # an engine binds when the servicer keeps off them (ENGINELINK_PLACEMENT).
+                "cpus": sorted(os.sched_getaffinity(servicer_pid)) if servicer_pid else None,
             }
             proc = ctx.Process(target=_client_main, args=(child, i, plan), daemon=False)
             proc.start()

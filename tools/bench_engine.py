@@ -85,13 +85,17 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
                 max_tokens: int, prompt_tokens: int, log_path: Path, front_end_us: float = 0.0) -> dict:
     import msgspec
     import zmq
-    from enginelink.runtime.engine_process import lower_priority
-    from enginelink.tools.serve import _engine_nice, _vllm_launcher
+    from enginelink.runtime.engine_process import (
+        PLACEMENT_CHOICES, PLACEMENT_DEFAULT, describe_placement, lower_priority, place_front_end,
+    )
+    from enginelink.tools.serve import _engine_nice, _env_choice, _vllm_launcher
     from enginelink.wire import vllm as vllm_wire
     from enginelink.wire.engine import EngineDead, GenerateSpec, SamplingSpec
 
     launcher = _vllm_launcher(model_dir, engine_args)
     engine_nice = _engine_nice()
+    placement = _env_choice("ENGINELINK_PLACEMENT", PLACEMENT_CHOICES, PLACEMENT_DEFAULT)
+    own_cpus = os.sched_getaffinity(0)
     codec = vllm_wire.VllmCodec()
     vocab = vocab_size(model_dir)
     rng = random.Random()
@@ -141,6 +145,11 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
             if inputs in events:
                 inputs.recv_multipart()
                 got_response = True
+        placed = "off (ENGINELINK_PLACEMENT=off)"
+        if placement == "auto":
+            # The placement enginelink gives its engine and itself (runtime/engine_process.py), the
+            # driver standing in for the servicer: off the CPUs the engine binds.
+            placed = describe_placement(place_front_end(process.pid))
 
         def add(request_id: str, tokens: int) -> None:
             spec = GenerateSpec(
@@ -185,11 +194,18 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
         counts = drive(requests, concurrency, max_tokens, "raw")
         wall = time.monotonic() - t0
         cpu = time.process_time() - cpu0
-        return {**counts, "wall_s": wall, "tokens_per_s": counts["tokens"] / wall, "driver_cpu_s": cpu}
+        return {**counts, "wall_s": wall, "tokens_per_s": counts["tokens"] / wall, "driver_cpu_s": cpu,
+                "placement": placed}
     finally:
         for sock in (handshake, inputs, outputs):
             sock.close(linger=0)
         ctx.term()
+        # place_front_end moved this process's threads: the next engine launched must see every CPU.
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), own_cpus)
+            except OSError:
+                pass
         if process is not None and process.poll() is None:
             try:
                 os.killpg(process.pid, signal.SIGTERM)
@@ -269,6 +285,9 @@ def run(args: argparse.Namespace) -> int:
                                           args.prompt_tokens, tmp / "raw-engine.log", side.front_end_us)
                     res["total_s"] = time.monotonic() - t
                     runs[side.label].append(res)
+                    if r == 0 and side.label == "raw":
+                        print(f"concurrency {concurrency} raw driver placement: {res['placement']}",
+                              file=sys.stderr, flush=True)
                     cpu = (f"; servicer {res['servicer_cpu_s'] / res['tokens'] * 1e6:.0f} us/token, "
                            f"{side.client} client {res['client_cpu_s'] / res['tokens'] * 1e6:.0f} us/token"
                            if side.client is not None and res["tokens"] else "")
