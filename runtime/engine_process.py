@@ -337,26 +337,30 @@ def _set_affinity(tids, cpus: set[int], applied: dict, error_key: str) -> int:
 
 
 def cpu_list(cpus) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2,5`` (the kernel's list format)."""
+    """``[0, 1, 2, 5]`` as ``CPUs 0-2,5`` (the kernel's list format), ``[1]`` as ``CPU 1``."""
     ranges: list[list[int]] = []
     for cpu in sorted(cpus):
         if ranges and cpu == ranges[-1][1] + 1:
             ranges[-1][1] = cpu
         else:
             ranges.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+    listed = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+    return f"CPU {listed}" if len(cpus) == 1 else f"CPUs {listed}"
 
 
-def describe_placement(applied: dict) -> str:
-    """What ``place_front_end`` did, in words (the start-up log and ``enginelink inspect``)."""
+def describe_placement(applied: dict, front_end: str = "the servicer") -> str:
+    """What ``place_front_end`` did, in words (the start-up log and ``enginelink inspect``).
+
+    ``front_end``: who called it (the bench's raw driver places itself as the servicer would).
+    """
     if "skipped" in applied:
         return f"unchanged: {applied['skipped']}"
-    text = (f"the engine binds CPU {cpu_list(applied['bound_cpus'])}; the servicer's {applied['servicer_threads']} "
-            f"threads and the engine's {applied['engine_threads']} unbound threads run on CPU "
+    text = (f"the engine binds {cpu_list(applied['bound_cpus'])}; {front_end}'s {applied['servicer_threads']} "
+            f"threads and the engine's {applied['engine_threads']} unbound threads run on "
             f"{cpu_list(applied['front_end_cpus'])}")
     for key in ("engine_error", "servicer_error"):
         if key in applied:
-            text += f" (some {key.split('_')[0]} threads unchanged: {applied[key]})"
+            text += f" (some {front_end if key == 'servicer_error' else 'engine'} threads unchanged: {applied[key]})"
     return text
 
 

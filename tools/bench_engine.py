@@ -149,7 +149,7 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
         if placement == "auto":
             # The placement enginelink gives its engine and itself (runtime/engine_process.py), the
             # driver standing in for the servicer: off the CPUs the engine binds.
-            placed = describe_placement(place_front_end(process.pid))
+            placed = describe_placement(place_front_end(process.pid), front_end="the driver")
 
         def add(request_id: str, tokens: int) -> None:
             spec = GenerateSpec(
