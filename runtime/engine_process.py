@@ -35,7 +35,7 @@ SERVICER_SCHED_CHOICES = ("batch", "normal")
 SERVICER_SCHED_DEFAULT = "batch"
 # Where the servicer and the engine's unbound threads run once the engine is up (ENGINELINK_PLACEMENT).
 PLACEMENT_CHOICES = ("auto", "off")
-PLACEMENT_DEFAULT = "auto"
+PLACEMENT_DEFAULT = "off"  # opt-in: no throughput change measured on 2 cores (docs/benchmarks.md)
 NICE_MAX = 19
 # A socket file younger than this is never judged stale (bind → listen race).
 STALE_SOCKET_MIN_AGE_S = 2.0
@@ -280,10 +280,12 @@ def place_front_end(session: int) -> dict:
     leaves the rest "for the front end", but nothing else is bound: EngineCore,
     the servicer and the router float. With the engine ``lower_priority``,
     whatever the kernel's balancer moves onto a bound CPU preempts the Worker
-    mid-step. Measured on 2 cores at concurrency 128 (/proc schedstat): the
-    Worker waited for its own core 18% of the load behind enginelink and ran
-    0.81 of a core, against 0.94 behind a bare driver; with this placement it
-    ran 0.97 (docs/benchmarks.md).
+    mid-step: on 2 cores (/proc schedstat) the Worker waited for its own core
+    up to 18% of a load behind enginelink; placed, 2–6%. But on 2 cores the
+    front end then shares the one other core with EngineCore, which waits
+    instead, and tokens/s did not change in side-by-side runs. So it is
+    opt-in (``ENGINELINK_PLACEMENT=auto``), for machines with cores to spare
+    (docs/benchmarks.md).
 
     Bound CPUs are those of the engine's threads whose affinity is narrower
     than the servicer's (the engine inherited the servicer's at launch). The
@@ -358,9 +360,9 @@ def describe_placement(applied: dict, front_end: str = "the servicer") -> str:
     text = (f"the engine binds {cpu_list(applied['bound_cpus'])}; {front_end}'s {applied['servicer_threads']} "
             f"threads and the engine's {applied['engine_threads']} unbound threads run on "
             f"{cpu_list(applied['front_end_cpus'])}")
-    for key in ("engine_error", "servicer_error"):
+    for key, whose in (("engine_error", "the engine's"), ("servicer_error", f"{front_end}'s")):
         if key in applied:
-            text += f" (some {front_end if key == 'servicer_error' else 'engine'} threads unchanged: {applied[key]})"
+            text += f"; some of {whose} threads did not move ({applied[key]})"
     return text
 
 

@@ -20,7 +20,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from enginelink.journal.store import open_reader
 from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
-from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, autogroup_nice, session_members
+from enginelink.runtime.engine_process import (
+    ENGINE_NICE_DEFAULT, autogroup_nice, cpu_list, describe_placement, session_members,
+)
 from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS
 from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape
 
@@ -189,7 +191,9 @@ def test_without_autogroups_only_the_nice_value_is_set(monkeypatch):
         child.wait()
 
 
-# -- placement: off the CPUs the engine binds (ENGINELINK_PLACEMENT) ---------------------
+# -- placement: off the CPUs the engine binds (ENGINELINK_PLACEMENT, opt-in) --------------
+
+PLACED = {"ENGINELINK_PLACEMENT": "auto"}
 
 
 def placement_record(journal: Path) -> dict | None:
@@ -222,7 +226,7 @@ def test_servicer_and_unbound_engine_threads_keep_off_the_cpu_the_engine_binds(t
     allowed = two_cpus()
     bound = min(allowed)
     front_end = allowed - {bound}
-    with Servicer(tmp_path, model_dir=test_model_dir, engine_args=["--bind-cpu", str(bound)]) as servicer:
+    with Servicer(tmp_path, model_dir=test_model_dir, engine_args=["--bind-cpu", str(bound)], env=PLACED) as servicer:
         servicer_threads = thread_affinities(servicer.process.pid)
         assert len(servicer_threads) > 1 and set(map(frozenset, servicer_threads.values())) == {frozenset(front_end)}, \
             servicer_threads
@@ -245,16 +249,17 @@ def test_servicer_and_unbound_engine_threads_keep_off_the_cpu_the_engine_binds(t
 
 def test_an_engine_that_binds_nothing_leaves_every_cpu_to_everyone(tmp_path, test_model_dir):
     allowed = two_cpus()
-    with Servicer(tmp_path, model_dir=test_model_dir) as servicer:
+    with Servicer(tmp_path, model_dir=test_model_dir, env=PLACED) as servicer:
         assert set(map(frozenset, thread_affinities(servicer.process.pid).values())) == {frozenset(allowed)}
         assert placement_record(servicer.journal)["skipped"] == "the engine binds no thread to particular CPUs"
         assert "placement: unchanged: the engine binds no thread to particular CPUs" in servicer.log()
 
 
-def test_placement_off_leaves_affinity_alone(tmp_path, test_model_dir):
+@pytest.mark.parametrize("env", [{}, {"ENGINELINK_PLACEMENT": "off"}], ids=["default", "off"])
+def test_placement_off_by_default_leaves_affinity_alone(tmp_path, test_model_dir, env):
     allowed = two_cpus()
     with Servicer(tmp_path, model_dir=test_model_dir, engine_args=["--bind-cpu", str(min(allowed))],
-                  env={"ENGINELINK_PLACEMENT": "off"}) as servicer:
+                  env=env) as servicer:
         assert set(map(frozenset, thread_affinities(servicer.process.pid).values())) == {frozenset(allowed)}
         assert placement_record(servicer.journal) is None
 
@@ -267,3 +272,10 @@ def test_bad_placement_is_refused_before_anything_starts(tmp_path, test_model_di
         assert "ENGINELINK_PLACEMENT='pinned': expected one of auto, off" in servicer.log()
     finally:
         servicer.stop()
+
+
+def test_cpu_lists_read_like_the_kernels():
+    assert cpu_list([1]) == "CPU 1"
+    assert cpu_list([5, 0, 1, 2, 7, 8]) == "CPUs 0-2,5,7-8"
+    assert describe_placement({"skipped": "the engine binds every CPU the servicer may use"}) == \
+        "unchanged: the engine binds every CPU the servicer may use"

@@ -34,7 +34,8 @@ def engine_nice(servicer) -> int:
 def busy(tmp_path_factory, test_model_dir):
     """A servicer with long-0, long-1 and long-n2 (n = 2) in flight; short, pair finished; cut aborted."""
     servicer = Servicer(tmp_path_factory.mktemp("inspect"), model_dir=test_model_dir,
-                        engine_args=["--step-us", "20000", "--bind-cpu", str(BOUND_CPU)], env={"ENGINELINK_DRAIN_SECS": "0.2"}).start()
+                        engine_args=["--step-us", "20000", "--bind-cpu", str(BOUND_CPU)],
+                        env={"ENGINELINK_DRAIN_SECS": "0.2", "ENGINELINK_PLACEMENT": "auto"}).start()
     streams = []
     try:
         streams = [Stream(servicer, "long-0", **LONG), Stream(servicer, "long-1", **LONG),
@@ -66,7 +67,7 @@ def test_json_shows_links_requests_in_flight_and_the_live_run(busy):
     # What the launch set for the engine and the servicer (ENGINELINK_ENGINE_NICE, ENGINELINK_SERVICER_SCHED defaults).
     assert link["priority"]["levels"] == 10 and link["priority"]["nice"] == engine_nice(busy)
     assert link["priority"]["servicer"]["policy"] == "batch" and link["priority"]["servicer"]["threads"] >= 1
-    assert link["placement"]["bound_cpus"] == [BOUND_CPU]  # ENGINELINK_PLACEMENT default: auto
+    assert link["placement"]["bound_cpus"] == [BOUND_CPU]  # ENGINELINK_PLACEMENT=auto
     requests = {q["id"]: q for q in view["requests"]}
     assert sorted(requests) == ["long-0", "long-1", "long-n2"]  # warm-up, if any, ended before serving
     pair = requests["long-n2"]

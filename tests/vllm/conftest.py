@@ -112,7 +112,9 @@ def vllm_stack(tmp_path_factory, test_model_dir, vllm_python):
     offline = OfflineVllm(vllm_python, test_model_dir, tmp / "offline-llm.log")
     # A short drain: the session's end has nothing in flight to wait for.
     # fast warm-up: tests/vllm/test_vllm_warmup.py checks what it did.
-    servicer = vllm_servicer(tmp, test_model_dir, env={"ENGINELINK_DRAIN_SECS": "0.5", "ENGINELINK_WARMUP": "fast"})
+    # Placement on: tests/vllm/test_vllm_admin.py checks it against the real Worker's binding.
+    servicer = vllm_servicer(tmp, test_model_dir, env={"ENGINELINK_DRAIN_SECS": "0.5", "ENGINELINK_WARMUP": "fast",
+                                                       "ENGINELINK_PLACEMENT": "auto"})
     try:
         servicer.start(timeout_s=START_TIMEOUT_S)
         yield servicer, offline
