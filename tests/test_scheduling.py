@@ -102,12 +102,16 @@ def test_servicer_sched_normal_leaves_the_policy_alone(tmp_path, test_model_dir)
         assert "servicer" not in priority_record(servicer.journal)
 
 
-def test_bad_servicer_sched_is_refused_before_anything_starts(tmp_path, test_model_dir):
-    servicer = Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_SERVICER_SCHED": "fifo"})
+@pytest.mark.parametrize("name, value, expected", [
+    ("ENGINELINK_SERVICER_SCHED", "fifo", "expected one of batch, normal"),
+    ("ENGINELINK_PLACEMENT", "pinned", "expected one of auto, off"),
+])
+def test_a_bad_choice_is_refused_before_anything_starts(tmp_path, test_model_dir, name, value, expected):
+    servicer = Servicer(tmp_path, model_dir=test_model_dir, env={name: value})
     servicer.start(wait_serving=False)
     try:
         assert servicer.wait(30) == 2
-        assert "ENGINELINK_SERVICER_SCHED='fifo': expected one of batch, normal" in servicer.log()
+        assert f"{name}={value!r}: {expected}" in servicer.log()
     finally:
         servicer.stop()
 
@@ -262,16 +266,6 @@ def test_placement_off_by_default_leaves_affinity_alone(tmp_path, test_model_dir
                   env=env) as servicer:
         assert set(map(frozenset, thread_affinities(servicer.process.pid).values())) == {frozenset(allowed)}
         assert placement_record(servicer.journal) is None
-
-
-def test_bad_placement_is_refused_before_anything_starts(tmp_path, test_model_dir):
-    servicer = Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_PLACEMENT": "pinned"})
-    servicer.start(wait_serving=False)
-    try:
-        assert servicer.wait(30) == 2
-        assert "ENGINELINK_PLACEMENT='pinned': expected one of auto, off" in servicer.log()
-    finally:
-        servicer.stop()
 
 
 def test_cpu_lists_read_like_the_kernels():
