@@ -195,15 +195,16 @@ def _apply(st: FoldState, rec: Record) -> None:
                 _close_engine_ids(st, rid)
         case r.KIND_ENGINE_HANDSHAKE if rec.stream.startswith(LINK_STREAM_PREFIX):
             step = p.get("step")
-            if step == HANDSHAKE_LAUNCH:
-                link = _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time)
-                if link.state == STATE_UNSEEN:
-                    link.state = LINK_STARTING
-                    link.since = rec.time
+            if step not in (HANDSHAKE_LAUNCH, HANDSHAKE_PRIORITY, HANDSHAKE_PLACEMENT):
+                return
+            link = _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time)
+            if step == HANDSHAKE_LAUNCH and link.state == STATE_UNSEEN:
+                link.state = LINK_STARTING
+                link.since = rec.time
             elif step == HANDSHAKE_PRIORITY:
-                _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time).priority = p["message"]
+                link.priority = p["message"]
             elif step == HANDSHAKE_PLACEMENT:
-                _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time).placement = p["message"]
+                link.placement = p["message"]
         case r.KIND_CLIENT_SENT:
             view = st.requests.get(p["request_id"])
             if view is None:

@@ -235,9 +235,9 @@ def run_threads_as_batch() -> dict:
     Nothing here may fail a start-up: an error is reported, not raised.
     """
     applied: dict = {"policy": "batch", "threads": 0}
-    for name in os.listdir("/proc/self/task"):
+    for tid in own_threads():
         try:
-            os.sched_setscheduler(int(name), os.SCHED_BATCH, os.sched_param(0))
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
             applied["threads"] += 1
         except ProcessLookupError:
             continue  # the thread ended meanwhile
@@ -318,24 +318,32 @@ def place_front_end(session: int) -> dict:
         applied["skipped"] = "the engine binds every CPU the servicer may use"
         return applied
     applied["front_end_cpus"] = sorted(front_end)
-    applied["engine_threads"] = _set_affinity((tid for tid, cpus in engine_threads.items() if cpus == allowed),
-                                              front_end, applied, "engine_error")
-    applied["servicer_threads"] = _set_affinity((int(name) for name in os.listdir("/proc/self/task")),
-                                                front_end, applied, "servicer_error")
+    for key, tids in (("engine", [tid for tid, cpus in engine_threads.items() if cpus == allowed]),
+                      ("servicer", own_threads())):
+        applied[f"{key}_threads"], error = set_affinity(tids, front_end)
+        if error is not None:
+            applied[f"{key}_error"] = error
     return applied
 
 
-def _set_affinity(tids, cpus: set[int], applied: dict, error_key: str) -> int:
-    done = 0
+def own_threads() -> list[int]:
+    """This process's thread ids."""
+    return [int(name) for name in os.listdir("/proc/self/task")]
+
+
+def set_affinity(tids, cpus: set[int]) -> tuple[int, str | None]:
+    """Give each thread ``cpus``; returns how many moved and the last error, if any.
+    A thread that ended meanwhile is skipped."""
+    done, error = 0, None
     for tid in tids:
         try:
             os.sched_setaffinity(tid, cpus)
             done += 1
         except ProcessLookupError:
-            continue  # the thread ended meanwhile
-        except OSError as error:
-            applied[error_key] = str(error)
-    return done
+            continue
+        except OSError as exc:
+            error = str(exc)
+    return done, error
 
 
 def cpu_list(cpus) -> str:

@@ -86,7 +86,8 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
     import msgspec
     import zmq
     from enginelink.runtime.engine_process import (
-        PLACEMENT_CHOICES, PLACEMENT_DEFAULT, describe_placement, lower_priority, place_front_end,
+        PLACEMENT_CHOICES, PLACEMENT_DEFAULT, describe_placement, lower_priority, own_threads, place_front_end,
+        set_affinity,
     )
     from enginelink.tools.serve import _engine_nice, _env_choice, _vllm_launcher
     from enginelink.wire import vllm as vllm_wire
@@ -201,11 +202,7 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
             sock.close(linger=0)
         ctx.term()
         # place_front_end moved this process's threads: the next engine launched must see every CPU.
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), own_cpus)
-            except OSError:
-                pass
+        set_affinity(own_threads(), own_cpus)
         if process is not None and process.poll() is None:
             try:
                 os.killpg(process.pid, signal.SIGTERM)
