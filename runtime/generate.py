@@ -48,6 +48,7 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
         if direct is not None and spec.stream:
             await direct.send_headers()
             call.direct_send = direct.send
+            call.direct_end = direct.end_ok
         while True:
             await wake.wait()
             wake.clear()

@@ -100,7 +100,7 @@ class Call:
 
     __slots__ = (
         "spec", "machine", "choices", "open_choices", "wake", "error", "admitted_at", "prompt_tokens", "metrics",
-        "direct_send", "writer_busy", "backlog",
+        "direct_send", "direct_end", "writer_busy", "backlog",
     )
 
     def __init__(self, spec: GenerateCall, now: float, tokenizer, wake, metrics) -> None:
@@ -127,6 +127,8 @@ class Call:
         # The writer's synchronous path (grpc_transport.DirectSender.send), set by
         # the writer once its headers are out; None until then and off gRPC.
         self.direct_send = None
+        # ... and its trailers for a call that ended OK (DirectSender.end_ok): True when they went out.
+        self.direct_end: Callable[[], bool] | None = None
         self.writer_busy = False  # the writer holds messages it has not written yet
         self.backlog: list[pb.GenerateResponse] = []  # taken, not written: the writer's first
 
@@ -380,22 +382,24 @@ class RequestHub:
                 call.open_choices -= 1
                 if call.open_choices == 0:
                     self._end(call, RequestEvent.FINISH, now)
-            if not self._write_now(call):
+            if not self._write_now(call, now):
                 call.wake.set()
         return generated
 
-    def _write_now(self, call: Call) -> bool:
-        """Write a streaming call's new chunks from here, without waking its writer.
+    def _write_now(self, call: Call, now: float) -> bool:
+        """Write a streaming call's new messages from here, without waking its writer.
 
-        Only chunks of a call whose choices are all still open (completes are
-        journaled by ``take``) and whose writer is idle with nothing queued, so
-        the order on the wire is the order taken. What cannot go now becomes
-        the writer's backlog. True when nothing is left for the writer.
+        Only for a call whose writer is idle with nothing queued, so the order
+        on the wire is the order taken. What cannot go now becomes the
+        writer's backlog. True when nothing is left for the writer; a call
+        that ended always wakes its writer, which returns.
         """
         send = call.direct_send
         if (send is None or call.writer_busy or call.backlog or call.error is not None
-                or call.open_choices != len(call.choices) or call.wake.is_set()):
+                or call.wake.is_set()):
             return False
+        if call.open_choices != len(call.choices):
+            return self._finish_now(call, now)
         messages = call.take_messages()
         written = send(messages)
         self.direct_writes += written
@@ -403,6 +407,31 @@ class RequestHub:
             return True
         self.direct_handovers += 1
         call.backlog = messages[written:]
+        return False
+
+    def _finish_now(self, call: Call, now: float) -> bool:
+        """``_write_now`` for a call with a finished choice: its completes too, and its trailers once done.
+
+        The client starts its next call when this one's trailers arrive: sent
+        from here they leave with this engine frame's writes instead of after
+        the writer's wake-up (docs/benchmarks.md). Completes are journaled as
+        ``take`` does, when taken.
+        """
+        unsent = [choice for choice in call.choices if not choice.complete_sent]
+        messages = call.take_messages()
+        for choice in unsent:
+            if choice.complete_sent:
+                self._journal_sent(call, choice, now)
+        written = call.direct_send(messages)
+        self.direct_writes += written
+        if written < len(messages):
+            self.direct_handovers += 1
+            call.backlog = messages[written:]
+            return False
+        if not call.done:
+            return True
+        self.release(call)
+        call.direct_end()  # if it could not, the writer's return sends them (grpclib)
         return False
 
     # -- ending calls -----------------------------------------------------------------
