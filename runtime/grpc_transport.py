@@ -102,6 +102,9 @@ class CoalescingServer(Server):
         return _CoalescingProtocol(protocol.handler, protocol.config, protocol.h2_config)
 
 
+# A DATA frame's head (RFC 9113 4.1: 24-bit length and type 0 in one word, no flags, stream id)
+# and gRPC's message prefix (not compressed, 32-bit length), in one pack.
+_DATA_HEAD = struct.Struct(">IxIxI")
 # HEADERS frame head (RFC 9113 4.1, 6.2): 24-bit length and type 1 in one 32-bit word, flags, stream id.
 _HEADERS_HEAD = struct.Struct(">IBI")
 _END_STREAM, _END_HEADERS = 0x1, 0x4
@@ -205,7 +208,7 @@ class DirectSender:
     below 0.5 and h2 below 5.
     """
 
-    __slots__ = ("_stream", "_own", "_h2_connection", "_connection", "_frame_tail", "_writes")
+    __slots__ = ("_stream", "_own", "_h2_connection", "_connection", "_stream_id", "_writes")
 
     def __init__(self, stream, writes: FrameWrites) -> None:
         h2_stream = stream._stream
@@ -213,8 +216,7 @@ class DirectSender:
         self._connection = h2_stream.connection
         self._h2_connection = h2_stream._h2_connection
         self._own = self._h2_connection.streams.get(h2_stream.id)
-        # DATA frame header after its 24-bit length (RFC 9113 4.1): type 0, no flags, stream id.
-        self._frame_tail = b"\x00\x00" + h2_stream.id.to_bytes(4, "big")
+        self._stream_id = h2_stream.id
         self._writes = writes
 
     async def send_headers(self) -> None:
@@ -272,7 +274,7 @@ class DirectSender:
             return 0
         window = min(h2_connection.outbound_flow_control_window, own.outbound_flow_control_window)
         frame_max = h2_connection.max_outbound_frame_size
-        frame_tail = self._frame_tail
+        stream_id = self._stream_id
         frames = []
         size = 0
         for message in messages:
@@ -281,8 +283,7 @@ class DirectSender:
             length = len(body) + 5
             if length > frame_max or size + length > window:
                 break
-            # The frame header, then gRPC's prefix: not compressed, 32-bit length.
-            frames.append(length.to_bytes(3, "big") + frame_tail + b"\x00" + len(body).to_bytes(4, "big") + body)
+            frames.append(_DATA_HEAD.pack(length << 8, stream_id, len(body)) + body)
             size += length
         if size:
             h2_connection.outbound_flow_control_window -= size
