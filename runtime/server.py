@@ -30,6 +30,7 @@ from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
 from enginelink.machines.link import LinkEvent, LinkState
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime import core
+from enginelink.runtime.aio_loop import run_ready_callbacks_together
 from enginelink.runtime.app import App
 from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
@@ -82,7 +83,8 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
     codec = codecs.get(config.launcher.engine)
     exit_status = 1
     reason = "unknown"
-    async with trio_asyncio.open_loop():
+    async with trio_asyncio.open_loop() as loop:
+        run_ready_callbacks_together(loop)  # runtime/aio_loop.py: less trio per gRPC call
         async with trio.open_nursery() as nursery:
             await nursery.start(journal.run)
             journal.append(
