@@ -203,6 +203,16 @@ class Router:
         self.stop()
 
 
+class ListJournal:
+    """A journal that keeps its appends in a list, for tests of code that journals (the hub)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[float, str, str, object]] = []
+
+    def append(self, now, stream, kind, payload) -> None:
+        self.records.append((now, stream, kind, payload))
+
+
 def generate_request(request_id: str, input_ids: list[int], *, stream: bool = False, **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,

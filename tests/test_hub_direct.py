@@ -19,17 +19,9 @@ from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.validate import EngineLimits, validate_generate
 from enginelink.wire.engine import FinishReason, OutputBatch
 from enginelink.wire.vllm import VllmCodec
-from tests.harness import generate_request
+from tests.harness import ListJournal, generate_request
 
 LIMITS = EngineLimits(max_model_len=2048, vocab_size=4096, eos_token_ids=(2,))
-
-
-class Journal:
-    def __init__(self) -> None:
-        self.records: list[tuple[float, str, str, object]] = []
-
-    def append(self, now, stream, kind, payload) -> None:
-        self.records.append((now, stream, kind, payload))
 
 
 class Wire:
@@ -61,7 +53,7 @@ def hub_with_call(wire: Wire, n: int = 1):
     link = LinkMachine("sim-0", 0.0)
     link.handle(LinkEvent.HANDSHAKE_DONE, 0.0)
     link.handle(LinkEvent.WARMUP_DONE, 0.0)
-    journal = Journal()
+    journal = ListJournal()
     hub = RequestHub(link=link, codec=VllmCodec(), send_frames=lambda frames: None, journal=journal)
     request = generate_request("r1", [5, 6, 7], stream=True, max_tokens=2, n=n, seed=1)
     call = hub.admit(validate_generate(request, LIMITS, 0.0), 0.0, wake=asyncio.Event())

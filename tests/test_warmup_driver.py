@@ -31,6 +31,7 @@ from enginelink.runtime.warmup import FLUSH_TIMEOUT_S, hub_submit, run_warmup, w
 from enginelink.tools.sim_core import SimConfig, SimEngineCore, ready_response
 from enginelink.wire import vllm
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
+from tests.harness import ListJournal
 
 REFERENCE = WarmupFacts(window=4, step=512, context=2048, vocab=4096)
 PLAN = plan_warmup(REFERENCE, WarmupLevel.FULL)  # 27 request steps, then the flush
@@ -293,14 +294,6 @@ async def test_cancellation_passes_through(autojump_clock):
 # -- bound to a real hub, in front of the sim engine core -------------------------------------
 
 
-class Journal:
-    def __init__(self) -> None:
-        self.records: list[tuple[float, str, str, object]] = []
-
-    def append(self, now, stream, kind, payload) -> None:
-        self.records.append((now, stream, kind, payload))
-
-
 class SimLink:
     """An engine link in memory: the sim core behind the vLLM codec, paying its cost model in virtual time.
 
@@ -316,7 +309,7 @@ class SimLink:
         self.machine.handle(LinkEvent.HANDSHAKE_DONE, trio.current_time())
         self.cached: list[int] = []
         self.hub = RequestHub(
-            link=self.machine, codec=self.codec, send_frames=self.send, journal=Journal(),
+            link=self.machine, codec=self.codec, send_frames=self.send, journal=ListJournal(),
             cached_tokens=self._cached_tokens,
         )  # fmt: skip
         self.sent: list[bytes] = []
