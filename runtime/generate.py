@@ -47,8 +47,7 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
     try:
         if direct is not None and spec.stream:
             await direct.send_headers()
-            call.direct_send = direct.send
-            call.direct_end = direct.end_ok
+            call.direct = direct
         while True:
             await wake.wait()
             wake.clear()

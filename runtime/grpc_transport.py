@@ -266,6 +266,11 @@ class DirectSender:
         return True
 
     def send(self, messages) -> int:
+        # The hub's own GenerateResponses: grpclib's codec would only add a type check.
+        return self.send_bodies([message.SerializeToString() for message in messages])
+
+    def send_bodies(self, bodies) -> int:
+        """``send`` for messages already serialized (``hub.stream_chunk_body``)."""
         own = self._own
         h2_connection = self._h2_connection
         if (own is None or own.state_machine.state not in _SENDABLE_STREAM_STATES
@@ -277,9 +282,7 @@ class DirectSender:
         stream_id = self._stream_id
         frames = []
         size = 0
-        for message in messages:
-            # The hub's own GenerateResponse: grpclib's codec would only add a type check.
-            body = message.SerializeToString()
+        for body in bodies:
             length = len(body) + 5
             if length > frame_max or size + length > window:
                 break

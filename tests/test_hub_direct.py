@@ -9,13 +9,14 @@ starts its next call on the trailers does not wait for that wake-up.
 from __future__ import annotations
 
 import asyncio
+import random
 from types import SimpleNamespace
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.records import KIND_CLIENT_SENT
 from enginelink.machines.link import LinkEvent, LinkMachine
-from enginelink.runtime.hub import RequestHub
+from enginelink.runtime.hub import RequestHub, stream_chunk_body
 from enginelink.runtime.validate import EngineLimits, validate_generate
 from enginelink.wire.engine import FinishReason, OutputBatch
 from enginelink.wire.vllm import VllmCodec
@@ -33,7 +34,10 @@ class Wire:
         self.can_end = can_end
 
     def send(self, messages) -> int:
-        taken = list(messages)[: self.room]
+        return self.send_bodies([message.SerializeToString() for message in messages])
+
+    def send_bodies(self, bodies) -> int:
+        taken = [pb.GenerateResponse.FromString(body) for body in list(bodies)[: self.room]]
         self.room -= len(taken)
         self.written += taken
         return len(taken)
@@ -57,8 +61,7 @@ def hub_with_call(wire: Wire, n: int = 1):
     hub = RequestHub(link=link, codec=VllmCodec(), send_frames=lambda frames: None, journal=journal)
     request = generate_request("r1", [5, 6, 7], stream=True, max_tokens=2, n=n, seed=1)
     call = hub.admit(validate_generate(request, LIMITS, 0.0), 0.0, wake=asyncio.Event())
-    call.direct_send = wire.send
-    call.direct_end = wire.end_ok
+    call.direct = wire
     return hub, call, journal
 
 
@@ -121,3 +124,31 @@ def test_with_two_choices_the_trailers_wait_for_both_completes():
     hub.on_batch(OutputBatch(0, [output(second, [22], FinishReason.LENGTH)]), 2.0)
     assert kinds(wire.written) == ["chunk", "complete", "chunk", "chunk", "complete", "trailers"]
     assert [m.complete.index for m in wire.written if not isinstance(m, str) and m.HasField("complete")] == [0, 1]
+
+
+def test_a_chunk_encoded_by_hand_is_the_bytes_upb_writes():
+    rng = random.Random(7)
+    for _ in range(5000):
+        tokens = [rng.choice([rng.randrange(128), rng.randrange(1 << 14), rng.randrange(1 << 32)])
+                  for _ in range(rng.choice([1, 1, 1, 2, 5, 40]))]
+        prompt = rng.choice([0, 1, 127, 128, rng.randrange(1 << 20)])
+        cached = rng.choice([0, 0, rng.randrange(1 << 16)])
+        index = rng.choice([0, 0, rng.randrange(1, 8)])
+        message = pb.GenerateResponse()
+        chunk = message.chunk
+        chunk.token_ids.extend(tokens)
+        chunk.prompt_tokens = prompt
+        chunk.completion_tokens = len(tokens)
+        chunk.cached_tokens = cached
+        chunk.index = index
+        assert stream_chunk_body(tokens, prompt, cached, index) == message.SerializeToString(), (tokens, prompt, cached, index)
+
+
+def test_a_chunk_that_does_not_fit_stays_pending_for_the_writer():
+    wire = Wire(room=0)
+    hub, call, _ = hub_with_call(wire)
+    engine_id = call.choices[0].engine_id
+    hub.on_batch(OutputBatch(0, [output(engine_id, [11])]), 1.0)
+    assert wire.written == [] and call.wake.is_set()
+    backlog_or_pending = call.backlog or hub.take(call, 2.0)
+    assert [list(m.chunk.token_ids) for m in backlog_or_pending] == [[11]]
