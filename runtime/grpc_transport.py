@@ -234,6 +234,13 @@ class DirectSender:
             return
         await stream.send_initial_metadata()
 
+    def _writable(self) -> bool:
+        """The stream is one h2 lets this server send on, the connection is open and not paused."""
+        own = self._own
+        return (own is not None and own.state_machine.state in _SENDABLE_STREAM_STATES
+                and self._h2_connection.state_machine.state is ConnectionState.SERVER_OPEN
+                and self._connection.write_ready.is_set())
+
     def _headers_now(self, block: bytes, end_stream: bool) -> bool:
         """A HEADERS frame with ``block`` (from ``header_block``) on this stream, if it can go now.
 
@@ -244,20 +251,17 @@ class DirectSender:
         queued for the connection: this engine frame's writes when there are
         some, else the coalesced transport (ordered behind grpclib's writes).
         """
+        if not self._writable() or len(block) > self._h2_connection.max_outbound_frame_size:
+            return False
         own = self._own
         h2_connection = self._h2_connection
-        if (own is None or own.state_machine.state not in _SENDABLE_STREAM_STATES
-                or h2_connection.state_machine.state is not ConnectionState.SERVER_OPEN
-                or not self._connection.write_ready.is_set()
-                or len(block) > h2_connection.max_outbound_frame_size):
-            return False
         h2_connection.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
         own.state_machine.process_input(StreamInputs.SEND_HEADERS)
         flags = _END_HEADERS
         if end_stream:
             own.state_machine.process_input(StreamInputs.SEND_END_STREAM)
             flags |= _END_STREAM
-        frame = _HEADERS_HEAD.pack(len(block) << 8 | 1, flags, own.stream_id) + block
+        frame = _HEADERS_HEAD.pack(len(block) << 8 | 1, flags, self._stream_id) + block
         if self._writes.pending(self._connection):
             self._writes.add(self._connection, [frame])
         else:
@@ -271,12 +275,10 @@ class DirectSender:
 
     def send_bodies(self, bodies) -> int:
         """``send`` for messages already serialized (``hub.stream_chunk_body``)."""
+        if not self._writable():
+            return 0
         own = self._own
         h2_connection = self._h2_connection
-        if (own is None or own.state_machine.state not in _SENDABLE_STREAM_STATES
-                or h2_connection.state_machine.state is not ConnectionState.SERVER_OPEN
-                or not self._connection.write_ready.is_set()):
-            return 0
         window = min(h2_connection.outbound_flow_control_window, own.outbound_flow_control_window)
         frame_max = h2_connection.max_outbound_frame_size
         stream_id = self._stream_id

@@ -440,17 +440,19 @@ class RequestHub:
         """Write a streaming call's new messages from here, without waking its writer.
 
         Only for a call whose writer is idle with nothing queued, so the order
-        on the wire is the order taken. What cannot go now becomes the
-        writer's backlog. True when nothing is left for the writer; a call
-        that ended always wakes its writer, which returns.
+        on the wire is the order taken (``take``, which journals completes).
+        What cannot go now becomes the writer's backlog. A call whose every
+        complete went out gets its OK trailers here too: the client starts its
+        next call when they arrive, and from here they leave with this engine
+        frame's writes instead of after the writer's wake-up
+        (docs/benchmarks.md). True when nothing is left for the writer; a call
+        that is done always wakes its writer, which returns.
         """
         direct = call.direct
         if (direct is None or call.writer_busy or call.backlog or call.error is not None
                 or call.wake.is_set()):
             return False
-        if call.open_choices != len(call.choices):
-            return self._finish_now(call, now)
-        if call.open_choices == 1:
+        if call.open_choices == len(call.choices) == 1:
             # The common call (one choice, streaming): its chunk encoded straight to bytes.
             choice = call.choices[0]
             tokens = choice.pending
@@ -460,29 +462,8 @@ class RequestHub:
                 choice.take_pending()
                 self.direct_writes += 1
                 return True
-        messages = call.take_messages()
+        messages = self.take(call, now)
         written = direct.send(messages)
-        self.direct_writes += written
-        if written == len(messages):
-            return True
-        self.direct_handovers += 1
-        call.backlog = messages[written:]
-        return False
-
-    def _finish_now(self, call: Call, now: float) -> bool:
-        """``_write_now`` for a call with a finished choice: its completes too, and its trailers once done.
-
-        The client starts its next call when this one's trailers arrive: sent
-        from here they leave with this engine frame's writes instead of after
-        the writer's wake-up (docs/benchmarks.md). Completes are journaled as
-        ``take`` does, when taken.
-        """
-        unsent = [choice for choice in call.choices if not choice.complete_sent]
-        messages = call.take_messages()
-        for choice in unsent:
-            if choice.complete_sent:
-                self._journal_sent(call, choice, now)
-        written = call.direct.send(messages)
         self.direct_writes += written
         if written < len(messages):
             self.direct_handovers += 1
@@ -490,8 +471,7 @@ class RequestHub:
             return False
         if not call.done:
             return True
-        self.release(call)
-        call.direct.end_ok()  # if it could not, the writer's return sends them (grpclib)
+        direct.end_ok()  # if it could not, the writer's return sends them (grpclib)
         return False
 
     # -- ending calls -----------------------------------------------------------------
