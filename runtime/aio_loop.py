@@ -28,6 +28,8 @@ turn, so setting it on the instance is enough.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import trio
 
 # Callbacks run per trio round beyond trio-asyncio's own one. A gRPC call is a
@@ -35,9 +37,19 @@ import trio
 READY_CALLBACKS_MAX = 64
 
 
-def run_ready_callbacks_together(loop) -> None:
+@dataclass
+class ReadyCallbackStats:
+    """The bound and how often a pass reached it (``/metrics``: ``smg_servicer_asyncio_*``)."""
+
+    ready_callbacks_max: int = READY_CALLBACKS_MAX
+    # Passes that ran the bound's worth: trio's tasks ran before any callbacks still queued.
+    full_passes: int = 0
+
+
+def run_ready_callbacks_together(loop) -> ReadyCallbackStats:
     """Make ``loop`` (a running ``trio_asyncio`` loop) run its queued callbacks per trio round."""
     one = loop._main_loop_one
+    stats = ReadyCallbackStats()
 
     async def main_loop_one(no_wait: bool = False) -> None:
         await one(no_wait)
@@ -48,5 +60,7 @@ def run_ready_callbacks_together(loop) -> None:
                 await one(True)  # no wait: nothing here yields to trio unless a trio-flavoured handle starts
             except trio.WouldBlock:
                 return
+        stats.full_passes += 1
 
     loop._main_loop_one = main_loop_one
+    return stats

@@ -84,7 +84,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
     exit_status = 1
     reason = "unknown"
     async with trio_asyncio.open_loop() as loop:
-        run_ready_callbacks_together(loop)  # runtime/aio_loop.py: less trio per gRPC call
+        loop_stats = run_ready_callbacks_together(loop)  # runtime/aio_loop.py: less trio per gRPC call
         async with trio.open_nursery() as nursery:
             await nursery.start(journal.run)
             journal.append(
@@ -132,6 +132,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 metrics.watch_in_flight(lambda: hub.active_requests)
                 metrics.add_gauges("journal", journal.stats)
                 metrics.add_gauges("link", lambda: _link_stats(link, hub))
+                metrics.add_gauges("asyncio", lambda: loop_stats)
                 # Bound before the engine starts, so a scrape during start-up says "starting".
                 await nursery.start(serve_metrics, metrics, config.metrics_host, config.metrics_port)
             app = App(

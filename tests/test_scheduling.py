@@ -23,6 +23,7 @@ from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
 from enginelink.runtime.engine_process import (
     ENGINE_NICE_DEFAULT, autogroup_nice, cpu_list, describe_placement, session_members,
 )
+from enginelink.runtime.aio_loop import READY_CALLBACKS_MAX
 from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS
 from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape
 
@@ -176,6 +177,9 @@ def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir)
         metrics = {name.split("{")[0]: value for name, value in scrape(metrics_port).items()}
         assert metrics["smg_servicer_link_max_concurrent_streams"] == MAX_CONCURRENT_STREAMS > calls
         assert metrics["smg_servicer_link_direct_writes"] > calls
+        # ... and the asyncio loop's bound on callbacks per trio round (runtime/aio_loop.py).
+        assert metrics["smg_servicer_asyncio_ready_callbacks_max"] == READY_CALLBACKS_MAX
+        assert "smg_servicer_asyncio_full_passes" in metrics
 
 
 def test_without_autogroups_only_the_nice_value_is_set(monkeypatch):
