@@ -1,0 +1,98 @@
+"""The engine link's receive loop on real ZeroMQ sockets: frames in order, a lost edge, a bad frame.
+
+The loop parks on the output socket's ZMQ_FD for at most LOST_EDGE_RECHECK_S
+(``zmq_trio.wait_fd``), so that a lost edge costs at most that long. One
+test loses an edge on purpose: reading ZMQ_EVENTS after a message has
+arrived, before trio looks at the fd, clears the fd's readiness and leaves
+the message waiting with nothing to wake the loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+import zmq
+
+from enginelink.runtime import engine_link as el
+from enginelink.runtime.zmq_trio import LOST_EDGE_RECHECK_S, make_socket
+from tests.harness import ListJournal
+from enginelink.wire.vllm import EngineCoreOutput, EngineCoreOutputs, VllmCodec, encode_outputs
+
+
+def frame(request_id: str, token: int) -> list[bytes]:
+    return encode_outputs(EngineCoreOutputs(0, [EngineCoreOutput(request_id, [token])]))
+
+
+def open_pair(tmp_path) -> tuple[zmq.Socket, zmq.Socket]:
+    context = zmq.Context.instance()
+    pull = make_socket(context, zmq.PULL)
+    push = make_socket(context, zmq.PUSH)
+    address = f"ipc://{tmp_path}/out"
+    pull.bind(address)
+    push.connect(address)
+    return push, pull
+
+
+def make_link() -> tuple[el.EngineLink, list[tuple[str, int]]]:
+    link = el.EngineLink(name="vllm-0", launcher=None, codec=VllmCodec(), journal=ListJournal(), servicer_sched="normal")
+    seen: list[tuple[str, int]] = []
+    link.on_batch = lambda batch, now: seen.extend((o.request_id, o.new_token_ids[0]) for o in batch.outputs)
+    return link, seen
+
+
+async def wait_for(seen: list, count: int) -> None:
+    while len(seen) < count:
+        await trio.sleep(0.001)
+
+
+async def test_frames_reach_the_hub_in_order(tmp_path):
+    push, pull = open_pair(tmp_path)
+    link, seen = make_link()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link._receive_loop, pull)
+        for token in range(200):
+            push.send_multipart(frame("a", token))
+            if token % 50 == 0:
+                await trio.sleep(0.005)  # some frames find the loop parked, some find it busy
+        with trio.fail_after(2):
+            await wait_for(seen, 200)
+        nursery.cancel_scope.cancel()
+    assert seen == [("a", token) for token in range(200)]
+    assert link.frames_received == 200
+    push.close(), pull.close()
+
+
+async def test_a_lost_edge_costs_at_most_the_recheck_interval(tmp_path):
+    push, pull = open_pair(tmp_path)
+    link, seen = make_link()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link._receive_loop, pull)
+        await trio.sleep(0.05)  # the loop is parked on the fd
+        push.send_multipart(frame("a", 7))
+        time.sleep(0.05)  # blocking: ZeroMQ's I/O thread delivers while trio does not look
+        assert pull.getsockopt(zmq.EVENTS) & zmq.POLLIN  # the edge is consumed here, the message stays
+        started = trio.current_time()
+        with trio.fail_after(2):
+            await wait_for(seen, 1)
+        waited = trio.current_time() - started
+        nursery.cancel_scope.cancel()
+    assert seen == [("a", 7)]
+    assert waited <= LOST_EDGE_RECHECK_S + 0.5
+    push.close(), pull.close()
+
+
+async def test_a_frame_it_cannot_read_ends_the_loop_and_says_so(tmp_path):
+    push, pull = open_pair(tmp_path)
+    link, seen = make_link()
+    failures: list[str] = []
+    link.on_failure = lambda message, now: failures.append(message)
+    push.send_multipart(frame("a", 1))
+    push.send_multipart([b"\xc1 not msgpack"])
+    push.send_multipart(frame("a", 2))
+    with trio.fail_after(2):
+        await link._receive_loop(pull)  # returns by itself: the link failed
+    assert seen == [("a", 1)]
+    assert len(failures) == 1 and "engine sent a frame enginelink cannot read" in failures[0]
+    assert link.machine.state.value == "failed"
+    push.close(), pull.close()
