@@ -32,6 +32,7 @@ import asyncio
 import functools
 import struct
 import time
+from dataclasses import dataclass
 
 import hpack
 from grpclib.protocol import H2Protocol
@@ -129,6 +130,15 @@ _OK_TRAILERS = (("grpc-status", "0"),)
 _SENDABLE_STREAM_STATES = frozenset({StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE})
 
 
+@dataclass(frozen=True)
+class DirectSendStats:
+    """The direct path's headers and trailers, exported as ``smg_servicer_grpc_*``."""
+
+    direct_headers: int  # response headers sent as a pre-built block
+    grpclib_headers: int  # response headers grpclib sent, because they could not go at once
+    direct_trailers: int  # OK trailers sent with an engine frame's writes
+
+
 class FrameWrites:
     """The direct path's DATA frames of one engine frame: one socket write per connection.
 
@@ -143,10 +153,21 @@ class FrameWrites:
     taken; bytes h2 had queued go first.
     """
 
-    __slots__ = ("_pending",)
+    __slots__ = ("_pending", "direct_headers", "grpclib_headers", "direct_trailers")
 
     def __init__(self) -> None:
         self._pending: dict[object, list[bytes]] = {}  # grpclib Connection -> its DATA frames, in order
+        # What the direct path sent itself and what it left to grpclib, for
+        # /metrics (``stats``): a call's response headers go as a pre-built
+        # block or, when they cannot go at once, through grpclib; a streaming
+        # call's OK trailers go from the engine frame's write or, when not,
+        # from grpclib as the handler returns (not counted: every other call).
+        self.direct_headers = 0
+        self.grpclib_headers = 0
+        self.direct_trailers = 0
+
+    def stats(self) -> DirectSendStats:
+        return DirectSendStats(self.direct_headers, self.grpclib_headers, self.direct_trailers)
 
     def pending(self, connection) -> bool:
         """Whether this engine frame has writes for ``connection`` not yet flushed."""
@@ -231,7 +252,9 @@ class DirectSender:
         block = header_block(((":status", "200"), ("content-type", stream._content_type)))
         if self._headers_now(block, end_stream=False):
             stream._send_initial_metadata_done = True
+            self._writes.direct_headers += 1
             return
+        self._writes.grpclib_headers += 1
         await stream.send_initial_metadata()
 
     def _writable(self) -> bool:
@@ -316,4 +339,5 @@ class DirectSender:
         if stream._send_trailing_metadata_done or not self._headers_now(header_block(_OK_TRAILERS), end_stream=True):
             return False
         stream._send_trailing_metadata_done = True
+        self._writes.direct_trailers += 1
         return True

@@ -161,6 +161,8 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
             frame_writes = FrameWrites()
             hub.end_of_batch = frame_writes.flush  # the direct path's writes go out once per engine frame
             engine_service = VllmEngineService(app, frame_writes, kv_relay)
+            if metrics is not None:
+                metrics.add_gauges("grpc", frame_writes.stats)
             # grpclib names the service by the servicer object; "" (overall) gets
             # the same check, so liveness and readiness agree.
             health = Health({engine_service: [readiness]})

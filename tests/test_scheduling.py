@@ -177,6 +177,10 @@ def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir)
         metrics = {name.split("{")[0]: value for name, value in scrape(metrics_port).items()}
         assert metrics["smg_servicer_link_max_concurrent_streams"] == MAX_CONCURRENT_STREAMS > calls
         assert metrics["smg_servicer_link_direct_writes"] > calls
+        # Every call's headers went one way or the other; its OK trailers at most once from an engine frame.
+        assert metrics["smg_servicer_grpc_direct_headers"] + metrics["smg_servicer_grpc_grpclib_headers"] == calls
+        assert metrics["smg_servicer_grpc_direct_headers"] > 0
+        assert 0 < metrics["smg_servicer_grpc_direct_trailers"] <= calls
         # ... and the asyncio loop's bound on callbacks per trio round (runtime/aio_loop.py).
         assert metrics["smg_servicer_asyncio_ready_callbacks_max"] == READY_CALLBACKS_MAX
         assert "smg_servicer_asyncio_full_passes" in metrics
