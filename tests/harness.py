@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -65,7 +67,10 @@ class Servicer:
         if engine_args:
             argv += ["--", *engine_args]
         self.argv = argv
-        self.env = {**os.environ, **(env or {})}
+        # Its own ipc socket directory, short enough for ipc paths and not shared
+        # with other tests or a servicer the user runs (the default is one per user).
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="el-sock-"))
+        self.env = {**os.environ, "SMG_ZMQ_SOCKET_DIR": str(self.socket_dir), **(env or {})}
         self.process: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
         self.stub: pb_grpc.VllmEngineStub | None = None
@@ -96,10 +101,15 @@ class Servicer:
     def wait(self, timeout_s: float = 30.0) -> int:
         return self.process.wait(timeout=timeout_s)
 
+    def socket_files(self) -> list[str]:
+        """The files in this servicer's ipc socket directory (its own are removed at exit)."""
+        return sorted(path.name for path in self.socket_dir.iterdir()) if self.socket_dir.exists() else []
+
     def stop(self) -> int | None:
         if self.channel is not None:
             self.channel.close()
         if self.process is None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
             return None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -109,6 +119,7 @@ class Servicer:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
         return self.process.returncode
 
     def __enter__(self) -> "Servicer":

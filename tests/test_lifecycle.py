@@ -74,6 +74,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, test_model_dir
         assert [c.finish_reason for r in short for c in r.completes] == ["length"] * 3
         assert [c.finish_reason for r in long for c in r.completes] == ["abort"] * 3
         assert not alive(pid), "engine process left behind"
+        assert servicer.socket_files() == [], "ipc socket files left behind"
     finally:
         servicer.stop()
 
@@ -99,5 +100,6 @@ def test_engine_killed_under_load_fails_streams_and_exits_1(tmp_path, test_model
         assert ended_within < 2.0, f"streams took {ended_within:.2f} s to end"
         assert servicer.wait(20) == 1
         assert "engine link failed" in servicer.log()
+        assert servicer.socket_files() == [], "ipc socket files left behind"
     finally:
         servicer.stop()

@@ -82,6 +82,7 @@ def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_
         assert servicer.wait(30) == 1
         assert "engine link failed" in servicer.log()
         no_process_left(launcher)
+        assert servicer.socket_files() == [], "ipc socket files left behind"
     finally:
         servicer.stop()
 
@@ -116,6 +117,7 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
         assert [c.finish_reason for r in short for c in r.completes] == ["length"] * 3
         assert [c.finish_reason for r in long for c in r.completes] == ["abort"] * 3
         no_process_left(launcher)
+        assert servicer.socket_files() == [], "ipc socket files left behind"
     finally:
         servicer.stop()
 
