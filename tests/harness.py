@@ -108,19 +108,20 @@ class Servicer:
     def stop(self) -> int | None:
         if self.channel is not None:
             self.channel.close()
-        if self.process is None:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
-        return self.process.returncode
+        try:
+            if self.process is None:
+                return None
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+            self._log.close()
+            return self.process.returncode
+        finally:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)  # what a SIGKILLed servicer left
 
     def __enter__(self) -> "Servicer":
         return self.start()

@@ -11,27 +11,33 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import trio
 import zmq
 
+from enginelink.machines.link import LinkState
 from enginelink.runtime import engine_link as el
 from enginelink.runtime.zmq_trio import LOST_EDGE_RECHECK_S, make_socket
-from tests.harness import ListJournal
 from enginelink.wire.vllm import EngineCoreOutput, EngineCoreOutputs, VllmCodec, encode_outputs
+from tests.harness import ListJournal
 
 
 def frame(request_id: str, token: int) -> list[bytes]:
     return encode_outputs(EngineCoreOutputs(0, [EngineCoreOutput(request_id, [token])]))
 
 
-def open_pair(tmp_path) -> tuple[zmq.Socket, zmq.Socket]:
+@pytest.fixture
+def pair(tmp_path):
+    """(push, pull): the engine's end and the link's end of an output socket."""
     context = zmq.Context.instance()
     pull = make_socket(context, zmq.PULL)
     push = make_socket(context, zmq.PUSH)
     address = f"ipc://{tmp_path}/out"
     pull.bind(address)
     push.connect(address)
-    return push, pull
+    yield push, pull
+    push.close()
+    pull.close()
 
 
 def make_link() -> tuple[el.EngineLink, list[tuple[str, int]]]:
@@ -46,8 +52,8 @@ async def wait_for(seen: list, count: int) -> None:
         await trio.sleep(0.001)
 
 
-async def test_frames_reach_the_hub_in_order(tmp_path):
-    push, pull = open_pair(tmp_path)
+async def test_frames_reach_the_hub_in_order(pair):
+    push, pull = pair
     link, seen = make_link()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(link._receive_loop, pull)
@@ -60,11 +66,10 @@ async def test_frames_reach_the_hub_in_order(tmp_path):
         nursery.cancel_scope.cancel()
     assert seen == [("a", token) for token in range(200)]
     assert link.frames_received == 200
-    push.close(), pull.close()
 
 
-async def test_a_lost_edge_costs_at_most_the_recheck_interval(tmp_path):
-    push, pull = open_pair(tmp_path)
+async def test_a_lost_edge_costs_at_most_the_recheck_interval(pair):
+    push, pull = pair
     link, seen = make_link()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(link._receive_loop, pull)
@@ -79,11 +84,10 @@ async def test_a_lost_edge_costs_at_most_the_recheck_interval(tmp_path):
         nursery.cancel_scope.cancel()
     assert seen == [("a", 7)]
     assert waited <= LOST_EDGE_RECHECK_S + 0.5
-    push.close(), pull.close()
 
 
-async def test_a_frame_it_cannot_read_ends_the_loop_and_says_so(tmp_path):
-    push, pull = open_pair(tmp_path)
+async def test_a_frame_it_cannot_read_ends_the_loop_and_says_so(pair):
+    push, pull = pair
     link, seen = make_link()
     failures: list[str] = []
     link.on_failure = lambda message, now: failures.append(message)
@@ -94,5 +98,4 @@ async def test_a_frame_it_cannot_read_ends_the_loop_and_says_so(tmp_path):
         await link._receive_loop(pull)  # returns by itself: the link failed
     assert seen == [("a", 1)]
     assert len(failures) == 1 and "engine sent a frame enginelink cannot read" in failures[0]
-    assert link.machine.state.value == "failed"
-    push.close(), pull.close()
+    assert link.machine.state is LinkState.FAILED
