@@ -52,6 +52,18 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
     raise TimeoutError(f"{what} not reached within {timeout_s} s (last error: {last_error!r})")
 
 
+def end_process(process: subprocess.Popen, ask_to_stop, timeout_s: float = 20.0) -> None:
+    """``ask_to_stop()`` a process still running, wait ``timeout_s`` for it, then kill it."""
+    if process.poll() is not None:
+        return
+    ask_to_stop()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 class Servicer:
     """``enginelink serve`` in a subprocess, with a grpcio channel to it."""
 
@@ -111,13 +123,7 @@ class Servicer:
         try:
             if self.process is None:
                 return None
-            if self.process.poll() is None:
-                self.process.send_signal(signal.SIGTERM)
-                try:
-                    self.process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
+            end_process(self.process, lambda: self.process.send_signal(signal.SIGTERM))
             self._log.close()
             return self.process.returncode
         finally:

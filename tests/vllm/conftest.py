@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from enginelink.runtime.launchers import LauncherError, default_vllm_python
-from tests.harness import Servicer
+from tests.harness import Servicer, end_process
 
 ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager"]
 MAX_MODEL_LEN = 1024
@@ -90,13 +90,7 @@ class OfflineVllm:
         return {a["id"]: a["outputs"] for a in answers}
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        end_process(self.process, self.process.stdin.close)  # end of input: the script exits
         self._log.close()
 
 
