@@ -9,6 +9,8 @@
   the request was open → UNAVAILABLE (nothing to fix in the request).
 - ``Precondition``: the servicer cannot do this here (no tokenizer files) →
   FAILED_PRECONDITION.
+- ``ResourceExhausted``: the caller went past a per-client bound (a message
+  larger than the receive limit) → RESOURCE_EXHAUSTED.
 - anything else is our bug → INTERNAL.
 """
 
@@ -65,6 +67,13 @@ class EngineFailure(ServicerError):
 class Precondition(ServicerError):
     status = Status.FAILED_PRECONDITION
     whose = "servicer"
+
+
+class ResourceExhausted(ServicerError):
+    """The caller asked for more than a per-client bound allows (a message too large) → RESOURCE_EXHAUSTED."""
+
+    status = Status.RESOURCE_EXHAUSTED
+    whose = "client"
 
 
 class Unimplemented(ServicerError):

@@ -22,6 +22,9 @@ concurrency 128: the engine never held more than 100 requests). Admission
 retryable UNAVAILABLE; the transport's limit sits above it with room for the
 control calls (health, loads, KV subscriptions) beside a full load.
 
+Its protocol is ``grpc_limits.LimitedProtocol``: message size, reassembly
+per connection, the connection cap, handshake and idle timeouts.
+
 It overrides grpclib's ``_protocol_factory``
 (private API): grpclib is pinned below 0.5 in pyproject.toml for that reason.
 """
@@ -38,9 +41,9 @@ import hpack
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
 from h2.connection import ConnectionInputs, ConnectionState
-from h2.settings import SettingCodes
 from h2.stream import StreamInputs, StreamState
 
+from enginelink.runtime.grpc_limits import ConnectionGuard, GrpcLimits, LimitedProtocol
 from enginelink.runtime.hub import IN_FLIGHT_MAX
 
 MAX_CONCURRENT_STREAMS = IN_FLIGHT_MAX + 256
@@ -89,18 +92,26 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-class _CoalescingProtocol(H2Protocol):
+class _CoalescingProtocol(LimitedProtocol):
+    max_concurrent_streams = MAX_CONCURRENT_STREAMS  # announced with the server preface
+
     def connection_made(self, transport) -> None:
         super().connection_made(CoalescingTransport(transport))
-        self.connection._connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS})
-        self.connection.flush()
 
 
 class CoalescingServer(Server):
+    """grpclib's server with the coalescing transport and ``GrpcLimits`` (``runtime/grpc_limits.py``)."""
+
+    def __init__(self, handlers, *, limits: GrpcLimits | None = None, **kwargs) -> None:
+        super().__init__(handlers, **kwargs)
+        self.guard = ConnectionGuard(limits or GrpcLimits())
+
     def _protocol_factory(self) -> H2Protocol:
         # grpclib's factory registers the connection's handler; keep its parts.
         protocol = super()._protocol_factory()
-        return _CoalescingProtocol(protocol.handler, protocol.config, protocol.h2_config)
+        limited = _CoalescingProtocol(protocol.handler, protocol.config, protocol.h2_config)
+        limited.guard = self.guard
+        return limited
 
 
 # A DATA frame's head (RFC 9113 4.1: 24-bit length and type 0 in one word, no flags, stream id)

@@ -34,6 +34,7 @@ from enginelink.runtime.aio_loop import run_ready_callbacks_together
 from enginelink.runtime.app import App
 from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
+from enginelink.runtime.grpc_limits import GrpcLimits
 from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS, CoalescingServer, FrameWrites
 from enginelink.runtime.grpc_vllm import VllmEngineService
 from enginelink.runtime.hub import RETIRED_ENGINE_IDS_MAX, RequestHub
@@ -72,6 +73,7 @@ class ServeConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # no endpoint unless asked
     kv_events: KvPlan | None = None  # None: KV events off (SubscribeKvEvents is UNIMPLEMENTED)
+    grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)  # message size, connections (grpc_limits.py)
     argv: list[str] = field(default_factory=list)
 
 
@@ -166,7 +168,9 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
             # grpclib names the service by the servicer object; "" (overall) gets
             # the same check, so liveness and readiness agree.
             health = Health({engine_service: [readiness]})
-            server = CoalescingServer([engine_service, health])
+            server = CoalescingServer([engine_service, health], limits=config.grpc_limits)
+            if metrics is not None:
+                metrics.add_gauges("grpc", server.guard.read)
             await trio_asyncio.aio_as_trio(server.start)(config.host, config.port)
             log.info("gRPC bound on %s:%d (health NOT_SERVING until the engine is up)", config.host, config.port)
 

@@ -161,6 +161,15 @@ def _kv_events(engine: str, engine_args: list[str]):
         raise ConfigError(str(error)) from None
 
 
+def _grpc_limits():
+    from enginelink.runtime.grpc_limits import GrpcLimits
+
+    try:
+        return GrpcLimits.from_env(os.environ)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def build_config(args: argparse.Namespace):
     from enginelink.runtime.engine_process import (
         PLACEMENT_CHOICES, PLACEMENT_DEFAULT, SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT,
@@ -204,6 +213,7 @@ def build_config(args: argparse.Namespace):
         metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or "127.0.0.1",
         metrics_port=_metrics_port(args),
         kv_events=kv_events,
+        grpc_limits=_grpc_limits(),
         argv=list(sys.argv),
     )
 
