@@ -123,7 +123,7 @@ class H2Client:
         """Read whatever arrives within ``timeout_s`` (at most one read) and apply it."""
         if self.closed:
             return
-        self.sock.settimeout(timeout_s)
+        self.sock.settimeout(max(timeout_s, 0.001))  # 0 would make the socket non-blocking
         try:
             data = self.sock.recv(1 << 20)
         except socket.timeout:
