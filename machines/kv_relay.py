@@ -34,7 +34,10 @@ new one. A shell that passes a ``sequence_base`` growing with wall time
 
 Subscribers (table ``kv_subscriber``: catching_up → live → ended) read the
 window at their own pace through ``pull``; the window is their buffer, so a
-slow one costs nothing until the window rolls past it (then DATA_LOSS). A
+slow one costs nothing until the window rolls past it: then it ends with
+DATA_LOSS at once, freeing its slot (``subscribers_max``) even while its
+stream is held by flow control; one the shell could not send to for its
+stall bound ends the same way (``stalled``). A
 subscriber is never fed a gap: a hole ends it with DATA_LOSS, and a cursor
 whose way forward crosses a hole is refused with OUT_OF_RANGE. ``subscribe``
 with cursor 0 gets the whole window when it is complete from the
@@ -155,6 +158,7 @@ class _Out:
     def __init__(self) -> None:
         self.actions: list[Action] = []
         self.wake = False
+        self.ended: list[int] = []  # subscribers ended by this step: woken to send their end
 
     def journal(self, stream: str, kind: str, payload: dict) -> None:
         self.actions.append(Journal(stream, kind, payload))
@@ -301,6 +305,8 @@ class KvRelay:
             self.counts["undecodable"] += 1
             batch = KvBatch(r.served(seq), r.last_ts, (), r.rank)  # under its number: nobody sees a gap
         r.history.push(seq, batch, digest, len(payload))
+        if out is not None:
+            self._left_behind(r, out)
         r.next_seq = seq + 1
         r.last_ts = batch.timestamp
         self.counts["relayed"] += 1
@@ -318,6 +324,20 @@ class KvRelay:
             if r.state is RankState.IDLE:
                 self._step(r, RankEvent.FIRST_BATCH, out)
         out.wake = True
+
+    def _left_behind(self, r: _Rank, out: _Out) -> None:
+        """End, at once, every subscriber whose unsent backlog the window just rolled past.
+
+        Without this a subscriber whose sends are held by flow control would
+        learn it only at its next pull, keeping its slot (``subscribers_max``)
+        meanwhile; now the slot is free and its stream is woken to end.
+        """
+        first = r.history.first
+        for sub in self._subscribers.values():
+            cursor = sub.cursors[r.rank]
+            if sub.end is None and cursor.inc == r.inc and cursor.last is not None and cursor.last + 1 < first:
+                self._end(sub, self._loss("behind", f"the subscriber fell behind DP rank {r.rank}'s KV history window"),
+                          out)  # fmt: skip
 
     def _lose(self, r: _Rank, first: int, last: int, out: _Out | None) -> None:
         n = last - first + 1
@@ -352,7 +372,7 @@ class KvRelay:
 
     def _finish(self, out: _Out) -> list[Action]:
         if out.wake:
-            ids = tuple(s.id for s in self._subscribers.values() if s.end is None)
+            ids = tuple(s.id for s in self._subscribers.values() if s.end is None or s.id in out.ended)
             if ids:
                 out.actions.append(Wake(ids))
         return out.actions
@@ -464,6 +484,7 @@ class KvRelay:
     def _end(self, sub: _Subscriber, end: Ended, out: _Out) -> None:
         sub.end = end
         sub.chunks.clear()
+        out.ended.append(sub.id)
         self._sub_step(sub, SubEvent.END, out)
 
     def _sub_step(self, sub: _Subscriber, event: SubEvent, out: _Out) -> None:
@@ -471,6 +492,24 @@ class KvRelay:
         t = Transition("kv_subscriber", str(sub.id), sub.state.value, dest.value, event.value)
         sub.state = dest
         out.journal(f"kv/sub-{sub.id}", KIND_TRANSITION, t.payload())
+
+    def stalled(self, subscriber: int, now: float) -> Pull:
+        """The shell could not send to the subscriber within its stall bound: it ends with DATA_LOSS.
+
+        An end the relay gave it first (behind, restart, ...) stands. Time is
+        the shell's: it says when a send has waited too long.
+        """
+        sub = self._subscribers[subscriber]
+        out = _Out()
+        if sub.end is None:
+            self._end(sub, self._loss("stalled", "the subscriber did not take KV events for too long (flow "
+                                                 "control held a message past ENGINELINK_KV_SEND_STALL_SECS)"), out)  # fmt: skip
+        return Pull((), sub.end, tuple(out.actions))
+
+    def ended(self, subscriber: int) -> Ended | None:
+        """How the subscriber's stream ends, once the relay has decided it."""
+        sub = self._subscribers.get(subscriber)
+        return None if sub is None else sub.end
 
     def unsubscribe(self, subscriber: int, now: float) -> list[Action]:
         """The stream is over (client gone, or it ended): forget the subscriber."""
@@ -557,7 +596,7 @@ _COUNTERS: Final = (
     "live_batches", "relayed", "duplicates", "late", "undecodable", "bad_frames", "gaps", "repairs",
     "recovered", "replay_timeouts", "stale_replies", "bad_replay_frames", "repair_overflows", "holes",
     "unknown_before", "incarnations", "served_history", "served_snapshot", "served_resume", "served_live",
-    "out_of_range", "refused_busy", "data_loss.restart", "data_loss.behind", "data_loss.hole",
+    "out_of_range", "refused_busy", "data_loss.restart", "data_loss.behind", "data_loss.hole", "data_loss.stalled",
 )  # fmt: skip
 
 

@@ -19,6 +19,8 @@ from enginelink.wire.kv_batch import KvBatch
 
 HISTORY_BATCHES_ENV: Final = "SMG_KV_EVENT_HISTORY_BATCHES"
 HISTORY_BYTES_ENV: Final = "SMG_KV_EVENT_HISTORY_BYTES"
+MAX_SUBSCRIBERS_ENV: Final = "ENGINELINK_KV_MAX_SUBSCRIBERS"
+SEND_STALL_ENV: Final = "ENGINELINK_KV_SEND_STALL_SECS"
 
 # Journal kinds the relay writes (to be added to journal/records.py KINDS); payload keys:
 KIND_KV_BATCH: Final = "kv.batch"  # {rank, inc, seq, source: live|replay, payload: bytes}
@@ -37,18 +39,31 @@ class KvRelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     replay: bool = True  # the publisher has a replay endpoint
     repair_pending_max: int = 10_000  # live batches held while a repair is out
     snapshot_chunk_blocks: int = 2048
-    subscribers_max: int = 64
+    subscribers_max: int = 64  # ENGINELINK_KV_MAX_SUBSCRIBERS: open streams; one more is refused UNAVAILABLE
     pull_batches_max: int = 256
+    # ENGINELINK_KV_SEND_STALL_SECS: a message flow control holds this long ends the
+    # stream with DATA_LOSS (the shell's clock; the machine only records the end).
+    send_stall_s: float = 30.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], **overrides) -> "KvRelayConfig":
         """Bounds from the environment (ValueError names a bad knob)."""
-        for key, name in ((HISTORY_BATCHES_ENV, "history_batches_max"), (HISTORY_BYTES_ENV, "history_bytes_max")):
+        for key, name in ((HISTORY_BATCHES_ENV, "history_batches_max"), (HISTORY_BYTES_ENV, "history_bytes_max"),
+                          (MAX_SUBSCRIBERS_ENV, "subscribers_max")):  # fmt: skip
             raw = env.get(key, "").strip()
             if raw and name not in overrides:
                 if not raw.isdigit() or int(raw) < 1:
                     raise ValueError(f"{key} must be a positive integer, got {raw!r}")
                 overrides[name] = int(raw)
+        raw = env.get(SEND_STALL_ENV, "").strip()
+        if raw and "send_stall_s" not in overrides:
+            try:
+                stall_s = float(raw)
+            except ValueError:
+                stall_s = 0.0
+            if not 0 < stall_s < float("inf"):
+                raise ValueError(f"{SEND_STALL_ENV} must be a positive number of seconds, got {raw!r}")
+            overrides["send_stall_s"] = stall_s
         return cls(**overrides)
 
 

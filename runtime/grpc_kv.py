@@ -11,7 +11,10 @@ machine's status (DATA_LOSS, UNAVAILABLE) when it says so, send the
 shell sets it from trio code: a plain call on this same thread). The wait is
 cleared before each pull, so a wake that comes while messages are being
 written is never lost. Sending awaits HTTP/2 flow control: a slow client
-holds only its own handler, the relay's window is its buffer.
+holds only its own handler, the relay's window is its buffer. A send held
+longer than ``send_stall_s`` (``ENGINELINK_KV_SEND_STALL_SECS``), or one the
+relay ends meanwhile (the window rolled past the subscriber), ends the
+stream with DATA_LOSS, so a subscriber that stops reading frees its slot.
 
 ``flush_cache`` follows smg contract §10 with ``reset_prefix_cache(False,
 False)``: ``timeout_s`` 0 is one attempt (answer within ``FLUSH_CALL_CAP_S``),
@@ -53,22 +56,49 @@ async def subscribe_kv_events(shell, stream) -> None:
     opened = shell.open_stream(request.start_sequence_number, request.load_records_before_first_batch, wake)
     if isinstance(opened, Refused):
         raise GRPCError(Status[opened.status], opened.message)
+
+    async def send(message) -> None:
+        if not await _send_bounded(stream, message, opened.ended, shell.send_stall_s):
+            end = shell.pull(opened).end if opened.ended.is_set() else shell.stalled(opened).end
+            raise GRPCError(Status[end.status], end.message)
+
     try:
         while True:
             wake.clear()
             pull = shell.pull(opened)
             for batch in pull.batches:
-                await stream.send_message(shell.message(opened, batch))
+                await send(shell.message(opened, batch))
             if pull.end is not None:
                 raise GRPCError(Status[pull.end.status], pull.end.message)
             if pull.batches:
                 continue  # there may be more than one pull's worth
             for message in shell.heartbeats(opened):
-                await stream.send_message(message)
+                await send(message)
             if not wake.is_set():
                 await wake.wait()
     finally:
         shell.close_stream(opened)
+
+
+async def _send_bounded(stream, message, ended: asyncio.Event, stall_s: float) -> bool:
+    """Send one message; False when the relay ended the stream or flow control held it ``stall_s``.
+
+    A subscriber that stops reading stops sending WINDOW_UPDATEs, and grpclib's
+    send waits for one forever: its slot (``subscribers_max``) was never freed.
+    The message cut short then ends a stream that ends with DATA_LOSS anyway.
+    """
+    sending = asyncio.ensure_future(stream.send_message(message))
+    stop = asyncio.ensure_future(ended.wait())
+    try:
+        done, _ = await asyncio.wait((sending, stop), timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not sending.done():
+            sending.cancel()
+    if sending in done:
+        sending.result()  # its error, if any, is the call's
+        return True
+    return False
 
 
 class FlushError(Exception):

@@ -21,7 +21,9 @@ everything; this file moves frames and time:
   code here, a plain call on the same thread under trio-asyncio: no
   trio↔asyncio hop per batch. A slow stream costs nothing here: the window
   is its buffer, and the machine refills it from history or ends it with
-  DATA_LOSS;
+  DATA_LOSS, at once when the window rolls past it (its ``ended`` event
+  stops a send held by flow control); a send held longer than
+  ``send_stall_s`` ends it with DATA_LOSS too (``stalled``);
 - load records (``runtime/kv_loads.py``): every batch sent carries its
   rank's ``EngineLoad``; a ticker every 100 ms marks ``load_only`` records
   due and wakes those streams;
@@ -41,6 +43,7 @@ replay rebuilds the same numbers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -93,12 +96,15 @@ def wall_sequence_base(wall_s: float | None = None) -> int:
 class KvStream:
     """One SubscribeKvEvents call, as the shell keeps it."""
 
-    __slots__ = ("id", "wake", "loads_before_first", "sample", "beats", "due", "modes")
+    __slots__ = ("id", "wake", "ended", "loads_before_first", "sample", "beats", "due", "modes")
 
     def __init__(self, sid: int, wake: Any, loads_before_first: bool, ranks: Iterable[int],
                  modes: dict[int, str]) -> None:  # fmt: skip
         self.id = sid
         self.wake = wake  # anything with set(): asyncio.Event for gRPC handlers
+        # Set when the relay ends the stream (behind the window, restart, ...): a
+        # handler whose send is held by flow control stops waiting on it.
+        self.ended = asyncio.Event()
         self.loads_before_first = loads_before_first
         self.sample = 0
         self.beats = {rank: Beat() for rank in ranks}
@@ -223,6 +229,17 @@ class KvRelayShell:
         stream.due.clear()
         return out
 
+    @property
+    def send_stall_s(self) -> float:
+        """How long a handler lets flow control hold one message (``ENGINELINK_KV_SEND_STALL_SECS``)."""
+        return self.relay.config.send_stall_s
+
+    def stalled(self, stream: KvStream) -> Pull:
+        """The handler could not send within ``send_stall_s``: the stream's end (DATA_LOSS)."""
+        pull = self.relay.stalled(stream.id, trio.current_time())
+        self._apply(pull.actions)
+        return pull
+
     def close_stream(self, stream: KvStream) -> None:
         if self.streams.pop(stream.id, None) is not None:
             self._apply(self.relay.unsubscribe(stream.id, trio.current_time()))
@@ -259,6 +276,8 @@ class KvRelayShell:
                         stream = self.streams.get(sid)
                         if stream is not None:
                             stream.wake.set()
+                            if self.relay.ended(sid) is not None:
+                                stream.ended.set()
                 case FetchReplay(rank=rank):
                     self._fetch_request[rank] = action
                     self._fetch_wake[rank].set()
