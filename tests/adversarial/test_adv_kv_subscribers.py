@@ -105,6 +105,8 @@ def test_subscribers_that_never_read_end_with_data_loss_and_free_every_slot(stal
             client.close()
     assert labelled(scrape(servicer.metrics_port), "smg_servicer_kv_data_loss_total", reason="stalled") >= 4
     wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == 0, 5, "every slot free")
+    assert metric(servicer, "smg_servicer_kv_subscribers_max") == 4
+    assert metric(servicer, "smg_servicer_kv_send_stall_seconds") == 2
     with KvSubscription(servicer, 0) as reader:  # the slots are back
         reader.wait(lambda s: s.snapshot(), what="a first record")
         assert reader.error is None
