@@ -69,7 +69,7 @@ class GrpcLimits:
     connection_recv_bytes: int = 128 << 20
     # The router opens one connection per worker (plus its health and KV streams on
     # it); 1024 leaves room for many routers, probes and tools. An idle
-    # connection costs ~20 KB (docs/limits.md).
+    # connection costs ~25 KiB (docs/limits.md).
     max_connections: int = 1024
     handshake_timeout_s: float = 10.0
     # 10x the router's 30 s keepalive PING interval: a router is never closed, an
@@ -208,6 +208,7 @@ class LimitedProtocol(H2Protocol):
     max_concurrent_streams: int | None = None  # SETTINGS_MAX_CONCURRENT_STREAMS; None: h2's default
     _counted = False
     _timer: asyncio.TimerHandle | None = None
+    _handshake_deadline = 0.0
 
     def connection_made(self, transport) -> None:
         # H2Protocol.connection_made, building a BoundedConnection.
@@ -244,17 +245,23 @@ class LimitedProtocol(H2Protocol):
         stats.connections += 1
         connection.flush()
         connection.initialize()
-        self._timer = loop.call_later(self.guard.limits.handshake_timeout_s, self._handshake_due)
+        self._handshake_deadline = loop.time() + self.guard.limits.handshake_timeout_s
+        first_look_s = min(self.guard.limits.handshake_timeout_s, self.guard.limits.idle_timeout_s)
+        self._timer = loop.call_later(first_look_s, self._handshake_due)
 
     def _handshake_due(self) -> None:
         connection = cast(BoundedConnection, self.connection)
         if connection.is_closing():
             return
-        if not connection.preface_done:
-            self.guard.stats.handshake_timeouts += 1
-            self.processor.close("no HTTP/2 client preface in time")
+        if connection.preface_done:
+            self._idle_due()
             return
-        self._idle_due()
+        left = self._handshake_deadline - connection.loop.time()
+        if left > 0:  # the idle limit is the shorter one: look again at the handshake's
+            self._timer = connection.loop.call_later(left, self._handshake_due)
+            return
+        self.guard.stats.handshake_timeouts += 1
+        self.processor.close("no HTTP/2 client preface in time")
 
     def _idle_due(self) -> None:
         """Close the connection if it has been idle for the limit, else look again when it could be."""

@@ -109,7 +109,11 @@ class H2Client:
                 self.pump(0.2)
                 continue
             chunk, view = view[:window], view[window:]
-            self.conn.send_data(call.stream_id, bytes(chunk), end_stream=end and not view)
+            try:
+                self.conn.send_data(call.stream_id, bytes(chunk), end_stream=end and not view)
+            except h2.exceptions.StreamClosedError:  # the server reset it: the rest has nowhere to go
+                call.reset = True
+                return
             self.flush()
         if end and not data:
             self.conn.end_stream(call.stream_id)
