@@ -148,3 +148,23 @@ def test_a_connection_with_a_call_open_is_not_idle(quiet):
         # Once the call is over, the idle limit applies again.
         client.wait(lambda: client.closed, IDLE_S + 3, "the connection closed once idle")
         assert client.goaway is not None and client.goaway.additional_data == b"idle"
+
+
+@pytest.mark.slow
+@pytest.mark.router
+def test_the_router_reconnects_after_its_idle_connection_is_closed(tmp_path, test_model_dir):
+    """GOAWAY(idle) is graceful for the real SMG router: its next request opens a new connection."""
+    from tests.harness import Router
+    from tests.router.openai_http import post
+
+    env = {"ENGINELINK_GRPC_IDLE_TIMEOUT_SECS": "2", "SMG_VLLM_SERVICER_KV_EVENTS": "0"}  # no KV stream held open
+    with limited_servicer(tmp_path, test_model_dir, env) as servicer:
+        servicer.channel.close()
+        with Router(tmp_path, servicer.port, test_model_dir, health_check_interval_s=600) as router:
+            body = {"model": test_model_dir.name, "prompt": "def foo(x):", "max_tokens": 4, "temperature": 0}
+            assert post(router.url, "/v1/completions", body)[0] == 200
+            # Between the router's 30 s keepalive PINGs its connection is idle: closed.
+            wait_until(lambda: metric(servicer, "smg_servicer_grpc_idle_closed") >= 1, 30, "the idle close")
+            status, reply = post(router.url, "/v1/completions", body)
+            assert status == 200, reply
+            assert reply["choices"][0]["text"]

@@ -8,6 +8,8 @@ the defaults (64 MiB, 128 MiB) are checked the same way by docs/limits.md's scri
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
@@ -141,3 +143,21 @@ def test_one_connection_cannot_hold_more_than_its_reassembly_budget(servicer):
     assert metric(servicer, "smg_servicer_grpc_messages_refused_connection") >= 1
     assert metric(servicer, "smg_servicer_grpc_recv_message_bytes_max") == LIMIT
     assert metric(servicer, "smg_servicer_grpc_connection_recv_bytes_max") == BUDGET
+
+
+@pytest.mark.parametrize("name, value", [
+    ("ENGINELINK_GRPC_MAX_RECV_BYTES", "lots"), ("ENGINELINK_GRPC_MAX_RECV_BYTES", "0"),
+    ("ENGINELINK_GRPC_MAX_CONNECTION_RECV_BYTES", "1024"),  # below the message limit: no maximal message could fit
+    ("ENGINELINK_GRPC_MAX_CONNECTIONS", "-1"), ("ENGINELINK_GRPC_HANDSHAKE_TIMEOUT_SECS", "inf"),
+    ("ENGINELINK_GRPC_IDLE_TIMEOUT_SECS", "nan"), ("ENGINELINK_KV_MAX_SUBSCRIBERS", "0"),
+    ("ENGINELINK_KV_SEND_STALL_SECS", "soon"),
+])  # fmt: skip
+def test_a_limit_that_cannot_work_is_refused_before_the_engine_starts(tmp_path, name, value):
+    import subprocess
+
+    from tests.harness import VENV_BIN
+
+    done = subprocess.run([str(VENV_BIN / "enginelink"), "serve", "--port", "1", "--journal", str(tmp_path / "j.sqlite")],
+                          env={**os.environ, name: value}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert name in done.stderr and "Traceback" not in done.stderr
