@@ -348,6 +348,8 @@ class KvRelay:
         else:
             why = "hole"
             r.history.push_holes(first, last)
+            if out is not None:
+                self._left_behind(r, out)  # holes take window slots too
             r.holes_total += n
             self.counts["holes"] += n
         r.next_seq = last + 1
