@@ -504,8 +504,8 @@ class KvRelay:
         sub = self._subscribers[subscriber]
         out = _Out()
         if sub.end is None:
-            self._end(sub, self._loss("stalled", "the subscriber did not take KV events for too long (flow "
-                                                 "control held a message past ENGINELINK_KV_SEND_STALL_SECS)"), out)  # fmt: skip
+            why = "flow control held a message past ENGINELINK_KV_SEND_STALL_SECS"
+            self._end(sub, self._loss("stalled", f"the subscriber did not take KV events for too long ({why})"), out)
         return Pull((), sub.end, tuple(out.actions))
 
     def ended(self, subscriber: int) -> Ended | None:

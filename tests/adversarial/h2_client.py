@@ -175,7 +175,8 @@ class H2Client:
                 result = predicate()
                 if result:
                     return result
-                raise AssertionError(f"{what} not seen within {timeout_s} s (closed: {self.closed}, goaway: {self.goaway})")
+                raise AssertionError(f"{what} not seen within {timeout_s} s "
+                                     f"(closed: {self.closed}, goaway: {self.goaway})")
             self.pump(min(left, 0.2))
 
     def finish(self, call: Call, timeout_s: float = 5.0) -> Call:

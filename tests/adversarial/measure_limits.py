@@ -20,7 +20,9 @@ from smg_grpc_proto.generated import common_pb2
 
 from enginelink.tools.test_model import make_test_model
 from tests.adversarial.conftest import limited_servicer, metric, rss_bytes
-from tests.adversarial.h2_client import GENERATE, HEALTH_CHECK, SUBSCRIBE_KV, H2Client, closed_by_peer, grpc_frame, raw_socket
+from tests.adversarial.h2_client import (
+    GENERATE, HEALTH_CHECK, SUBSCRIBE_KV, H2Client, closed_by_peer, grpc_frame, raw_socket,
+)
 from tests.adversarial.test_adv_messages import padded_health_check
 from tests.harness import wait_until
 
@@ -53,9 +55,9 @@ def preface_less(tmp, model, n: int = 1000) -> None:
             took = time.monotonic() - start
             for sock in socks:
                 sock.close()
-            print(f"preface-less, round {round_}: {n} connections opened in {opened:.1f} s, {sum(closed)} closed by the "
-                  f"server by {took:.1f} s (limit 10 s from each one's start); RSS {mib(rss0)} -> {mib(rss_open)} "
-                  f"open -> {mib(rss_bytes(pid))} after; handshake_timeouts "
+            print(f"preface-less, round {round_}: {n} connections opened in {opened:.1f} s, "
+                  f"{sum(closed)} closed by the server by {took:.1f} s (limit 10 s from each one's start); "
+                  f"RSS {mib(rss0)} -> {mib(rss_open)} open -> {mib(rss_bytes(pid))} after; handshake_timeouts "
                   f"{metric(s, 'smg_servicer_grpc_handshake_timeouts'):.0f}")
 
 
@@ -102,7 +104,8 @@ def idle(tmp, model, n: int = 500, idle_s: float = 5.0) -> None:
         for c in clients:
             c.wait(lambda c=c: c.closed, 30, "idle close")
         print(f"idle: {n} connections that finished the preface and sent nothing: all closed with GOAWAY(idle) "
-              f"{all_closed:.1f} s after the last opened (limit {idle_s} s); one pinging every 0.5 s for {3 * idle_s:.0f} s: "
+              f"{all_closed:.1f} s after the last opened (limit {idle_s} s); "
+              f"one pinging every 0.5 s for {3 * idle_s:.0f} s: "
               f"{'kept' if not pinging.closed else 'CLOSED'}, {pinging.pings_acked} PINGs answered; "
               f"idle_closed {metric(s, 'smg_servicer_grpc_idle_closed'):.0f}")
 
@@ -152,7 +155,8 @@ def open_streams(tmp, model, n: int = 4000) -> None:
 
 def kv_non_readers(tmp, model, n: int = 64) -> None:
     with servicer(tmp, model) as s:
-        request = grpc_frame(common_pb2.SubscribeKvEventsRequest(load_records_before_first_batch=True).SerializeToString())
+        subscribe = common_pb2.SubscribeKvEventsRequest(load_records_before_first_batch=True)
+        request = grpc_frame(subscribe.SerializeToString())
         clients = [H2Client(s.port, initial_window=0, timeout_s=60) for _ in range(n)]
         calls = [c.start(SUBSCRIBE_KV, request) for c in clients]
         wait_until(lambda: metric(s, "smg_servicer_kv_subscribers") == n, 30, "all subscribed")

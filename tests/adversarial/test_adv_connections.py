@@ -42,7 +42,8 @@ def quiet(servicer):
 
 def serving(servicer) -> bool:
     with grpc.insecure_channel(f"127.0.0.1:{servicer.port}") as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=VLLM_SERVICE), timeout=5)
+        request = health_pb2.HealthCheckRequest(service=VLLM_SERVICE)
+        reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 

@@ -157,7 +157,7 @@ def test_a_limit_that_cannot_work_is_refused_before_the_engine_starts(tmp_path, 
 
     from tests.harness import VENV_BIN
 
-    done = subprocess.run([str(VENV_BIN / "enginelink"), "serve", "--port", "1", "--journal", str(tmp_path / "j.sqlite")],
-                          env={**os.environ, name: value}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    argv = [str(VENV_BIN / "enginelink"), "serve", "--port", "1", "--journal", str(tmp_path / "j.sqlite")]
+    done = subprocess.run(argv, env={**os.environ, name: value}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert name in done.stderr and "Traceback" not in done.stderr
