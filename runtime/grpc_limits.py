@@ -43,7 +43,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, cast
 
-from grpclib.protocol import Connection, EventsProcessor, H2Protocol, Stream
+from grpclib.protocol import Connection, EventsProcessor, H2Protocol, Stream, _set_nodelay
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.events import RemoteSettingsChanged
@@ -212,8 +212,6 @@ class LimitedProtocol(H2Protocol):
 
     def connection_made(self, transport) -> None:
         # H2Protocol.connection_made, building a BoundedConnection.
-        from grpclib.protocol import _set_nodelay
-
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _set_nodelay(sock)
