@@ -1,14 +1,15 @@
 """One engine link: sockets, the engine process, the handshake, and the receive loop.
 
 Lifetime (one nursery): remove stale ipc socket files (only those nothing live
-is bound to); bind the handshake ROUTER (tcp on loopback, a port the OS
-picks), the input ROUTER and the output PULL (ipc sockets in a private 0700
-directory); launch the engine in its own session, which dials the handshake
-socket; HELLO → init addresses → ready response (on the input socket) and
-READY (on the handshake socket, in either order); check the ready response
-with the launcher (a version guard); then the link is up and the receive
-loop decodes each output frame once, journals it as received, and hands it
-to the hub.
+is bound to); bind the handshake ROUTER, the input ROUTER and the output PULL
+(ipc sockets in a private 0700 directory); launch the engine in its own
+session, which dials the handshake socket; HELLO → init addresses → ready
+response (on the input socket) and READY (on the handshake socket, in either
+order); close the handshake socket; check the ready response with the
+launcher (a version guard); then the link is up and the receive loop decodes
+each output frame once, journals it as received, and hands it to the hub.
+Frames from anyone but the engine on the handshake socket are ignored and
+journaled (``runtime/handshake_gate.py``).
 
 Supervision (the reference servicer's knobs, see ``Supervision``):
 - start-up: the handshake may be silent for ``startup_timeout_s``, extended
@@ -69,6 +70,15 @@ from enginelink.runtime.engine_process import (
     signal_session,
     socket_dir,
     wait_session_gone,
+)
+from enginelink.runtime.handshake_gate import (
+    HANDSHAKE_MESSAGE_MAX_BYTES,
+    HandshakeBroken,
+    HandshakeGate,
+    bound_handshake_socket,
+    bound_input_socket,
+    poll_engine,
+    receive_from_engine,
 )
 from enginelink.runtime.launchers import EngineLauncher
 from enginelink.runtime.zmq_trio import has_message, make_socket, recv_multipart, wait_fd
@@ -215,22 +225,25 @@ class EngineLink:
         inputs = make_socket(self._context, zmq.ROUTER)
         outputs = make_socket(self._context, zmq.PULL)
         inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        bound_input_socket(inputs)
         monitor = None
         try:
             directory = socket_dir()
             for path in remove_stale_files(directory):
                 log.info("removed stale %s (nothing was bound to it)", path)
-            port = handshake.bind_to_random_port("tcp://127.0.0.1")
             base = directory / f"{SOCKET_PREFIX}{os.getpid()}-{self.name}"
             in_path, out_path = Path(f"{base}-in.sock"), Path(f"{base}-out.sock")
-            facts_path = Path(f"{base}-facts.json")
-            self._paths = [in_path, out_path, facts_path]
+            hs_path, facts_path = Path(f"{base}-hs.sock"), Path(f"{base}-facts.json")
+            self._paths = [in_path, out_path, hs_path, facts_path]
             facts_path.unlink(missing_ok=True)
+            bound_handshake_socket(handshake)
+            handshake.bind(f"ipc://{hs_path}")
             inputs.bind(f"ipc://{in_path}")
             outputs.bind(f"ipc://{out_path}")
             monitor = outputs.get_monitor_socket(_MONITOR_EVENTS)
-            argv, env = self.launcher.command(f"tcp://127.0.0.1:{port}")
-            self._journal_handshake("launch", {"argv": self.launcher.redacted(argv), "handshake_port": port})
+            argv, env = self.launcher.command(f"ipc://{hs_path}")
+            self._journal_handshake("launch", {"argv": self.launcher.redacted(argv), "handshake": f"ipc://{hs_path}",
+                                               "handshake_message_max_bytes": HANDSHAKE_MESSAGE_MAX_BYTES})
             failure: LinkFailed | None = None
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -245,6 +258,9 @@ class EngineLink:
                 nursery.start_soon(self._watch_process)
                 nursery.start_soon(self._supervise_startup)
                 failure = await self._start_up(handshake, inputs, in_path, out_path, facts_path)
+                # The engine is up (or gone): nobody may reach the handshake socket any more.
+                handshake.close(linger=0)
+                hs_path.unlink(missing_ok=True)
                 if failure is None:
                     if self.placement == "auto":
                         # After the handshake: vLLM binds its compute threads while it loads.
@@ -342,7 +358,7 @@ class EngineLink:
         with trio.CancelScope() as self._startup_scope:
             try:
                 await handshake()
-            except (LinkFailed, msgspec.DecodeError) as error:
+            except (LinkFailed, HandshakeBroken, msgspec.DecodeError) as error:
                 self._fail(f"engine broke the handshake: {error}")
             else:
                 self._handshake_done = True
@@ -364,11 +380,17 @@ class EngineLink:
         return None
 
     async def _handshake(self, handshake, inputs, in_address: str, out_address: str) -> None:
-        identity, payload = await recv_multipart(handshake)
-        hello = msgspec.msgpack.decode(payload)
+        gate = HandshakeGate(self.process.pid, self._journal_handshake)
+        try:
+            await self._handshake_with(gate, handshake, inputs, in_address, out_address)
+        finally:
+            summary = gate.summary()
+            if summary is not None:
+                self._journal_handshake("strangers", summary)
+
+    async def _handshake_with(self, gate: HandshakeGate, handshake, inputs, in_address: str, out_address: str) -> None:
+        identity, hello = await receive_from_engine(handshake, gate)
         self._journal_handshake("hello", hello)
-        if not isinstance(hello, dict) or hello.get("status") != "HELLO":
-            raise LinkFailed(f"engine sent {hello!r} instead of HELLO on the handshake socket")
         self._identity = identity
         init = vllm_wire.encode_handshake_init(
             vllm_wire.HandshakeInit(addresses=vllm_wire.HandshakeAddresses(inputs=[in_address], outputs=[out_address]))
@@ -380,23 +402,16 @@ class EngineLink:
         got_ready = got_ready_response = False
         while not (got_ready and got_ready_response):
             if not got_ready_response:
-                try:
-                    _, payload = inputs.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-                else:
-                    self.ready = msgspec.msgpack.decode(payload)
+                ready = poll_engine(inputs, gate)
+                if ready is not None:
+                    self.ready = ready
                     self._journal_handshake("ready", self.ready)
                     got_ready_response = True
             if not got_ready:
-                try:
-                    _, payload = handshake.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-                else:
-                    message = msgspec.msgpack.decode(payload)
+                message = poll_engine(handshake, gate)
+                if message is not None:
                     self._journal_handshake("READY", message)
-                    got_ready = isinstance(message, dict) and message.get("status") == "READY"
+                    got_ready = message.get("status") == "READY"
             await trio.sleep(HANDSHAKE_POLL_S)
 
     def _read_facts(self, facts_path: Path) -> None:

@@ -451,6 +451,6 @@ def session_of(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat_line = fh.read()
-        return int(stat_line[stat_line.rindex(b")") + 2 :].split()[4])
+        return int(stat_line[stat_line.rindex(b")") + 2 :].split()[3])  # state ppid pgrp session
     except (OSError, ValueError, IndexError):
         return None
