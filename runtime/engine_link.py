@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -80,7 +81,8 @@ from enginelink.runtime.handshake_gate import (
     poll_engine,
     receive_from_engine,
 )
-from enginelink.runtime.launchers import EngineLauncher
+from enginelink.runtime.engine_output import RELAY_DRAIN_S, EngineOutputRelay, Redactor
+from enginelink.runtime.launchers import EngineLauncher, launch_secrets
 from enginelink.runtime.zmq_trio import has_message, make_socket, recv_multipart, wait_fd
 from enginelink.wire import vllm as vllm_wire
 from enginelink.wire.engine import EngineCodec, EngineDead, OutputBatch, WireError
@@ -163,6 +165,7 @@ class EngineLink:
         self.ready: dict = {}
         self.engine_facts: dict = {}
         self.process: trio.Process | None = None
+        self._relay: EngineOutputRelay | None = None
         self.on_batch: Callable[[OutputBatch, float], None] = lambda batch, now: None
         self.on_failure: Callable[[str, float], None] = lambda message, now: None
         # (requests in flight, prompt tokens not yet prefilled), for the silence limit.
@@ -242,14 +245,23 @@ class EngineLink:
             outputs.bind(f"ipc://{out_path}")
             monitor = outputs.get_monitor_socket(_MONITOR_EVENTS)
             argv, env = self.launcher.command(f"ipc://{hs_path}")
-            self._journal_handshake("launch", {"argv": self.launcher.redacted(argv), "handshake": f"ipc://{hs_path}",
+            engine_env = {**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}
+            # Secrets of the launch (argv's and the environment's), hidden wherever they appear.
+            redactor = Redactor(launch_secrets(argv, engine_env))
+            shown_argv = [redactor.line(arg) for arg in self.launcher.redacted(argv)]
+            self._journal_handshake("launch", {"argv": shown_argv, "handshake": f"ipc://{hs_path}",
                                                "handshake_message_max_bytes": HANDSHAKE_MESSAGE_MAX_BYTES})
             failure: LinkFailed | None = None
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                for warning in getattr(self.launcher, "warnings", ()):
+                    log.warning("%s", warning)
+                # Both of the engine's streams on one pipe, relayed with its secrets hidden.
                 self.process = await trio.lowlevel.open_process(
-                    argv, env={**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}, start_new_session=True
+                    argv, env=engine_env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
                 )
+                self._relay = EngineOutputRelay(self.process.stdout, redactor)
+                nursery.start_soon(self._relay.pump)
                 priority = lower_priority(self.process.pid, self.engine_nice)
                 if self.servicer_sched == "batch":
                     priority["servicer"] = run_threads_as_batch()
@@ -282,9 +294,21 @@ class EngineLink:
             for sock in (handshake, inputs, outputs, monitor):
                 if sock is not None:
                     sock.close(linger=0)
-            await self.stop_engine()
+            await self._stop_engine_relaying()
             for path in self._paths:
                 path.unlink(missing_ok=True)
+
+    async def _stop_engine_relaying(self) -> None:
+        """Stop the engine while its last words are still relayed (it must never block on the pipe)."""
+        relay = self._relay
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                if relay is not None and not relay.done:
+                    nursery.start_soon(relay.pump)
+                await self.stop_engine()
+                nursery.cancel_scope.deadline = trio.current_time() + RELAY_DRAIN_S
+            if relay is not None and not relay.done:  # a stray still holds the pipe: stop reading it
+                await relay.stream.aclose()
 
     async def stop_engine(self) -> None:
         """Stop the engine once (``_end_process``), shielded; later callers wait for that one stop."""
