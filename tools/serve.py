@@ -123,7 +123,9 @@ def default_model_dir() -> Path:
     from enginelink.tools.test_model import is_complete, make_test_model
 
     # Our own managed directory: a build from an older recipe is replaced.
-    path = Path(platformdirs.user_state_dir("enginelink")) / "test-model"
+    state = Path(platformdirs.user_state_dir("enginelink"))
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)  # journals (prompts' token ids) live here too
+    path = state / "test-model"
     return make_test_model(path, force=not is_complete(path))
 
 
