@@ -72,6 +72,7 @@ from enginelink.runtime.engine_process import (
     socket_dir,
     wait_session_gone,
 )
+from enginelink.runtime.engine_output import RELAY_DRAIN_S, EngineOutputRelay, Redactor
 from enginelink.runtime.handshake_gate import (
     HANDSHAKE_MESSAGE_MAX_BYTES,
     HandshakeBroken,
@@ -81,7 +82,6 @@ from enginelink.runtime.handshake_gate import (
     poll_engine,
     receive_from_engine,
 )
-from enginelink.runtime.engine_output import RELAY_DRAIN_S, EngineOutputRelay, Redactor
 from enginelink.runtime.launchers import EngineLauncher, launch_secrets
 from enginelink.runtime.zmq_trio import has_message, make_socket, recv_multipart, wait_fd
 from enginelink.wire import vllm as vllm_wire
