@@ -16,7 +16,6 @@ import logging
 import os
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest

@@ -11,7 +11,6 @@ credential-shaped text hidden.
 from __future__ import annotations
 
 import io
-import os
 
 import pytest
 import trio
@@ -21,7 +20,7 @@ from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
 from enginelink.journal.store import open_reader
 from enginelink.runtime.engine_output import ENGINE_LINE_MAX_BYTES, EngineOutputRelay, Redactor
 from enginelink.runtime.launchers import REDACTED, SimLauncher, VllmLauncher, launch_secrets, move_secrets
-from tests.harness import Servicer, engine_pid, wait_until
+from tests.harness import Servicer, engine_pid
 
 
 @pytest.mark.parametrize("line, secret", [
