@@ -19,7 +19,9 @@ Rules:
   opening a path that already holds a journal first sets the old file aside
   as ``<stem>.prev<suffix>`` (kept for post-mortem);
 - a failed batch write (disk full, I/O error) is counted in ``store_errors``
-  and its rows in ``store_dropped``; the servicer keeps serving;
+  and its rows in ``store_dropped``; the servicer keeps serving, and the
+  episode is logged, exported and written where ``inspect`` reads it
+  (``store_health.py``);
 - every bound is a named default below and shows in ``stats()``;
 - trio thread only: ``append`` is not thread-safe, and ``flush_sync`` must not
   run while ``run`` does (both would write to the one connection).
@@ -40,6 +42,7 @@ import trio
 
 from .records import Record, Row, encode_payload
 from .ring import RING_BYTES_MAX, RING_RECORDS_MAX, Ring
+from .store_health import StoreHealth
 from .store import STORE_BYTES_MAX, STORE_RECORDS_MAX, Store, StoreStats, open_store, set_aside
 
 __all__ = [
@@ -81,6 +84,8 @@ class JournalStats(msgspec.Struct, frozen=True):
     store_bytes: int = 0  # payload bytes in the file now
     store_pruned: int = 0  # rows the store deleted by its budgets
     store_errors: int = 0  # batch writes that failed
+    store_failing: int = 0  # 1 while batch writes fail (disk full, I/O error): journal/store_health.py
+    store_failing_episodes: int = 0  # times writing started failing
 
 
 def default_journal_path(port: int) -> Path:
@@ -135,6 +140,7 @@ class Journal:
             self._store = open_store(
                 self.path, records_max=store_records_max, bytes_max=store_bytes_max
             )
+        self.health = StoreHealth(self.path)  # failing writes said in the log, /metrics and inspect
 
     # -- hot path -----------------------------------------------------------
 
@@ -190,6 +196,8 @@ class Journal:
             store_bytes=0 if store is None else store.bytes,
             store_pruned=0 if store is None else store.pruned,
             store_errors=self._store_errors,
+            store_failing=int(self.health.failing),
+            store_failing_episodes=self.health.episodes,
         )
 
     # -- the disk path ------------------------------------------------------
@@ -229,6 +237,9 @@ class Journal:
                 self._store_errors += 1
                 self._store_dropped += len(batch)
                 self.last_store_error = f"{type(error).__name__}: {error}"
+                self.health.failed(error, len(batch))
+                continue
+            self.health.written()
 
     async def _flush(self, batches: list[list[Row]]) -> None:
         finished = False
@@ -301,3 +312,4 @@ class Journal:
         store, self._store = self._store, None
         self._closed_store_stats = store.stats()
         store.close()
+        self.health.close()

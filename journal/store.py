@@ -27,6 +27,7 @@ Rules:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
@@ -168,7 +169,11 @@ def open_store(
     if records_max < 1 or bytes_max < 0:
         raise ValueError(f"bad store budgets: records_max={records_max}, bytes_max={bytes_max}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # The journal holds prompts' token ids: a directory made for it is
+    # private, and the file is created 0600 before SQLite opens it (SQLite
+    # gives its -wal and -shm files the database file's mode).
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _create_private(path)
     # Autocommit mode: write_batch opens its own transactions explicitly.
     # check_same_thread off: trio's worker threads differ from call to call,
     # and the flusher guarantees one call at a time.
@@ -185,6 +190,28 @@ def open_store(
     finally:
         if store is None:
             conn.close()
+
+
+def _create_private(path: Path) -> None:
+    """Create ``path`` with mode 0600 if it does not exist; an existing file of ours is made 0600.
+
+    Never through a symlink (O_NOFOLLOW): a link planted where the journal
+    goes would have SQLite write prompts to wherever it points.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise StoreError(f"{path} is a symbolic link; the journal is never written through one") from None
+        raise
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for suffix in ("-wal", "-shm"):  # left by an earlier writer of this very file
+        side = Path(f"{path}{suffix}")
+        if side.exists() and not side.is_symlink():
+            side.chmod(0o600)
 
 
 def _ensure_schema(db: sqlite_utils.Database, path: Path, records_max: int, bytes_max: int) -> None:

@@ -1,14 +1,15 @@
 """One engine link: sockets, the engine process, the handshake, and the receive loop.
 
 Lifetime (one nursery): remove stale ipc socket files (only those nothing live
-is bound to); bind the handshake ROUTER (tcp on loopback, a port the OS
-picks), the input ROUTER and the output PULL (ipc sockets in a private 0700
-directory); launch the engine in its own session, which dials the handshake
-socket; HELLO → init addresses → ready response (on the input socket) and
-READY (on the handshake socket, in either order); check the ready response
-with the launcher (a version guard); then the link is up and the receive
-loop decodes each output frame once, journals it as received, and hands it
-to the hub.
+is bound to); bind the handshake ROUTER, the input ROUTER and the output PULL
+(ipc sockets in a private 0700 directory); launch the engine in its own
+session, which dials the handshake socket; HELLO → init addresses → ready
+response (on the input socket) and READY (on the handshake socket, in either
+order); close the handshake socket; check the ready response with the
+launcher (a version guard); then the link is up and the receive loop decodes
+each output frame once, journals it as received, and hands it to the hub.
+Frames from anyone but the engine on the handshake socket are ignored and
+journaled (``runtime/handshake_gate.py``).
 
 Supervision (the reference servicer's knobs, see ``Supervision``):
 - start-up: the handshake may be silent for ``startup_timeout_s``, extended
@@ -35,6 +36,7 @@ import logging
 import math
 import os
 import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -70,7 +72,17 @@ from enginelink.runtime.engine_process import (
     socket_dir,
     wait_session_gone,
 )
-from enginelink.runtime.launchers import EngineLauncher
+from enginelink.runtime.engine_output import RELAY_DRAIN_S, EngineOutputRelay, Redactor
+from enginelink.runtime.handshake_gate import (
+    HANDSHAKE_MESSAGE_MAX_BYTES,
+    HandshakeBroken,
+    HandshakeGate,
+    bound_handshake_socket,
+    bound_input_socket,
+    poll_engine,
+    receive_from_engine,
+)
+from enginelink.runtime.launchers import EngineLauncher, launch_secrets
 from enginelink.runtime.zmq_trio import has_message, make_socket, recv_multipart, wait_fd
 from enginelink.wire import vllm as vllm_wire
 from enginelink.wire.engine import EngineCodec, EngineDead, OutputBatch, WireError
@@ -153,6 +165,7 @@ class EngineLink:
         self.ready: dict = {}
         self.engine_facts: dict = {}
         self.process: trio.Process | None = None
+        self._relay: EngineOutputRelay | None = None
         self.on_batch: Callable[[OutputBatch, float], None] = lambda batch, now: None
         self.on_failure: Callable[[str, float], None] = lambda message, now: None
         # (requests in flight, prompt tokens not yet prefilled), for the silence limit.
@@ -215,28 +228,40 @@ class EngineLink:
         inputs = make_socket(self._context, zmq.ROUTER)
         outputs = make_socket(self._context, zmq.PULL)
         inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        bound_input_socket(inputs)
         monitor = None
         try:
             directory = socket_dir()
             for path in remove_stale_files(directory):
                 log.info("removed stale %s (nothing was bound to it)", path)
-            port = handshake.bind_to_random_port("tcp://127.0.0.1")
             base = directory / f"{SOCKET_PREFIX}{os.getpid()}-{self.name}"
             in_path, out_path = Path(f"{base}-in.sock"), Path(f"{base}-out.sock")
-            facts_path = Path(f"{base}-facts.json")
-            self._paths = [in_path, out_path, facts_path]
+            hs_path, facts_path = Path(f"{base}-hs.sock"), Path(f"{base}-facts.json")
+            self._paths = [in_path, out_path, hs_path, facts_path]
             facts_path.unlink(missing_ok=True)
+            bound_handshake_socket(handshake)
+            handshake.bind(f"ipc://{hs_path}")
             inputs.bind(f"ipc://{in_path}")
             outputs.bind(f"ipc://{out_path}")
             monitor = outputs.get_monitor_socket(_MONITOR_EVENTS)
-            argv, env = self.launcher.command(f"tcp://127.0.0.1:{port}")
-            self._journal_handshake("launch", {"argv": self.launcher.redacted(argv), "handshake_port": port})
+            argv, env = self.launcher.command(f"ipc://{hs_path}")
+            engine_env = {**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}
+            # Secrets of the launch (argv's and the environment's), hidden wherever they appear.
+            redactor = Redactor(launch_secrets(argv, engine_env))
+            shown_argv = [redactor.line(arg) for arg in self.launcher.redacted(argv)]
+            self._journal_handshake("launch", {"argv": shown_argv, "handshake": f"ipc://{hs_path}",
+                                               "handshake_message_max_bytes": HANDSHAKE_MESSAGE_MAX_BYTES})
             failure: LinkFailed | None = None
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                for warning in getattr(self.launcher, "warnings", ()):
+                    log.warning("%s", warning)
+                # Both of the engine's streams on one pipe, relayed with its secrets hidden.
                 self.process = await trio.lowlevel.open_process(
-                    argv, env={**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}, start_new_session=True
+                    argv, env=engine_env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
                 )
+                self._relay = EngineOutputRelay(self.process.stdout, redactor)
+                nursery.start_soon(self._relay.pump)
                 priority = lower_priority(self.process.pid, self.engine_nice)
                 if self.servicer_sched == "batch":
                     priority["servicer"] = run_threads_as_batch()
@@ -245,6 +270,9 @@ class EngineLink:
                 nursery.start_soon(self._watch_process)
                 nursery.start_soon(self._supervise_startup)
                 failure = await self._start_up(handshake, inputs, in_path, out_path, facts_path)
+                # The engine is up (or gone): nobody may reach the handshake socket any more.
+                handshake.close(linger=0)
+                hs_path.unlink(missing_ok=True)
                 if failure is None:
                     if self.placement == "auto":
                         # After the handshake: vLLM binds its compute threads while it loads.
@@ -266,9 +294,21 @@ class EngineLink:
             for sock in (handshake, inputs, outputs, monitor):
                 if sock is not None:
                     sock.close(linger=0)
-            await self.stop_engine()
+            await self._stop_engine_relaying()
             for path in self._paths:
                 path.unlink(missing_ok=True)
+
+    async def _stop_engine_relaying(self) -> None:
+        """Stop the engine while its last words are still relayed (it must never block on the pipe)."""
+        relay = self._relay
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                if relay is not None and not relay.done:
+                    nursery.start_soon(relay.pump)
+                await self.stop_engine()
+                nursery.cancel_scope.deadline = trio.current_time() + RELAY_DRAIN_S
+            if relay is not None and not relay.done:  # a stray still holds the pipe: stop reading it
+                await relay.stream.aclose()
 
     async def stop_engine(self) -> None:
         """Stop the engine once (``_end_process``), shielded; later callers wait for that one stop."""
@@ -342,7 +382,7 @@ class EngineLink:
         with trio.CancelScope() as self._startup_scope:
             try:
                 await handshake()
-            except (LinkFailed, msgspec.DecodeError) as error:
+            except (LinkFailed, HandshakeBroken, msgspec.DecodeError) as error:
                 self._fail(f"engine broke the handshake: {error}")
             else:
                 self._handshake_done = True
@@ -364,11 +404,17 @@ class EngineLink:
         return None
 
     async def _handshake(self, handshake, inputs, in_address: str, out_address: str) -> None:
-        identity, payload = await recv_multipart(handshake)
-        hello = msgspec.msgpack.decode(payload)
+        gate = HandshakeGate(self.process.pid, self._journal_handshake)
+        try:
+            await self._handshake_with(gate, handshake, inputs, in_address, out_address)
+        finally:
+            summary = gate.summary()
+            if summary is not None:
+                self._journal_handshake("strangers", summary)
+
+    async def _handshake_with(self, gate: HandshakeGate, handshake, inputs, in_address: str, out_address: str) -> None:
+        identity, hello = await receive_from_engine(handshake, gate)
         self._journal_handshake("hello", hello)
-        if not isinstance(hello, dict) or hello.get("status") != "HELLO":
-            raise LinkFailed(f"engine sent {hello!r} instead of HELLO on the handshake socket")
         self._identity = identity
         init = vllm_wire.encode_handshake_init(
             vllm_wire.HandshakeInit(addresses=vllm_wire.HandshakeAddresses(inputs=[in_address], outputs=[out_address]))
@@ -380,23 +426,16 @@ class EngineLink:
         got_ready = got_ready_response = False
         while not (got_ready and got_ready_response):
             if not got_ready_response:
-                try:
-                    _, payload = inputs.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-                else:
-                    self.ready = msgspec.msgpack.decode(payload)
+                ready = poll_engine(inputs, gate)
+                if ready is not None:
+                    self.ready = ready
                     self._journal_handshake("ready", self.ready)
                     got_ready_response = True
             if not got_ready:
-                try:
-                    _, payload = handshake.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-                else:
-                    message = msgspec.msgpack.decode(payload)
+                message = poll_engine(handshake, gate)
+                if message is not None:
                     self._journal_handshake("READY", message)
-                    got_ready = isinstance(message, dict) and message.get("status") == "READY"
+                    got_ready = message.get("status") == "READY"
             await trio.sleep(HANDSHAKE_POLL_S)
 
     def _read_facts(self, facts_path: Path) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -41,13 +42,62 @@ NICE_MAX = 19
 STALE_SOCKET_MIN_AGE_S = 2.0
 
 
+class SocketDirError(Exception):
+    """The ipc socket directory is not private to us (operator's fault: exit 2)."""
+
+
 def socket_dir() -> Path:
-    """The private directory for ipc sockets (``SMG_ZMQ_SOCKET_DIR`` honoured)."""
+    """The private directory for ipc sockets (``SMG_ZMQ_SOCKET_DIR`` honoured).
+
+    Why so strict: the engine's handshake, input and output sockets live
+    here, and whoever controls the directory can connect to them or put
+    their own in their place. So it must be a real directory (a symlink is
+    refused, never followed), owned by this uid, with mode 0700. One we
+    create is made so; one found otherwise is refused, never repaired: its
+    owner, or whoever could write to it, may already have a file there.
+    """
     configured = os.environ.get("SMG_ZMQ_SOCKET_DIR")
     path = Path(configured) if configured else Path(tempfile.gettempdir()) / f"smg-zmq-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path.chmod(0o700)
+    if configured:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    created = False
+    try:
+        os.mkdir(path, 0o700)  # never follows a symlink at ``path``: EEXIST
+        created = True
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise SocketDirError(_socket_dir_advice(path, f"cannot be created ({error.strerror})")) from None
+    info = os.lstat(path)
+    if created and stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+        os.chmod(path, 0o700, follow_symlinks=False)  # the umask may have taken bits off
+        info = os.lstat(path)
+    problem = socket_dir_problem(info)
+    if problem:
+        raise SocketDirError(_socket_dir_advice(path, problem))
     return path
+
+
+def socket_dir_problem(info: os.stat_result) -> str | None:
+    """Why a directory with this ``lstat`` may not hold our sockets; None if it may."""
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid != os.getuid():
+        return f"is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+    mode = stat.S_IMODE(info.st_mode)
+    if mode != 0o700:
+        return f"has mode {mode:04o}, not 0700"
+    return None
+
+
+def _socket_dir_advice(path: Path, problem: str) -> str:
+    return (
+        f"ipc socket directory {path} {problem}: enginelink keeps its engine sockets only in a private "
+        f"directory. Remove it (or fix it: owned by uid {os.getuid()}, mode 0700, not a link), or set "
+        "SMG_ZMQ_SOCKET_DIR to a directory that is"
+    )
 
 
 def socket_is_live(path: Path) -> bool:
@@ -394,3 +444,13 @@ def signal_session(session: int, sig: int) -> None:
 async def wait_session_gone(process: trio.Process, session: int) -> None:
     while session_alive(process, session):
         await trio.sleep(0.05)
+
+
+def session_of(pid: int) -> int | None:
+    """The session id of process ``pid`` (Linux /proc); None when it is gone or cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat_line = fh.read()
+        return int(stat_line[stat_line.rindex(b")") + 2 :].split()[3])  # state ppid pgrp session
+    except (OSError, ValueError, IndexError):
+        return None

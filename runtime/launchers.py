@@ -27,10 +27,18 @@ VLLM_CPU_KVCACHE_SPACE_DEFAULT = "1"
 # Values of flags with one of these words in their name never go to the
 # journal or logs verbatim (``--hf-token X``, ``--api-key=X``); whole words
 # only, so ``--max-num-batched-tokens`` or ``--tokenizer`` stay readable.
-_SECRET_WORDS = frozenset({"token", "key", "secret", "password", "passwd", "credential", "credentials", "auth"})
+SECRET_WORDS = frozenset({"token", "key", "secret", "password", "passwd", "credential", "credentials", "auth"})
 # ``scheme://user:password@host``: the password goes.
-_URL_CREDENTIALS = re.compile(r"(://[^/\s:@]+:)[^/\s@]+@")
+URL_CREDENTIALS = re.compile(r"(://[^/\s:@]+:)([^/\s@]+)@")
 REDACTED = "<redacted>"
+# Credential flags of ``vllm serve`` that a headless engine takes from its
+# environment instead (vLLM's model loader, huggingface_hub, reads HF_TOKEN):
+# moved there, so the value is never in a command line (``ps``, /proc, an
+# argument error's echo).
+SECRET_FLAGS_TO_ENV = {"--hf-token": "HF_TOKEN"}
+# Flags of ``vllm serve``'s API server that a headless engine core has no use
+# for (and its parser refuses, echoing them): dropped, with a warning.
+FRONT_END_SECRET_FLAGS = ("--api-key",)
 
 
 class EngineLauncher(Protocol):
@@ -47,7 +55,7 @@ class LauncherError(Exception):
 
 def _secret_flag(flag: str) -> bool:
     name = flag.lstrip("-").split("=", 1)[0].lower()
-    return any(word in _SECRET_WORDS for word in re.split(r"[-_.]", name))
+    return any(word in SECRET_WORDS for word in re.split(r"[-_.]", name))
 
 
 def _redact_json(value):
@@ -56,7 +64,7 @@ def _redact_json(value):
     if isinstance(value, list):
         return [_redact_json(v) for v in value]
     if isinstance(value, str):
-        return _URL_CREDENTIALS.sub(rf"\1{REDACTED}@", value)
+        return URL_CREDENTIALS.sub(rf"\1{REDACTED}@", value)
     return value
 
 
@@ -67,7 +75,7 @@ def _redact_value(value: str) -> str:
             return json.dumps(_redact_json(json.loads(value)), separators=(",", ":"))
         except ValueError:
             pass
-    return _URL_CREDENTIALS.sub(rf"\1{REDACTED}@", value)
+    return URL_CREDENTIALS.sub(rf"\1{REDACTED}@", value)
 
 
 def redact_args(argv: list[str]) -> list[str]:
@@ -96,6 +104,77 @@ def redact_args(argv: list[str]) -> list[str]:
     return out
 
 
+def move_secrets(argv: list[str]) -> tuple[list[str], dict[str, str], list[str]]:
+    """``argv`` without the credential flags a headless engine takes otherwise:
+    (argv, environment to add, warnings). ``--hf-token`` with no value (use
+    the cached login) stays as it is."""
+    out: list[str] = []
+    env: dict[str, str] = {}
+    warnings: list[str] = []
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        flag, has_value, value = arg.partition("=")
+        if flag in SECRET_FLAGS_TO_ENV or flag in FRONT_END_SECRET_FLAGS:
+            if not has_value and index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+                value, has_value = argv[index + 1], True
+                index += 1
+            if flag in FRONT_END_SECRET_FLAGS:
+                warnings.append(f"{flag} is a flag of vllm serve's API server; a headless engine core does not "
+                                "use it: dropped (enginelink's clients reach the engine only through enginelink)")
+            elif has_value:
+                env[SECRET_FLAGS_TO_ENV[flag]] = value
+            else:
+                out.append(arg)
+            index += 1
+            continue
+        out.append(arg)
+        index += 1
+    return out, env, warnings
+
+
+def _json_secrets(value, found: set[str]) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _secret_flag(str(key)) and isinstance(item, (str, int, float)) and not isinstance(item, bool):
+                found.add(str(item))
+            else:
+                _json_secrets(item, found)
+    elif isinstance(value, list):
+        for item in value:
+            _json_secrets(item, found)
+    elif isinstance(value, str):
+        found.update(match.group(2) for match in URL_CREDENTIALS.finditer(value))
+
+
+def launch_secrets(argv: list[str], env: dict[str, str]) -> set[str]:
+    """Every secret value in a launch: what ``redact_args`` hides in ``argv``
+    (credential flags' values, secret keys of JSON values, URL passwords) and
+    the values of secret-named variables in ``env``. The engine's output is
+    searched for each (``runtime/engine_output.py``)."""
+    found: set[str] = set()
+    for index, arg in enumerate(argv):
+        flag, has_value, value = arg.partition("=")
+        if arg.startswith("--") and _secret_flag(arg):
+            if has_value:
+                found.add(value)
+            elif index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+                found.add(argv[index + 1])
+            continue
+        text = value if (arg.startswith("--") and has_value) else arg
+        if text.lstrip().startswith("{"):
+            try:
+                _json_secrets(json.loads(text), found)
+                continue
+            except ValueError:
+                pass
+        _json_secrets(text, found)
+    for name, value in env.items():
+        if value and any(word in SECRET_WORDS for word in re.split(r"[-_.]", name.lower())):
+            found.add(value)
+    return found
+
+
 @dataclass
 class SimLauncher:
     """The embedded sim engine, run as ``python -m enginelink.tools.sim_engine``."""
@@ -103,6 +182,7 @@ class SimLauncher:
     model_dir: Path
     extra_args: list[str] = field(default_factory=list)
     engine: str = "vllm"  # it speaks the vLLM wire
+    warnings: list[str] = field(default_factory=list)  # from the last ``command``
 
     def command(self, handshake_address: str) -> tuple[list[str], dict[str, str]]:
         argv = [
@@ -113,9 +193,9 @@ class SimLauncher:
             handshake_address,
             "--model",
             str(self.model_dir),
-            *self.extra_args,
         ]
-        return argv, {}
+        extra, env, self.warnings = move_secrets(self.extra_args)
+        return argv + extra, env
 
     def redacted(self, argv: list[str]) -> list[str]:
         return redact_args(argv)
@@ -164,6 +244,7 @@ class VllmLauncher:
     # The release the launch check verified; the ready response must say the same.
     checked_version: str = ""
     engine: str = "vllm"
+    warnings: list[str] = field(default_factory=list)  # from the last ``command``
 
     def command(self, handshake_address: str) -> tuple[list[str], dict[str, str]]:
         argv = [
@@ -174,9 +255,9 @@ class VllmLauncher:
             "--",
             "--model",
             str(self.model_dir),
-            *self.extra_args,
         ]
-        env: dict[str, str] = {}
+        extra, env, self.warnings = move_secrets(self.extra_args)
+        argv += extra
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and flag_value(self.extra_args, "--kv-cache-memory-bytes") is None:
             env["VLLM_CPU_KVCACHE_SPACE"] = VLLM_CPU_KVCACHE_SPACE_DEFAULT
         return argv, env

@@ -2,7 +2,7 @@
 
 Run BY PATH with the vLLM venv's python (enginelink is not installed there):
 
-    VENV/bin/python vllm_headless.py --handshake tcp://127.0.0.1:PORT \
+    VENV/bin/python vllm_headless.py --handshake ipc:///PRIVATE/DIR/hs.sock \
         [--facts PATH] -- --model DIR [vLLM engine args...]
         (--facts defaults to $ENGINELINK_ENGINE_FACTS, which enginelink sets)
     VENV/bin/python vllm_headless.py --print-layout
@@ -98,9 +98,13 @@ def run_engine(handshake: str, facts_path: str | None, engine_argv: list[str]) -
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm-headless (enginelink)"))
     args = parser.parse_args(engine_argv)
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    address = urlsplit(handshake)
-    engine_args.data_parallel_address = address.hostname
-    engine_args.data_parallel_rpc_port = address.port
+    if handshake.startswith("tcp://"):
+        # Only a tcp handshake names a host and port; for ipc (enginelink's
+        # own, in its private socket directory) vLLM's defaults stand: one
+        # node, and the manager dials the address it is given as it is.
+        address = urlsplit(handshake)
+        engine_args.data_parallel_address = address.hostname
+        engine_args.data_parallel_rpc_port = address.port
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
     parallel = vllm_config.parallel_config
     if parallel.data_parallel_size_local <= 0:
@@ -148,7 +152,7 @@ def main(argv: list[str]) -> int:
         own, engine_argv = argv, []
     parser = argparse.ArgumentParser(prog="vllm_headless.py")
     parser.add_argument("--print-layout", action="store_true")
-    parser.add_argument("--handshake", help="enginelink's handshake ROUTER, tcp://HOST:PORT")
+    parser.add_argument("--handshake", help="enginelink's handshake ROUTER: ipc://PATH (what enginelink passes) or tcp://HOST:PORT")
     parser.add_argument("--facts", default=os.environ.get("ENGINELINK_ENGINE_FACTS"),
                         help="write resolved engine facts (JSON) here (default: $ENGINELINK_ENGINE_FACTS)")
     args = parser.parse_args(own)

@@ -31,6 +31,7 @@ from enginelink.journal.records import KIND_KV_BATCH, KIND_KV_INCARNATION, KIND_
 from enginelink.journal.fold import TERMINAL_REQUEST_STATES, FoldState, fold
 from enginelink.journal.journal import FLUSH_INTERVAL_S, default_journal_path
 from enginelink.journal.store import Reader, StoreError, open_reader
+from enginelink.journal.store_health import read_health
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
 from enginelink.runtime.engine_process import describe_placement, describe_priority, pid_alive
 
@@ -209,6 +210,8 @@ def journal_facts(reader: Reader, path: Path) -> dict[str, Any]:
         "bytes_max": meta.get("bytes_max"),
         "schema_version": meta.get("schema_version"),
         "last_snapshot_seq": None if snap is None else snap.seq,
+        # Whether the servicer can write this file: the journal cannot say so itself on a full disk.
+        "health": read_health(path),
     }
 
 
@@ -271,6 +274,7 @@ def render_view(view: dict[str, Any]) -> str:
             f"{_bytes(jr['bytes_max'])} payload ({100 * jr['payload_bytes'] / max(1, jr['bytes_max']):.1f}% used); "
             f"last snapshot: {'none' if jr['last_snapshot_seq'] is None else 'seq ' + str(jr['last_snapshot_seq'])}"
         )
+    lines += render_health(jr.get("health"), run.get("pid"))
     lines += render_links(view["links"])
     lines += render_requests(view["requests"])
     if view["ended_recently"]:
@@ -279,6 +283,20 @@ def render_view(view: dict[str, Any]) -> str:
         lines.append("warm-up requests: " + ", ".join(f"{n} {s}" for s, n in sorted(view["warmup"].items())))
     lines += render_kv(view.get("kv"))
     return "\n".join(lines)
+
+
+def render_health(health: dict[str, Any] | None, pid: int | None) -> list[str]:
+    """The journal file's health as the servicer last wrote it (``journal/store_health.py``)."""
+    if health is None or health.get("pid") != pid:
+        return []  # none, or another run's
+    if not health.get("writing", True):
+        return [f"  NOT WRITING to this file since {_iso(health.get('since'))} ({health.get('error')}): "
+                f"{health.get('dropped_in_episode', 0):,} records dropped from it so far; the servicer keeps "
+                "serving, and this view lacks what it could not write"]
+    if health.get("episodes"):
+        return [f"  writing (it failed {health['episodes']} time(s) before, last: {health.get('error')}; "
+                f"the dropped records are a gap in seq)"]
+    return []
 
 
 def render_kv(kv: dict[str, Any] | None) -> list[str]:

@@ -123,7 +123,9 @@ def default_model_dir() -> Path:
     from enginelink.tools.test_model import is_complete, make_test_model
 
     # Our own managed directory: a build from an older recipe is replaced.
-    path = Path(platformdirs.user_state_dir("enginelink")) / "test-model"
+    state = Path(platformdirs.user_state_dir("enginelink"))
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)  # journals (prompts' token ids) live here too
+    path = state / "test-model"
     return make_test_model(path, force=not is_complete(path))
 
 
@@ -152,10 +154,15 @@ def _metrics_port(args: argparse.Namespace) -> int | None:
 def _kv_events(engine: str, engine_args: list[str]):
     """The engine args with the KV-event publisher turned on (unless off or given), and the relay's plan."""
     from enginelink.runtime.engine_link import SOCKET_PREFIX, socket_dir
+    from enginelink.runtime.engine_process import SocketDirError
     from enginelink.runtime.kv_config import KvConfigError, plan_kv_events
 
     try:
-        return plan_kv_events(engine, engine_args, os.environ, socket_dir=socket_dir(),
+        directory = socket_dir()  # checked here, before anything starts: exit 2 if not private
+    except SocketDirError as error:
+        raise ConfigError(str(error)) from None
+    try:
+        return plan_kv_events(engine, engine_args, os.environ, socket_dir=directory,
                               prefix=f"{SOCKET_PREFIX}{os.getpid()}-{engine}")  # fmt: skip
     except KvConfigError as error:
         raise ConfigError(str(error)) from None

@@ -46,7 +46,7 @@ IDLE_POLL_MS = 100  # how often an idle engine checks for signals and its parent
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--handshake", required=True, help="the front end's handshake ROUTER, tcp://HOST:PORT")
+    parser.add_argument("--handshake", required=True, help="the front end's handshake ROUTER: ipc://PATH or tcp://HOST:PORT")
     parser.add_argument("--model", required=True, type=Path, help="model directory holding config.json")
     parser.add_argument("--rank", type=int, default=0, help="data-parallel rank (engine index and identity)")
     parser.add_argument("--prefill-us-per-token", type=float, default=0.0)
@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=None, help="default: config.json vocab_size")
     parser.add_argument("--startup-delay-s", type=float, default=0.0,
                         help="seconds between the handshake init and the ready response (model loading)")
+    parser.add_argument("--hello-gate", type=Path, default=None, metavar="PATH",
+                        help="fault injection: hold HELLO until PATH exists (tests act before the handshake)")
     parser.add_argument("--bind-cpu", type=int, default=None, metavar="CPU",
                         help="while loading, bind one thread to CPU, as vLLM's CPU backend binds its Worker's "
                         "OpenMP thread (for placement tests; the thread only waits)")
@@ -147,6 +149,11 @@ def _handshake(
     hs = ctx.socket(zmq.DEALER)
     hs.setsockopt(zmq.IDENTITY, identity)
     hs.setsockopt(zmq.LINGER, 5000)
+    while args.hello_gate is not None and not args.hello_gate.exists():
+        if life.reason():
+            hs.close(linger=0)
+            return None
+        time.sleep(IDLE_POLL_MS / 1000)
     hs.connect(args.handshake)
     hs.send(vllm.encode_handshake_status(vllm.HandshakeStatus(status="HELLO", local=False, headless=True)))
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
