@@ -9,15 +9,43 @@
   the request was open → UNAVAILABLE (nothing to fix in the request).
 - ``Precondition``: the servicer cannot do this here (no tokenizer files) →
   FAILED_PRECONDITION.
-- anything else is our bug → INTERNAL.
+- a request message that does not decode (protobuf ``DecodeError``) is the
+  client's → INVALID_ARGUMENT;
+- anything else is our bug → INTERNAL, and ``grpc_errors`` reports it: the
+  traceback logged (in full the first time a bug is seen, one line with its
+  count after), an ``internal_error`` journal record, and
+  ``smg_servicer_internal_errors_total{rpc}`` (plus ``errors_total{code="INTERNAL"}``
+  for Generate). A bug must never leave only a status behind.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import logging
+import traceback
 
+import trio
+from google.protobuf.message import DecodeError
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+
+from enginelink.journal.records import KIND_INTERNAL_ERROR, RUN_STREAM
+
+log = logging.getLogger("enginelink.errors")
+
+# A journaled traceback keeps its last this many characters (the innermost frames).
+TRACEBACK_CHARS_MAX = 8192
+# Distinct bugs (type and raising line) whose traceback is logged in full; past
+# it every bug gets the one-line form, so a client that keeps hitting bugs
+# cannot grow this table or flood the log with tracebacks.
+BUG_SITES_MAX = 256
+# The request id a handler is serving, for the report of a bug it hits (set per
+# grpclib handler task, so concurrent calls do not see each other's).
+current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "enginelink_request_id", default=None
+)
+_bug_sites: dict[tuple[str, str, int], int] = {}
 
 
 class ServicerError(Exception):
@@ -78,14 +106,53 @@ def to_grpc_error(error: BaseException) -> GRPCError:
         return error
     if isinstance(error, ServicerError):
         return GRPCError(error.status, str(error))
+    if isinstance(error, DecodeError):
+        # grpclib decodes the request in ``recv_message``: bytes that are not the
+        # RPC's message are the client's fault, whatever the handler does next.
+        return GRPCError(Status.INVALID_ARGUMENT, f"request: the message does not decode: {error}")
     return GRPCError(Status.INTERNAL, f"internal error in enginelink: {type(error).__name__}: {error}")
+
+
+def report_bug(rpc: str, error: BaseException, *, journal=None, metrics=None) -> None:
+    """An unexpected exception in a handler: log it, journal it, count it (once each)."""
+    request_id = current_request_id.get()
+    frames = traceback.extract_tb(error.__traceback__)
+    where = frames[-1] if frames else None
+    site = (type(error).__name__, where.filename if where else "?", where.lineno or 0 if where else 0)
+    seen = _bug_sites.get(site)
+    if seen is None and len(_bug_sites) < BUG_SITES_MAX:
+        _bug_sites[site] = 1
+        log.error("bug in %s (request %r): %s: %s", rpc, request_id, type(error).__name__, error, exc_info=error)
+    else:
+        count = _bug_sites[site] = (seen or 0) + 1
+        log.error("bug in %s (request %r): %s: %s at %s:%s (seen %d times; traceback logged the first time)",
+                  rpc, request_id, type(error).__name__, error, site[1], site[2], count)
+    if metrics is not None:
+        metrics.internal_error(rpc)
+    if journal is not None:
+        text = "".join(traceback.format_exception(error))
+        journal.append(
+            trio.current_time(),
+            RUN_STREAM,
+            KIND_INTERNAL_ERROR,
+            {
+                "rpc": rpc,
+                "type": type(error).__name__,
+                "message": str(error)[:TRACEBACK_CHARS_MAX],
+                "traceback": text[-TRACEBACK_CHARS_MAX:],
+                "request_id": request_id,
+            },
+        )
 
 
 def grpc_errors(handler):
     """Wrap a grpclib handler so every failure leaves through ``to_grpc_error``.
 
     Without it grpclib reports unexpected exceptions as UNKNOWN; ours say
-    whose fault they are. Cancellation (BaseException) passes through.
+    whose fault they are. An INTERNAL is our bug: ``report_bug`` logs,
+    journals and counts it, through the service's ``journal`` and
+    ``metrics`` attributes where it has them. Cancellation (BaseException)
+    passes through.
     """
 
     @functools.wraps(handler)
@@ -95,6 +162,13 @@ def grpc_errors(handler):
         except GRPCError:
             raise
         except Exception as error:
-            raise to_grpc_error(error) from error
+            status = to_grpc_error(error)
+            if status.status is Status.INTERNAL:
+                try:
+                    report_bug(handler.__name__, error, journal=getattr(self, "journal", None),
+                               metrics=getattr(self, "metrics", None))
+                except Exception:  # the report must not replace the answer
+                    log.exception("could not report a bug in %s", handler.__name__)
+            raise status from error
 
     return wrapper

@@ -19,11 +19,28 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
-from enginelink.runtime.errors import grpc_errors
+from enginelink.runtime.errors import ClientError, Unimplemented, current_request_id, grpc_errors
 from enginelink.runtime.generate import generate
 from enginelink.runtime.grpc_transport import DirectSender, FrameWrites
 from enginelink.runtime.profiling import check_start_options, profile
 from enginelink.runtime.grpc_kv import FlushError, flush_cache, subscribe_kv_events
+from enginelink.runtime.validate import input_limits, validate_abort_ids
+
+
+async def recv_request(stream):
+    """The call's request message; what grpclib cannot read as one is the client's fault.
+
+    grpclib reads the 5-byte prefix and the body it announces; a stream that
+    ends before the body does trips its length assertion, and a compressed
+    message its NotImplementedError (bytes that are not the message raise
+    protobuf's DecodeError, which ``errors.to_grpc_error`` maps).
+    """
+    try:
+        return await stream.recv_message()
+    except AssertionError as error:
+        raise ClientError("request", f"the message ended before the length its prefix gave ({error})") from None
+    except NotImplementedError:
+        raise Unimplemented("request: compressed messages are not supported; send them uncompressed") from None
 
 
 class VllmEngineService(VllmEngineBase):
@@ -33,42 +50,54 @@ class VllmEngineService(VllmEngineBase):
         self.frame_writes = frame_writes
         self.kv_relay = kv_relay  # runtime.kv_relay.KvRelayShell; None: KV events are off
 
+    # Where ``errors.grpc_errors`` reports a bug a handler hit.
+    @property
+    def journal(self):
+        return self.app.journal
+
+    @property
+    def metrics(self):
+        return self.app.hub.metrics
+
     # -- Generate / Abort -----------------------------------------------------------
 
     @grpc_errors
     async def Generate(self, stream) -> None:
-        request = await stream.recv_message()
+        request = await recv_request(stream)
+        current_request_id.set(request.request_id[:256])  # for the report of a bug, if any
         # runtime/generate.py: the one Generate loop (the simulation runs it too).
         await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message,
                        direct=DirectSender(stream, self.frame_writes))
 
     @grpc_errors
     async def Abort(self, stream) -> None:
-        request = await stream.recv_message()
-        self.app.hub.abort(list(request.request_ids), "abort_rpc", trio.current_time())
+        request = await recv_request(stream)
+        # The same id rules as Generate: no client may abort the servicer's own (warm-up) requests.
+        request_ids = validate_abort_ids(request.request_ids, input_limits())
+        self.app.hub.abort(request_ids, "abort_rpc", trio.current_time())
         await stream.send_message(pb.AbortResponse())
 
     # -- health and facts -----------------------------------------------------------
 
     @grpc_errors
     async def HealthCheck(self, stream) -> None:
-        await stream.recv_message()
+        await recv_request(stream)
         link = self.app.link.machine
         await stream.send_message(pb.HealthCheckResponse(healthy=link.healthy, message=link.health_message))
 
     @grpc_errors
     async def GetModelInfo(self, stream) -> None:
-        await stream.recv_message()
+        await recv_request(stream)
         await stream.send_message(self.app.model_info())
 
     @grpc_errors
     async def GetServerInfo(self, stream) -> None:
-        await stream.recv_message()
+        await recv_request(stream)
         await stream.send_message(self.app.server_info())
 
     @grpc_errors
     async def GetLoads(self, stream) -> None:
-        await stream.recv_message()
+        await recv_request(stream)
         app = self.app
         loads = app.loads.scheduler_loads(app.max_num_seqs, app.kv_capacity_tokens)
         await stream.send_message(
@@ -82,7 +111,7 @@ class VllmEngineService(VllmEngineBase):
 
     @grpc_errors
     async def GetTokenizer(self, stream) -> None:
-        await stream.recv_message()
+        await recv_request(stream)
         chunks = self.app.tokenizer_chunks()
         for data, sha256 in chunks:
             await stream.send_message(common_pb2.GetTokenizerChunk(data=data, sha256=sha256))
@@ -95,7 +124,7 @@ class VllmEngineService(VllmEngineBase):
 
     @grpc_errors
     async def FlushCache(self, stream) -> None:
-        request = await stream.recv_message()
+        request = await recv_request(stream)
         try:
             reply = await trio_asyncio.trio_as_aio(flush_cache)(self.app.link, request.timeout_s)
         except FlushError as error:
@@ -110,12 +139,12 @@ class VllmEngineService(VllmEngineBase):
 
     @grpc_errors
     async def StartProfile(self, stream) -> None:
-        request = await stream.recv_message()
+        request = await recv_request(stream)
         check_start_options(request)
         await stream.send_message(await trio_asyncio.trio_as_aio(profile)(self.app.link, True))
 
     @grpc_errors
     async def StopProfile(self, stream) -> None:
-        await stream.recv_message()
+        await recv_request(stream)
         await stream.send_message(await trio_asyncio.trio_as_aio(profile)(self.app.link, False))
 

@@ -48,7 +48,7 @@ from enginelink.machines.link import WARMUP_REQUEST_PREFIX, LinkMachine
 from enginelink.machines.request import RequestEvent, RequestMachine, RequestState
 from enginelink.runtime.errors import DuplicateRequest, EngineFailure, ServicerError, Unavailable
 from enginelink.runtime.metrics import NoMetrics
-from enginelink.runtime.stops import StopMatcher
+from enginelink.runtime.stops import StopAutomaton, StopMatcher
 from enginelink.runtime.validate import GenerateCall
 from enginelink.wire.engine import EngineCodec, FinishReason, OutputBatch
 
@@ -114,14 +114,14 @@ class Call:
     def __init__(self, spec: GenerateCall, now: float, tokenizer, wake, metrics) -> None:
         self.spec = spec
         self.machine = RequestMachine(spec.request_id, now)
+        # One automaton per call, built once; each choice keeps only its place in it.
+        automaton = StopAutomaton(spec.stop_strings) if spec.stop_strings else None
         self.choices = [
             Choice(
                 index,
                 engine_id,
                 keep_output=not spec.stream,
-                stops=StopMatcher(spec.stop_strings, tokenizer, spec.skip_special_tokens)
-                if spec.stop_strings
-                else None,
+                stops=StopMatcher(automaton, tokenizer, spec.skip_special_tokens) if automaton else None,
             )
             for index, engine_id in enumerate(spec.engine_ids)
         ]

@@ -283,6 +283,8 @@ def summary(rec: Record, origin: Origin) -> str:
             return _clip(f"{p['link']} engine pid {p['pid']}: {facts}")
         case r.KIND_ERROR:
             return _clip(f"[{p['whose']}] {p['code']}: {p['message']}")
+        case r.KIND_INTERNAL_ERROR:
+            return _clip(f"[bug] {p['rpc']} (request {p.get('request_id')!r}): {p['type']}: {p['message']}")
         case r.KIND_SNAPSHOT:
             st = p["state"]
             live = sum(1 for v in st.get("requests", {}).values() if v["state"] not in ("finished", "aborted", "failed"))
@@ -371,6 +373,9 @@ def render_report(rep: Report, path) -> str:
         lines.append(f"{'ok  ' if not bad else 'FAIL'}  {check:<12} {detail[check]}")
         for v in bad:
             lines.append(f"        seq {v.seq}: {v.message}")
+    if rep.internal_errors:
+        lines.append(f"note  {rep.internal_errors} internal errors (servicer bugs answered INTERNAL; "
+                     "`journal show --kind internal_error` has their tracebacks)")
     lines.append("all invariants hold" if rep.ok else f"{len(rep.violations)} violations")
     return "\n".join(lines)
 
