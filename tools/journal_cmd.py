@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 
 from enginelink.journal import records as r
-from enginelink.journal.fold import FoldState, fold
+from enginelink.journal.fold import TERMINAL_REQUEST_STATES, FoldState, fold
 from enginelink.journal.records import Record
 from enginelink.journal.store import Reader, StoreError, open_reader
 from enginelink.journal.verify import CHECKS, Report, verify
@@ -286,9 +286,9 @@ def summary(rec: Record, origin: Origin) -> str:
         case r.KIND_INTERNAL_ERROR:
             return _clip(f"[bug] {p['rpc']} (request {p.get('request_id')!r}): {p['type']}: {p['message']}")
         case r.KIND_SNAPSHOT:
-            st = p["state"]
-            live = sum(1 for v in st.get("requests", {}).values() if v["state"] not in ("finished", "aborted", "failed"))
-            return f"state as of seq {rec.seq - 1}: {len(st.get('links', {}))} links, {len(st.get('requests', {}))} requests ({live} open)"
+            st = FoldState.from_snapshot(rec)
+            live = sum(1 for v in st.requests.values() if v.state not in TERMINAL_REQUEST_STATES)
+            return f"state as of seq {rec.seq - 1}: {len(st.links)} links, {len(st.requests)} requests ({live} open)"
         case r.KIND_RUN_START:
             wall = p.get("wall_time")
             when = "?" if wall is None else dt.datetime.fromtimestamp(wall, dt.timezone.utc).isoformat(timespec="milliseconds")
