@@ -85,7 +85,7 @@ class StopAutomaton:
 class StopMatcher:
     """One choice's stop-string state: its decoder and its place in the automaton."""
 
-    __slots__ = ("automaton", "tokenizer", "decoder", "state", "steps")
+    __slots__ = ("automaton", "tokenizer", "decoder", "state", "steps", "chars")
 
     def __init__(self, stops: tuple[str, ...] | StopAutomaton, tokenizer, skip_special_tokens: bool) -> None:
         self.automaton = stops if isinstance(stops, StopAutomaton) else StopAutomaton(stops)
@@ -96,6 +96,7 @@ class StopMatcher:
         # characters fed (each character deepens the state by at most one, each
         # failure link makes it shallower), whatever the stop set.
         self.steps = 0
+        self.chars = 0  # characters of text fed
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -133,4 +134,5 @@ class StopMatcher:
                 best = first[state]
         self.state = state
         self.steps += steps
+        self.chars += len(piece)
         return None if best == _NONE else automaton.stops[best]
