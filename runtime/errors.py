@@ -123,10 +123,13 @@ def report_bug(rpc: str, error: BaseException, *, journal=None, metrics=None) ->
     if seen is None and len(_bug_sites) < BUG_SITES_MAX:
         _bug_sites[site] = 1
         log.error("bug in %s (request %r): %s: %s", rpc, request_id, type(error).__name__, error, exc_info=error)
-    else:
-        count = _bug_sites[site] = (seen or 0) + 1
+    elif seen is not None:
+        count = _bug_sites[site] = seen + 1
         log.error("bug in %s (request %r): %s: %s at %s:%s (seen %d times; traceback logged the first time)",
                   rpc, request_id, type(error).__name__, error, site[1], site[2], count)
+    else:
+        log.error("bug in %s (request %r): %s: %s at %s:%s (traceback in the journal only: over %d distinct "
+                  "bugs this run)", rpc, request_id, type(error).__name__, error, site[1], site[2], BUG_SITES_MAX)
     if metrics is not None:
         metrics.internal_error(rpc)
     if journal is not None:
