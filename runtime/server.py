@@ -43,9 +43,9 @@ from enginelink.runtime.kv_metrics import KvRelayCollector
 from enginelink.runtime.kv_relay import KvRelayError, KvRelayShell, wall_sequence_base
 from enginelink.runtime.launchers import EngineLauncher
 from enginelink.runtime.metrics import Metrics, serve_metrics
-from enginelink.runtime.validate import input_limits
 from enginelink.runtime.model_dir import ModelFacts, load_tokenizer
 from enginelink.runtime.snapshots import run_snapshots
+from enginelink.runtime.validate import input_limits
 from enginelink.runtime.warmup import warm_up
 from enginelink.wire import codecs
 

@@ -242,10 +242,14 @@ def _json_nesting(name: str, text: str, limits: InputLimits) -> None:
 
 
 def validate_abort_ids(request_ids, limits: InputLimits) -> list[str]:
-    """The ids of an Abort call; refuses what no client call can be in flight under (a warm-up's, say)."""
+    """The ids of an Abort call; refuses what no client call can be in flight under (a warm-up's, say).
+
+    An empty id stays what the contract makes any unknown id: a no-op.
+    """
     ids = list(request_ids)
     for request_id in ids:
-        check_request_id("request_ids", request_id, limits)
+        if request_id:
+            check_request_id("request_ids", request_id, limits)
     return ids
 
 
