@@ -22,7 +22,8 @@ from __future__ import annotations
 import trio
 
 from enginelink.runtime.errors import ServicerError
-from enginelink.runtime.validate import check_request_id, input_limits, validate_generate
+from enginelink.runtime.inputs import check_request_id, input_limits
+from enginelink.runtime.validate import validate_generate
 
 
 async def generate(app, request, *, wake, send, direct=None) -> None:

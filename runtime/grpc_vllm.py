@@ -24,7 +24,7 @@ from enginelink.runtime.generate import generate
 from enginelink.runtime.grpc_transport import DirectSender, FrameWrites
 from enginelink.runtime.profiling import check_start_options, profile
 from enginelink.runtime.grpc_kv import FlushError, flush_cache, subscribe_kv_events
-from enginelink.runtime.validate import input_limits, validate_abort_ids
+from enginelink.runtime.inputs import input_limits, validate_abort_ids
 
 
 async def recv_request(stream):
@@ -64,7 +64,7 @@ class VllmEngineService(VllmEngineBase):
     @grpc_errors
     async def Generate(self, stream) -> None:
         request = await recv_request(stream)
-        current_request_id.set(request.request_id[:256])  # for the report of a bug, if any
+        current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
         # runtime/generate.py: the one Generate loop (the simulation runs it too).
         await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message,
                        direct=DirectSender(stream, self.frame_writes))

@@ -45,7 +45,7 @@ from enginelink.runtime.launchers import EngineLauncher
 from enginelink.runtime.metrics import Metrics, serve_metrics
 from enginelink.runtime.model_dir import ModelFacts, load_tokenizer
 from enginelink.runtime.snapshots import run_snapshots
-from enginelink.runtime.validate import input_limits
+from enginelink.runtime.inputs import input_limits
 from enginelink.runtime.warmup import warm_up
 from enginelink.wire import codecs
 

@@ -27,7 +27,7 @@ from enginelink.runtime.launchers import (
     flag_value,
 )
 from enginelink.runtime.model_dir import ModelDirError, read_model_facts
-from enginelink.runtime.validate import InputKnobError, input_limits
+from enginelink.runtime.inputs import InputKnobError, input_limits
 
 
 class ConfigError(Exception):
