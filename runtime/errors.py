@@ -9,8 +9,9 @@
   the request was open → UNAVAILABLE (nothing to fix in the request).
 - ``Precondition``: the servicer cannot do this here (no tokenizer files) →
   FAILED_PRECONDITION.
-- a request message that does not decode (protobuf ``DecodeError``) is the
-  client's → INVALID_ARGUMENT;
+- a request message that does not decode (protobuf ``DecodeError``), or
+  ends before its length prefix said, is the client's → INVALID_ARGUMENT; a
+  compressed one → UNIMPLEMENTED (grpclib does not decompress);
 - anything else is our bug → INTERNAL, and ``grpc_errors`` reports it: the
   traceback logged (in full the first time a bug is seen, one line with its
   count after), an ``internal_error`` journal record, and
@@ -110,7 +111,27 @@ def to_grpc_error(error: BaseException) -> GRPCError:
         # grpclib decodes the request in ``recv_message``: bytes that are not the
         # RPC's message are the client's fault, whatever the handler does next.
         return GRPCError(Status.INVALID_ARGUMENT, f"request: the message does not decode: {error}")
+    if _raised_reading_the_request(error):
+        # grpclib's recv_message asserts the body was as long as its 5-byte prefix
+        # said (a stream that ended early), and refuses the compressed flag.
+        if isinstance(error, NotImplementedError):
+            return GRPCError(Status.UNIMPLEMENTED, "request: compressed messages are not supported; send them uncompressed")
+        return GRPCError(Status.INVALID_ARGUMENT, f"request: the message ended before the length its prefix gave ({error})")
     return GRPCError(Status.INTERNAL, f"internal error in enginelink: {type(error).__name__}: {error}")
+
+
+def _raised_reading_the_request(error: BaseException) -> bool:
+    """Whether ``error`` was raised by grpclib reading a request message (not by our code)."""
+    if not isinstance(error, (AssertionError, NotImplementedError)):
+        return False
+    codes = []
+    tb = error.__traceback__
+    while tb is not None:
+        codes.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    # Raised inside grpclib (its last frame), below its recv_message: nothing of ours ran in between.
+    return (bool(codes) and "grpclib" in codes[-1].co_filename
+            and any(c.co_name == "recv_message" and "grpclib" in c.co_filename for c in codes))
 
 
 def report_bug(rpc: str, error: BaseException, *, journal=None, metrics=None) -> None:

@@ -19,28 +19,12 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
-from enginelink.runtime.errors import ClientError, Unimplemented, current_request_id, grpc_errors
+from enginelink.runtime.errors import current_request_id, grpc_errors
 from enginelink.runtime.generate import generate
 from enginelink.runtime.grpc_transport import DirectSender, FrameWrites
 from enginelink.runtime.profiling import check_start_options, profile
 from enginelink.runtime.grpc_kv import FlushError, flush_cache, subscribe_kv_events
 from enginelink.runtime.inputs import input_limits, validate_abort_ids
-
-
-async def recv_request(stream):
-    """The call's request message; what grpclib cannot read as one is the client's fault.
-
-    grpclib reads the 5-byte prefix and the body it announces; a stream that
-    ends before the body does trips its length assertion, and a compressed
-    message its NotImplementedError (bytes that are not the message raise
-    protobuf's DecodeError, which ``errors.to_grpc_error`` maps).
-    """
-    try:
-        return await stream.recv_message()
-    except AssertionError as error:
-        raise ClientError("request", f"the message ended before the length its prefix gave ({error})") from None
-    except NotImplementedError:
-        raise Unimplemented("request: compressed messages are not supported; send them uncompressed") from None
 
 
 class VllmEngineService(VllmEngineBase):
@@ -63,7 +47,7 @@ class VllmEngineService(VllmEngineBase):
 
     @grpc_errors
     async def Generate(self, stream) -> None:
-        request = await recv_request(stream)
+        request = await stream.recv_message()
         current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
         # runtime/generate.py: the one Generate loop (the simulation runs it too).
         await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message,
@@ -71,7 +55,7 @@ class VllmEngineService(VllmEngineBase):
 
     @grpc_errors
     async def Abort(self, stream) -> None:
-        request = await recv_request(stream)
+        request = await stream.recv_message()
         # The same id rules as Generate: no client may abort the servicer's own (warm-up) requests.
         request_ids = validate_abort_ids(request.request_ids, input_limits())
         self.app.hub.abort(request_ids, "abort_rpc", trio.current_time())
@@ -81,23 +65,23 @@ class VllmEngineService(VllmEngineBase):
 
     @grpc_errors
     async def HealthCheck(self, stream) -> None:
-        await recv_request(stream)
+        await stream.recv_message()
         link = self.app.link.machine
         await stream.send_message(pb.HealthCheckResponse(healthy=link.healthy, message=link.health_message))
 
     @grpc_errors
     async def GetModelInfo(self, stream) -> None:
-        await recv_request(stream)
+        await stream.recv_message()
         await stream.send_message(self.app.model_info())
 
     @grpc_errors
     async def GetServerInfo(self, stream) -> None:
-        await recv_request(stream)
+        await stream.recv_message()
         await stream.send_message(self.app.server_info())
 
     @grpc_errors
     async def GetLoads(self, stream) -> None:
-        await recv_request(stream)
+        await stream.recv_message()
         app = self.app
         loads = app.loads.scheduler_loads(app.max_num_seqs, app.kv_capacity_tokens)
         await stream.send_message(
@@ -111,7 +95,7 @@ class VllmEngineService(VllmEngineBase):
 
     @grpc_errors
     async def GetTokenizer(self, stream) -> None:
-        await recv_request(stream)
+        await stream.recv_message()
         chunks = self.app.tokenizer_chunks()
         for data, sha256 in chunks:
             await stream.send_message(common_pb2.GetTokenizerChunk(data=data, sha256=sha256))
@@ -124,7 +108,7 @@ class VllmEngineService(VllmEngineBase):
 
     @grpc_errors
     async def FlushCache(self, stream) -> None:
-        request = await recv_request(stream)
+        request = await stream.recv_message()
         try:
             reply = await trio_asyncio.trio_as_aio(flush_cache)(self.app.link, request.timeout_s)
         except FlushError as error:
@@ -139,12 +123,12 @@ class VllmEngineService(VllmEngineBase):
 
     @grpc_errors
     async def StartProfile(self, stream) -> None:
-        request = await recv_request(stream)
+        request = await stream.recv_message()
         check_start_options(request)
         await stream.send_message(await trio_asyncio.trio_as_aio(profile)(self.app.link, True))
 
     @grpc_errors
     async def StopProfile(self, stream) -> None:
-        await recv_request(stream)
+        await stream.recv_message()
         await stream.send_message(await trio_asyncio.trio_as_aio(profile)(self.app.link, False))
 

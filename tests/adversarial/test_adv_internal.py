@@ -187,3 +187,18 @@ async def test_a_report_that_fails_still_answers_internal(monkeypatch, caplog):
         await service.Call(None)
     assert raised.value.status is Status.INTERNAL and "the bug" in raised.value.message
     assert any("could not report a bug" in rec.getMessage() for rec in caplog.records)
+
+
+@pytest.mark.parametrize("error", [AssertionError("an invariant of ours"), NotImplementedError("not yet")])
+async def test_our_own_assertion_is_a_bug_not_a_truncated_request(error, monkeypatch):
+    """grpclib's length assertion is the client's fault; the same exception type from our code is not."""
+    monkeypatch.setattr(errors, "_bug_sites", {})
+
+    def fail():
+        raise error
+
+    service = Service(fail)
+    with pytest.raises(GRPCError) as raised:
+        await service.Call(None)
+    assert raised.value.status is Status.INTERNAL
+    assert service.metrics.rpcs == ["Call"] and len(service.journal.records) == 1

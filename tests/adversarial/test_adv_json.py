@@ -175,7 +175,7 @@ def raw_grpc_call(port: int, path: str, body: bytes) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rpc", ["Generate", "HealthCheck"])
+@pytest.mark.parametrize("rpc", ["Generate", "HealthCheck", "SubscribeKvEvents"])
 def test_a_body_shorter_than_its_length_prefix_is_invalid_argument(servicer, rpc):
     message = pb.HealthCheckRequest().SerializeToString() + b"\x0a\x01x" * 3
     # Small declared lengths: a prefix over the receive limit is refused earlier, as RESOURCE_EXHAUSTED.
@@ -186,7 +186,9 @@ def test_a_body_shorter_than_its_length_prefix_is_invalid_argument(servicer, rpc
 
 
 @pytest.mark.slow
-def test_a_compressed_message_is_unimplemented_not_internal(servicer):
-    body = pb.HealthCheckRequest().SerializeToString()
-    got = raw_grpc_call(servicer.port, f"{SERVICE}/HealthCheck", b"\x01" + len(body).to_bytes(4, "big") + body)
+@pytest.mark.parametrize("rpc", ["HealthCheck", "Abort"])
+def test_a_compressed_message_is_unimplemented_not_internal(servicer, rpc):
+    body = pb.AbortRequest(request_ids=["x"]).SerializeToString()
+    got = raw_grpc_call(servicer.port, f"{SERVICE}/{rpc}", b"\x01" + len(body).to_bytes(4, "big") + body)
     assert got.get("grpc-status") == str(grpc.StatusCode.UNIMPLEMENTED.value[0]), got
+    assert "compressed" in got.get("grpc-message", "")
