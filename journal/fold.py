@@ -143,14 +143,78 @@ class FoldState(msgspec.Struct):
         """The state a ``snapshot`` record holds, positioned at its seq."""
         if snapshot.kind != r.KIND_SNAPSHOT:
             raise ValueError(f"record {snapshot.seq} is {snapshot.kind!r}, not a snapshot")
-        state = cls.from_dict(snapshot.payload["state"])
+        payload = snapshot.payload
+        if payload.get("format") == SNAPSHOT_FORMAT_COMPACT:
+            state = _from_compact(payload["state"])
+        else:  # written before the compact form
+            state = cls.from_dict(payload["state"])
         state.last_seq = snapshot.seq
         return state
 
 
+# -- snapshots ------------------------------------------------------------------------
+#
+# A snapshot repeats the whole state every interval, so it is written compact:
+# each request id once (``to_dict`` has it up to four times: the requests key,
+# ``ended``, its engine ids and ``open_engine_ids``), engine ids as what they
+# add to their request id (``""``, ``"#1"``, ``"#1~7"``), a request as the
+# array of its fields (no key names), ``ended`` and ``open_engine_ids`` as
+# positions in the request list. With request ids capped (256 bytes by
+# default) a request costs its id plus ~40 bytes plus ~12 per choice, so a
+# snapshot is bounded by the in-flight cap and ``terminal_max``, whatever the
+# clients send (docs/limits.md). It round-trips exactly, key order included.
+
+SNAPSHOT_FORMAT_COMPACT: Final = 2
+_VIEW_FIELDS: Final = RequestView.__struct_fields__
+_ENGINE_IDS_AT: Final = _VIEW_FIELDS.index("engine_ids")
+_BULKY: Final = frozenset({"requests", "ended", "open_engine_ids"})
+
+
 def snapshot_payload(state: FoldState) -> dict[str, Any]:
-    """The payload of a ``snapshot`` record holding ``state``."""
-    return {"state": state.to_dict()}
+    """The payload of a ``snapshot`` record holding ``state`` (compact; ``FoldState.from_snapshot`` reads it)."""
+    position: dict[str, int] = {}
+    requests = []
+    for rid, view in state.requests.items():
+        position[rid] = len(requests)
+        row = list(msgspec.structs.astuple(view))
+        # An engine id that does not extend its request id (none of ours) is kept whole, as a 1-list.
+        row[_ENGINE_IDS_AT] = [e[len(rid):] if e.startswith(rid) else [e] for e in view.engine_ids]
+        requests.append([rid, *row])
+    ended = [[position.get(rid, rid), t] for rid, t in state.ended.items()]
+    open_ids = []
+    for engine_id, (rid, index) in state.open_engine_ids.items():
+        at = position.get(rid)
+        ids = state.requests[rid].engine_ids if at is not None else ()
+        open_ids.append([at, index] if index < len(ids) and ids[index] == engine_id else [engine_id, rid, index])
+    compact = {
+        name: msgspec.to_builtins(getattr(state, name), builtin_types=(bytes,))
+        for name in FoldState.__struct_fields__
+        if name not in _BULKY
+    }
+    compact.update(requests=requests, ended=ended, open_engine_ids=open_ids)
+    return {"format": SNAPSHOT_FORMAT_COMPACT, "state": compact}
+
+
+def _from_compact(data: dict[str, Any]) -> FoldState:
+    rest = {name: value for name, value in data.items() if name not in _BULKY}
+    state = msgspec.convert(rest, FoldState)
+    rids = []
+    requests = state.requests = {}
+    for rid, *row in data["requests"]:
+        row[_ENGINE_IDS_AT] = [rid + e if isinstance(e, str) else e[0] for e in row[_ENGINE_IDS_AT]]
+        requests[rid] = RequestView(*row)
+        rids.append(rid)
+    state.ended = {(rids[at] if isinstance(at, int) else at): t for at, t in data["ended"]}
+    opened = state.open_engine_ids = {}
+    for entry in data["open_engine_ids"]:
+        if len(entry) == 2:
+            at, index = entry
+            rid = rids[at]
+            opened[requests[rid].engine_ids[index]] = (rid, index)
+        else:
+            engine_id, rid, index = entry
+            opened[engine_id] = (rid, index)
+    return state
 
 
 def fold(records: Iterable[Record], state: FoldState | None = None) -> FoldState:

@@ -39,7 +39,11 @@ Payload shapes (keys; all required unless marked):
                       ONCE per choice, when it completes (never per message:
                       the journal must stay cheap at 100k tokens/s)
 ``error``             {whose: "client"|"engine"|"servicer", code, message, id?}
-``snapshot``          {state: <fold state as a dict>}  (periodic, bounds replay)
+``internal_error``    {rpc, type, message, traceback, request_id?}  an unexpected
+                      exception (our bug) a gRPC handler answered INTERNAL for;
+                      the traceback keeps its last 8192 characters
+``snapshot``          {state: <fold state>}  (periodic, bounds replay; see
+                      ``fold.snapshot_payload`` for the compact form)
 ``kv.batch``          {rank, inc, seq, source: "live"|"replay", payload: bytes}  one
                       KV event batch the relay accepted, its publisher payload as
                       received (``machines/kv_relay.py``; stream ``kv/<rank>``)
@@ -68,6 +72,7 @@ KIND_ENGINE_HANDSHAKE: Final = "engine.handshake"
 KIND_ENGINE_FACTS: Final = "engine.facts"
 KIND_ENGINE_REQUEST: Final = "engine.request"
 KIND_ERROR: Final = "error"
+KIND_INTERNAL_ERROR: Final = "internal_error"
 KIND_SNAPSHOT: Final = "snapshot"
 # The KV relay's (same names as machines/kv_relay_api.py, which writes them).
 KIND_KV_BATCH: Final = "kv.batch"
@@ -88,6 +93,7 @@ KINDS: Final = frozenset(
         KIND_ENGINE_FACTS,
         KIND_ENGINE_REQUEST,
         KIND_ERROR,
+        KIND_INTERNAL_ERROR,
         KIND_SNAPSHOT,
         KIND_KV_BATCH,
         KIND_KV_LOST,

@@ -78,6 +78,9 @@ class Report(msgspec.Struct):
     link_transitions: int = 0
     request_transitions: int = 0
     frames_undecodable: int = 0
+    # ``internal_error`` records: the servicer's own bugs, each already logged
+    # and answered INTERNAL. Reported, not a violation: the journal is intact.
+    internal_errors: int = 0
     run_stopped: bool = False
     violations: list[Violation] = []
 
@@ -126,6 +129,8 @@ class _Verifier:
                     self._sent(rec)
                 case r.KIND_RUN_STOP:
                     rep.run_stopped = True
+                case r.KIND_INTERNAL_ERROR:
+                    rep.internal_errors += 1
             fold((rec,), self.st)
             if len(self.admissions) > 2 * self.st.terminal_max + len(self.st.open_engine_ids) + 1024:
                 self._forget_evicted()

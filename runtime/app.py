@@ -15,11 +15,15 @@ import trio
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.records import KIND_ERROR, request_stream
-from enginelink.runtime.errors import Precondition, ServicerError, Unavailable
+from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
 from enginelink.runtime.loads import Loads
 from enginelink.runtime.model_dir import ModelFacts
 from enginelink.runtime.tokenizer_bundle import tokenizer_bundle_chunks
 from enginelink.runtime.validate import EngineLimits
+
+# The journal stream and id prefix kept for a call refused for its request id.
+REFUSED_ID_STREAM = "<refused id>"
+REFUSED_ID_CHARS_KEPT = 64
 
 
 @dataclass
@@ -115,9 +119,15 @@ class App:
         """A Generate refused before admission: journal it (whose fault, what)."""
         code = error.status.name
         self.hub.metrics.refused(error.reason, code)
+        stream = request_stream(request_id or "<empty>")
+        if isinstance(error, ClientError) and error.field == "request_id":
+            # An id refused for itself (too long, reserved, control characters) lands
+            # in the journal clipped and apart from every admitted request's stream.
+            stream = request_stream(REFUSED_ID_STREAM)
+            request_id = request_id[:REFUSED_ID_CHARS_KEPT]
         self.journal.append(
             now,
-            request_stream(request_id or "<empty>"),
+            stream,
             KIND_ERROR,
             {"whose": error.whose, "code": code, "message": str(error), "id": request_id},
         )

@@ -11,15 +11,44 @@
   FAILED_PRECONDITION.
 - ``ResourceExhausted``: the caller went past a per-client bound (a message
   larger than the receive limit) → RESOURCE_EXHAUSTED.
-- anything else is our bug → INTERNAL.
+- a request message that does not decode (protobuf ``DecodeError``), or
+  ends before its length prefix said, is the client's → INVALID_ARGUMENT; a
+  compressed one → UNIMPLEMENTED (grpclib does not decompress);
+- anything else is our bug → INTERNAL, and ``grpc_errors`` reports it: the
+  traceback logged (in full the first time a bug is seen, one line with its
+  count after), an ``internal_error`` journal record, and
+  ``smg_servicer_internal_errors_total{rpc}`` (plus ``errors_total{code="INTERNAL"}``
+  for Generate). A bug must never leave only a status behind.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import logging
+import traceback
 
+import trio
+from google.protobuf.message import DecodeError
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+
+from enginelink.journal.records import KIND_INTERNAL_ERROR, RUN_STREAM
+
+log = logging.getLogger("enginelink.errors")
+
+# A journaled traceback keeps its last this many characters (the innermost frames).
+TRACEBACK_CHARS_MAX = 8192
+# Distinct bugs (type and raising line) whose traceback is logged in full; past
+# it every bug gets the one-line form, so a client that keeps hitting bugs
+# cannot grow this table or flood the log with tracebacks.
+BUG_SITES_MAX = 256
+# The request id a handler is serving, for the report of a bug it hits (set per
+# grpclib handler task, so concurrent calls do not see each other's).
+current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "enginelink_request_id", default=None
+)
+_bug_sites: dict[tuple[str, str, int], int] = {}
 
 
 class ServicerError(Exception):
@@ -87,14 +116,76 @@ def to_grpc_error(error: BaseException) -> GRPCError:
         return error
     if isinstance(error, ServicerError):
         return GRPCError(error.status, str(error))
+    if isinstance(error, DecodeError):
+        # grpclib decodes the request in ``recv_message``: bytes that are not the
+        # RPC's message are the client's fault, whatever the handler does next.
+        return GRPCError(Status.INVALID_ARGUMENT, f"request: the message does not decode: {error}")
+    if _raised_reading_the_request(error):
+        # grpclib's recv_message asserts the body was as long as its 5-byte prefix
+        # said (a stream that ended early), and refuses the compressed flag.
+        if isinstance(error, NotImplementedError):
+            return GRPCError(Status.UNIMPLEMENTED, "request: compressed messages are not supported; send them uncompressed")
+        return GRPCError(Status.INVALID_ARGUMENT, f"request: the message ended before the length its prefix gave ({error})")
     return GRPCError(Status.INTERNAL, f"internal error in enginelink: {type(error).__name__}: {error}")
+
+
+def _raised_reading_the_request(error: BaseException) -> bool:
+    """Whether ``error`` was raised by grpclib reading a request message (not by our code)."""
+    if not isinstance(error, (AssertionError, NotImplementedError)):
+        return False
+    codes = []
+    tb = error.__traceback__
+    while tb is not None:
+        codes.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    # Raised inside grpclib (its last frame), below its recv_message: nothing of ours ran in between.
+    return (bool(codes) and "grpclib" in codes[-1].co_filename
+            and any(c.co_name == "recv_message" and "grpclib" in c.co_filename for c in codes))
+
+
+def report_bug(rpc: str, error: BaseException, *, journal=None, metrics=None) -> None:
+    """An unexpected exception in a handler: log it, journal it, count it (once each)."""
+    request_id = current_request_id.get()
+    frames = traceback.extract_tb(error.__traceback__)
+    where = frames[-1] if frames else None
+    site = (type(error).__name__, where.filename if where else "?", where.lineno or 0 if where else 0)
+    seen = _bug_sites.get(site)
+    if seen is None and len(_bug_sites) < BUG_SITES_MAX:
+        _bug_sites[site] = 1
+        log.error("bug in %s (request %r): %s: %s", rpc, request_id, type(error).__name__, error, exc_info=error)
+    elif seen is not None:
+        count = _bug_sites[site] = seen + 1
+        log.error("bug in %s (request %r): %s: %s at %s:%s (seen %d times; traceback logged the first time)",
+                  rpc, request_id, type(error).__name__, error, site[1], site[2], count)
+    else:
+        log.error("bug in %s (request %r): %s: %s at %s:%s (traceback in the journal only: over %d distinct "
+                  "bugs this run)", rpc, request_id, type(error).__name__, error, site[1], site[2], BUG_SITES_MAX)
+    if metrics is not None:
+        metrics.internal_error(rpc)
+    if journal is not None:
+        text = "".join(traceback.format_exception(error))
+        journal.append(
+            trio.current_time(),
+            RUN_STREAM,
+            KIND_INTERNAL_ERROR,
+            {
+                "rpc": rpc,
+                "type": type(error).__name__,
+                "message": str(error)[:TRACEBACK_CHARS_MAX],
+                "traceback": text[-TRACEBACK_CHARS_MAX:],
+                "request_id": request_id,
+            },
+        )
 
 
 def grpc_errors(handler):
     """Wrap a grpclib handler so every failure leaves through ``to_grpc_error``.
 
     Without it grpclib reports unexpected exceptions as UNKNOWN; ours say
-    whose fault they are. Cancellation (BaseException) passes through.
+    whose fault they are. An INTERNAL is our bug: ``report_bug`` logs,
+    journals and counts it, through the service's ``journal`` and
+    ``metrics`` attributes where it has them. Cancellation (BaseException)
+    passes through.
     """
 
     @functools.wraps(handler)
@@ -104,6 +195,13 @@ def grpc_errors(handler):
         except GRPCError:
             raise
         except Exception as error:
-            raise to_grpc_error(error) from error
+            status = to_grpc_error(error)
+            if status.status is Status.INTERNAL:
+                try:
+                    report_bug(handler.__name__, error, journal=getattr(self, "journal", None),
+                               metrics=getattr(self, "metrics", None))
+                except Exception:  # the report must not replace the answer
+                    log.exception("could not report a bug in %s", handler.__name__)
+            raise status from error
 
     return wrapper

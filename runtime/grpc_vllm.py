@@ -19,11 +19,12 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
-from enginelink.runtime.errors import grpc_errors
+from enginelink.runtime.errors import current_request_id, grpc_errors
 from enginelink.runtime.generate import generate
 from enginelink.runtime.grpc_transport import DirectSender, FrameWrites
 from enginelink.runtime.profiling import check_start_options, profile
 from enginelink.runtime.grpc_kv import FlushError, flush_cache, subscribe_kv_events
+from enginelink.runtime.inputs import input_limits, validate_abort_ids
 
 
 class VllmEngineService(VllmEngineBase):
@@ -33,11 +34,21 @@ class VllmEngineService(VllmEngineBase):
         self.frame_writes = frame_writes
         self.kv_relay = kv_relay  # runtime.kv_relay.KvRelayShell; None: KV events are off
 
+    # Where ``errors.grpc_errors`` reports a bug a handler hit.
+    @property
+    def journal(self):
+        return self.app.journal
+
+    @property
+    def metrics(self):
+        return self.app.hub.metrics
+
     # -- Generate / Abort -----------------------------------------------------------
 
     @grpc_errors
     async def Generate(self, stream) -> None:
         request = await stream.recv_message()
+        current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
         # runtime/generate.py: the one Generate loop (the simulation runs it too).
         await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message,
                        direct=DirectSender(stream, self.frame_writes))
@@ -45,7 +56,9 @@ class VllmEngineService(VllmEngineBase):
     @grpc_errors
     async def Abort(self, stream) -> None:
         request = await stream.recv_message()
-        self.app.hub.abort(list(request.request_ids), "abort_rpc", trio.current_time())
+        # The same id rules as Generate: no client may abort the servicer's own (warm-up) requests.
+        request_ids = validate_abort_ids(request.request_ids, input_limits())
+        self.app.hub.abort(request_ids, "abort_rpc", trio.current_time())
         await stream.send_message(pb.AbortResponse())
 
     # -- health and facts -----------------------------------------------------------

@@ -48,7 +48,7 @@ from enginelink.machines.link import WARMUP_REQUEST_PREFIX, LinkMachine
 from enginelink.machines.request import RequestEvent, RequestMachine, RequestState
 from enginelink.runtime.errors import DuplicateRequest, EngineFailure, ServicerError, Unavailable
 from enginelink.runtime.metrics import NoMetrics
-from enginelink.runtime.stops import StopMatcher
+from enginelink.runtime.stops import StopAutomaton, StopMatcher
 from enginelink.runtime.validate import GenerateCall
 from enginelink.wire.engine import EngineCodec, FinishReason, OutputBatch
 
@@ -114,14 +114,14 @@ class Call:
     def __init__(self, spec: GenerateCall, now: float, tokenizer, wake, metrics) -> None:
         self.spec = spec
         self.machine = RequestMachine(spec.request_id, now)
+        # One automaton per call, built once; each choice keeps only its place in it.
+        automaton = StopAutomaton(spec.stop_strings) if spec.stop_strings else None
         self.choices = [
             Choice(
                 index,
                 engine_id,
                 keep_output=not spec.stream,
-                stops=StopMatcher(spec.stop_strings, tokenizer, spec.skip_special_tokens)
-                if spec.stop_strings
-                else None,
+                stops=StopMatcher(automaton, tokenizer, spec.skip_special_tokens) if automaton else None,
             )
             for index, engine_id in enumerate(spec.engine_ids)
         ]
@@ -271,6 +271,10 @@ class RequestHub:
         # hand the rest to the call's writer (a full flow-control window: a slow client).
         self.direct_writes = 0
         self.direct_handovers = 0
+        # Stop-string matching of the calls that ended: text fed and automaton steps
+        # taken (runtime/stops.py; steps <= 2 x characters, whatever the stop sets).
+        self.stop_chars = 0
+        self.stop_steps = 0
         # Called once at the end of every on_batch: the direct path's writes go
         # out there, one per connection (grpc_transport.FrameWrites.flush).
         self.end_of_batch: Callable[[], None] | None = None
@@ -557,6 +561,10 @@ class RequestHub:
             self._step(call, RequestEvent.FIRST_OUTPUT, now)
         self._step(call, event, now)
         self.calls.pop(call.spec.request_id, None)
+        for choice in call.choices:
+            if choice.stops is not None:
+                self.stop_chars += choice.stops.chars
+                self.stop_steps += choice.stops.steps
         if not call.done:
             self.writing[call.spec.request_id] = call
         call.metrics.call_ended(now - call.admitted_at, call.error.status.name if call.error else None)

@@ -44,6 +44,8 @@ class Metrics:
         self.requests = counter("smg_servicer_requests", "Choices ended, by finish reason", ["finish_reason"])
         self.refusals = counter("smg_servicer_refusals", "Generate calls refused before admission", ["reason"])
         self.errors = counter("smg_servicer_errors", "Generate calls that ended with a non-OK status", ["code"])
+        self.internal_errors = counter("smg_servicer_internal_errors",
+                                       "Unexpected exceptions (servicer bugs) answered INTERNAL, by RPC", ["rpc"])
         self.prompt_tokens = counter("smg_servicer_prompt_tokens", "Prompt tokens of admitted calls")
         self.cached_tokens = counter("smg_servicer_cached_tokens", "Prompt tokens served from the prefix cache")
         self.generated_tokens = counter("smg_servicer_generated_tokens", "Output tokens sent to clients")
@@ -81,6 +83,11 @@ class Metrics:
         self.refusals.labels(**self._labels, reason=reason).inc()
         self.errors.labels(**self._labels, code=code).inc()
 
+    def internal_error(self, rpc: str) -> None:
+        self.internal_errors.labels(**self._labels, rpc=rpc).inc()
+        if rpc == "Generate":
+            self.errors.labels(**self._labels, code="INTERNAL").inc()
+
     def admitted(self, prompt_tokens: int, choices: int) -> None:
         self.prompt_tokens.labels(**self._labels).inc(prompt_tokens * choices)
 
@@ -107,6 +114,7 @@ class NoMetrics:
     """What the hub talks to when no endpoint was asked for: every call is free."""
 
     def refused(self, reason: str, code: str) -> None: ...
+    def internal_error(self, rpc: str) -> None: ...
     def admitted(self, prompt_tokens: int, choices: int) -> None: ...
     def first_output(self, seconds: float) -> None: ...
     def choice_done(self, finish_reason, tokens_sent, cached_tokens, mean_gap_s) -> None: ...

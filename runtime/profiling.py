@@ -4,8 +4,10 @@ vLLM's profiler is configured when the engine is launched
 (``--profiler-config``), so a request that sets any option is refused with
 INVALID_ARGUMENT; otherwise the engine's ``profile`` utility is called, at
 most ``PROFILE_CALL_CAP_S``. An engine launched without a profiler refuses,
-and the caller gets INTERNAL with the engine's own words ("Profiling is not
-enabled. Please set --profiler-config ..."), as the reference servicer answers.
+and the caller gets FAILED_PRECONDITION (the engine is not set up for it;
+nothing in the request can fix that, and it is no bug of ours) with the
+engine's own words ("Profiling is not enabled. Please set --profiler-config
+...") and how to launch it with one. (The reference servicer answers INTERNAL.)
 """
 
 from __future__ import annotations
@@ -46,5 +48,11 @@ async def profile(link, start: bool) -> pb.ProfileResponse:
     except LinkFailed as error:
         if "did not answer" in str(error):
             raise GRPCError(Status.DEADLINE_EXCEEDED, str(error)) from None
-        raise GRPCError(Status.INTERNAL, str(error)) from None
+        if str(error).startswith("engine refused"):  # EngineLink.utility: the engine's own failure reply
+            raise GRPCError(
+                Status.FAILED_PRECONDITION,
+                f"{error} (the profiler is configured when the engine is launched: pass vLLM's "
+                "--profiler-config to the engine, after `--` on the enginelink serve command line)",
+            ) from None
+        raise GRPCError(Status.UNAVAILABLE, f"{error}; retry later") from None
     return pb.ProfileResponse(success=True, message=f"{'Start' if start else 'Stop'} profiling succeeded")

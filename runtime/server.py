@@ -46,6 +46,7 @@ from enginelink.runtime.launchers import EngineLauncher
 from enginelink.runtime.metrics import Metrics, serve_metrics
 from enginelink.runtime.model_dir import ModelFacts, load_tokenizer
 from enginelink.runtime.snapshots import run_snapshots
+from enginelink.runtime.inputs import input_limits
 from enginelink.runtime.warmup import warm_up
 from enginelink.wire import codecs
 
@@ -134,6 +135,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 metrics.watch_in_flight(lambda: hub.active_requests)
                 metrics.add_gauges("journal", journal.stats)
                 metrics.add_gauges("link", lambda: _link_stats(link, hub))
+                metrics.add_gauges("input_max", input_limits)  # the ENGINELINK_MAX_* request-input bounds
                 metrics.add_gauges("asyncio", lambda: loop_stats)
                 # Bound before the engine starts, so a scrape during start-up says "starting".
                 await nursery.start(serve_metrics, metrics, config.metrics_host, config.metrics_port)
@@ -257,6 +259,9 @@ class LinkStats:
     max_concurrent_streams: int
     direct_writes: int
     direct_handovers: int
+    # Stop strings of the calls that ended: text matched, automaton steps (<= 2 per character).
+    stop_chars: int = 0
+    stop_steps: int = 0
 
 
 def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
@@ -264,4 +269,5 @@ def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
         link.frames_received, hub.late_outputs, hub.in_flight_max,
         len(hub.retired), RETIRED_ENGINE_IDS_MAX, hub.renamed, hub.send_errors,
         MAX_CONCURRENT_STREAMS, hub.direct_writes, hub.direct_handovers,
+        hub.stop_chars, hub.stop_steps,
     )

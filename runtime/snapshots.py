@@ -6,6 +6,14 @@ that state as a ``snapshot`` record every ``interval_s``. Replay =
 fold(latest snapshot, records after it), and equals the fold from the start:
 ``tests/journal`` checks the fold side, and the contract tests the live side.
 
+A snapshot is written only when something other than snapshots was journaled
+since the previous one: an idle servicer does not repeat its state into the
+journal every interval (it used to, and a few large request ids then filled
+a 1 GB journal with copies of one state). Each snapshot's size is bounded
+whatever the clients send (the compact form of ``fold.snapshot_payload``,
+request ids capped by validation, requests by the in-flight cap and the
+fold's ``terminal_max``; docs/limits.md).
+
 If the ring pruned records before the task saw them (more than the ring's
 budget within ``fold_every_s``), the running fold would be wrong, so the task
 stops writing snapshots and says so; replay then starts from the beginning.
@@ -19,7 +27,7 @@ import os
 import trio
 
 from enginelink.journal.fold import FoldState, fold, snapshot_payload
-from enginelink.journal.records import KIND_SNAPSHOT
+from enginelink.journal.records import KIND_SNAPSHOT, row_to_record
 
 log = logging.getLogger("enginelink.snapshots")
 
@@ -37,19 +45,22 @@ async def run_snapshots(
 ) -> None:
     state = FoldState()
     last_snapshot = trio.current_time()
+    news = False  # a record other than a snapshot was appended since the last snapshot
     task_status.started(state)
     while True:
         await trio.sleep(fold_every_s)
-        records = journal.records(after_seq=state.last_seq)
-        if records and records[0].seq != state.last_seq + 1:
+        rows = journal.ring.rows(after_seq=state.last_seq)
+        if rows and rows[0][0] != state.last_seq + 1:
             log.warning(
                 "journal ring pruned records %d..%d before they were folded; no more snapshots this run",
                 state.last_seq + 1,
-                records[0].seq - 1,
+                rows[0][0] - 1,
             )
             return
-        fold(records, state)
+        news = news or any(row[3] != KIND_SNAPSHOT for row in rows)
+        fold(map(row_to_record, rows), state)
         now = trio.current_time()
-        if now - last_snapshot >= interval_s:
+        if now - last_snapshot >= interval_s and news:
             journal.append(now, "run", KIND_SNAPSHOT, snapshot_payload(state))
+            news = False
             last_snapshot = now

@@ -7,24 +7,34 @@ Rules:
   temperature → 1.0, top_p 0 → 1.0, repetition_penalty 0 → 1.0, n 0 → 1,
   unset max_tokens → the rest of the context;
 - ``n > 1`` becomes n independent engine requests (``<id>#<index>``; a seed
-  becomes ``seed + index`` per choice, as vLLM's parallel sampling does).
+  becomes ``seed + index`` per choice, as vLLM's parallel sampling does);
+- every client string is bounded (``runtime/inputs.py``, ``ENGINELINK_MAX_*``)
+  before anything else looks at it: a request id lands in every journal
+  record and snapshot of its call, stop strings cost work per token, JSON
+  is parsed here. Ids may not take the servicer's reserved prefixes.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 
 from enginelink.runtime.errors import ClientError
+from enginelink.runtime.inputs import (
+    InputLimits,
+    check_json_nesting,
+    check_request_id,
+    input_limits,
+    parse_json,
+    stop_strings as _stop_strings,
+    utf8_len,
+)
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 
 # The most parallel samples one call may ask for; each is a full engine request.
 N_MAX = 64
 # vLLM's default --max-logprobs.
 LOGPROBS_MAX = 20
-
-
 @dataclass(frozen=True)
 class EngineLimits:
     """What validation needs to know about the engine behind the link."""
@@ -33,6 +43,7 @@ class EngineLimits:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     data_parallel_size: int = 1
+    inputs: InputLimits = field(default_factory=input_limits)
 
 
 @dataclass
@@ -75,27 +86,32 @@ def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
     return ids
 
 
-def _structured_outputs(sp) -> dict | None:
+def _structured_outputs(sp, limits: InputLimits) -> dict | None:
     kind = sp.WhichOneof("constraint")
     if kind is None:
         return None
     name = f"sampling_params.{kind}"
+    cap = limits.constraint_bytes
     if kind == "json_object":
         return {"json_object": True} if sp.json_object else None
     if kind == "choice":
         choices = list(sp.choice.choices)
         if not choices:
             raise ClientError(name, "needs at least one choice")
+        size = sum(utf8_len(c, cap) for c in choices)
+        if size > cap:
+            raise ClientError(name, f"choices total {size} bytes; at most {cap} (ENGINELINK_MAX_CONSTRAINT_BYTES)")
         return {"choice": choices}
     value = getattr(sp, kind)
     if not value:
         raise ClientError(name, "must not be empty")
     if kind == "json_schema":
-        try:
-            schema = json.loads(value)
-        except ValueError as error:
-            raise ClientError(name, f"is not valid JSON: {error}") from None
-        return {"json": schema}
+        return {"json": parse_json(name, value, cap, "ENGINELINK_MAX_CONSTRAINT_BYTES", limits)}
+    size = utf8_len(value, cap)
+    if size > cap:
+        raise ClientError(name, f"is {size} bytes; at most {cap} (ENGINELINK_MAX_CONSTRAINT_BYTES)")
+    if kind == "structural_tag":
+        check_json_nesting("structural_tag", value, limits)
     if kind in ("regex", "grammar", "structural_tag"):
         return {kind: value}
     raise ClientError("sampling_params.constraint", f"unknown constraint kind {kind!r}")
@@ -103,9 +119,9 @@ def _structured_outputs(sp) -> dict | None:
 
 def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall:
     """Check a ``vllm_engine_pb2.GenerateRequest``; raise ClientError or return the call."""
+    inputs = limits.inputs
     request_id = request.request_id
-    if not request_id:
-        raise ClientError("request_id", "must not be empty")
+    check_request_id("request_id", request_id, inputs)
 
     kind = request.WhichOneof("input")
     if kind == "text":
@@ -173,9 +189,7 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
     if n > N_MAX:
         raise ClientError("sampling_params.n", f"must be at most {N_MAX}, got {n}")
     stop_token_ids = tuple(_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size))
-    stop_strings = tuple(sp.stop)
-    if any(not s for s in stop_strings):
-        raise ClientError("sampling_params.stop", "stop strings must not be empty")
+    stop_strings = _stop_strings(sp.stop, inputs)
 
     for name in ("logprobs", "prompt_logprobs"):
         if sp.HasField(name):
@@ -189,14 +203,14 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
             if not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise ClientError("sampling_params.logit_bias", f"bias for {token} must be in [-100, 100]")
             logit_bias[token] = bias
-    structured = _structured_outputs(sp)
+    structured = _structured_outputs(sp, inputs)
 
     kv_transfer_params = None
     if request.HasField("kv_transfer_params_json"):
-        try:
-            kv_transfer_params = json.loads(request.kv_transfer_params_json)
-        except ValueError as error:
-            raise ClientError("kv_transfer_params_json", f"is not valid JSON: {error}") from None
+        kv_transfer_params = parse_json(
+            "kv_transfer_params_json", request.kv_transfer_params_json, inputs.kv_transfer_params_bytes,
+            "ENGINELINK_MAX_KV_TRANSFER_PARAMS_BYTES", inputs,
+        )
         if not isinstance(kv_transfer_params, dict):
             raise ClientError("kv_transfer_params_json", "must be a JSON object")
     dp_rank = None

@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 
 from enginelink.journal import records as r
-from enginelink.journal.fold import FoldState, fold
+from enginelink.journal.fold import TERMINAL_REQUEST_STATES, FoldState, fold
 from enginelink.journal.records import Record
 from enginelink.journal.store import Reader, StoreError, open_reader
 from enginelink.journal.verify import CHECKS, Report, verify
@@ -283,10 +283,12 @@ def summary(rec: Record, origin: Origin) -> str:
             return _clip(f"{p['link']} engine pid {p['pid']}: {facts}")
         case r.KIND_ERROR:
             return _clip(f"[{p['whose']}] {p['code']}: {p['message']}")
+        case r.KIND_INTERNAL_ERROR:
+            return _clip(f"[bug] {p['rpc']} (request {p.get('request_id')!r}): {p['type']}: {p['message']}")
         case r.KIND_SNAPSHOT:
-            st = p["state"]
-            live = sum(1 for v in st.get("requests", {}).values() if v["state"] not in ("finished", "aborted", "failed"))
-            return f"state as of seq {rec.seq - 1}: {len(st.get('links', {}))} links, {len(st.get('requests', {}))} requests ({live} open)"
+            st = FoldState.from_snapshot(rec)
+            live = sum(1 for v in st.requests.values() if v.state not in TERMINAL_REQUEST_STATES)
+            return f"state as of seq {rec.seq - 1}: {len(st.links)} links, {len(st.requests)} requests ({live} open)"
         case r.KIND_RUN_START:
             wall = p.get("wall_time")
             when = "?" if wall is None else dt.datetime.fromtimestamp(wall, dt.timezone.utc).isoformat(timespec="milliseconds")
@@ -371,6 +373,9 @@ def render_report(rep: Report, path) -> str:
         lines.append(f"{'ok  ' if not bad else 'FAIL'}  {check:<12} {detail[check]}")
         for v in bad:
             lines.append(f"        seq {v.seq}: {v.message}")
+    if rep.internal_errors:
+        lines.append(f"note  {rep.internal_errors} internal errors (servicer bugs answered INTERNAL; "
+                     "`journal show --kind internal_error` has their tracebacks)")
     lines.append("all invariants hold" if rep.ok else f"{len(rep.violations)} violations")
     return "\n".join(lines)
 

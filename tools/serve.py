@@ -27,6 +27,7 @@ from enginelink.runtime.launchers import (
     flag_value,
 )
 from enginelink.runtime.model_dir import ModelDirError, read_model_facts
+from enginelink.runtime.inputs import InputKnobError, input_limits
 
 
 class ConfigError(Exception):
@@ -229,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_config(args)
-    except ConfigError as error:
+        input_limits()  # the ENGINELINK_MAX_* request-input knobs: a bad one is refused here
+    except (ConfigError, InputKnobError) as error:
         print(f"enginelink serve: {error}", file=sys.stderr)
         return 2
     from enginelink.runtime.server import serve

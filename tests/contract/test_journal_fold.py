@@ -86,7 +86,7 @@ def _snapshot_after_requests(path, last_id: str) -> bool:
         snapshot = reader.last_snapshot()
         if snapshot is None:
             return False
-        return last_id in snapshot.payload["state"]["requests"]
+        return last_id in FoldState.from_snapshot(snapshot).requests
 
 
 def test_fold_equals_what_clients_observed(run_journal):

@@ -122,10 +122,10 @@ def test_unoffered_vllm_rpcs_are_unimplemented(servicer, rpc, message):
     [("StartProfile", common_pb2.StartProfileRequest()), ("StopProfile", common_pb2.StopProfileRequest())],
 )
 def test_profiling_is_refused_clearly_when_the_engine_has_no_profiler(servicer, rpc, message):
-    """The engine was launched without --profiler-config: its own refusal reaches the caller."""
+    """The engine was launched without --profiler-config: FAILED_PRECONDITION, with its own words."""
     with pytest.raises(grpc.RpcError) as error:
         getattr(servicer.stub, rpc)(message, timeout=CALL_TIMEOUT_S)
-    assert error.value.code() == grpc.StatusCode.INTERNAL
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "Profiling is not enabled. Please set --profiler-config" in error.value.details()
 
 

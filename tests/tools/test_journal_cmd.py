@@ -17,6 +17,7 @@ import msgspec
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from enginelink.journal.fold import FoldState
 from enginelink.journal.store import open_reader
 from tests.harness import Servicer, generate_request, wait_until
 from tests.tools.helpers import (WARMUP_PREFIX, PROMPT, Stream, copy_journal, enginelink, journal_has,
@@ -42,7 +43,7 @@ def journal(tmp_path_factory, test_model_dir):
         cut.join(5)
         # A snapshot taken while "drained" is still open, so replay resumes mid-request.
         wait_until(lambda: journal_has(servicer.journal, lambda recs: any(
-            r.kind == "snapshot" and r.payload["state"]["requests"].get("cut", {}).get("state") == "aborted"
+            r.kind == "snapshot" and getattr(FoldState.from_snapshot(r).requests.get("cut"), "state", None) == "aborted"
             for r in recs)), 5, "a snapshot after the abort")
         servicer.signal(signal.SIGTERM)
         assert servicer.wait(15) == 0, servicer.log()

@@ -29,7 +29,7 @@ def test_profiler_rpcs_are_refused_with_vllms_own_reason(vllm_stack, rpc, messag
     servicer, _ = vllm_stack
     with pytest.raises(grpc.RpcError) as error:
         getattr(servicer.stub, rpc)(message, timeout=60)
-    assert error.value.code() == grpc.StatusCode.INTERNAL
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "Profiling is not enabled" in error.value.details()
 
 

@@ -1,0 +1,194 @@
+"""Bounds on what a client may send, and the checks that hold them (docs/limits.md, "Request input").
+
+Rules:
+- every client string or structure the servicer keeps, journals, parses or
+  matches is bounded by a named ``InputLimits`` field (``ENGINELINK_MAX_*``,
+  read once per process; a bad value makes ``serve`` exit 2);
+- sizes are checked before anything parses or copies the input, so an
+  oversized field costs one length check;
+- a refusal is a ``ClientError`` naming the field and the knob, and never
+  echoes the offending value (it may be megabytes);
+- client ids may not take the servicer's reserved prefixes, whatever the
+  link's state.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from enginelink.machines.link import WARMUP_REQUEST_PREFIX
+from enginelink.runtime.errors import ClientError
+
+# Request-id prefixes the servicer gives its own requests; a client's id may not
+# start with one (a client id taking the warm-up's prefix would be admitted
+# during warm-up, hidden from the metrics, and collide with the warm-up's ids).
+RESERVED_ID_PREFIXES = (WARMUP_REQUEST_PREFIX,)
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Bounds on what one client may send (``ENGINELINK_MAX_*``; docs/limits.md, "Request input").
+
+    Stop strings: OpenAI allows 4, TGI 4 by default, vLLM any number; 64
+    strings of at most 1 KiB and 4 KiB together cover chat templates' stop
+    sets many times over, and bound the per-call automaton (runtime/stops.py)
+    to ~0.5 MB and ~10 ms to build. Ids: the router sends ~40-byte uuids.
+    """
+
+    request_id_bytes: int = 256  # ENGINELINK_MAX_REQUEST_ID_BYTES
+    stop_strings: int = 64  # ENGINELINK_MAX_STOP_STRINGS
+    stop_string_bytes: int = 1024  # ENGINELINK_MAX_STOP_STRING_BYTES, each
+    stop_bytes_total: int = 4096  # ENGINELINK_MAX_STOP_BYTES_TOTAL, all of one call's
+    constraint_bytes: int = 65536  # ENGINELINK_MAX_CONSTRAINT_BYTES: json_schema, regex, grammar, structural_tag, choices
+    kv_transfer_params_bytes: int = 16384  # ENGINELINK_MAX_KV_TRANSFER_PARAMS_BYTES
+    json_depth: int = 64  # ENGINELINK_MAX_JSON_DEPTH: nesting of json_schema and kv_transfer_params_json
+
+
+# The environment variable of each InputLimits field.
+INPUT_LIMIT_ENV = {
+    "request_id_bytes": "ENGINELINK_MAX_REQUEST_ID_BYTES",
+    "stop_strings": "ENGINELINK_MAX_STOP_STRINGS",
+    "stop_string_bytes": "ENGINELINK_MAX_STOP_STRING_BYTES",
+    "stop_bytes_total": "ENGINELINK_MAX_STOP_BYTES_TOTAL",
+    "constraint_bytes": "ENGINELINK_MAX_CONSTRAINT_BYTES",
+    "kv_transfer_params_bytes": "ENGINELINK_MAX_KV_TRANSFER_PARAMS_BYTES",
+    "json_depth": "ENGINELINK_MAX_JSON_DEPTH",
+}
+
+
+class InputKnobError(ValueError):
+    """An ``ENGINELINK_MAX_*`` setting that is not a positive whole number (serve exits 2)."""
+
+
+def input_limits_from(environ: Mapping[str, str]) -> InputLimits:
+    values = {}
+    for spec in fields(InputLimits):
+        name = INPUT_LIMIT_ENV[spec.name]
+        text = environ.get(name, "").strip()
+        if not text:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            raise InputKnobError(f"{name}={text!r}: expected a whole number") from None
+        if value < 1:
+            raise InputKnobError(f"{name}={text!r}: must be at least 1")
+        values[spec.name] = value
+    return InputLimits(**values)
+
+
+@functools.cache
+def input_limits() -> InputLimits:
+    """The process's limits, read from the environment once (``serve`` checks them at start-up)."""
+    return input_limits_from(os.environ)
+
+
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def utf8_len(text: str, cap: int) -> int:
+    """``len(text.encode())``, without encoding a text that is over ``cap`` by its length alone."""
+    return len(text) if len(text) > cap else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_request_id(name: str, request_id: str, limits: InputLimits) -> None:
+    """Refuse an id the servicer will not take from a client (empty, too long, reserved, control characters)."""
+    if not request_id:
+        raise ClientError(name, "must not be empty")
+    size = utf8_len(request_id, limits.request_id_bytes)
+    if size > limits.request_id_bytes:
+        raise ClientError(
+            name, f"is {size} bytes; at most {limits.request_id_bytes} (ENGINELINK_MAX_REQUEST_ID_BYTES)"
+        )
+    for prefix in RESERVED_ID_PREFIXES:
+        if request_id.startswith(prefix):
+            raise ClientError(name, f"must not start with {prefix!r}: reserved for the servicer's own requests")
+    control = _CONTROL_CHARACTERS.search(request_id)
+    if control is not None:
+        raise ClientError(name, f"must not hold control characters (U+{ord(control.group()):04X})")
+
+
+def stop_strings(stops, limits: InputLimits) -> tuple[str, ...]:
+    name = "sampling_params.stop"
+    if len(stops) > limits.stop_strings:
+        raise ClientError(name, f"{len(stops)} stop strings; at most {limits.stop_strings} (ENGINELINK_MAX_STOP_STRINGS)")
+    total = 0
+    for position, stop in enumerate(stops):
+        if not stop:
+            raise ClientError(name, "stop strings must not be empty")
+        size = utf8_len(stop, limits.stop_string_bytes)
+        if size > limits.stop_string_bytes:
+            raise ClientError(
+                name, f"stop string {position} is {size} bytes; at most {limits.stop_string_bytes} "
+                "(ENGINELINK_MAX_STOP_STRING_BYTES)",
+            )
+        total += size
+    if total > limits.stop_bytes_total:
+        raise ClientError(
+            name, f"stop strings total {total} bytes; at most {limits.stop_bytes_total} (ENGINELINK_MAX_STOP_BYTES_TOTAL)"
+        )
+    return tuple(stops)
+
+
+def _json_depth(value) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in node if isinstance(child, (dict, list)))
+    return deepest
+
+
+def parse_json(name: str, text: str, bytes_max: int, knob: str, limits: InputLimits):
+    """Parse client JSON, bounded in size (checked first) and nesting depth."""
+    size = utf8_len(text, bytes_max)
+    if size > bytes_max:
+        raise ClientError(name, f"is {size} bytes; at most {bytes_max} ({knob})")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        # The C parser nests on the stack: far deeper than the limit, refused all the same.
+        raise ClientError(name, f"nests deeper than {limits.json_depth} levels (ENGINELINK_MAX_JSON_DEPTH)") from None
+    except ValueError as error:
+        raise ClientError(name, f"is not valid JSON: {error}") from None
+    if _json_depth(value) > limits.json_depth:
+        raise ClientError(name, f"nests deeper than {limits.json_depth} levels (ENGINELINK_MAX_JSON_DEPTH)")
+    return value
+
+
+def check_json_nesting(name: str, text: str, limits: InputLimits) -> None:
+    """Refuse JSON nested past the limit; text that is not JSON is left for the engine to judge."""
+    try:
+        too_deep = _json_depth(json.loads(text)) > limits.json_depth
+    except RecursionError:
+        too_deep = True
+    except ValueError:
+        return
+    if too_deep:
+        raise ClientError(
+            f"sampling_params.{name}", f"nests deeper than {limits.json_depth} levels (ENGINELINK_MAX_JSON_DEPTH)"
+        )
+
+
+def validate_abort_ids(request_ids, limits: InputLimits) -> list[str]:
+    """The ids of an Abort call; refuses what no client call can be in flight under (a warm-up's, say).
+
+    An empty id stays what the contract makes any unknown id: a no-op.
+    """
+    ids = list(request_ids)
+    for request_id in ids:
+        if request_id:
+            check_request_id("request_ids", request_id, limits)
+    return ids
