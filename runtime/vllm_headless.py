@@ -88,6 +88,29 @@ def _write_facts(path: str, vllm_config) -> None:
     os.replace(tmp, path)
 
 
+def _write_json(path: str, body: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(body, fh)
+    os.replace(tmp, path)
+
+
+def report_refused_arguments(parser: argparse.ArgumentParser, facts_path: str | None) -> None:
+    """argparse's refusal (it prints usage and exits 2) also goes to the facts file as
+    ``refused_arguments``, so enginelink can say in one line why the engine exited 2."""
+    if not facts_path:
+        return
+    refuse = parser.error
+
+    def error(message: str):
+        try:
+            _write_json(facts_path, {"refused_arguments": f"{parser.prog}: error: {message}"})
+        finally:
+            refuse(message)
+
+    parser.error = error
+
+
 def run_engine(handshake: str, facts_path: str | None, engine_argv: list[str]) -> int:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
@@ -96,6 +119,7 @@ def run_engine(handshake: str, facts_path: str | None, engine_argv: list[str]) -
     from vllm.v1.executor import Executor
 
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm-headless (enginelink)"))
+    report_refused_arguments(parser, facts_path)
     args = parser.parse_args(engine_argv)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     address = urlsplit(handshake)

@@ -310,8 +310,13 @@ def _serve(core: SimEngineCore, inputs: zmq.Socket, outputs: zmq.Socket, life: _
 
 
 def main(argv: list[str] | None = None) -> int:
+    from enginelink.runtime.engine_link import ENGINE_FACTS_ENV
+    from enginelink.runtime.vllm_headless import report_refused_arguments
+
     parser = argparse.ArgumentParser(prog="python -m enginelink.tools.sim_engine", description=__doc__.splitlines()[0])
     add_arguments(parser)
+    # Launched by enginelink: a refusal (exit 2) is also reported where the servicer reads it.
+    report_refused_arguments(parser, os.environ.get(ENGINE_FACTS_ENV))
     return run(parser.parse_args(argv))
 
 
