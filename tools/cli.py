@@ -23,14 +23,19 @@ SUBCOMMANDS = {
 }
 
 
+DESCRIPTION = """\
+enginelink: an SMG gRPC servicer (the smg VllmEngine contract) in front of an LLM engine
+(a real vLLM, or the embedded sim engine), and its tools.
+
+  enginelink serve [FLAGS] [-- ENGINE ARGS]   only what follows `--` goes to the engine"""
 KNOBS_POINTER = "Every setting (flags and ENGINELINK_* / SMG_* environment variables) is in README.md, \"Running\"."
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
-        prog="enginelink", description=__doc__.splitlines()[0],
-        epilog=f"`enginelink COMMAND --help` explains a command's flags. {KNOBS_POINTER}")
+        prog="enginelink", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"`enginelink COMMAND --help` explains a command's flags.\n{KNOBS_POINTER}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = argv[0] if argv and not argv[0].startswith("-") else None
     chosen = None
