@@ -45,6 +45,7 @@ import platformdirs
 __all__ = [
     "JOURNAL_KEEP_DEFAULT",
     "JOURNAL_KEEP_ENV",
+    "JOURNAL_KEEP_MAX",
     "JournalBusy",
     "JournalLock",
     "default_journal_path",

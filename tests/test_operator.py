@@ -110,6 +110,9 @@ def test_a_crash_loop_keeps_every_crashed_runs_journal(tmp_path, test_model_dir)
     view = json.loads(done.stdout)
     assert view["journal"]["path"] == str(previous_path(journal, 2))
     assert (view["run"]["status"], view["run"]["exit_status"]) == ("stopped", 2)
+    done = subprocess.run([str(VENV_BIN / "enginelink"), "inspect", "--journal", str(journal)],
+                          capture_output=True, text=True, timeout=30)
+    assert "previous runs' journals kept: 2 (loop.prev.sqlite is the newest" in done.stdout, done.stdout
 
 
 # -- 4: configuration errors exit 2 with one line ----------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from enginelink.journal.records import KIND_KV_BATCH, KIND_KV_INCARNATION, KIND_KV_LOST, KIND_TRANSITION
 from enginelink.journal.fold import TERMINAL_REQUEST_STATES, FoldState, fold
-from enginelink.journal.files import default_journal_path, previous_path, read_run_file
+from enginelink.journal.files import JOURNAL_KEEP_MAX, default_journal_path, previous_path, read_run_file
 from enginelink.journal.journal import FLUSH_INTERVAL_S
 from enginelink.journal.store import Reader, StoreError, open_reader
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
@@ -265,7 +265,19 @@ def journal_facts(reader: Reader, path: Path) -> dict[str, Any]:
         "bytes_max": meta.get("bytes_max"),
         "schema_version": meta.get("schema_version"),
         "last_snapshot_seq": None if snap is None else snap.seq,
+        "previous_runs": [str(p) for p in previous_journals(path)],
     }
+
+
+def previous_journals(path: Path) -> list[Path]:
+    """The previous runs' journals kept beside ``path`` (newest first; ENGINELINK_JOURNAL_KEEP of them)."""
+    kept = []
+    for n in range(1, JOURNAL_KEEP_MAX + 1):
+        prev = previous_path(path, n)
+        if not prev.exists():
+            break
+        kept.append(prev)
+    return kept
 
 
 # How far back from the journal's end to look for each rank's newest KV batch.
@@ -327,6 +339,9 @@ def render_view(view: dict[str, Any]) -> str:
             f"{_bytes(jr['bytes_max'])} payload ({100 * jr['payload_bytes'] / max(1, jr['bytes_max']):.1f}% used); "
             f"last snapshot: {'none' if jr['last_snapshot_seq'] is None else 'seq ' + str(jr['last_snapshot_seq'])}"
         )
+    if jr.get("previous_runs"):
+        lines.append(f"  previous runs' journals kept: {len(jr['previous_runs'])} "
+                     f"({Path(jr['previous_runs'][0]).name} is the newest; --previous K reads one)")
     lines += render_links(view["links"])
     lines += render_requests(view["requests"])
     if view["ended_recently"]:
