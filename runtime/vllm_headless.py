@@ -96,8 +96,12 @@ def _write_json(path: str, body: dict) -> None:
 
 
 def report_refused_arguments(parser: argparse.ArgumentParser, facts_path: str | None) -> None:
-    """argparse's refusal (it prints usage and exits 2) also goes to the facts file as
-    ``refused_arguments``, so enginelink can say in one line why the engine exited 2."""
+    """Launched by enginelink (``facts_path`` set): argparse's refusal goes to the facts file
+    as ``refused_arguments`` instead of stderr, and the engine exits 2 as argparse does.
+
+    enginelink's exit line then quotes it once, credentials redacted; argparse would print
+    the whole usage (250 lines for vLLM) and the arguments verbatim. When the file cannot
+    be written, argparse says it here as usual."""
     if not facts_path:
         return
     refuse = parser.error
@@ -105,8 +109,9 @@ def report_refused_arguments(parser: argparse.ArgumentParser, facts_path: str | 
     def error(message: str):
         try:
             _write_json(facts_path, {"refused_arguments": f"{parser.prog}: error: {message}"})
-        finally:
+        except OSError:
             refuse(message)
+        sys.exit(2)
 
     parser.error = error
 
