@@ -125,7 +125,7 @@ def refused_arguments(process, facts_path: Path | None) -> str | None:
         said = json.loads(facts_path.read_text()).get(REFUSED_ARGUMENTS_KEY) if facts_path else None
     except (OSError, ValueError, AttributeError):
         said = None
-    words = redact_message(str(said).strip().splitlines()[-1]) if said else "see its usage message above"
+    words = redact_message(str(said).strip().splitlines()[-1]) if said else "see its own error above"
     return (f"the engine refused its arguments (process {process.pid} exited with status "
             f"{ARGPARSE_USAGE_STATUS} before the handshake): {words}")
 

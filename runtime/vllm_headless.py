@@ -82,13 +82,11 @@ def _write_facts(path: str, vllm_config) -> None:
         "enable_prefix_caching": bool(cache.enable_prefix_caching),
         "profiler": getattr(vllm_config.profiler_config, "profiler", None),
     }
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(facts, fh)
-    os.replace(tmp, path)
+    _write_json(path, facts)
 
 
 def _write_json(path: str, body: dict) -> None:
+    """Atomically: enginelink reads the file after the process exits, or at the handshake."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as fh:
         json.dump(body, fh)

@@ -79,7 +79,7 @@ def refuse_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
     message = f"unrecognized arguments: {' '.join(extra)}"
     if hints:
         message += " (" + "; ".join(hints) + ")"
-    if getattr(parser.get_default("engine_args"), "__len__", None) is not None:
+    if isinstance(parser.get_default("engine_args"), list):  # serve, bench: they launch an engine
         message += "; arguments for the engine go after `--`"
     parser.error(message)
 
