@@ -16,11 +16,12 @@ a crash loop does not erase the crashed run's journal on its second restart.
 The count is ``ENGINELINK_JOURNAL_KEEP`` (``JOURNAL_KEEP_DEFAULT``).
 
 A servicer also writes a run file, ``serve-<port>.json`` in the state
-directory, once it holds the lock: it names the journal it writes (which
-``--journal`` may have put anywhere), so ``inspect --port N`` and
-``journal … --port N`` find it. It is rewritten by the next servicer on that
-port and left in place at exit, so it always names the latest run's journal,
-live or not.
+directory, once it holds the lock and its port: it names the journal it
+writes (which ``--journal`` may have put anywhere), so ``inspect --port N``
+and ``journal … --port N`` find it. It is removed when the servicer exits
+(so run files do not pile up, one per port ever used); one that a killed
+servicer left names its journal for the post-mortem until the next servicer
+on that port replaces it.
 
 Rules:
 - the lock file is never unlinked: removing it would let two processes hold
@@ -52,6 +53,7 @@ __all__ = [
     "journal_keep",
     "previous_path",
     "read_run_file",
+    "remove_run_file",
     "rotate",
     "run_file_path",
     "state_dir",
@@ -216,6 +218,13 @@ def write_run_file(port: int, journal: Path, *, host: str) -> Path:
     staging.write_text(json.dumps(body) + "\n")
     os.replace(staging, path)
     return path
+
+
+def remove_run_file(port: int) -> None:
+    """Remove this process's run file for ``port`` (not one another process wrote since)."""
+    recorded = read_run_file(port)
+    if recorded is not None and recorded.get("pid") == os.getpid():
+        run_file_path(port).unlink(missing_ok=True)
 
 
 def read_run_file(port: int) -> dict[str, Any] | None:

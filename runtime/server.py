@@ -32,7 +32,9 @@ import trio_asyncio
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
 
-from enginelink.journal.files import JOURNAL_KEEP_DEFAULT, JournalBusy, JournalLock, read_run_file, write_run_file
+from enginelink.journal.files import (
+    JOURNAL_KEEP_DEFAULT, JournalBusy, JournalLock, read_run_file, remove_run_file, write_run_file,
+)
 from enginelink.journal.journal import Journal
 from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
 from enginelink.machines.link import LinkEvent, LinkState
@@ -106,9 +108,13 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 except OSError as error:
                     raise core.Exit(2, _bind_refused("metrics", config.metrics_host, config.metrics_port, error)) from None
             journal = Journal(config.journal_path, lock=lock, keep=config.journal_keep)
-            if config.journal_path is not None:
-                write_run_file(config.port, config.journal_path, host=config.host)
-            return await _serve(config, journal, grpc_sock, metrics_listeners, task_status)
+            if config.journal_path is None:
+                return await _serve(config, journal, grpc_sock, metrics_listeners, task_status)
+            write_run_file(config.port, config.journal_path, host=config.host)
+            try:
+                return await _serve(config, journal, grpc_sock, metrics_listeners, task_status)
+            finally:
+                remove_run_file(config.port)  # only a killed servicer's stays, for the post-mortem
         finally:
             grpc_sock.close()  # the server closed it as it stopped; not if it never started
     finally:

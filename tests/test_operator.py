@@ -81,6 +81,23 @@ def test_second_and_third_starts_leave_the_live_journal_alone(tmp_path, test_mod
         view = json.loads(done.stdout)
         assert view["journal"]["path"] == str(journal)
         assert (view["run"]["status"], view["run"]["pid"]) == ("running", pid)
+        # Killed, it leaves its run file: --port still finds its journal, for the post-mortem.
+        live.process.kill()
+        live.process.wait(10)
+        done = subprocess.run([str(VENV_BIN / "enginelink"), "inspect", "--port", str(live.port), "--json"],
+                              capture_output=True, text=True, timeout=30, env={**os.environ, **state})
+        view = json.loads(done.stdout)
+        assert (view["journal"]["path"], view["run"]["status"]) == (str(journal), "dead")
+
+
+def test_the_run_file_goes_with_a_clean_exit(tmp_path, test_model_dir):
+    live = Servicer(tmp_path, model_dir=test_model_dir).start()
+    run_file = live.state_home / "enginelink" / f"serve-{live.port}.json"
+    try:
+        assert json.loads(run_file.read_text())["journal"] == str(live.journal)
+    finally:
+        assert live.stop() == 0
+    assert not run_file.exists()
 
 
 def test_busy_port_names_the_servicer_holding_it(tmp_path, test_model_dir):

@@ -15,6 +15,8 @@ from enginelink.journal.files import (
     journal_keep,
     previous_path,
     read_run_file,
+    remove_run_file,
+    run_file_path,
     write_run_file,
 )
 from enginelink.journal.journal import Journal
@@ -116,3 +118,9 @@ def test_run_file_names_the_journal(tmp_path, monkeypatch):
     assert written == tmp_path / "state" / "enginelink" / "serve-50999.json"
     recorded = read_run_file(50999)
     assert recorded["journal"] == str(tmp_path / "elsewhere.sqlite") and recorded["pid"] == os.getpid()
+    remove_run_file(50999)
+    assert not run_file_path(50999).exists()
+    # Another process's run file is not ours to remove.
+    run_file_path(50999).write_text('{"pid": 1, "journal": "/x"}')
+    remove_run_file(50999)
+    assert read_run_file(50999) == {"pid": 1, "journal": "/x"}
