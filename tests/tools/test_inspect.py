@@ -164,9 +164,9 @@ locker.execute("CREATE TABLE t (x)")
 locker.execute("BEGIN EXCLUSIVE")  # every other connection now waits its busy timeout, inside SQLite
 
 def read():
+    print("reading", flush=True)  # from the worker: the main thread is inside the try by now
     sqlite3.connect(db, timeout=120).execute("SELECT * FROM t").fetchall()
 
-print("reading", flush=True)
 try:
     interruptible(read)
 except KeyboardInterrupt:
