@@ -17,7 +17,11 @@ Rules:
   ``store_dropped``; they stay in the ring;
 - seq is contiguous from 1 per journal; one journal file holds one run, so
   opening a path that already holds a journal first sets the old file aside
-  as ``<stem>.prev<suffix>`` (kept for post-mortem);
+  as ``<stem>.prev<suffix>``, keeping ``keep`` previous runs (``files.rotate``);
+- a journal file belongs to one live process: the journal holds the path's
+  ``JournalLock`` (its own, or the one its caller took earlier) from before
+  it touches any file until ``close``; a path another process holds raises
+  ``JournalBusy`` and changes nothing;
 - a failed batch write (disk full, I/O error) is counted in ``store_errors``
   and its rows in ``store_dropped``; the servicer keeps serving, and the
   episode is logged, exported and written where ``inspect`` reads it
@@ -37,13 +41,13 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-import platformdirs
 import trio
 
 from .records import Record, Row, encode_payload
+from .files import JOURNAL_KEEP_DEFAULT, JournalLock, default_journal_path, rotate
 from .ring import RING_BYTES_MAX, RING_RECORDS_MAX, Ring
 from .store_health import StoreHealth
-from .store import STORE_BYTES_MAX, STORE_RECORDS_MAX, Store, StoreStats, open_store, set_aside
+from .store import STORE_BYTES_MAX, STORE_RECORDS_MAX, Store, StoreStats, open_store
 
 __all__ = [
     "FLUSH_BATCH_MAX",
@@ -88,11 +92,6 @@ class JournalStats(msgspec.Struct, frozen=True):
     store_failing_episodes: int = 0  # times writing started failing
 
 
-def default_journal_path(port: int) -> Path:
-    """Where the servicer on ``port`` keeps its journal unless told otherwise."""
-    return Path(platformdirs.user_state_dir("enginelink")) / f"journal-{port}.sqlite"
-
-
 class Journal:
     """One run's journal: the ring, the pending buffer and (with a path) the file."""
 
@@ -109,11 +108,16 @@ class Journal:
         pending_records_max: int = PENDING_RECORDS_MAX,
         pending_bytes_max: int = PENDING_BYTES_MAX,
         to_thread: ToThread = trio.to_thread.run_sync,
+        lock: JournalLock | None = None,
+        keep: int = JOURNAL_KEEP_DEFAULT,
     ) -> None:
         """``path=None`` keeps the journal in memory only (the ring).
 
         ``to_thread`` runs the blocking store writes; deterministic tests
-        pass an inline runner so writes take no virtual time.
+        pass an inline runner so writes take no virtual time. ``lock``: the
+        path's lock, already held by the caller (who releases it); without
+        it the journal takes its own and releases it on ``close``. ``keep``:
+        previous runs' files kept beside this one.
         """
         if flush_interval_s <= 0 or flush_batch_max < 1 or pending_records_max < 1:
             raise ValueError("flush_interval_s, flush_batch_max and pending_records_max must be positive")
@@ -134,12 +138,21 @@ class Journal:
         self._running = False
         self._store: Store | None = None
         self._closed_store_stats: StoreStats | None = None
+        self._own_lock: JournalLock | None = None
         if self.path is not None:
             # Blocking file work, once, at start-up, before any task runs.
-            set_aside(self.path)
-            self._store = open_store(
-                self.path, records_max=store_records_max, bytes_max=store_bytes_max
-            )
+            if lock is None:
+                lock = self._own_lock = JournalLock(self.path).acquire()
+            elif not lock.held or lock.path != self.path:
+                raise RuntimeError(f"the lock given for {self.path} is not held for it")
+            try:
+                rotate(lock, keep)
+                self._store = open_store(
+                    self.path, records_max=store_records_max, bytes_max=store_bytes_max
+                )
+            except BaseException:
+                self._release_own_lock()
+                raise
         self.health = StoreHealth(self.path)  # failing writes said in the log, /metrics and inspect
 
     # -- hot path -----------------------------------------------------------
@@ -305,6 +318,7 @@ class Journal:
         Idempotent. Appends after this still reach the ring.
         """
         if self._store is None:
+            self._release_own_lock()
             return
         self._store_dropped += len(self._pending)
         self._pending.clear()
@@ -313,3 +327,9 @@ class Journal:
         self._closed_store_stats = store.stats()
         store.close()
         self.health.close()
+        self._release_own_lock()
+
+    def _release_own_lock(self) -> None:
+        if self._own_lock is not None:
+            lock, self._own_lock = self._own_lock, None
+            lock.release()

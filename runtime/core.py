@@ -62,7 +62,8 @@ def connect(link, hub, app, readiness, failed: trio.Event, on_failed=None) -> No
 
 
 async def wait_for_end(signals, failed: trio.Event, link, bring_up) -> tuple[int, str]:
-    """Run ``bring_up`` and wait for whichever comes first: a signal (0), a failure (1), an ``Exit``."""
+    """Run ``bring_up`` and wait for whichever comes first: a signal (0), a failure (1, or 2 when
+    the engine refused its arguments), an ``Exit``."""
     result: list[tuple[int, str]] = []
     async with trio.open_nursery() as nursery:
 
@@ -78,7 +79,8 @@ async def wait_for_end(signals, failed: trio.Event, link, bring_up) -> tuple[int
 
         async def on_failure() -> None:
             await failed.wait()
-            end(1, f"engine link failed: {link.machine.failure}")
+            # 2 when the engine refused the operator's arguments (EngineLink.failure_status).
+            end(getattr(link, "failure_status", 1), f"engine link failed: {link.machine.failure}")
 
         async def start() -> None:
             try:

@@ -82,7 +82,7 @@ from enginelink.runtime.handshake_gate import (
     poll_engine,
     receive_from_engine,
 )
-from enginelink.runtime.launchers import EngineLauncher, launch_secrets
+from enginelink.runtime.launchers import EngineLauncher, launch_secrets, refused_arguments
 from enginelink.runtime.zmq_trio import has_message, make_socket, recv_multipart, wait_fd
 from enginelink.wire import vllm as vllm_wire
 from enginelink.wire.engine import EngineCodec, EngineDead, OutputBatch, WireError
@@ -136,6 +136,10 @@ class EngineIncompatible(LinkFailed):
     """The engine that answered is not what the launch check verified (exit 2)."""
 
 
+class EngineArgsRefused(LinkFailed):
+    """The engine exited 2 before the handshake: its argument parser refused its arguments (exit 2)."""
+
+
 class EngineLink:
     def __init__(
         self,
@@ -179,6 +183,10 @@ class EngineLink:
         self._startup_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._handshake_done = False
+        # The exit status the link's failure asks of the servicer: 2 when the engine
+        # refused the operator's arguments (a restart would only repeat it), else 1.
+        self.failure_status = 1
+        self._facts_path: Path | None = None
         self._progress_at = trio.current_time()
         self._stop_done: trio.Event | None = None
         self.last_frame_at = trio.current_time()
@@ -238,6 +246,7 @@ class EngineLink:
             in_path, out_path = Path(f"{base}-in.sock"), Path(f"{base}-out.sock")
             hs_path, facts_path = Path(f"{base}-hs.sock"), Path(f"{base}-facts.json")
             self._paths = [in_path, out_path, hs_path, facts_path]
+            self._facts_path = facts_path
             facts_path.unlink(missing_ok=True)
             bound_handshake_socket(handshake)
             handshake.bind(f"ipc://{hs_path}")
@@ -395,7 +404,7 @@ class EngineLink:
         failure = await self._run_handshake(
             lambda: self._handshake(handshake, inputs, f"ipc://{in_path}", f"ipc://{out_path}"))
         if failure is not None:
-            return failure
+            return EngineArgsRefused(str(failure)) if self.failure_status == 2 else failure
         self._read_facts(facts_path)
         problem = getattr(self.launcher, "check_ready", lambda ready: None)(self.ready)
         if problem:
@@ -509,7 +518,10 @@ class EngineLink:
         process = self.process
         await process.wait()
         if self.machine.live and self._stop_done is None:
-            self._fail(f"engine process {process.pid} exited with status {process.returncode}")
+            refusal = None if self._handshake_done else refused_arguments(process, self._facts_path)
+            if refusal is not None:
+                self.failure_status = 2
+            self._fail(refusal or f"engine process {process.pid} exited with status {process.returncode}")
 
     async def _watch_disconnect(self, monitor: zmq.Socket) -> None:
         """The engine's connection to our output socket dropped: its engine core is gone.

@@ -160,9 +160,11 @@ class _StatsCollector:
         return []
 
 
-async def serve_metrics(metrics: Metrics, host: str, port: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Answer ``GET /metrics`` on host:port until cancelled."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
+async def serve_metrics(metrics: Metrics, host: str, port: int, task_status=trio.TASK_STATUS_IGNORED, *,
+                        listeners: list[trio.SocketListener] | None = None) -> None:
+    """Answer ``GET /metrics`` on host:port (or the ``listeners`` bound for it) until cancelled."""
+    if listeners is None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
     task_status.started()
     log.info("metrics on http://%s:%d/metrics", host, port)
     await trio.serve_listeners(lambda stream: _answer(metrics, stream), listeners)

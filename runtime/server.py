@@ -1,7 +1,11 @@
 """The servicer's lifetime: one trio nursery around journal, gRPC server and engine link.
 
-Order (DESIGN "Start"): journal → gRPC bound (health NOT_SERVING, HealthCheck
-"Engine is starting") → engine launched and handshaken → warm-up → serving.
+Order (DESIGN "Start"): the journal's lock → the gRPC and metrics ports bound →
+the journal (the last run's file set aside, a new one opened) → gRPC serving
+(health NOT_SERVING, HealthCheck "Engine is starting") → engine launched and
+handshaken → warm-up → serving. The lock and the binds come first so that a
+start that cannot work (a journal another servicer owns, a port in use)
+exits 2 (``core.Exit``) having touched no journal file.
 Then the servicer waits for one of: a signal (SIGTERM/SIGINT → drain, exit 0)
 or the link failing (every open call ends UNAVAILABLE, exit 1 so the
 supervisor restarts the pair).
@@ -12,9 +16,12 @@ crossings are start/stop of the server and rare utility calls, never per token.
 
 from __future__ import annotations
 
+import errno
+import functools
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,6 +32,9 @@ import trio_asyncio
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
 
+from enginelink.journal.files import (
+    JOURNAL_KEEP_DEFAULT, JournalBusy, JournalLock, read_run_file, remove_run_file, write_run_file,
+)
 from enginelink.journal.journal import Journal
 from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
 from enginelink.machines.link import LinkEvent, LinkState
@@ -33,7 +43,7 @@ from enginelink.runtime import core
 from enginelink.runtime.aio_loop import run_ready_callbacks_together
 from enginelink.runtime.app import App
 from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
-from enginelink.runtime.engine_link import EngineIncompatible, EngineLink, LinkFailed, Supervision
+from enginelink.runtime.engine_link import EngineArgsRefused, EngineIncompatible, EngineLink, LinkFailed, Supervision
 from enginelink.runtime.grpc_limits import GrpcLimits
 from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS, CoalescingServer, FrameWrites
 from enginelink.runtime.grpc_vllm import VllmEngineService
@@ -62,6 +72,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     journal_path: Path | None = None
+    journal_keep: int = JOURNAL_KEEP_DEFAULT  # previous runs' journals kept (ENGINELINK_JOURNAL_KEEP)
     startup_timeout_s: float = 1800.0
     startup_ceiling_s: float = 14400.0  # 0 = no ceiling
     silence_timeout_s: float = 300.0
@@ -79,8 +90,86 @@ class ServeConfig:
 
 
 async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> int:
-    """Run until drained (0) or failed (1); ``task_status.started(app)`` once serving."""
-    journal = Journal(config.journal_path)
+    """Run until drained (0) or failed (1); ``task_status.started(app)`` once serving.
+
+    Raises ``core.Exit(2, reason)`` before touching any journal file when the
+    journal is another live process's or a port cannot be bound.
+    """
+    lock = None
+    if config.journal_path is not None:
+        try:
+            lock = JournalLock(config.journal_path).acquire()
+        except JournalBusy as error:
+            raise core.Exit(2, str(error)) from None
+    try:
+        grpc_sock = _bind_grpc(config.host, config.port)
+        try:
+            metrics_listeners = None
+            if config.metrics_port is not None:
+                try:
+                    metrics_listeners = await trio.open_tcp_listeners(config.metrics_port, host=config.metrics_host)
+                except OSError as error:
+                    raise core.Exit(2, _bind_refused("metrics", config.metrics_host, config.metrics_port, error)) from None
+            journal = Journal(config.journal_path, lock=lock, keep=config.journal_keep)
+            if config.journal_path is None:
+                return await _serve(config, journal, grpc_sock, metrics_listeners, task_status)
+            write_run_file(config.port, config.journal_path, host=config.host)
+            try:
+                return await _serve(config, journal, grpc_sock, metrics_listeners, task_status)
+            finally:
+                remove_run_file(config.port)  # only a killed servicer's stays, for the post-mortem
+        finally:
+            grpc_sock.close()  # the server closed it as it stopped; not if it never started
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _bind_grpc(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (the first address ``host`` resolves to), or ``core.Exit(2)``."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as error:
+        raise core.Exit(2, f"gRPC address {host}:{port}: {error.strerror or error}") from None
+    try:
+        # What asyncio's create_server sets: reuse a port in TIME_WAIT, v6 means v6 only.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.setblocking(False)
+    except OSError as error:
+        sock.close()
+        raise core.Exit(2, _bind_refused("gRPC", host, port, error)) from None
+    return sock
+
+
+def _bind_refused(what: str, host: str, port: int, error: OSError) -> str:
+    """One line: which port, why, and (when enginelink knows it) which process holds it."""
+    if error.errno == errno.EADDRINUSE:
+        holder = ""
+        recorded = read_run_file(port)
+        if recorded and isinstance(recorded.get("pid"), int) and _alive(recorded["pid"]):
+            holder = f" by process {recorded['pid']} (an enginelink servicer, journal {recorded['journal']})"
+        return (f"{what} port {host}:{port} is in use{holder}; stop that one first, "
+                f"or pick another --{'metrics-' if what == 'metrics' else ''}port")
+    return f"cannot bind the {what} port {host}:{port}: {error.strerror or error}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()
+
+
+async def _serve(config: ServeConfig, journal: Journal, grpc_sock: socket.socket, metrics_listeners,
+                 task_status) -> int:
     run_start_trio = trio.current_time()
     run_start_wall = time.time()
     codec = codecs.get(config.launcher.engine)
@@ -138,7 +227,8 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                 metrics.add_gauges("input_max", input_limits)  # the ENGINELINK_MAX_* request-input bounds
                 metrics.add_gauges("asyncio", lambda: loop_stats)
                 # Bound before the engine starts, so a scrape during start-up says "starting".
-                await nursery.start(serve_metrics, metrics, config.metrics_host, config.metrics_port)
+                await nursery.start(functools.partial(
+                    serve_metrics, metrics, config.metrics_host, config.metrics_port, listeners=metrics_listeners))
             app = App(
                 link=link,
                 hub=hub,
@@ -173,7 +263,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
             server = CoalescingServer([engine_service, health], limits=config.grpc_limits)
             if metrics is not None:
                 metrics.add_gauges("grpc", server.guard.read)
-            await trio_asyncio.aio_as_trio(server.start)(config.host, config.port)
+            await trio_asyncio.aio_as_trio(server.start)(sock=grpc_sock)
             log.info("gRPC bound on %s:%d (health NOT_SERVING until the engine is up)", config.host, config.port)
 
             failed = trio.Event()
@@ -192,8 +282,10 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                         try:
                             await nursery.start(link.run)
                         except LinkFailed as error:
-                            # 2: the engine is not the release the launch check verified.
-                            raise core.Exit(2 if isinstance(error, EngineIncompatible) else 1, str(error)) from None
+                            # 2: the engine is not the release the launch check verified,
+                            # or it refused its arguments (a typo a restart would repeat).
+                            refused = isinstance(error, (EngineIncompatible, EngineArgsRefused))
+                            raise core.Exit(2 if refused else 1, str(error)) from None
                         if kv_relay is not None:
                             await kv_relay.after_handshake(link.ready)
                         if link.machine.state is LinkState.WARMING_UP:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -30,6 +31,8 @@ from pathlib import Path
 import platformdirs
 
 from enginelink.wire.vllm import LAYOUT
+
+log = logging.getLogger("enginelink")
 
 HEADLESS_SCRIPT = Path(__file__).with_name("vllm_headless.py")
 LAYOUT_FILE_ENV = "ENGINELINK_VLLM_LAYOUT_FILE"
@@ -128,6 +131,9 @@ def installed_layout(python: str) -> dict:
         return json.loads(cache.read_text())
     except (OSError, ValueError):
         pass
+    # Importing vLLM takes seconds (~14 s on 2 cores): say so, or the start looks hung.
+    log.info("checking the vLLM release at %s against enginelink's wire codec (imports vLLM once; "
+             "cached for this installation)", python)
     layout = _ask_vllm(python)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")

@@ -82,10 +82,36 @@ def _write_facts(path: str, vllm_config) -> None:
         "enable_prefix_caching": bool(cache.enable_prefix_caching),
         "profiler": getattr(vllm_config.profiler_config, "profiler", None),
     }
+    _write_json(path, facts)
+
+
+def _write_json(path: str, body: dict) -> None:
+    """Atomically: enginelink reads the file after the process exits, or at the handshake."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as fh:
-        json.dump(facts, fh)
+        json.dump(body, fh)
     os.replace(tmp, path)
+
+
+def report_refused_arguments(parser: argparse.ArgumentParser, facts_path: str | None) -> None:
+    """Launched by enginelink (``facts_path`` set): argparse's refusal goes to the facts file
+    as ``refused_arguments`` instead of stderr, and the engine exits 2 as argparse does.
+
+    enginelink's exit line then quotes it once, credentials redacted; argparse would print
+    the whole usage (250 lines for vLLM) and the arguments verbatim. When the file cannot
+    be written, argparse says it here as usual."""
+    if not facts_path:
+        return
+    refuse = parser.error
+
+    def error(message: str):
+        try:
+            _write_json(facts_path, {"refused_arguments": f"{parser.prog}: error: {message}"})
+        except OSError:
+            refuse(message)
+        sys.exit(2)
+
+    parser.error = error
 
 
 def run_engine(handshake: str, facts_path: str | None, engine_argv: list[str]) -> int:
@@ -96,6 +122,7 @@ def run_engine(handshake: str, facts_path: str | None, engine_argv: list[str]) -
     from vllm.v1.executor import Executor
 
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm-headless (enginelink)"))
+    report_refused_arguments(parser, facts_path)
     args = parser.parse_args(engine_argv)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     if handshake.startswith("tcp://"):

@@ -106,7 +106,8 @@ async def run_warmup(
         results = await _run_step(step, submit, timeout_s, log)
         elapsed = trio.current_time() - step_start
         streak = _count(outcome, results, streak)
-        log.info("warm-up step %d/%d %s: %s in %.3f s", number, len(steps), step.label, _summary(results), elapsed)
+        # One line per step at DEBUG; the INFO summary below says how it went.
+        log.debug("warm-up step %d/%d %s: %s in %.3f s", number, len(steps), step.label, _summary(results), elapsed)
         if streak >= FAILED_STEPS_MAX:
             outcome.stopped = "failures"
             log.warning("warm-up stopped: %d steps in a row failed (%d of %d ran)", streak, number, len(steps))
@@ -188,7 +189,7 @@ async def _flush(flush: Flush, log) -> bool:
             flushed = bool(await flush())
         except Exception as error:
             log.warning("warm-up prefix-cache flush failed: %s: %s", type(error).__name__, error)
-    log.info(
+    log.debug(
         "warm-up prefix-cache flush: %s in %.3f s",
         "done" if flushed else "not done",
         trio.current_time() - start,

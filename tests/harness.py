@@ -82,7 +82,10 @@ class Servicer:
         # Its own ipc socket directory, short enough for ipc paths and not shared
         # with other tests or a servicer the user runs (the default is one per user).
         self.socket_dir = Path(tempfile.mkdtemp(prefix="el-sock-"))
-        self.env = {**os.environ, "SMG_ZMQ_SOCKET_DIR": str(self.socket_dir), **(env or {})}
+        # Its own state dir too: the run file (serve-<port>.json) goes there, not in the user's.
+        self.state_home = tmp / "state"
+        self.env = {**os.environ, "SMG_ZMQ_SOCKET_DIR": str(self.socket_dir),
+                    "XDG_STATE_HOME": str(self.state_home), **(env or {})}
         self.process: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
         self.stub: pb_grpc.VllmEngineStub | None = None

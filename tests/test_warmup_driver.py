@@ -122,17 +122,18 @@ async def test_steps_in_order_requests_concurrently_exact_times(autojump_clock):
     assert {timeout for _, _, timeout in started[:4]} == {300.0}
     assert started[-1][2] == pytest.approx(300 - (3.249 - 0.522))
 
-    lines = log.messages()
+    # One DEBUG line per step and for the flush; one INFO line sums it up.
+    lines = log.messages("DEBUG")
     assert lines[0] == "warm-up step 1/27 decode staircase 4 x 8-token prompts, 2..5 tokens out: 4 requests in 0.058 s"
     assert lines[3] == "warm-up step 4/27 prefill 4 tokens: 1 request in 0.014 s"
     assert lines[16] == "warm-up step 17/27 prefill 512 tokens: 1 request in 0.522 s"
     assert lines[26] == "warm-up step 27/27 prefill 512 tokens again: 1 request in 0.522 s"
     assert lines[27] == "warm-up prefix-cache flush: done in 0.000 s"
-    assert lines[28] == (
+    assert len(lines) == 28
+    assert log.messages() == [
         "warm-up done in 3.249 s: 27 of 27 steps, requests 30 ok, 0 failed (0 timed out), 0 refused; "
         "prefix cache flushed"
-    )
-    assert len(lines) == 29
+    ]
 
 
 async def test_request_timeout_is_capped_at_600_s(autojump_clock):
@@ -205,7 +206,7 @@ async def test_three_whole_step_failures_in_a_row_stop_the_pass(autojump_clock):
     outcome = await run_warmup(plan, submit=submit, flush=flush, budget_s=300, log=log)
     assert outcome.stopped == "failures" and outcome.steps_run == 3 and outcome.steps_failed == 3
     assert flush.calls == [pytest.approx(0.3)] and outcome.flushed is True
-    assert log.messages()[0] == "warm-up step 1/10 prefill 1 tokens: 1 request (1 failed) in 0.100 s"
+    assert log.messages("DEBUG")[0] == "warm-up step 1/10 prefill 1 tokens: 1 request (1 failed) in 0.100 s"
     assert log.messages("WARNING") == ["warm-up stopped: 3 steps in a row failed (3 of 10 ran)"]
 
 
@@ -395,9 +396,11 @@ async def test_fast_and_full_warm_up_on_the_sim_engine_with_a_cost_model(autojum
     assert link.hub.calls == {}
     lines = log.messages()
     assert lines[0] == "warm-up full, budget 300 s: 27 steps (window 4, step 512 tokens, context 2048, 1 DP rank)"
-    assert lines[1] == "warm-up step 1/27 decode staircase 4 x 8-token prompts, 2..5 tokens out: 4 requests in 0.008 s"
-    assert lines[17] == "warm-up step 17/27 prefill 512 tokens: 1 request in 0.052 s"
-    assert lines[-2] == "warm-up prefix-cache flush: done in 0.000 s"
+    assert lines[1].startswith("warm-up done in ") and len(lines) == 2  # the plan and the summary at INFO
+    steps = log.messages("DEBUG")
+    assert steps[0] == "warm-up step 1/27 decode staircase 4 x 8-token prompts, 2..5 tokens out: 4 requests in 0.008 s"
+    assert steps[16] == "warm-up step 17/27 prefill 512 tokens: 1 request in 0.052 s"
+    assert steps[-1] == "warm-up prefix-cache flush: done in 0.000 s"
 
     link = sim_link(prefill_us_per_token=100, step_us=1000)
     async with trio.open_nursery() as nursery:

@@ -8,6 +8,7 @@ the gRPC stack, and ``enginelink --help`` stays instant.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -22,25 +23,65 @@ SUBCOMMANDS = {
 }
 
 
+DESCRIPTION = """\
+enginelink: an SMG gRPC servicer (the smg VllmEngine contract) in front of an LLM engine
+(a real vLLM, or the embedded sim engine), and its tools.
+
+  enginelink serve [FLAGS] [-- ENGINE ARGS]   only what follows `--` goes to the engine"""
+KNOBS_POINTER = "Every setting (flags and ENGINELINK_* / SMG_* environment variables) is in README.md, \"Running\"."
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="enginelink", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="enginelink", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"`enginelink COMMAND --help` explains a command's flags.\n{KNOBS_POINTER}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = argv[0] if argv and not argv[0].startswith("-") else None
+    chosen = None
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == wanted:
             module = importlib.import_module(f"enginelink.tools.{module_name}")
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
-    args, extra = parser.parse_known_args(argv)
+            chosen = p
+    # Only what follows `--` goes to an engine (serve, bench): an unknown flag before
+    # it is a typo to refuse, never an engine argument (`serve --prot 5`).
+    head, engine_args = argv, None
+    if "--" in argv:
+        cut = argv.index("--")
+        head, engine_args = argv[:cut], argv[cut + 1:]
+    args, extra = parser.parse_known_args(head)
     if extra:
-        # Only `serve` takes pass-through engine args, after `--`.
-        if getattr(args, "engine_args", None) is not None:
-            args.engine_args = [a for a in extra if a != "--"]
-        else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        refuse_unknown(chosen or parser, extra)
+    if engine_args is not None:
+        if getattr(args, "engine_args", None) is None:
+            (chosen or parser).error(f"`--` passes arguments to an engine; {args.command} runs none: "
+                                     f"{' '.join(engine_args)}")
+        args.engine_args = engine_args
     return int(args._run(args) or 0)
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """argparse's error (usage, exit 2) for unknown arguments, with the nearest known flag.
+
+    Python 3.11's argparse has no ``suggest_on_error``; difflib does the same.
+    """
+    known = [option for action in parser._actions for option in action.option_strings]
+    hints = []
+    for arg in extra:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{arg}: did you mean {close[0]}?")
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    if hints:
+        message += " (" + "; ".join(hints) + ")"
+    if isinstance(parser.get_default("engine_args"), list):  # serve, bench: they launch an engine
+        message += "; arguments for the engine go after `--`"
+    parser.error(message)
 
 
 if __name__ == "__main__":

@@ -23,17 +23,22 @@ import datetime as dt
 import json
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from enginelink.journal.records import KIND_KV_BATCH, KIND_KV_INCARNATION, KIND_KV_LOST, KIND_TRANSITION
 from enginelink.journal.fold import TERMINAL_REQUEST_STATES, FoldState, fold
-from enginelink.journal.journal import FLUSH_INTERVAL_S, default_journal_path
+from enginelink.journal.files import JOURNAL_KEEP_MAX, default_journal_path, previous_path, read_run_file
+from enginelink.journal.journal import FLUSH_INTERVAL_S
 from enginelink.journal.store import Reader, StoreError, open_reader
 from enginelink.journal.store_health import read_health
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
 from enginelink.runtime.engine_process import describe_placement, describe_priority, pid_alive
+
+T = TypeVar("T")
 
 DEFAULT_PORT = 50051
 WATCH_DEFAULT_S = 2.0
@@ -49,15 +54,37 @@ CLOCK_SLACK_S = 2.0
 
 
 def add_journal_arguments(p: argparse.ArgumentParser) -> None:
-    """``--journal PATH`` / ``--port N``: which journal (shared with ``enginelink journal``)."""
+    """``--journal PATH`` / ``--port N`` / ``--previous K``: which journal (shared with ``enginelink journal``)."""
     p.add_argument("--journal", type=Path, default=None,
-                   help="journal file (default: the one `enginelink serve --port N` writes)")
+                   help="journal file (default: the one the servicer on --port writes)")
     p.add_argument("--port", type=int, default=int(os.environ.get("ENGINELINK_PORT", DEFAULT_PORT)),
-                   help=f"port of the servicer whose default journal to read (default {DEFAULT_PORT})")
+                   help=f"port of the servicer whose journal to read: the one its run file names "
+                        f"(serve-<port>.json in the state dir, which --journal may have moved), else "
+                        f"journal-<port>.sqlite (default {DEFAULT_PORT}; ENGINELINK_PORT)")
+    p.add_argument("--previous", type=_run_count, default=0, metavar="K",
+                   help="the K-th previous run's journal instead (1: the newest, kept as .prev; "
+                        "ENGINELINK_JOURNAL_KEEP of them are kept)")
+
+
+def _run_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of runs back, 0 or more")
+    return value
 
 
 def journal_path(args: argparse.Namespace) -> Path:
-    return args.journal if args.journal is not None else default_journal_path(args.port)
+    """The journal the arguments name: --journal, else the one the servicer on --port records."""
+    if args.journal is not None:
+        path = args.journal
+    else:
+        recorded = read_run_file(args.port)
+        path = Path(recorded["journal"]) if recorded else default_journal_path(args.port)
+    previous = getattr(args, "previous", 0)
+    return previous_path(path, previous) if previous else path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                view = folder.view()
+                view = folder.view() if args.watch is None else interruptible(folder.view)
             except (FileNotFoundError, StoreError) as error:
                 print(f"enginelink inspect: {error}", file=sys.stderr)
                 return 1
@@ -93,6 +120,35 @@ def run(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `| head`
         quiet_stdout()
         return 0
+
+
+def interruptible(call: Callable[[], T]) -> T:
+    """``call()`` in a worker thread while this one waits, so Ctrl-C ends ``--watch`` at once.
+
+    Python runs a signal's handler in the main thread between bytecodes: while
+    the main thread is inside a SQLite call (a query over a large journal, or
+    a busy wait of up to ``BUSY_TIMEOUT_MS`` while the writer checkpoints) a
+    SIGINT waits for that call to return, seconds on a loaded machine. Waiting
+    on an event instead is interrupted at once. The worker is a daemon thread
+    so that exiting does not wait for the read it was doing (it only reads).
+    """
+    done = threading.Event()
+    outcome: list[Any] = []
+
+    def work() -> None:
+        try:
+            outcome.append((True, call()))
+        except Exception as error:  # handed to the main thread, raised there
+            outcome.append((False, error))
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="inspect-read", daemon=True).start()
+    done.wait()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def quiet_stdout() -> None:
@@ -212,7 +268,19 @@ def journal_facts(reader: Reader, path: Path) -> dict[str, Any]:
         "last_snapshot_seq": None if snap is None else snap.seq,
         # Whether the servicer can write this file: the journal cannot say so itself on a full disk.
         "health": read_health(path),
+        "previous_runs": [str(p) for p in previous_journals(path)],
     }
+
+
+def previous_journals(path: Path) -> list[Path]:
+    """The previous runs' journals kept beside ``path`` (newest first; ENGINELINK_JOURNAL_KEEP of them)."""
+    kept = []
+    for n in range(1, JOURNAL_KEEP_MAX + 1):
+        prev = previous_path(path, n)
+        if not prev.exists():
+            break
+        kept.append(prev)
+    return kept
 
 
 # How far back from the journal's end to look for each rank's newest KV batch.
@@ -275,6 +343,9 @@ def render_view(view: dict[str, Any]) -> str:
             f"last snapshot: {'none' if jr['last_snapshot_seq'] is None else 'seq ' + str(jr['last_snapshot_seq'])}"
         )
     lines += render_health(jr.get("health"), run.get("pid"))
+    if jr.get("previous_runs"):
+        lines.append(f"  previous runs' journals kept: {len(jr['previous_runs'])} "
+                     f"({Path(jr['previous_runs'][0]).name} is the newest; --previous K reads one)")
     lines += render_links(view["links"])
     lines += render_requests(view["requests"])
     if view["ended_recently"]:

@@ -15,10 +15,9 @@ import os
 import sys
 from pathlib import Path
 
-import platformdirs
 import trio
 
-from enginelink.journal.journal import default_journal_path
+from enginelink.journal.files import default_journal_path, journal_keep
 from enginelink.runtime.launchers import (
     LauncherError,
     SimLauncher,
@@ -34,23 +33,46 @@ class ConfigError(Exception):
     """The operator's configuration cannot work; the message says what to change."""
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+DESCRIPTION = """\
+Run the servicer (the smg VllmEngine gRPC contract) in front of one engine.
+With no flags: the embedded sim engine and the tiny test model (built on first use;
+`enginelink make-test-model --print-path` says where), on 127.0.0.1:50051.
+
+Arguments after `--` go to the engine and nowhere else: for --engine vllm, vLLM's own
+engine arguments (e.g. -- --max-model-len 1024 --enforce-eager); for the sim engine,
+its flags (`enginelink sim-engine --help`). An unknown flag before `--` is refused.
+
+Exit status: 0 after a drain (SIGTERM/SIGINT), 1 when the engine died or failed its
+wire, 2 for a configuration it refuses (a bad flag or knob, a port in use, a journal
+another servicer holds, engine arguments the engine rejects)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = DESCRIPTION
+    p.epilog = ("Every setting, flags and environment variables (ENGINELINK_*, SMG_*), with its default: "
+                "README.md, \"Running\".")
     p.add_argument("--engine", choices=["sim", "vllm"], default=os.environ.get("ENGINELINK_ENGINE", "sim"),
-                   help="engine to launch headless (default: sim, the embedded deterministic engine)")
+                   help="engine to launch headless: sim, the embedded deterministic engine, or vllm, a real "
+                        "vLLM 0.32 from its own venv (default sim; ENGINELINK_ENGINE)")
     p.add_argument("--model", type=Path, default=None,
-                   help="model directory (default: the tiny test model, built on first use)")
+                   help="model directory (default: the tiny test model, built on first use under the state dir)")
     p.add_argument("--served-model-name", default=None,
-                   help="model id clients send (default: the model directory's name)")
-    p.add_argument("--host", default=os.environ.get("ENGINELINK_HOST", "127.0.0.1"), help="gRPC host (default 127.0.0.1)")
+                   help="model id clients send (default: the engine's --served-model-name, else the directory's name)")
+    p.add_argument("--host", default=os.environ.get("ENGINELINK_HOST", "127.0.0.1"),
+                   help="gRPC host, the first address it resolves to (default 127.0.0.1; ENGINELINK_HOST)")
     p.add_argument("--port", type=int, default=int(os.environ.get("ENGINELINK_PORT", "50051")),
-                   help="gRPC port (default 50051)")
+                   help="gRPC port (default 50051; ENGINELINK_PORT)")
     p.add_argument("--journal", type=Path, default=None,
-                   help="journal file (default: journal-<port>.sqlite under the user's state dir)")
+                   help="journal file (default: journal-<port>.sqlite under the state dir); the last "
+                        "ENGINELINK_JOURNAL_KEEP runs' files are kept beside it as .prev, .prev2, ...")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (default: none; SMG_VLLM_SERVICER_METRICS_PORT)")
     p.add_argument("--metrics-host", default=None,
                    help="metrics host (default 127.0.0.1; SMG_VLLM_SERVICER_METRICS_HOST)")
-    p.add_argument("--log-level", default=os.environ.get("ENGINELINK_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=os.environ.get("ENGINELINK_LOG_LEVEL", "INFO"), metavar="LEVEL",
+                   help=f"one of {', '.join(LOG_LEVELS)} (default INFO; ENGINELINK_LOG_LEVEL)")
     p.set_defaults(engine_args=[])
 
 
@@ -121,13 +143,23 @@ def _vllm_launcher(model_dir: Path, engine_args: list[str]) -> VllmLauncher:
 
 
 def default_model_dir() -> Path:
-    from enginelink.tools.test_model import is_complete, make_test_model
+    from enginelink.tools.test_model import default_test_model_path, is_complete, make_test_model
 
     # Our own managed directory: a build from an older recipe is replaced.
-    state = Path(platformdirs.user_state_dir("enginelink"))
-    state.mkdir(mode=0o700, parents=True, exist_ok=True)  # journals (prompts' token ids) live here too
-    path = state / "test-model"
-    return make_test_model(path, force=not is_complete(path))
+    path = default_test_model_path()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # journals (prompts' token ids) live here too
+    if not is_complete(path):
+        logging.getLogger("enginelink").info("building the tiny test model at %s (first run only)", path)
+    path = make_test_model(path, force=not is_complete(path))
+    logging.getLogger("enginelink").info("model: the tiny test model at %s (give it to the router's --model-path)", path)
+    return path
+
+
+def _journal_keep() -> int:
+    try:
+        return journal_keep()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _warmup():
@@ -201,6 +233,7 @@ def build_config(args: argparse.Namespace):
         host=args.host,
         port=args.port,
         journal_path=args.journal or default_journal_path(args.port),
+        journal_keep=_journal_keep(),
         startup_timeout_s=_env_seconds(
             "ENGINELINK_STARTUP_TIMEOUT_SECS", "SMG_VLLM_SERVICER_STARTUP_TIMEOUT_SECS", default=1800.0
         ),
@@ -227,13 +260,23 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = str(args.log_level).strip().upper()
+    if level not in LOG_LEVELS:
+        print(f"enginelink serve: log level {args.log_level!r}: expected one of {', '.join(LOG_LEVELS)}"
+              " (--log-level, ENGINELINK_LOG_LEVEL)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_config(args)
         input_limits()  # the ENGINELINK_MAX_* request-input knobs: a bad one is refused here
     except (ConfigError, InputKnobError) as error:
         print(f"enginelink serve: {error}", file=sys.stderr)
         return 2
+    from enginelink.runtime import core
     from enginelink.runtime.server import serve
 
-    return trio.run(serve, config)
+    try:
+        return trio.run(serve, config)
+    except core.Exit as refused:  # refused before the engine started: a port in use, a journal in use
+        print(f"enginelink serve: {refused.reason}", file=sys.stderr)
+        return refused.status

@@ -45,17 +45,30 @@ HANDSHAKE_TIMEOUT_S = 300.0  # vLLM's HANDSHAKE_TIMEOUT_MINS
 IDLE_POLL_MS = 100  # how often an idle engine checks for signals and its parent
 
 
+SIM_DESCRIPTION = """\
+Run the deterministic sim engine: one rank of `vllm serve --headless`, on vLLM's wire.
+`enginelink serve` launches it (the default --engine sim) and fills in --handshake and
+--model; give it the other flags after serve's `--`, e.g.
+  enginelink serve -- --step-us 20000 --max-num-seqs 64
+Settings of the servicer itself: README.md, "Running"."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = SIM_DESCRIPTION
     parser.add_argument("--handshake", required=True, help="the front end's handshake ROUTER: ipc://PATH or tcp://HOST:PORT")
     parser.add_argument("--model", required=True, type=Path, help="model directory holding config.json")
     parser.add_argument("--rank", type=int, default=0, help="data-parallel rank (engine index and identity)")
-    parser.add_argument("--prefill-us-per-token", type=float, default=0.0)
-    parser.add_argument("--step-us", type=float, default=0.0)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-gpu-blocks", type=int, default=8192)
+    parser.add_argument("--prefill-us-per-token", type=float, default=0.0, metavar="US",
+                        help="cost model: microseconds of a step per prompt token it prefills (default 0)")
+    parser.add_argument("--step-us", type=float, default=0.0, metavar="US",
+                        help="cost model: microseconds each engine step takes, decode included (default 0)")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="requests running at once (default 128)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens one step may schedule (default 2048)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's "
+                        "max_position_embeddings)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default 16)")
+    parser.add_argument("--num-gpu-blocks", type=int, default=8192, help="KV cache blocks (default 8192)")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: config.json vocab_size")
     parser.add_argument("--startup-delay-s", type=float, default=0.0,
                         help="seconds between the handshake init and the ready response (model loading)")
@@ -317,8 +330,13 @@ def _serve(core: SimEngineCore, inputs: zmq.Socket, outputs: zmq.Socket, life: _
 
 
 def main(argv: list[str] | None = None) -> int:
+    from enginelink.runtime.engine_link import ENGINE_FACTS_ENV
+    from enginelink.runtime.vllm_headless import report_refused_arguments
+
     parser = argparse.ArgumentParser(prog="python -m enginelink.tools.sim_engine", description=__doc__.splitlines()[0])
     add_arguments(parser)
+    # Launched by enginelink: a refusal (exit 2) is also reported where the servicer reads it.
+    report_refused_arguments(parser, os.environ.get(ENGINE_FACTS_ENV))
     return run(parser.parse_args(argv))
 
 

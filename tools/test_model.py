@@ -1,4 +1,4 @@
-"""``enginelink make-test-model DIR``: the tiny test model, offline and deterministic.
+"""``enginelink make-test-model [DIR]``: the tiny test model, offline and deterministic.
 
 Builds the model directory of reference/cpu-test-engine.md §3 — a random-weight
 Llama (2,229,504 parameters, bf16, tied embeddings) and a byte-level BPE
@@ -314,14 +314,30 @@ def make_test_model(out_dir: Path, *, force: bool = False) -> Path:
     return out_dir
 
 
+def default_test_model_path() -> Path:
+    """Where ``enginelink serve`` builds and keeps the test model: the state dir's ``test-model``."""
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("enginelink")) / "test-model"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, metavar="DIR", help="where to write the model directory")
+    parser.add_argument("dir", type=Path, metavar="DIR", nargs="?", default=None,
+                        help="where to write the model directory (default: the one `enginelink serve` uses, "
+                             "test-model under the state dir, $XDG_STATE_HOME/enginelink on Linux)")
     parser.add_argument("--force", action="store_true", help="rebuild even if DIR exists")
+    parser.add_argument("--print-path", action="store_true",
+                        help="print DIR (default: the path `enginelink serve` uses) and build nothing, "
+                             "e.g. for the router's --model-path")
 
 
 def run(args: argparse.Namespace) -> int:
+    out_dir = args.dir if args.dir is not None else default_test_model_path()
+    if args.print_path:
+        print(out_dir)
+        return 0
     try:
-        path = make_test_model(args.dir, force=args.force)
+        path = make_test_model(out_dir, force=args.force)
     except FileExistsError as exc:
         print(f"make-test-model: {exc}", file=sys.stderr)
         return 1

@@ -65,7 +65,7 @@ def deterministic_trio(seed: int):
     quiet = logging.getLogger("enginelink")
     level = quiet.level
     if not os.environ.get("ENGINELINK_SIM_LOG"):
-        quiet.setLevel(logging.WARNING)  # warm-up steps log at INFO; a sweep does not need them
+        quiet.setLevel(logging.WARNING)  # warm-up logs its plan and summary at INFO; a sweep does not need them
     try:
         yield
     finally:

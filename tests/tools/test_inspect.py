@@ -112,8 +112,12 @@ def test_watch_refreshes_until_interrupted(busy):
         first = json.loads(watch.stdout.readline())
         second = json.loads(watch.stdout.readline())
         assert second["as_of"]["seq"] > first["as_of"]["seq"]  # the frames keep coming
+        # Two refreshes printed: it is in its loop. Ctrl-C ends it promptly with status 0.
+        # communicate, not wait: it keeps reading, so a refresh printed meanwhile cannot
+        # block the tool on a full pipe (the test's, not the tool's, delay).
         watch.send_signal(signal.SIGINT)
-        assert watch.wait(5) == 0
+        watch.communicate(timeout=5)
+        assert watch.returncode == 0
     finally:
         if watch.poll() is None:
             watch.kill()
@@ -149,3 +153,40 @@ def test_inspect_shows_the_kv_relay_window_and_its_subscribers(tmp_path, test_mo
         wait_until(lambda: inspect_json(servicer.journal)["kv"]["subscribers_open"] == [], 5, "subscriber gone")
         text = enginelink("inspect", "--journal", servicer.journal).stdout
         assert "KV events:" in text and "subscribers open 0" in text and "rank 0: live" in text
+
+
+BLOCKED_READ = """
+import sqlite3, sys
+from enginelink.tools.inspect import interruptible
+db = sys.argv[1]
+locker = sqlite3.connect(db, isolation_level=None)
+locker.execute("CREATE TABLE t (x)")
+locker.execute("BEGIN EXCLUSIVE")  # every other connection now waits its busy timeout, inside SQLite
+
+def read():
+    print("reading", flush=True)  # from the worker: the main thread is inside the try by now
+    sqlite3.connect(db, timeout=120).execute("SELECT * FROM t").fetchall()
+
+try:
+    interruptible(read)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+def test_ctrl_c_is_not_held_off_by_a_read_blocked_in_sqlite(tmp_path):
+    """What kept `inspect --watch` from ending on SIGINT: a SQLite call holds off Python's handler
+    until it returns (here a 120 s busy wait). Read through ``interruptible``, Ctrl-C ends it at once."""
+    reader = subprocess.Popen([str(VENV_BIN / "python"), "-c", BLOCKED_READ, str(tmp_path / "locked.sqlite")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        reader.send_signal(signal.SIGINT)
+        out, _ = reader.communicate(timeout=5)
+        assert (reader.returncode, out.strip()) == (0, "interrupted")
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
