@@ -119,8 +119,8 @@ class JournalLock:
         """Take the lock or raise ``JournalBusy``; touches nothing but the lock file."""
         if self._fd is not None:
             return self
-        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.lock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # it holds prompts' token ids
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
@@ -212,7 +212,7 @@ def run_file_path(port: int) -> Path:
 def write_run_file(port: int, journal: Path, *, host: str) -> Path:
     """Record (atomically) that this process serves ``port`` with ``journal``."""
     path = run_file_path(port)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     body = {"pid": os.getpid(), "host": host, "port": port, "journal": str(Path(journal).resolve())}
     staging = path.with_name(f".{path.name}.{os.getpid()}")
     staging.write_text(json.dumps(body) + "\n")

@@ -518,7 +518,7 @@ class EngineLink:
         process = self.process
         await process.wait()
         if self.machine.live and self._stop_done is None:
-            refusal = None if self._handshake_done else refused_arguments(process, self._facts_path)
+            refusal = None if self._handshake_done else refused_arguments(process, self._facts_path, self._relay.redactor.line)
             if refusal is not None:
                 self.failure_status = 2
             self._fail(refusal or f"engine process {process.pid} exited with status {process.returncode}")

@@ -175,36 +175,23 @@ def launch_secrets(argv: list[str], env: dict[str, str]) -> set[str]:
     return found
 
 
-def redact_message(text: str) -> str:
-    """An engine's message that may quote its arguments (argparse's "unrecognized arguments:
-    --hf-token X"), redacted as ``redact_args`` redacts them; "--flag:" names a flag, holds no value."""
-    out: list[str] = []
-    run: list[str] = []
-    for token in text.split(" "):
-        if token.endswith(":"):
-            out += redact_args(run) + [token]
-            run = []
-        else:
-            run.append(token)
-    return " ".join(out + redact_args(run))
-
-
 # An engine's argument parser that refused its arguments writes this key to its facts file
 # (vllm_headless.report_refused_arguments) and exits 2 (argparse's usage error).
 REFUSED_ARGUMENTS_KEY = "refused_arguments"
 ARGPARSE_USAGE_STATUS = 2
 
 
-def refused_arguments(process, facts_path: Path | None) -> str | None:
+def refused_arguments(process, facts_path: Path | None, redact) -> str | None:
     """Why the engine refused its arguments, when it exited with argparse's status before the
-    handshake; None otherwise. The engine's own words, redacted as launchers redact argv."""
+    handshake; None otherwise. The engine's own words, passed through ``redact`` (the launch's
+    ``engine_output.Redactor.line``: argparse echoes the arguments, secrets included)."""
     if process is None or process.returncode != ARGPARSE_USAGE_STATUS:
         return None
     try:
         said = json.loads(facts_path.read_text()).get(REFUSED_ARGUMENTS_KEY) if facts_path else None
     except (OSError, ValueError, AttributeError):
         said = None
-    words = redact_message(str(said).strip().splitlines()[-1]) if said else "see its own error above"
+    words = redact(str(said).strip().splitlines()[-1]) if said else "see its own error above"
     return (f"the engine refused its arguments (process {process.pid} exited with status "
             f"{ARGPARSE_USAGE_STATUS} before the handshake): {words}")
 

@@ -167,12 +167,13 @@ def test_unknown_log_level_exits_2(tmp_path, test_model_dir):
 def test_engine_refusing_its_arguments_exits_2_with_its_reason_redacted(tmp_path, test_model_dir):
     journal = tmp_path / "j.sqlite"
     done = serve(tmp_path, "--model", test_model_dir, "--port", free_port(), "--journal", journal,
-                 "--", "--bogus", "3", "--hf-token", "s3cret")
+                 "--", "--bogus", "3", "--mirror", "https://u:s3cret@example.org/m")
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     [line] = [line for line in done.stderr.splitlines() if "exiting with status" in line]
     assert "exiting with status 2: engine link failed: the engine refused its arguments" in line
-    assert "unrecognized arguments: --bogus 3 --hf-token <redacted>" in line
+    # (--hf-token never reaches the engine's argv: it goes by HF_TOKEN; a URL password stays and is echoed.)
+    assert "unrecognized arguments: --bogus 3 --mirror https://u:<redacted>@example.org/m" in line
     # The engine handed its refusal over instead of printing usage and the arguments verbatim.
     assert "s3cret" not in done.stderr and "usage:" not in done.stderr
     with open_reader(journal) as reader:
