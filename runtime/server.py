@@ -150,6 +150,7 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
                     app.loads,
                     limits=lambda: (app.max_num_seqs, app.kv_capacity_tokens),
                     last_frame_at=lambda: link.last_frame_at if link.ready else None,
+                    in_flight_since=hub.oldest_admitted_at,
                     prefill_pending=lambda: core.pending_prefill_tokens(hub),
                 )
                 kv_relay = KvRelayShell(config.kv_events, journal, loads, wall_time=app.wall_time,
