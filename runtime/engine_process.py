@@ -20,6 +20,7 @@ Rules: no trio here but the waits; Linux ``/proc``, with a pid-only fallback.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -374,6 +375,10 @@ def describe_placement(applied: dict, front_end: str = "the servicer") -> str:
     return text
 
 
+# How often a stop looks in /proc for what is left of the engine's session.
+SESSION_POLL_S = 0.05
+
+
 def session_alive(process: trio.Process, session: int) -> bool:
     return process.poll() is None or bool(session_members(session))
 
@@ -391,6 +396,51 @@ def signal_session(session: int, sig: int) -> None:
             pass
 
 
+def ask_session_to_stop(process: trio.Process, session: int) -> None:
+    """SIGTERM the engine the way its own launcher expects, and wake it if it was stopped.
+
+    The launcher (the session's leader) alone gets SIGTERM, as ``kill`` on a
+    ``vllm serve --headless`` does: vLLM's process manager then SIGTERMs each
+    EngineCore, which aborts its requests and shuts its executor's workers
+    down, and kills (with their children) those that do not exit in time:
+    the engine stops top down, in the order vLLM tears itself down. With the
+    launcher gone already (the engine died), whatever is left of the session
+    gets the SIGTERM itself. Then SIGCONT to the whole session: a stopped
+    process (SIGSTOP, a debugger) acts on SIGTERM only once it runs again.
+    """
+    if process.poll() is None:
+        try:
+            os.kill(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    else:
+        signal_session(session, signal.SIGTERM)
+    signal_session(session, signal.SIGCONT)
+
+
+async def kill_session(process: trio.Process, session: int) -> None:
+    """SIGKILL every process of the session until none is left; the caller bounds it.
+
+    Signalled again on every pass: a process forked between two sweeps, or one
+    that left the process group, gets it too.
+    """
+    while session_alive(process, session):
+        signal_session(session, signal.SIGKILL)
+        await trio.sleep(SESSION_POLL_S)
+
+
+def describe_members(session: int) -> str:
+    """``pid (name)`` of each live process of the session, for the log."""
+    names = []
+    for pid in session_members(session):
+        try:
+            with open(f"/proc/{pid}/comm") as fh:
+                names.append(f"{pid} ({fh.read().strip()})")
+        except OSError:
+            names.append(str(pid))
+    return ", ".join(names) or "none"
+
+
 async def wait_session_gone(process: trio.Process, session: int) -> None:
     while session_alive(process, session):
-        await trio.sleep(0.05)
+        await trio.sleep(SESSION_POLL_S)

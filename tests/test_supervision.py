@@ -63,7 +63,7 @@ def make_link(launcher, tmp_path, monkeypatch, **supervision) -> el.EngineLink:
 async def test_startup_ceiling_bounds_an_engine_that_never_dials(tmp_path, monkeypatch):
     # The engine lives (so the start-up timeout keeps extending) but never says HELLO.
     launcher = ScriptLauncher("import os, time\nos.fork() or time.sleep(60)\ntime.sleep(60)")
-    link = make_link(launcher, tmp_path, monkeypatch, startup_timeout_s=0.3, startup_ceiling_s=1.2, term_grace_s=2)
+    link = make_link(launcher, tmp_path, monkeypatch, startup_timeout_s=0.3, startup_ceiling_s=1.2, stop_grace_s=2)
     started = trio.current_time()
     with pytest.raises(el.LinkFailed) as failed:
         await link.run()
