@@ -418,6 +418,22 @@ def ask_session_to_stop(process: trio.Process, session: int) -> None:
     signal_session(session, signal.SIGCONT)
 
 
+async def wait_session_stopped(process: trio.Process, session: int) -> None:
+    """Wait until no process of the session is left (``ask_session_to_stop`` first; the caller bounds it).
+
+    Once the launcher has exited, whatever it left behind (a child it did not
+    stop, an orphan) gets SIGTERM and SIGCONT itself, once: it need not wait
+    for the grace to run out.
+    """
+    told_the_rest = process.poll() is not None  # ask_session_to_stop told them already
+    while session_alive(process, session):
+        if not told_the_rest and process.poll() is not None:
+            signal_session(session, signal.SIGTERM)
+            signal_session(session, signal.SIGCONT)
+            told_the_rest = True
+        await trio.sleep(SESSION_POLL_S)
+
+
 async def kill_session(process: trio.Process, session: int) -> None:
     """SIGKILL every process of the session until none is left; the caller bounds it.
 
@@ -439,8 +455,3 @@ def describe_members(session: int) -> str:
         except OSError:
             names.append(str(pid))
     return ", ".join(names) or "none"
-
-
-async def wait_session_gone(process: trio.Process, session: int) -> None:
-    while session_alive(process, session):
-        await trio.sleep(SESSION_POLL_S)
