@@ -58,6 +58,7 @@ from enginelink.machines.link import LinkEvent, LinkMachine, LinkState
 from enginelink.machines.liveness import PROBE_METHOD, IdleProbe, ProbeFailed, ProbeSend, ProbeTiming, ProbeWait
 from enginelink.runtime.engine_process import (
     ENGINE_NICE_DEFAULT,
+    ENGINE_STOP_GRACE_S,
     PLACEMENT_DEFAULT,
     SERVICER_SCHED_DEFAULT,
     SOCKET_PREFIX,
@@ -67,12 +68,8 @@ from enginelink.runtime.engine_process import (
     place_front_end,
     run_threads_as_batch,
     remove_stale_files,
-    ask_session_to_stop,
-    describe_members,
-    kill_session,
-    session_alive,
     socket_dir,
-    wait_session_stopped,
+    stop_session,
 )
 from enginelink.runtime.launchers import EngineLauncher
 from enginelink.runtime.zmq_trio import has_message, make_socket, recv_multipart, wait_fd
@@ -85,13 +82,6 @@ log = logging.getLogger("enginelink.link")
 ENGINE_STREAM = engine_stream(0)
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
-# After SIGTERM, how long the engine's session gets to exit before SIGKILL
-# (ENGINELINK_ENGINE_STOP_GRACE_SECS; vLLM's own process manager gives its
-# engine cores 5 s too). The vLLM launch script reads the same knob.
-ENGINE_STOP_GRACE_S = 5.0
-# After SIGKILL, how long we wait for the session to be gone. SIGKILL cannot be
-# refused: only a process stuck in the kernel (uninterruptible I/O) outlasts it.
-ENGINE_KILL_WAIT_S = 5.0
 # The handshake is a one-off: polling it keeps the code simple.
 HANDSHAKE_POLL_S = 0.01
 # When the engine drops its connection, how long the process watcher gets to
@@ -299,30 +289,8 @@ class EngineLink:
                 self._stop_done.set()
 
     async def _end_process(self, process) -> None:
-        """Stop the engine's whole session, bounded: SIGTERM as its launcher expects, SIGKILL after the grace.
-
-        Returns only when no process of the session is left (or, for one stuck
-        in the kernel, after ``ENGINE_KILL_WAIT_S`` more, logged): enginelink
-        never exits before its engine. At most ``stop_grace_s`` +
-        ``ENGINE_KILL_WAIT_S``; a vLLM engine that stops as it should is gone
-        in well under a second (0.4 s on CPU).
-        """
-        session = process.pid
-        started = trio.current_time()
-        if session_alive(process, session):
-            ask_session_to_stop(process, session)
-            with trio.move_on_after(self.supervision.stop_grace_s):
-                await wait_session_stopped(process, session)
-        if session_alive(process, session):
-            log.warning("engine session %d still has %s %g s after SIGTERM (ENGINELINK_ENGINE_STOP_GRACE_SECS): SIGKILL",
-                        session, describe_members(session), self.supervision.stop_grace_s)  # fmt: skip
-            with trio.move_on_after(ENGINE_KILL_WAIT_S):
-                await kill_session(process, session)
-        if session_alive(process, session):
-            log.error("engine session %d: %s still there %g s after SIGKILL (stuck in the kernel?)",
-                      session, describe_members(session), ENGINE_KILL_WAIT_S)  # fmt: skip
-        else:  # session_alive reaped the launcher (Process.poll)
-            log.info("engine session %d stopped in %.1f s", session, trio.current_time() - started)
+        """Stop the engine's whole session, bounded (``engine_process.stop_session``): enginelink never exits before it."""
+        await stop_session(process, self.supervision.stop_grace_s)
 
     # -- internals: start-up -------------------------------------------------------
 

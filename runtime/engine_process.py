@@ -19,6 +19,7 @@ Rules: no trio here but the waits; Linux ``/proc``, with a pid-only fallback.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 import trio
+
+log = logging.getLogger("enginelink.link")
 
 SOCKET_PREFIX = "enginelink-"
 # Nice levels between the servicer and its engine (ENGINELINK_ENGINE_NICE).
@@ -377,6 +380,13 @@ def describe_placement(applied: dict, front_end: str = "the servicer") -> str:
 
 # How often a stop looks in /proc for what is left of the engine's session.
 SESSION_POLL_S = 0.05
+# After SIGTERM, how long the engine's session gets to exit before SIGKILL
+# (ENGINELINK_ENGINE_STOP_GRACE_SECS; vLLM's own process manager gives its
+# engine cores 5 s too). The vLLM launch script reads the same knob.
+ENGINE_STOP_GRACE_S = 5.0
+# After SIGKILL, how long we wait for the session to be gone. SIGKILL cannot be
+# refused: only a process stuck in the kernel (uninterruptible I/O) outlasts it.
+ENGINE_KILL_WAIT_S = 5.0
 
 
 def session_alive(process: trio.Process, session: int) -> bool:
@@ -455,3 +465,30 @@ def describe_members(session: int) -> str:
         except OSError:
             names.append(str(pid))
     return ", ".join(names) or "none"
+
+
+async def stop_session(process: trio.Process, grace_s: float) -> None:
+    """Stop the engine's whole session: SIGTERM as its launcher expects, SIGKILL after ``grace_s``.
+
+    Returns only when no process of the session is left, or, for one stuck in
+    the kernel, ``ENGINE_KILL_WAIT_S`` after SIGKILL (named in an ERROR line):
+    at most ``grace_s`` + ``ENGINE_KILL_WAIT_S``. A vLLM engine that stops as
+    it should is gone in well under a second (0.4 s on CPU). The launcher is
+    reaped on the way (``session_alive`` polls it).
+    """
+    session = process.pid
+    started = trio.current_time()
+    if session_alive(process, session):
+        ask_session_to_stop(process, session)
+        with trio.move_on_after(grace_s):
+            await wait_session_stopped(process, session)
+    if session_alive(process, session):
+        log.warning("engine session %d still has %s %g s after SIGTERM "
+                    "(ENGINELINK_ENGINE_STOP_GRACE_SECS): SIGKILL", session, describe_members(session), grace_s)
+        with trio.move_on_after(ENGINE_KILL_WAIT_S):
+            await kill_session(process, session)
+    if session_alive(process, session):
+        log.error("engine session %d: %s still there %g s after SIGKILL (stuck in the kernel?)",
+                  session, describe_members(session), ENGINE_KILL_WAIT_S)  # fmt: skip
+    else:
+        log.info("engine session %d stopped in %.1f s", session, trio.current_time() - started)

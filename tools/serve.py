@@ -166,7 +166,7 @@ def build_config(args: argparse.Namespace):
         PLACEMENT_CHOICES, PLACEMENT_DEFAULT, SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT,
     )
     from enginelink.machines.liveness import IDLE_PROBE_INTERVAL_S, IDLE_PROBE_TIMEOUT_S
-    from enginelink.runtime.engine_link import ENGINE_STOP_GRACE_S
+    from enginelink.runtime.engine_process import ENGINE_STOP_GRACE_S
     from enginelink.runtime.server import ServeConfig
 
     model_dir = args.model or default_model_dir()
