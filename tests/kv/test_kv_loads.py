@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
+from enginelink.machines.link import LinkEvent, LinkMachine
+from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.kv_loads import Beat, LoadSource, LoadView, changed
 from enginelink.runtime.loads import Loads
+from enginelink.runtime.validate import EngineLimits, validate_generate
 from enginelink.wire.engine import SchedulerStats
+from enginelink.wire.vllm import VllmCodec
+from tests.harness import ListJournal, generate_request
 
 IDLE = LoadView(running=0, waiting=0, usage=0.0, rate=0.0, silence_s=None)
 
@@ -106,3 +113,22 @@ def test_a_heartbeat_is_not_due_when_only_idle_time_passes():
     beat.sent(source.view(0, 1.0), 1.0, load_only=True)
     beat.sent(source.view(0, 2.0), 2.0, load_only=True)
     assert not beat.due(source.view(0, 6.9), 6.9)
+
+
+def test_the_hub_names_the_oldest_call_in_flight():
+    # What ``in_flight_since`` reads in the servicer: admission order, whatever order calls end in.
+    link = LinkMachine("sim-0", 0.0)
+    link.handle(LinkEvent.HANDSHAKE_DONE, 0.0)
+    link.handle(LinkEvent.WARMUP_DONE, 0.0)
+    hub = RequestHub(link=link, codec=VllmCodec(), send_frames=lambda frames: None, journal=ListJournal())
+    limits = EngineLimits(max_model_len=2048, vocab_size=4096, eos_token_ids=(2,))
+    assert hub.oldest_admitted_at() is None
+    for request_id, now in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+        spec = validate_generate(generate_request(request_id, [5, 6, 7], max_tokens=2), limits, now)
+        hub.admit(spec, now, wake=asyncio.Event())
+    hub.abort(["b"], "client", 4.0)
+    assert hub.oldest_admitted_at() == 1.0
+    hub.abort(["a"], "client", 5.0)
+    assert hub.oldest_admitted_at() == 3.0
+    hub.abort(["c"], "client", 6.0)
+    assert hub.oldest_admitted_at() is None
