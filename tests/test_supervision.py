@@ -164,7 +164,10 @@ def test_silence_with_requests_in_flight_fails_the_link(tmp_path, test_model_dir
 def test_supervision_knobs_are_validated(tmp_path, test_model_dir):
     for knob, value in (("SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS", "0"),
                         ("SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", "-5"),
-                        ("SMG_VLLM_SERVICER_STARTUP_CEILING_SECS", "soon")):
+                        ("SMG_VLLM_SERVICER_STARTUP_CEILING_SECS", "soon"),
+                        ("ENGINELINK_ENGINE_STOP_GRACE_SECS", "-1"),
+                        ("ENGINELINK_IDLE_PROBE_SECS", "often"),
+                        ("ENGINELINK_IDLE_PROBE_TIMEOUT_SECS", "0")):
         done = subprocess.run(
             [str(VENV_BIN / "enginelink"), "serve", "--model", str(test_model_dir), "--port", str(free_port()),
              "--journal", str(tmp_path / "j.sqlite")],
