@@ -38,7 +38,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, assert_never
 
 import msgspec
 import trio
@@ -289,7 +289,7 @@ class EngineLink:
                 self._stop_done.set()
 
     async def _end_process(self, process) -> None:
-        """Stop the engine's whole session, bounded (``engine_process.stop_session``): enginelink never exits before it."""
+        """Stop the engine's whole session, bounded (``engine_process.stop_session``); we never outlive it."""
         await stop_session(process, self.supervision.stop_grace_s)
 
     # -- internals: start-up -------------------------------------------------------
@@ -531,6 +531,8 @@ class EngineLink:
     async def _probe_while_idle(self) -> None:
         """Ask an idle engine whether it lives; fail the link when it does not answer (machines/liveness.py)."""
         timing = self.supervision.idle_probe
+        if timing.interval_s <= 0:
+            return  # ENGINELINK_IDLE_PROBE_SECS=0: no probes
         # Woken this often besides the machine's own times, to see answers and new requests.
         check_s = max(0.05, min(1.0, timing.interval_s / 4, timing.timeout_s / 4))
         while self.machine.live:
@@ -547,6 +549,8 @@ class EngineLink:
                     return
                 case ProbeWait(until=until):
                     await trio.sleep_until(min(until, now + check_s))
+                case unreachable:
+                    assert_never(unreachable)
 
     def _send_probe(self) -> None:
         call_id = self._next_call_id

@@ -134,3 +134,10 @@ async def test_no_probe_while_requests_are_in_flight(autojump_clock, engine):
     with trio.move_on_after(100):
         await link._probe_while_idle()
     assert engine["sent"] == [] and link.machine.state.value == "serving"
+
+
+async def test_probes_off_means_no_probe_task_at_all(autojump_clock, engine):
+    link = serving_link(ProbeTiming(interval_s=0.0, timeout_s=10.0))
+    start = trio.current_time()
+    await link._probe_while_idle()  # returns at once: nothing left polling every 50 ms
+    assert trio.current_time() == start and engine["sent"] == []
