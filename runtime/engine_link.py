@@ -21,9 +21,11 @@ Supervision (the reference servicer's knobs, see ``Supervision``):
   flight for ``silence_timeout_s`` + pending prefill tokens ÷
   ``prefill_tokens_per_s``. Then the link fails and every open request ends
   with UNAVAILABLE;
-- stopping: SIGTERM to the engine's whole session, SIGKILL after a grace
-  period, and wait until no process of the session is left (vLLM's
-  launcher spawns EngineCore and Worker processes; none may outlive us).
+- stopping: SIGTERM to the engine's launcher (vLLM's process manager stops
+  its EngineCore and Worker processes in order) and SIGCONT to its session,
+  SIGTERM to what the launcher leaves behind, SIGKILL to every process of
+  the session after ``stop_grace_s``, and wait until none is left (none may
+  outlive us); bounded by ``stop_grace_s`` + ``ENGINE_KILL_WAIT_S``.
 
 Rules: no request I/O outside this file and the hub; the machine decides
 state, this file only feeds it events; every handshake message is journaled.
@@ -35,11 +37,10 @@ import json
 import logging
 import math
 import os
-import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, assert_never
 
 import msgspec
 import trio
@@ -55,9 +56,11 @@ from enginelink.journal.records import (
     engine_stream,
     link_stream,
 )
-from enginelink.machines.link import LinkEvent, LinkMachine
+from enginelink.machines.link import LinkEvent, LinkMachine, LinkState
+from enginelink.machines.liveness import PROBE_METHOD, IdleProbe, ProbeFailed, ProbeSend, ProbeTiming, ProbeWait
 from enginelink.runtime.engine_process import (
     ENGINE_NICE_DEFAULT,
+    ENGINE_STOP_GRACE_S,
     PLACEMENT_DEFAULT,
     SERVICER_SCHED_DEFAULT,
     SOCKET_PREFIX,
@@ -67,10 +70,8 @@ from enginelink.runtime.engine_process import (
     place_front_end,
     run_threads_as_batch,
     remove_stale_files,
-    session_alive,
-    signal_session,
     socket_dir,
-    wait_session_gone,
+    stop_session,
 )
 from enginelink.runtime.engine_output import RELAY_DRAIN_S, EngineOutputRelay, Redactor
 from enginelink.runtime.handshake_gate import (
@@ -93,10 +94,6 @@ log = logging.getLogger("enginelink.link")
 ENGINE_STREAM = engine_stream(0)
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
-# After SIGTERM, how long the engine's session gets before SIGKILL.
-ENGINE_TERM_GRACE_S = 10.0
-# After SIGKILL, how long we wait for the session to be gone before giving up.
-ENGINE_KILL_WAIT_S = 5.0
 # The handshake is a one-off: polling it keeps the code simple.
 HANDSHAKE_POLL_S = 0.01
 # When the engine drops its connection, how long the process watcher gets to
@@ -122,7 +119,9 @@ class Supervision:
     startup_ceiling_s: float = 14400.0  # SMG_VLLM_SERVICER_STARTUP_CEILING_SECS; 0 = none
     silence_timeout_s: float = 300.0  # SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS
     prefill_tokens_per_s: float = 2000.0  # SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC
-    term_grace_s: float = ENGINE_TERM_GRACE_S
+    stop_grace_s: float = ENGINE_STOP_GRACE_S  # ENGINELINK_ENGINE_STOP_GRACE_SECS
+    # ENGINELINK_IDLE_PROBE_SECS / ENGINELINK_IDLE_PROBE_TIMEOUT_SECS (machines/liveness.py)
+    idle_probe: ProbeTiming = ProbeTiming()
 
     def silence_limit_s(self, pending_prefill_tokens: int) -> float:
         return self.silence_timeout_s + pending_prefill_tokens / self.prefill_tokens_per_s
@@ -191,6 +190,8 @@ class EngineLink:
         self._stop_done: trio.Event | None = None
         self.last_frame_at = trio.current_time()
         self.frames_received = 0
+        self.idle_probe = IdleProbe(self.supervision.idle_probe)
+        self._probe_call_id: int | None = None  # the outstanding idle probe's utility call
 
     # -- public --------------------------------------------------------------------
 
@@ -293,6 +294,7 @@ class EngineLink:
                     task_status.started()
                     nursery.start_soon(self._watch_disconnect, monitor)
                     nursery.start_soon(self._watch_silence)
+                    nursery.start_soon(self._probe_while_idle)
                     await self._receive_loop(outputs)
                 nursery.cancel_scope.cancel()
             # Raised outside the nursery, so callers see it bare, not in an ExceptionGroup.
@@ -336,19 +338,8 @@ class EngineLink:
                 self._stop_done.set()
 
     async def _end_process(self, process) -> None:
-        """SIGTERM the engine's session, SIGKILL after the grace period; wait until it is gone."""
-        session = process.pid
-        if session_alive(process, session):
-            signal_session(session, signal.SIGTERM)
-            with trio.move_on_after(self.supervision.term_grace_s):
-                await wait_session_gone(process, session)
-        if session_alive(process, session):
-            log.warning("engine session %d still alive after SIGTERM: SIGKILL", session)
-            signal_session(session, signal.SIGKILL)
-            with trio.move_on_after(ENGINE_KILL_WAIT_S):
-                await wait_session_gone(process, session)
-        if process.returncode is None:
-            await process.wait()
+        """Stop the engine's whole session, bounded (``engine_process.stop_session``); we never outlive it."""
+        await stop_session(process, self.supervision.stop_grace_s)
 
     # -- internals: start-up -------------------------------------------------------
 
@@ -496,15 +487,20 @@ class EngineLink:
         """
         now = trio.current_time()
         self.frames_received += 1
-        self.journal.append(now, ENGINE_STREAM, KIND_ENGINE_FRAME, frames[0])
         try:
             batch = self.codec.decode_output(frames)
         except WireError as error:
+            self.journal.append(now, ENGINE_STREAM, KIND_ENGINE_FRAME, frames[0])
             self._fail(f"engine sent a frame enginelink cannot read: {error}")
             return False
         if isinstance(batch, EngineDead):
+            self.journal.append(now, ENGINE_STREAM, KIND_ENGINE_FRAME, frames[0])
             self._fail("engine reported ENGINE_CORE_DEAD")
             return False
+        if batch.utility is None or batch.utility.call_id != self._probe_call_id or batch.outputs:
+            # An idle probe's answer is not journaled: one every few seconds would
+            # fill an idle servicer's journal and push real history out of it.
+            self.journal.append(now, ENGINE_STREAM, KIND_ENGINE_FRAME, frames[0])
         if batch.utility is not None:
             waiter = self._utility_waiters.get(batch.utility.call_id)
             if waiter is not None:
@@ -582,6 +578,40 @@ class EngineLink:
                     f"+ {prefill_tokens} pending prefill tokens at SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC)"
                 )
                 return
+
+    async def _probe_while_idle(self) -> None:
+        """Ask an idle engine whether it lives; fail the link when it does not answer (machines/liveness.py)."""
+        timing = self.supervision.idle_probe
+        if timing.interval_s <= 0:
+            return  # ENGINELINK_IDLE_PROBE_SECS=0: no probes
+        # Woken this often besides the machine's own times, to see answers and new requests.
+        check_s = max(0.05, min(1.0, timing.interval_s / 4, timing.timeout_s / 4))
+        while self.machine.live:
+            now = trio.current_time()
+            idle = self.machine.state is LinkState.SERVING and not self.load_probe()[0]
+            match self.idle_probe.poll(now, idle=idle, last_frame_at=self.last_frame_at):
+                case ProbeSend():
+                    self._send_probe()
+                case ProbeFailed(unanswered_s=unanswered_s):
+                    self._fail(
+                        f"engine answered no liveness probe ({PROBE_METHOD}) for {unanswered_s:.1f} s while idle "
+                        f"(limit ENGINELINK_IDLE_PROBE_TIMEOUT_SECS={timing.timeout_s:g}): it is frozen or gone"
+                    )
+                    return
+                case ProbeWait(until=until):
+                    await trio.sleep_until(min(until, now + check_s))
+                case unreachable:
+                    assert_never(unreachable)
+
+    def _send_probe(self) -> None:
+        call_id = self._next_call_id
+        self._next_call_id += 1
+        self._probe_call_id = call_id
+        try:
+            self.send(self.codec.encode_utility(call_id, PROBE_METHOD, []))
+        except (zmq.ZMQError, LinkFailed) as error:
+            # Unanswered, it fails the link at its timeout; the log says why it went unanswered.
+            log.warning("idle probe not sent: %s", error)
 
     def _fail(self, message: str) -> None:
         if not self.machine.live:

@@ -576,3 +576,12 @@ class RequestHub:
     @property
     def active_requests(self) -> int:
         return len(self.calls)
+
+    def oldest_admitted_at(self) -> float | None:
+        """When the oldest call still in flight was admitted; None when none is.
+
+        ``calls`` keeps admission order (a dict), so the oldest is its first entry.
+        """
+        for call in self.calls.values():
+            return call.admitted_at
+        return None

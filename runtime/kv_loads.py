@@ -9,8 +9,9 @@ rank by ``Beat``:
 - checked every ``CHECK_S`` (100 ms): a record that *changed* goes out at
   once — any request count, KV usage by ``USAGE_STEP`` (0.5 %), the
   generation rate by 5 % or 50 tok/s (and at least 1 tok/s), or the engine's
-  silence crossing a whole second while it has requests (an idle engine is
-  silent by nature: that is no news);
+  silence crossing a whole second while requests are in flight on it (an
+  idle engine is silent by nature: that is no news, and no record carries
+  ``engine_silence_ms`` then);
 - otherwise a heartbeat after ``HEARTBEAT_S`` (1 s) without any batch of
   that rank on the stream, backing off to ``HEARTBEAT_BACKOFF_S`` (5 s) after
   ``UNCHANGED_BEFORE_BACKOFF`` (2) heartbeats in a row that changed nothing;
@@ -94,16 +95,28 @@ class LoadSource:
 
     ``limits()`` gives (max running requests, KV capacity in tokens), known
     once the engine is up; ``last_frame_at()`` the trio time of the engine's
-    last output frame; ``prefill_pending()`` the prompt tokens admitted but
-    not yet answered.
+    last output frame (None before the engine is up); ``in_flight_since()``
+    the trio time the oldest request now in flight on the engine (a client's
+    or warm-up's) was admitted, None when none is; ``prefill_pending()`` the
+    prompt tokens admitted but not yet answered.
+
+    ``engine_silence_ms`` follows the proto's comment (common.proto, field
+    19): the time since the engine last produced output *while* requests
+    were in flight on it, so it counts from the later of the last frame and
+    the oldest in-flight request's admission, and it is unset while nothing
+    is in flight (an idle engine is silent by nature) or before the engine is
+    up (we cannot tell). Every request enginelink sends streams deltas, so
+    the engine reports each of them on every step.
     """
 
     def __init__(self, loads: Loads, *, limits: Callable[[], tuple[int, int]] = lambda: (0, 0),
                  last_frame_at: Callable[[], float | None] = lambda: None,
+                 in_flight_since: Callable[[], float | None] = lambda: None,
                  prefill_pending: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
         self.loads = loads
         self.limits = limits
         self.last_frame_at = last_frame_at
+        self.in_flight_since = in_flight_since
         self.prefill_pending = prefill_pending
         self._seen: dict[int, tuple[SchedulerStats, float]] = {}  # rank -> (stats, when first seen)
 
@@ -117,16 +130,18 @@ class LoadSource:
         return stats, seen[1]
 
     def _silence_s(self, now: float) -> float | None:
-        last = self.last_frame_at()
-        return None if last is None else max(0.0, now - last)
+        """The engine's silence while requests are in flight; None when none is, or before it is up."""
+        last, since = self.last_frame_at(), self.in_flight_since()
+        if last is None or since is None:
+            return None
+        return max(0.0, now - max(last, since))
 
     def view(self, rank: int, now: float) -> LoadView:
         stats, _ = self._stats(rank, now)
-        busy = stats.num_running_reqs + stats.num_waiting_reqs > 0
         silence = self._silence_s(now)
         return LoadView(
             stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage, self.loads.gen_throughput(rank),
-            math.floor(silence) if busy and silence is not None else None,
+            None if silence is None else math.floor(silence),
         )  # fmt: skip
 
     def record(self, rank: int, now: float, *, sample: int, load_only: bool, telemetry: bool) -> pb.EngineLoad:

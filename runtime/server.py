@@ -38,6 +38,7 @@ from enginelink.journal.files import (
 from enginelink.journal.journal import Journal
 from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
 from enginelink.machines.link import LinkEvent, LinkState
+from enginelink.machines.liveness import ProbeTiming
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime import core
 from enginelink.runtime.aio_loop import run_ready_callbacks_together
@@ -78,6 +79,9 @@ class ServeConfig:
     silence_timeout_s: float = 300.0
     prefill_tokens_per_s: float = 2000.0
     drain_s: float = 5.0
+    engine_stop_grace_s: float = 5.0  # after SIGTERM, before SIGKILL to the engine's session
+    idle_probe_s: float = 5.0  # an idle engine quiet this long gets a liveness probe; 0 = none
+    idle_probe_timeout_s: float = 30.0  # an unanswered probe fails the link after this
     engine_nice: int = ENGINE_NICE_DEFAULT  # nice levels below the servicer
     servicer_sched: str = SERVICER_SCHED_DEFAULT  # the servicer's policy once the engine runs
     placement: str = PLACEMENT_DEFAULT  # keep off the CPUs the engine binds (engine_process.place_front_end)
@@ -204,6 +208,8 @@ async def _serve(config: ServeConfig, journal: Journal, grpc_sock: socket.socket
                     startup_ceiling_s=config.startup_ceiling_s,
                     silence_timeout_s=config.silence_timeout_s,
                     prefill_tokens_per_s=config.prefill_tokens_per_s,
+                    stop_grace_s=config.engine_stop_grace_s,
+                    idle_probe=ProbeTiming(config.idle_probe_s, config.idle_probe_timeout_s),
                 ),
                 engine_nice=config.engine_nice,
                 servicer_sched=config.servicer_sched,
@@ -244,6 +250,7 @@ async def _serve(config: ServeConfig, journal: Journal, grpc_sock: socket.socket
                     app.loads,
                     limits=lambda: (app.max_num_seqs, app.kv_capacity_tokens),
                     last_frame_at=lambda: link.last_frame_at if link.ready else None,
+                    in_flight_since=hub.oldest_admitted_at,
                     prefill_pending=lambda: core.pending_prefill_tokens(hub),
                 )
                 kv_relay = KvRelayShell(config.kv_events, journal, loads, wall_time=app.wall_time,
@@ -351,15 +358,22 @@ class LinkStats:
     max_concurrent_streams: int
     direct_writes: int
     direct_handovers: int
+    # Supervision: liveness probes sent to the idle engine, their bounds, the stop's grace.
+    idle_probes: int
+    idle_probe_interval_seconds: float
+    idle_probe_timeout_seconds: float
+    engine_stop_grace_seconds: float
     # Stop strings of the calls that ended: text matched, automaton steps (<= 2 per character).
     stop_chars: int = 0
     stop_steps: int = 0
 
 
 def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
+    sup = link.supervision
     return LinkStats(
         link.frames_received, hub.late_outputs, hub.in_flight_max,
         len(hub.retired), RETIRED_ENGINE_IDS_MAX, hub.renamed, hub.send_errors,
         MAX_CONCURRENT_STREAMS, hub.direct_writes, hub.direct_handovers,
+        link.idle_probe.probes_sent, sup.idle_probe.interval_s, sup.idle_probe.timeout_s, sup.stop_grace_s,
         hub.stop_chars, hub.stop_steps,
     )

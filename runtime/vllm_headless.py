@@ -18,7 +18,10 @@ Rules:
   vLLM only inside ``main`` (vLLM starts processes with spawn, so everything
   that builds an engine sits under ``if __name__ == "__main__"``);
 - never orphans its engines: SIGTERM/SIGINT and the death of its parent
-  (enginelink) both end it through ``CoreEngineProcManager.shutdown``;
+  (enginelink) both end it through ``CoreEngineProcManager.shutdown``, as
+  ``vllm serve --headless`` does (vLLM's ``shutdown_timeout``, capped at half
+  of ``ENGINELINK_ENGINE_STOP_GRACE_SECS``); then the launcher leaves at once
+  (``os._exit``), well before enginelink's grace runs out;
 - ``--print-layout`` prints the installed release's positional struct layouts
   (reference §10), which enginelink compares with its codec before launch;
 - ``--facts`` writes the resolved engine config facts that the ready response
@@ -37,6 +40,28 @@ import time
 from urllib.parse import urlsplit
 
 PARENT_POLL_S = 0.5
+# enginelink SIGKILLs the engine's session this long after its SIGTERM
+# (ENGINELINK_ENGINE_STOP_GRACE_SECS, read here too; the default is enginelink's).
+STOP_GRACE_ENV = "ENGINELINK_ENGINE_STOP_GRACE_SECS"
+STOP_GRACE_DEFAULT_S = 5.0
+
+
+def core_stop_window_s(shutdown_timeout: float) -> float:
+    """How long vLLM's process manager lets an EngineCore exit on its own before it kills it (and its Worker).
+
+    vLLM's own ``shutdown_timeout`` (engine argument ``--shutdown-timeout``;
+    0 by default: abort and kill at once, which is what ``vllm serve
+    --headless`` does), but never more than half of enginelink's grace, so
+    the launcher is done before enginelink escalates to SIGKILL. A longer
+    window buys nothing on CPU: given 2.5 s, EngineCore waited for its
+    Worker (vLLM lets a Worker take 5 s, then 4 s more after SIGTERM) and
+    was killed anyway.
+    """
+    try:
+        grace = float(os.environ.get(STOP_GRACE_ENV) or STOP_GRACE_DEFAULT_S)
+    except ValueError:
+        grace = STOP_GRACE_DEFAULT_S
+    return max(0.0, min(float(shutdown_timeout), grace / 2))
 
 
 def print_layout() -> int:
@@ -163,7 +188,9 @@ def run_engine(handshake: str, facts_path: str | None, engine_argv: list[str]) -
     try:
         manager.monitor_engine_liveness()
     finally:
-        manager.shutdown(timeout=vllm_config.shutdown_timeout if shutdown_requested else None)
+        # The engine already aborted or finished every request (enginelink drained
+        # first); EngineCore, at vLLM's shutdown_timeout 0, aborts what is left.
+        manager.shutdown(timeout=core_stop_window_s(vllm_config.shutdown_timeout) if shutdown_requested else None)
     if shutdown_requested:
         return 0
     failed = manager.failed_proc_name
@@ -190,12 +217,21 @@ def main(argv: list[str]) -> int:
     parent = os.getppid()
     threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
     try:
-        return run_engine(args.handshake, args.facts, engine_argv)
+        status = run_engine(args.handshake, args.facts, engine_argv)
     except SystemExit as stop:  # a signal, or a refused configuration
         if stop.code is None or isinstance(stop.code, int):
-            return stop.code or 0
-        print(stop.code, file=sys.stderr, flush=True)
-        return 2
+            status = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr, flush=True)
+            status = 2
+    # The engine processes are gone (vLLM's process manager saw to it): leave
+    # now. The interpreter's own teardown (torch, vLLM's modules) kept the
+    # launcher busy 2.5 s after its engines were gone here, on 2 loaded cores,
+    # and stops nothing; the multiprocessing resource tracker still cleans up
+    # after us (leaked shared memory), as it does on any exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

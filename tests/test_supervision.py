@@ -63,7 +63,7 @@ def make_link(launcher, tmp_path, monkeypatch, **supervision) -> el.EngineLink:
 async def test_startup_ceiling_bounds_an_engine_that_never_dials(tmp_path, monkeypatch):
     # The engine lives (so the start-up timeout keeps extending) but never says HELLO.
     launcher = ScriptLauncher("import os, time\nos.fork() or time.sleep(60)\ntime.sleep(60)")
-    link = make_link(launcher, tmp_path, monkeypatch, startup_timeout_s=0.3, startup_ceiling_s=1.2, term_grace_s=2)
+    link = make_link(launcher, tmp_path, monkeypatch, startup_timeout_s=0.3, startup_ceiling_s=1.2, stop_grace_s=2)
     started = trio.current_time()
     with pytest.raises(el.LinkFailed) as failed:
         await link.run()
@@ -164,7 +164,10 @@ def test_silence_with_requests_in_flight_fails_the_link(tmp_path, test_model_dir
 def test_supervision_knobs_are_validated(tmp_path, test_model_dir):
     for knob, value in (("SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS", "0"),
                         ("SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", "-5"),
-                        ("SMG_VLLM_SERVICER_STARTUP_CEILING_SECS", "soon")):
+                        ("SMG_VLLM_SERVICER_STARTUP_CEILING_SECS", "soon"),
+                        ("ENGINELINK_ENGINE_STOP_GRACE_SECS", "-1"),
+                        ("ENGINELINK_IDLE_PROBE_SECS", "often"),
+                        ("ENGINELINK_IDLE_PROBE_TIMEOUT_SECS", "0")):
         done = subprocess.run(
             [str(VENV_BIN / "enginelink"), "serve", "--model", str(test_model_dir), "--port", str(free_port()),
              "--journal", str(tmp_path / "j.sqlite")],

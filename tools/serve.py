@@ -214,6 +214,8 @@ def build_config(args: argparse.Namespace):
     from enginelink.runtime.engine_process import (
         PLACEMENT_CHOICES, PLACEMENT_DEFAULT, SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT,
     )
+    from enginelink.machines.liveness import IDLE_PROBE_INTERVAL_S, IDLE_PROBE_TIMEOUT_S
+    from enginelink.runtime.engine_process import ENGINE_STOP_GRACE_S
     from enginelink.runtime.server import ServeConfig
 
     model_dir = args.model or default_model_dir()
@@ -247,6 +249,9 @@ def build_config(args: argparse.Namespace):
             "ENGINELINK_PREFILL_TOKENS_PER_SEC", "SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", default=2000.0
         ),
         drain_s=_env_seconds("ENGINELINK_DRAIN_SECS", "SMG_VLLM_SERVICER_DRAIN_SECS", default=5.0),
+        engine_stop_grace_s=_env_seconds("ENGINELINK_ENGINE_STOP_GRACE_SECS", default=ENGINE_STOP_GRACE_S),
+        idle_probe_s=_env_seconds("ENGINELINK_IDLE_PROBE_SECS", default=IDLE_PROBE_INTERVAL_S),
+        idle_probe_timeout_s=_env_positive("ENGINELINK_IDLE_PROBE_TIMEOUT_SECS", default=IDLE_PROBE_TIMEOUT_S),
         engine_nice=_engine_nice(),
         servicer_sched=_env_choice("ENGINELINK_SERVICER_SCHED", SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT),
         placement=_env_choice("ENGINELINK_PLACEMENT", PLACEMENT_CHOICES, PLACEMENT_DEFAULT),

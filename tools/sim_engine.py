@@ -88,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restart the KV publisher (and empty the cache) once after N batches")
     parser.add_argument("--kv-replay-no-topic", action="store_true",
                         help="answer replay requests without the topic frame (SGLang's form)")
+    parser.add_argument("--fault-ignore-sigterm", action="store_true",
+                        help="ignore SIGTERM (only SIGKILL or the parent's death stops it), as a stuck launcher")
+    parser.add_argument("--fault-stray-child", action="store_true",
+                        help="once ready, start a child that ignores SIGTERM and leaves the process group "
+                        "(still in the session), as an engine worker that outlives its parent")
 
 
 def _kv_config(text: str) -> kv_events.KvEventsConfig:
@@ -129,11 +134,13 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 class _Lifetime:
     """Why the process should stop, if it should: a signal or the parent gone."""
 
-    def __init__(self) -> None:
+    def __init__(self, ignore_sigterm: bool = False) -> None:
         self.parent = os.getppid()
         self.signalled: str | None = None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        if ignore_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signalled = signal.Signals(signum).name
@@ -179,7 +186,7 @@ def _handshake(
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    life = _Lifetime()
+    life = _Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
     ctx = zmq.Context()
     try:
         started = _handshake(ctx, args, life)
@@ -209,11 +216,31 @@ def run(args: argparse.Namespace) -> int:
         ready = vllm.HandshakeStatus(status="READY", local=False, headless=True)
         handshake.send(vllm.encode_handshake_status(ready))
         _log(f"ready (rank {args.rank}, vocab {config.vocab_size}, max_model_len {config.max_model_len})")
+        if args.fault_stray_child:
+            _log(f"stray child {_start_stray_child()} started")
         reason = _serve(SimEngineCore(config, hooks), inputs, outputs, life, kv_sockets)
         _log(f"stopping: {reason}")
         return 0
     finally:
         ctx.destroy(linger=0)
+
+
+# The stray child: deaf to SIGTERM, in a process group of its own (still in the
+# engine's session), gone by itself only after STRAY_LIFETIME_S (so a failed
+# test leaks nothing for long).
+STRAY_LIFETIME_S = 300
+_STRAY = f"""
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.setpgid(0, 0)
+time.sleep({STRAY_LIFETIME_S})
+"""
+
+
+def _start_stray_child() -> int:
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", _STRAY]).pid
 
 
 def _start_bound_thread(cpu: int) -> None:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
+from enginelink.machines.link import LinkEvent, LinkMachine
+from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.kv_loads import Beat, LoadSource, LoadView, changed
 from enginelink.runtime.loads import Loads
+from enginelink.runtime.validate import EngineLimits, validate_generate
 from enginelink.wire.engine import SchedulerStats
+from enginelink.wire.vllm import VllmCodec
+from tests.harness import ListJournal, generate_request
 
 IDLE = LoadView(running=0, waiting=0, usage=0.0, rate=0.0, silence_s=None)
 
@@ -49,7 +56,8 @@ def test_what_counts_as_a_change():
 
 def test_a_record_from_the_newest_stats():
     loads = Loads()
-    source = LoadSource(loads, limits=lambda: (8, 1024), last_frame_at=lambda: 9.5, prefill_pending=lambda: 7)
+    source = LoadSource(loads, limits=lambda: (8, 1024), last_frame_at=lambda: 9.5, in_flight_since=lambda: 9.0,
+                        prefill_pending=lambda: 7)  # fmt: skip
     empty = source.record(0, 10.0, sample=1, load_only=True, telemetry=True)
     assert (empty.running_requests, empty.age_ms, empty.max_total_num_tokens) == (0, 0, 1024)
     loads.update(0, SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25,
@@ -62,3 +70,65 @@ def test_a_record_from_the_newest_stats():
     assert not record.HasField("memory") and record.max_total_num_tokens == 0  # telemetry only when asked
     full = source.record(0, 10.25, sample=3, load_only=True, telemetry=True)
     assert (full.cache_hit_rate, full.num_used_tokens, full.memory.token_capacity, full.queues.waiting) == (0.5, 256, 1024, 1)
+
+
+def _source(last_frame_at: float | None, in_flight_since: float | None) -> LoadSource:
+    return LoadSource(Loads(), limits=lambda: (8, 1024), last_frame_at=lambda: last_frame_at,
+                      in_flight_since=lambda: in_flight_since)  # fmt: skip
+
+
+def test_an_idle_engine_reports_no_silence():
+    # Issue 22: the router vetoed an idle worker as "wedged" because every
+    # heartbeat carried the time since the last frame. Nothing in flight: unset.
+    source = _source(last_frame_at=10.0, in_flight_since=None)
+    for now in (10.0, 13.0, 600.0):
+        record = source.record(0, now, sample=1, load_only=True, telemetry=True)
+        assert not record.HasField("engine_silence_ms"), now
+        assert source.view(0, now).silence_s is None
+
+
+def test_before_the_engine_is_up_silence_is_unset_even_with_requests_waiting():
+    record = _source(last_frame_at=None, in_flight_since=5.0).record(0, 9.0, sample=1, load_only=True, telemetry=False)
+    assert not record.HasField("engine_silence_ms")
+
+
+def test_silence_counts_from_the_admission_of_the_oldest_request_after_an_idle_spell():
+    # The engine was last heard at 10 s, idle until a request came at 100 s:
+    # at 100.4 s it has been silent 0.4 s with work, not 90 s.
+    source = _source(last_frame_at=10.0, in_flight_since=100.0)
+    assert source.record(0, 100.4, sample=1, load_only=True, telemetry=False).engine_silence_ms == 400
+    assert source.view(0, 103.9).silence_s == 3
+
+
+def test_silence_counts_from_the_last_frame_while_requests_are_in_flight():
+    source = _source(last_frame_at=20.5, in_flight_since=20.0)
+    assert source.record(0, 24.0, sample=1, load_only=True, telemetry=False).engine_silence_ms == 3500
+    assert source.view(0, 24.0).silence_s == 3
+
+
+def test_a_heartbeat_is_not_due_when_only_idle_time_passes():
+    # An idle engine's record does not change as time passes, so heartbeats back off.
+    source, beat = _source(last_frame_at=0.0, in_flight_since=None), Beat()
+    beat.sent(source.view(0, 0.0), 0.0, load_only=True)
+    beat.sent(source.view(0, 1.0), 1.0, load_only=True)
+    beat.sent(source.view(0, 2.0), 2.0, load_only=True)
+    assert not beat.due(source.view(0, 6.9), 6.9)
+
+
+def test_the_hub_names_the_oldest_call_in_flight():
+    # What ``in_flight_since`` reads in the servicer: admission order, whatever order calls end in.
+    link = LinkMachine("sim-0", 0.0)
+    link.handle(LinkEvent.HANDSHAKE_DONE, 0.0)
+    link.handle(LinkEvent.WARMUP_DONE, 0.0)
+    hub = RequestHub(link=link, codec=VllmCodec(), send_frames=lambda frames: None, journal=ListJournal())
+    limits = EngineLimits(max_model_len=2048, vocab_size=4096, eos_token_ids=(2,))
+    assert hub.oldest_admitted_at() is None
+    for request_id, now in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+        spec = validate_generate(generate_request(request_id, [5, 6, 7], max_tokens=2), limits, now)
+        hub.admit(spec, now, wake=asyncio.Event())
+    hub.abort(["b"], "client", 4.0)
+    assert hub.oldest_admitted_at() == 1.0
+    hub.abort(["a"], "client", 5.0)
+    assert hub.oldest_admitted_at() == 3.0
+    hub.abort(["c"], "client", 6.0)
+    assert hub.oldest_admitted_at() is None

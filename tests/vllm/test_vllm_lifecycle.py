@@ -15,8 +15,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from enginelink.runtime.engine_process import ENGINE_STOP_GRACE_S
 from enginelink.runtime.engine_process import session_members
-from tests.harness import engine_pid, generate_request, wait_until
+from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape, wait_until
+from tests.test_engine_stop import STOP_BOUND_OVER_GRACE_S
 from tests.test_lifecycle import StreamReader
 from tests.vllm.conftest import START_TIMEOUT_S, vllm_servicer
 
@@ -32,6 +34,7 @@ ENGINE_ARGS = ["--max-model-len", "2048", "--enforce-eager"]
 LONG = 2040
 # These servicers test what happens to them, not warm-up: skip it (~4 s each).
 NO_WARMUP = {"SMG_VLLM_SERVICER_WARMUP": "off"}
+DRAIN_S = 1.0
 
 
 def engine_core_pid(launcher: int) -> int:
@@ -81,7 +84,7 @@ def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_
         assert ended_within < 1.5, f"streams took {ended_within:.2f} s to end"
         assert servicer.wait(30) == 1
         assert "engine link failed" in servicer.log()
-        no_process_left(launcher)
+        assert session_members(launcher) == [], "processes of the engine's session outlived the servicer"
         assert servicer.socket_files() == [], "ipc socket files left behind"
     finally:
         servicer.stop()
@@ -89,7 +92,7 @@ def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_
 
 def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_python):
     servicer = vllm_servicer(tmp_path, test_model_dir, ENGINE_ARGS,
-                             env={**NO_WARMUP, "ENGINELINK_DRAIN_SECS": "1.0"}).start(timeout_s=START_TIMEOUT_S)
+                             env={**NO_WARMUP, "ENGINELINK_DRAIN_SECS": str(DRAIN_S)}).start(timeout_s=START_TIMEOUT_S)
     try:
         launcher = engine_pid(servicer.journal)
         short = [StreamReader(servicer.stub, generate_request(f"short-{i}", PROMPT, stream=True, temperature=0.0,
@@ -100,6 +103,8 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
             reader.start()
         for reader in short + long:
             assert reader.started_streaming.wait(30)
+        assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
+        signalled = time.monotonic()
         servicer.signal(signal.SIGTERM)
         health = health_pb2_grpc.HealthStub(servicer.channel)
         wait_until(
@@ -111,6 +116,12 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
             list(servicer.stub.Generate(generate_request("late", PROMPT, max_tokens=4), timeout=5))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert servicer.wait(40) == 0
+        took = time.monotonic() - signalled
+        # Issue 22: the servicer never exits before every process of its engine's
+        # session is gone (a Worker was once left running, reparented to PID 1)...
+        assert session_members(launcher) == [], "processes of the engine's session outlived the servicer"
+        # ...and the stop is bounded: the drain, then the engine stop's grace + 8 s (README).
+        assert took <= DRAIN_S + ENGINE_STOP_GRACE_S + STOP_BOUND_OVER_GRACE_S, f"SIGTERM to exit took {took:.1f} s"
         for reader in short + long:
             reader.join(5)
             assert reader.error is None, reader.error
@@ -132,5 +143,34 @@ def test_servicer_sigkilled_leaves_no_engine_behind(tmp_path, test_model_dir, vl
         servicer.process.send_signal(signal.SIGKILL)
         servicer.wait(10)
         wait_until(lambda: not session_members(launcher), 30, "the engine's session gone after the servicer died")
+    finally:
+        servicer.stop()
+
+
+def test_a_frozen_idle_engine_core_is_noticed_by_the_idle_probe(tmp_path, test_model_dir, vllm_python):
+    # Issue 21: SIGSTOP the engine with nothing in flight and health stayed
+    # SERVING for ever. vLLM's EngineCore answers the probe (is_sleeping) from
+    # its busy loop: answered while it runs, unanswered once it is stopped.
+    probe_s, timeout_s = 0.5, 5.0
+    metrics_port = free_port()
+    servicer = Servicer(tmp_path, model_dir=test_model_dir, extra=["--engine", "vllm", "--metrics-port", str(metrics_port)],
+                        engine_args=ENGINE_ARGS, env={
+        **NO_WARMUP, "ENGINELINK_IDLE_PROBE_SECS": str(probe_s), "ENGINELINK_IDLE_PROBE_TIMEOUT_SECS": str(timeout_s),
+    }).start(timeout_s=START_TIMEOUT_S)  # fmt: skip
+    try:
+        launcher = engine_pid(servicer.journal)
+        core = engine_core_pid(launcher)
+
+        def probes() -> float:
+            return sum(v for k, v in scrape(metrics_port).items() if k.startswith("smg_servicer_link_idle_probes{"))
+
+        wait_until(lambda: probes() >= 3, 30, "three probes answered by the real engine")
+        health = health_pb2_grpc.HealthStub(servicer.channel)
+        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        os.kill(core, signal.SIGSTOP)
+        assert servicer.wait(probe_s + timeout_s + 30) == 1
+        assert "answered no liveness probe" in servicer.log()
+        assert session_members(launcher) == [], "processes of the engine's session outlived the servicer"
     finally:
         servicer.stop()
