@@ -52,11 +52,8 @@ from enginelink.wire.engine import EngineCodec, EngineDead, WireError
 
 from . import records as r
 from .records import Record
+from .states import LINK_INITIAL, REQUEST_INITIAL, REQUEST_TERMINAL
 
-REQUEST_ADMITTED: Final = "admitted"
-# The link machine's initial state (``machines/link.py``; the journal layer
-# does not import machines, so the name is repeated here).
-LINK_STARTING: Final = "starting"
 HANDSHAKE_LAUNCH: Final = "launch"
 HANDSHAKE_PRIORITY: Final = "priority"
 HANDSHAKE_PLACEMENT: Final = "placement"
@@ -64,7 +61,8 @@ REQUEST_STREAM_PREFIX: Final = r.request_stream("")
 LINK_STREAM_PREFIX: Final = r.link_stream("")
 # The wire engine frames are decoded with when run.start names none.
 DEFAULT_CODEC: Final = "vllm"
-TERMINAL_REQUEST_STATES: Final = frozenset({"finished", "aborted", "failed"})
+# The request machine's terminal states (``states.py``, the vocabulary its table is built from).
+TERMINAL_REQUEST_STATES: Final = frozenset(state.value for state in REQUEST_TERMINAL)
 TERMINAL_REQUESTS_MAX: Final = 10_000
 # The state of a link or request the fold has seen but no transition for yet.
 STATE_UNSEEN: Final = ""
@@ -263,7 +261,7 @@ def _apply(st: FoldState, rec: Record) -> None:
                 return
             link = _link(st, rec.stream[len(LINK_STREAM_PREFIX):], rec.time)
             if step == HANDSHAKE_LAUNCH and link.state == STATE_UNSEEN:
-                link.state = LINK_STARTING
+                link.state = LINK_INITIAL.value
                 link.since = rec.time
             elif step == HANDSHAKE_PRIORITY:
                 link.priority = p["message"]
@@ -306,7 +304,7 @@ def _engine_request(st: FoldState, rec: Record) -> None:
     if view is None:
         view = st.requests[rid] = RequestView(state=STATE_UNSEEN, since=rec.time)
     if view.state == STATE_UNSEEN:
-        view.state = REQUEST_ADMITTED
+        view.state = REQUEST_INITIAL.value
         view.since = rec.time
     if view.admitted_at is None:
         view.admitted_at = rec.time
@@ -370,7 +368,7 @@ def _request_transition(st: FoldState, rid: str, dest: str, now: float) -> None:
         view = st.requests[rid] = RequestView(state=STATE_UNSEEN, since=now)
     view.state = dest
     view.since = now
-    if dest == REQUEST_ADMITTED and view.admitted_at is None:
+    if dest == REQUEST_INITIAL and view.admitted_at is None:
         view.admitted_at = now
     if dest in TERMINAL_REQUEST_STATES:
         _close_engine_ids(st, rid)

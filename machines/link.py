@@ -16,19 +16,12 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from enginelink.journal.records import Transition
+from enginelink.journal.records import MACHINE_LINK, Transition
+# The state names are the journal's vocabulary (the fold reads them back); the table is here.
+from enginelink.journal.states import LINK_INITIAL, LINK_TERMINAL, LinkState
 from enginelink.machines.table import build_table
 
 WARMUP_REQUEST_PREFIX = "smg-warmup-"
-
-
-class LinkState(StrEnum):
-    STARTING = "starting"
-    WARMING_UP = "warming_up"
-    SERVING = "serving"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    FAILED = "failed"
 
 
 class LinkEvent(StrEnum):
@@ -42,7 +35,7 @@ class LinkEvent(StrEnum):
 _LIVE = [LinkState.STARTING, LinkState.WARMING_UP, LinkState.SERVING, LinkState.DRAINING]
 
 LINK_TABLE = build_table(
-    "link",
+    MACHINE_LINK,
     states=[s.value for s in LinkState],
     transitions=[
         (LinkEvent.HANDSHAKE_DONE, LinkState.STARTING, LinkState.WARMING_UP),
@@ -51,8 +44,8 @@ LINK_TABLE = build_table(
         (LinkEvent.DRAINED, LinkState.DRAINING, LinkState.STOPPED),
         (LinkEvent.FAIL, list(_LIVE), LinkState.FAILED),
     ],
-    initial=LinkState.STARTING,
-    terminal={LinkState.STOPPED, LinkState.FAILED},
+    initial=LINK_INITIAL,
+    terminal=LINK_TERMINAL,
 )
 
 # What HealthCheck says in each state (the Rust servicer's words where it has them).
@@ -77,7 +70,7 @@ class LinkMachine:
 
     def handle(self, event: LinkEvent, now: float, reason: str | None = None) -> Transition:
         dest = LinkState(LINK_TABLE.next_state(self.name, self.state, event))
-        transition = Transition("link", self.name, self.state.value, dest.value, event.value)
+        transition = Transition(MACHINE_LINK, self.name, self.state.value, dest.value, event.value)
         self.state = dest
         self.since = now
         if dest is LinkState.FAILED:

@@ -14,16 +14,10 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from enginelink.journal.records import Transition
+from enginelink.journal.records import MACHINE_REQUEST, Transition
+# The state names are the journal's vocabulary (the fold reads them back); the table is here.
+from enginelink.journal.states import REQUEST_INITIAL, REQUEST_TERMINAL, RequestState
 from enginelink.machines.table import build_table
-
-
-class RequestState(StrEnum):
-    ADMITTED = "admitted"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-    FAILED = "failed"
 
 
 class RequestEvent(StrEnum):
@@ -36,7 +30,7 @@ class RequestEvent(StrEnum):
 _OPEN = [RequestState.ADMITTED, RequestState.RUNNING]
 
 REQUEST_TABLE = build_table(
-    "request",
+    MACHINE_REQUEST,
     states=[s.value for s in RequestState],
     transitions=[
         (RequestEvent.FIRST_OUTPUT, RequestState.ADMITTED, RequestState.RUNNING),
@@ -46,8 +40,8 @@ REQUEST_TABLE = build_table(
         (RequestEvent.ABORT, list(_OPEN), RequestState.ABORTED),
         (RequestEvent.FAIL, list(_OPEN), RequestState.FAILED),
     ],
-    initial=RequestState.ADMITTED,
-    terminal={RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED},
+    initial=REQUEST_INITIAL,
+    terminal=REQUEST_TERMINAL,
 )
 
 TERMINAL_STATES = frozenset(RequestState(s) for s in REQUEST_TABLE.terminal)
@@ -63,7 +57,7 @@ class RequestMachine:
 
     def handle(self, event: RequestEvent, now: float) -> Transition:
         dest = RequestState(REQUEST_TABLE.next_state(self.request_id, self.state, event))
-        transition = Transition("request", self.request_id, self.state.value, dest.value, event.value)
+        transition = Transition(MACHINE_REQUEST, self.request_id, self.state.value, dest.value, event.value)
         self.state = dest
         self.since = now
         return transition

@@ -169,6 +169,9 @@ class EngineLink:
         self.engine_facts: dict = {}
         self.process: trio.Process | None = None
         self._relay: EngineOutputRelay | None = None
+        # The launch's redactor once it knows the secrets; before that (and for a link
+        # with no process of ours, the simulation's) the credential-shaped patterns only.
+        self._redactor = Redactor()
         self.on_batch: Callable[[OutputBatch, float], None] = lambda batch, now: None
         self.on_failure: Callable[[str, float], None] = lambda message, now: None
         # (requests in flight, prompt tokens not yet prefilled), for the silence limit.
@@ -257,7 +260,7 @@ class EngineLink:
             argv, env = self.launcher.command(f"ipc://{hs_path}")
             engine_env = {**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}
             # Secrets of the launch (argv's and the environment's), hidden wherever they appear.
-            redactor = Redactor(launch_secrets(argv, engine_env))
+            self._redactor = redactor = Redactor(launch_secrets(argv, engine_env))
             shown_argv = [redactor.line(arg) for arg in self.launcher.redacted(argv)]
             self._journal_handshake("launch", {"argv": shown_argv, "handshake": f"ipc://{hs_path}",
                                                "handshake_message_max_bytes": HANDSHAKE_MESSAGE_MAX_BYTES})
@@ -514,7 +517,7 @@ class EngineLink:
         process = self.process
         await process.wait()
         if self.machine.live and self._stop_done is None:
-            refusal = None if self._handshake_done else refused_arguments(process, self._facts_path, self._relay.redactor.line)
+            refusal = None if self._handshake_done else refused_arguments(process, self._facts_path, self._redactor.line)
             if refusal is not None:
                 self.failure_status = 2
             self._fail(refusal or f"engine process {process.pid} exited with status {process.returncode}")

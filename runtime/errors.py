@@ -105,11 +105,6 @@ class ResourceExhausted(ServicerError):
     whose = "client"
 
 
-class Unimplemented(ServicerError):
-    status = Status.UNIMPLEMENTED
-    whose = "client"
-
-
 def to_grpc_error(error: BaseException) -> GRPCError:
     """Map any exception to the status the caller sees (the only such map)."""
     if isinstance(error, GRPCError):

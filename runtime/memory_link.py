@@ -51,7 +51,7 @@ import zmq
 from enginelink.journal.records import KIND_ENGINE_FACTS, link_stream
 from enginelink.machines.link import LinkEvent
 from enginelink.runtime.engine_link import DISCONNECT_GRACE_S, FRAMES_PER_WAKEUP, EngineLink, LinkFailed, Supervision
-from enginelink.tools.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
+from enginelink.machines.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
 from enginelink.wire import vllm
 from enginelink.wire.engine import EngineDead, WireError
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from enginelink.tools import bench
+from enginelink.tools import bench, bench_load
 from tests.harness import VENV_BIN
 
 REQUESTS = 32
@@ -91,19 +91,19 @@ def test_refused_options_exit_2(capsys):
 
 def test_percentile_is_nearest_rank():
     values = [float(v) for v in range(1, 101)]
-    assert bench.percentile(values, 50) == 50.0
-    assert bench.percentile(values, 99) == 99.0
-    assert bench.percentile(values, 100) == 100.0
-    assert bench.percentile([], 50) is None
-    assert bench.percentile([7.0], 99) == 7.0
+    assert bench_load.percentile(values, 50) == 50.0
+    assert bench_load.percentile(values, 99) == 99.0
+    assert bench_load.percentile(values, 100) == 100.0
+    assert bench_load.percentile([], 50) is None
+    assert bench_load.percentile([7.0], 99) == 7.0
 
 
 def test_proc_cpu_counts_this_process():
-    user, system = bench.proc_cpu_s(os.getpid())
+    user, system = bench_load.proc_cpu_s(os.getpid())
     deadline = time.process_time() + 0.05
     while time.process_time() < deadline:  # burn CPU, so the counter must move
         pass
-    later = bench.proc_cpu_s(os.getpid())
+    later = bench_load.proc_cpu_s(os.getpid())
     assert later[0] + later[1] > user + system
 
 
@@ -169,7 +169,7 @@ def _h2_calls(servicer, requests: dict, **connection_options) -> tuple[dict, int
     def on_end(n, code, text):
         seen[n][2] = (code, text)
 
-    connection = Connection(f"127.0.0.1:{servicer.port}", f"/{bench.VLLM_SERVICE}/Generate", **connection_options)
+    connection = Connection(f"127.0.0.1:{servicer.port}", f"/{bench_load.VLLM_SERVICE}/Generate", **connection_options)
     try:
         run_calls(connection, 4, lambda: next(pending, None), lambda n: requests[n].SerializeToString(),
                   on_message, on_end)

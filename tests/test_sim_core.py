@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from enginelink.tools.sim_core import SimConfig, SimEngineCore
+from enginelink.machines.sim_core import SimConfig, SimEngineCore
 from enginelink.wire import vllm
 from enginelink.wire.engine import FinishReason, GenerateSpec, OutputBatch, SamplingSpec
 

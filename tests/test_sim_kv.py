@@ -10,7 +10,7 @@ from pathlib import Path
 
 import zmq
 
-from enginelink.tools.sim_core import SimConfig, SimEngineCore, block_hash
+from enginelink.machines.sim_core import SimConfig, SimEngineCore, block_hash
 from enginelink.tools.sim_kv import KvEventHooks, SimKvFaults, SimKvPublisher
 from enginelink.wire import kv_events as kv
 from enginelink.wire import vllm

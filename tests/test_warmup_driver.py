@@ -28,7 +28,7 @@ from enginelink.runtime.errors import Unavailable
 from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.validate import EngineLimits, GenerateCall
 from enginelink.runtime.warmup import FLUSH_TIMEOUT_S, hub_submit, run_warmup, warm_up
-from enginelink.tools.sim_core import SimConfig, SimEngineCore, ready_response
+from enginelink.machines.sim_core import SimConfig, SimEngineCore, ready_response
 from enginelink.wire import vllm
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 from tests.harness import ListJournal

@@ -8,7 +8,7 @@ Theory of operation. For each ``--concurrency`` value the bench alternates
 
 - enginelink: ``enginelink serve --engine vllm --model DIR -- ENGINE_ARGS``
   (``ENGINELINK_WARMUP=off``; KV events off, so both sides run the very same
-  engine configuration), driven by ``tools/bench.py``'s load client
+  engine configuration), driven by ``tools/bench_load.py``'s load client
   (``--client``: the lean h2 client by default, grpc.aio as ``grpcio``; both
   given, each is an enginelink side and the first one's makes the ratio).
 - raw: this module binds the handshake ROUTER (tcp loopback), the input ROUTER
@@ -224,7 +224,7 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
 
 def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: list[str], concurrency: int,
                        client: str, tmp: Path) -> dict:
-    from enginelink.tools import bench
+    from enginelink.tools import bench_load
 
     run_args = argparse.Namespace(**vars(args))
     run_args.concurrency = concurrency
@@ -234,11 +234,11 @@ def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: l
     run_args.duration_s = None
     run_args.temperature = 1.0
     run_args.random_prompt = True
-    servicer = bench.Servicer(run_args, tmp, engine="vllm", model_dir=model_dir, engine_args=engine_args,
+    servicer = bench_load.Servicer(run_args, tmp, engine="vllm", model_dir=model_dir, engine_args=engine_args,
                               env={"ENGINELINK_WARMUP": "off", "ENGINELINK_KV_EVENTS": "off"})
     servicer.start(timeout_s=HANDSHAKE_TIMEOUT_S)
     try:
-        report = bench.run_load(run_args, servicer.target, servicer.process.pid)
+        report = bench_load.run_load(run_args, servicer.target, servicer.process.pid)
     except Exception as error:
         raise RuntimeError(f"{error}\nservicer log ends:\n{servicer.log()}") from None
     finally:
@@ -251,11 +251,11 @@ def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: l
 
 
 def run(args: argparse.Namespace) -> int:
-    from enginelink.tools.bench import machine_facts
+    from enginelink.tools.bench_load import machine_facts
 
     model_dir = Path(args.model) if args.model else None
     if model_dir is None:
-        from enginelink.tools.bench import bench_model_dir
+        from enginelink.tools.bench_load import bench_model_dir
 
         model_dir = bench_model_dir()
     requests = args.requests or 256

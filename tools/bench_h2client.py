@@ -23,7 +23,7 @@ a load client must not guess.
 Single-threaded, blocking socket: the load is one connection and the client
 does nothing but read it, so there is no event loop to pay for.
 
-This module is the protocol only; ``tools/bench.py`` (``_h2_client``) runs
+This module is the protocol only; ``tools/bench_load.py`` (``_h2_client``) runs
 the load over it and records the calls as it does for grpc.aio.
 """
 

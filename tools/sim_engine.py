@@ -1,6 +1,6 @@
 """``enginelink sim-engine``: the sim engine as a process, on vLLM's headless wire.
 
-The process shell around ``sim_core.SimEngineCore``. It behaves like one rank
+The process shell around ``machines/sim_core.py``'s ``SimEngineCore``. It behaves like one rank
 of ``vllm serve MODEL --headless``: it dials the front end's handshake ROUTER
 and runs the handshake of reference §3, then serves the input and output
 sockets the front end named. Runnable as ``python -m enginelink.tools.sim_engine``.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import zmq
 
-from enginelink.tools.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
+from enginelink.machines.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
 from enginelink.tools.sim_kv import KvEventHooks, SimKvFaults, SimKvPublisher
 from enginelink.wire import kv_events, vllm
 from enginelink.wire.engine import WireError

@@ -29,7 +29,7 @@ from collections import deque
 
 import msgspec
 
-from enginelink.tools.sim_core import SimHooks
+from enginelink.machines.sim_core import SimHooks
 from enginelink.wire import kv_events as kv
 
 FAULT_KINDS = ("skip", "drop", "restart")

@@ -17,7 +17,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from enginelink.journal.records import KIND_ENGINE_HANDSHAKE, KIND_KV_BATCH
 from enginelink.journal.store import open_reader
-from enginelink.tools.sim_core import block_hash
+from enginelink.machines.sim_core import block_hash
 from enginelink.wire.kv_events import fold_hash
 from tests.harness import wait_until
 from tests.kv.conftest import sequence_base

@@ -19,7 +19,7 @@ import msgspec
 
 from enginelink.machines.kv_relay import FetchReplay, Journal, KvRelay, Plan, Refused
 from enginelink.machines.kv_state import COPIES_CAP
-from enginelink.tools.sim_core import SimConfig, SimEngineCore
+from enginelink.machines.sim_core import SimConfig, SimEngineCore
 from enginelink.tools.sim_kv import KvEventHooks, SimKvPublisher
 from enginelink.wire import kv_events as kv
 from enginelink.wire import vllm

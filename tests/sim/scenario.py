@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from enginelink.machines.warmup import WarmupLevel
 from enginelink.runtime.engine_link import Supervision
 from enginelink.runtime.memory_link import MemoryEngineOptions
-from enginelink.tools.sim_core import SimConfig
+from enginelink.machines.sim_core import SimConfig
 
 VOCAB_SIZE = 4096  # the test model's
 EOS_TOKEN_ID = 2  # the test model's <|im_end|>

@@ -1,0 +1,77 @@
+"""The layers of DESIGN.md, checked by ``lint-imports`` (import-linter).
+
+The contracts live in ``pyproject.toml`` (``[tool.importlinter]``): imports
+point down tools -> runtime -> machines -> journal -> wire, proto beside wire;
+only runtime and tools import proto; machines and wire stay sans-io; the bench's
+modules form a chain. These tests run the tool from the venv exactly as a
+developer would, and check that it really looks at our code: a contract
+that lists every folder, and a reversed one that must break.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+from tests.harness import VENV_BIN
+
+ROOT = Path(__file__).resolve().parent.parent
+# DESIGN.md's list, top to bottom.
+DESIGN_LAYERS = ["tools", "runtime", "machines", "journal", "wire | proto"]
+
+
+def _lint_imports(*args: str) -> subprocess.CompletedProcess:
+    tool = VENV_BIN / "lint-imports"
+    assert tool.exists(), f"{tool} is missing: import-linter is in the test extra (tools/setup-env --test)"
+    # --no-cache: never a stale answer, and nothing written into the tree.
+    return subprocess.run([str(tool), "--no-cache", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _config() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_lint_imports_keeps_every_contract():
+    result = _lint_imports()
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"lint-imports found imports against the layers:\n{output}"
+    contracts = _config()["tool"]["importlinter"]["contracts"]
+    assert f"Contracts: {len(contracts)} kept, 0 broken." in output, output
+    # It read our modules, not an empty graph: at least every .py file of the six folders.
+    ours = sum(1 for folder in ("proto", "wire", "journal", "machines", "runtime", "tools")
+               for _ in (ROOT / folder).rglob("*.py"))
+    analyzed = int(re.search(r"Analyzed (\d+) files", output).group(1))
+    assert analyzed >= ours, output
+
+
+def test_layers_contract_is_designs_list_and_covers_every_package():
+    config = _config()
+    roots = config["tool"]["importlinter"]["root_packages"]
+    packages = config["tool"]["setuptools"]["packages"]
+    # A new folder cannot slip past the layering: every installed package is a root.
+    assert sorted(roots) == sorted(packages)
+    (layers,) = [c for c in config["tool"]["importlinter"]["contracts"] if c["id"] == "layers"]
+    assert layers["type"] == "layers"
+    assert [layer.replace("enginelink.", "") for layer in layers["layers"]] == DESIGN_LAYERS
+    assert not layers.get("ignore_imports"), "an escape from the layers needs its own contract and reason"
+
+
+def test_an_upward_import_is_reported(tmp_path):
+    """The same tool, told the layers the other way round, names a real import that breaks them."""
+    config = tmp_path / "reversed.toml"
+    config.write_text(
+        "[tool.importlinter]\n"
+        f"root_packages = {_config()['tool']['importlinter']['root_packages']!r}\n"
+        "[[tool.importlinter.contracts]]\n"
+        'name = "reversed"\n'
+        'type = "layers"\n'
+        'layers = ["enginelink.wire", "enginelink.runtime"]\n'
+    )
+    result = _lint_imports("--config", str(config))
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert re.search(r"enginelink\.runtime\.\w+ -> enginelink\.wire\.\w+", output), output
+    assert "Contracts: 0 kept, 1 broken." in output, output

@@ -1,0 +1,705 @@
+"""The load of ``enginelink bench``: the servicer process, the client processes, the measurement.
+
+Used by ``bench.py`` (the command, with the sim engine) and ``bench_engine.py``
+(``--engine vllm``); it imports neither, so the three are a chain, not a cycle.
+
+Theory of operation. The bench starts ``enginelink serve`` on a free loopback
+port with the sim engine (zero cost unless ``--engine-args`` gives it one) and
+its own temporary journal, or drives an existing servicer (``--target``). Once
+grpc.health.v1 says SERVING it starts ``--client-procs`` load processes
+(grpcio asyncio clients, one channel each by default), lets each warm its
+connection, then says "go" to all at once. Each keeps its share of
+``--concurrency`` streaming Generate calls open (``ignore_eos``, so every call
+yields exactly ``max_tokens``) until ``--requests`` are done or
+``--duration-s`` is up, timing every message. The load window runs from "go"
+to the last call's end; the servicer's CPU (user + sys of its process only,
+from ``/proc/<pid>/stat``; the engine child is read apart) is read at both
+ends of it.
+
+Rules:
+- the figure that matters is servicer CPU seconds per output token; on a
+  shared, noisy machine wall-clock rates are only comparable side by side;
+- the load generator must not be what limits throughput: it runs in its own
+  processes and reports its own CPU, so a saturated client is visible;
+- every run is checked: each call must end with a ``complete`` after exactly
+  ``max_tokens`` streamed tokens; short or failed calls are counted, never
+  hidden;
+- no global state survives a run: the servicer (when the bench started it)
+  and the client processes are always stopped, the temporary journal removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from array import array
+from pathlib import Path
+
+# Longest the bench waits for the servicer (and its engine) to say SERVING.
+SERVING_TIMEOUT_S = 120.0
+# Longest a client process may take to connect and warm up.
+CLIENT_READY_TIMEOUT_S = 60.0
+# After the load window is due to end, how long stragglers get.
+STRAGGLER_GRACE_S = 120.0
+# Without --requests or --duration-s, the load lasts this long.
+DEFAULT_DURATION_S = 10.0
+VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+
+
+def proc_cpu_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of one process: all its threads, not its children."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    # The command name is in parentheses and may hold spaces: split after it.
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK  # utime, stime (fields 14, 15)
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (``comm``) of one process; same-named threads summed."""
+    by_name: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return by_name
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = stat[stat.index(b"(") + 1:stat.rindex(b")")].decode(errors="replace")
+        if tid == str(pid):
+            name = "main"
+        fields = stat[stat.rindex(b")") + 2:].split()
+        by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return by_name
+
+
+def proc_children(pid: int) -> list[int]:
+    children: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return children
+
+
+def machine_cpu_s() -> tuple[float, float, float]:
+    """Whole-machine (busy, softirq, steal) CPU seconds so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq, steal = (values + [0] * 8)[:8]
+    busy = user + nice + system + irq + softirq
+    return busy / CLK_TCK, softirq / CLK_TCK, steal / CLK_TCK
+
+
+def code_version() -> str | None:
+    """The enginelink checkout's commit, with ``-dirty`` when it has local changes."""
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("-dirty" if dirty else "")
+
+
+def machine_facts() -> dict:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_1m": os.getloadavg()[0],
+        "code": code_version(),
+    }
+
+
+# -- the servicer -----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"servicer exited with status {process.returncode} before SERVING")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(service=VLLM_SERVICE), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as error:
+                last = error
+            time.sleep(0.1)
+    raise TimeoutError(f"{target} not SERVING within {timeout_s:g} s (last error: {last!r})")
+
+
+def server_facts(target: str) -> dict:
+    """What the servicer says about itself (GetServerInfo, GetModelInfo)."""
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.VllmEngineStub(channel)
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    return {
+        "server_type": info.server_type,
+        "max_num_seqs": info.max_num_seqs,
+        "served_model_name": model.served_model_name,
+        "vocab_size": model.vocab_size,
+        "max_context_length": model.max_context_length,
+    }
+
+
+def bench_model_dir() -> Path:
+    """The bench's own copy of the tiny test model (built once, rebuilt when its recipe changes).
+
+    Its own, so a bench never depends on, or rewrites, the copy ``serve`` keeps.
+    """
+    import platformdirs
+
+    from enginelink.tools.test_model import make_test_model
+
+    path = Path(platformdirs.user_cache_dir("enginelink")) / "bench-test-model"
+    try:
+        return make_test_model(path)
+    except FileExistsError:  # an older recipe's build: this folder is the bench's to replace
+        return make_test_model(path, force=True)
+
+
+class Servicer:
+    """``enginelink serve`` in a subprocess with a temporary journal."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path, engine: str = "sim", model_dir: Path | None = None,
+                 engine_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.log_path = tmp / "servicer.log"
+        engine_args = engine_args_of(args) if engine_args is None else engine_args
+        self.argv = [
+            sys.executable, "-m", "enginelink.tools.cli", "serve", "--port", str(self.port),
+            "--journal", str(tmp / "journal.sqlite"), "--log-level", "WARNING", *(["--engine", engine]),
+            "--model", str(model_dir or args.model or bench_model_dir()), "--", *engine_args,
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = SERVING_TIMEOUT_S) -> None:
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        try:
+            wait_serving(self.target, timeout_s, self.process)
+        except Exception as error:
+            self.stop()
+            raise RuntimeError(f"servicer did not start: {error}") from None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def engine_args_of(args: argparse.Namespace) -> list[str]:
+    engine_args = shlex.split(args.engine_args_text) + list(args.engine_args)
+    if not any(a.split("=", 1)[0] == "--max-num-seqs" for a in engine_args):
+        # The sim engine runs 128 sequences at once by default; the bench measures
+        # the servicer, so every open call should be running in the engine.
+        engine_args += ["--max-num-seqs", str(max(128, args.concurrency))]
+    return engine_args
+
+
+# -- the load -----------------------------------------------------------------------------
+
+
+def _client_main(conn, index: int, plan: dict) -> None:
+    """A client process: connect, report ready, wait for go, run its share, report."""
+    try:
+        if plan["cpus"]:
+            os.sched_setaffinity(0, plan["cpus"])
+        if plan["client"] == "h2":
+            result = _h2_client(conn, index, plan)
+        else:
+            import asyncio
+
+            result = asyncio.run(_client(conn, index, plan))
+        conn.send(("done", result))
+    except BaseException:  # a separate process: report everything, then exit
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def call_numbers(requests: int | None, stop_at: float | None):
+    """``take()``: the next call's number (1, 2, ...), or None once ``requests`` calls were taken
+    or, without a count, once ``stop_at`` (time.monotonic) has passed."""
+    left = [requests]
+    taken = [0]
+
+    def take() -> int | None:
+        if requests is not None:
+            if left[0] <= 0:
+                return None
+            left[0] -= 1
+        elif time.monotonic() >= stop_at:
+            return None
+        taken[0] += 1
+        return taken[0]
+
+    return take
+
+
+def _request_factory(plan: dict, index: int):
+    """``request(n, tokens)``: call number ``n`` of this client process, the same for either client."""
+    import random
+
+    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+    # Ids 0-2 are special in the test model; stay inside any vocabulary.
+    span = max(1, min(61, plan["vocab_size"] - 3))
+    prompt = [3 + (i % span) for i in range(plan["prompt_tokens"])]
+    temperature = plan.get("temperature", 0.0)
+    rng = random.Random() if plan.get("random_prompt") else None
+    tag = f"bench-{plan['tag']}-{index}"
+
+    def request(n: int, tokens: int) -> pb.GenerateRequest:
+        return pb.GenerateRequest(
+            request_id=f"{tag}-{n}",
+            tokenized=pb.TokenizedInput(
+                input_ids=prompt if rng is None else [3 + rng.randrange(max(1, plan["vocab_size"] - 3)) for _ in prompt]),
+            sampling_params=pb.SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True),
+            stream=True,
+        )
+
+    return request
+
+
+class CallRecorder:
+    """What a client process reports of its calls, whichever client made them: counts, TTFT and the gaps."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.ttft, self.gap_msg, self.gap_tok = array("d"), array("d"), array("d")
+        self.counts = {"requests": 0, "ok": 0, "short": 0, "errors": 0, "tokens": 0, "messages": 0, "chunks": 0}
+        self.error_codes: dict[str, int] = {}
+        self.open: dict[int, list] = {}  # call number -> [start, last chunk, tokens, complete seen]
+        self.clock = time.perf_counter
+
+    def start(self, n: int) -> None:
+        self.counts["requests"] += 1
+        now = self.clock()
+        self.open[n] = [now, now, 0, False]
+
+    def on_response(self, n: int, response) -> None:
+        now = self.clock()
+        state = self.open[n]
+        self.counts["messages"] += 1
+        if response.WhichOneof("response") == "chunk":
+            got = len(response.chunk.token_ids)
+            if state[2] == 0:
+                self.ttft.append(now - state[0])
+            elif got:
+                gap = now - state[1]
+                self.gap_msg.append(gap)
+                self.gap_tok.append(gap / got)
+            self.counts["chunks"] += 1
+            state[2] += got
+            state[1] = now
+        else:
+            state[3] = True
+
+    def end(self, n: int, error: str | None) -> None:
+        """The call ended: OK (``error`` None) or with the gRPC status named ``error``."""
+        _, _, tokens, completed = self.open.pop(n)
+        self.counts["tokens"] += tokens
+        if error is not None:
+            self.counts["errors"] += 1
+            self.error_codes[error] = self.error_codes.get(error, 0) + 1
+        elif completed and tokens == self.max_tokens:
+            self.counts["ok"] += 1
+        elif completed:
+            self.counts["short"] += 1
+
+    def report(self, cpu_s: float) -> dict:
+        return {
+            **self.counts,
+            "error_codes": self.error_codes,
+            "cpu_s": cpu_s,
+            "ttft": self.ttft.tobytes(),
+            "gap_msg": self.gap_msg.tobytes(),
+            "gap_tok": self.gap_tok.tobytes(),
+        }
+
+
+def _h2_client(conn, index: int, plan: dict) -> dict:
+    """A client process's load over the lean HTTP/2 client (``tools/bench_h2client.py``), one connection."""
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+    from enginelink.tools.bench_h2client import Connection, run_calls
+
+    status_names = {code.value[0]: code.name for code in grpc.StatusCode}
+    request = _request_factory(plan, index)
+    parse = pb.GenerateResponse.FromString
+
+    def calls(record: CallRecorder, tokens: int):
+        def make_request(n: int) -> bytes:
+            record.start(n)
+            return request(n, tokens).SerializeToString()
+
+        def on_end(n: int, code: int, text: str) -> None:
+            record.end(n, None if code == 0 else status_names.get(code, str(code)))
+
+        return make_request, lambda n, body: record.on_response(n, parse(body)), on_end
+
+    connection = Connection(plan["target"], f"/{VLLM_SERVICE}/Generate")
+    try:
+        # Warm-up: one short call, so the connection and the server's call path are up before "go".
+        warm, warm_ids = CallRecorder(2), iter([-1])
+        run_calls(connection, 1, lambda: next(warm_ids, None), *calls(warm, 2))
+        if warm.counts["ok"] != 1:
+            raise RuntimeError(f"the warm-up call failed: {warm.counts} {warm.error_codes}")
+
+        record = CallRecorder(plan["max_tokens"])
+        conn.send(("ready", None))
+        message, stop_at = conn.recv()
+        assert message == "go", message
+        cpu0 = time.process_time()
+        run_calls(connection, plan["concurrency"], call_numbers(plan["requests"], stop_at),
+                  *calls(record, plan["max_tokens"]))
+        cpu1 = time.process_time()
+    finally:
+        connection.close()
+    return record.report(cpu1 - cpu0)
+
+
+async def _client(conn, index: int, plan: dict) -> dict:
+    """A client process's load over grpc.aio, ``--channels`` channels."""
+    import asyncio
+
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+    channels = [
+        grpc.aio.insecure_channel(plan["target"], options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(plan["channels"])
+    ]
+    stubs = [pb_grpc.VllmEngineStub(c) for c in channels]
+    max_tokens = plan["max_tokens"]
+    request = _request_factory(plan, index)
+
+    # Warm-up: one short call per channel, so connections exist before "go".
+    for i, stub in enumerate(stubs):
+        async for _ in stub.Generate(request(-1 - i, 2)):
+            pass
+
+    record = CallRecorder(max_tokens)
+    conn.send(("ready", None))
+    message, stop_at = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    assert message == "go", message
+    take = call_numbers(plan["requests"], stop_at)
+
+    async def one(stub, n: int) -> None:
+        record.start(n)
+        try:
+            async for response in stub.Generate(request(n, max_tokens)):
+                record.on_response(n, response)
+        except grpc.aio.AioRpcError as error:
+            record.end(n, error.code().name)
+        else:
+            record.end(n, None)
+
+    async def worker(stub) -> None:
+        while (n := take()) is not None:
+            await one(stub, n)
+
+    cpu0 = time.process_time()  # all of this process's threads, grpc's own included
+    await asyncio.gather(*(worker(stubs[i % len(stubs)]) for i in range(plan["concurrency"])))
+    cpu1 = time.process_time()
+    for c in channels:
+        await c.close()
+    return record.report(cpu1 - cpu0)
+
+
+def _shares(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) -> dict:
+    """Start the client processes, run the load window, return the report."""
+    procs = args.client_procs
+    duration_s = args.duration_s if args.duration_s is not None else (
+        None if args.requests is not None else DEFAULT_DURATION_S)
+    tag = uuid.uuid4().hex[:8]
+    server = server_facts(target)
+    if args.prompt_tokens + args.max_tokens > server["max_context_length"]:
+        raise RuntimeError(f"--prompt-tokens + --max-tokens exceed the model's context ({server['max_context_length']})")
+    conc = _shares(args.concurrency, procs)
+    reqs = _shares(args.requests, procs) if args.requests is not None else [None] * procs
+    ctx = multiprocessing.get_context("spawn")
+    clients = []
+    spy = None
+    try:
+        for i in range(procs):
+            parent, child = ctx.Pipe()
+            plan = {
+                "target": target, "tag": tag, "channels": args.channels, "concurrency": conc[i],
+                "client": args.client,
+                "requests": reqs[i], "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+                "vocab_size": server["vocab_size"],
+                "temperature": getattr(args, "temperature", 0.0), "random_prompt": getattr(args, "random_prompt", False),
+                # The client stands for the router: it runs where the servicer runs, so off the CPUs
+                # an engine binds when the servicer keeps off them (ENGINELINK_PLACEMENT).
+                "cpus": sorted(os.sched_getaffinity(servicer_pid)) if servicer_pid else None,
+            }
+            proc = ctx.Process(target=_client_main, args=(child, i, plan), daemon=False)
+            proc.start()
+            child.close()
+            clients.append((proc, parent))
+        for proc, conn in clients:
+            _expect(conn, "ready", CLIENT_READY_TIMEOUT_S)
+
+        engine_pids = proc_children(servicer_pid) if servicer_pid else []
+        spy = _start_py_spy(args.py_spy, servicer_pid) if args.py_spy and servicer_pid else None
+        machine0 = machine_cpu_s()
+        cpu0 = proc_cpu_s(servicer_pid) if servicer_pid else None
+        threads0 = thread_cpu_s(servicer_pid) if servicer_pid else {}
+        engine0 = sum(map(_cpu_or_zero, engine_pids))
+        t0 = time.monotonic()
+        stop_at = t0 + duration_s if duration_s is not None else None
+        for _, conn in clients:
+            conn.send(("go", stop_at))
+        limit = (duration_s or 0) + STRAGGLER_GRACE_S + (args.requests or 0) * args.max_tokens * 1e-3
+        results = [_expect(conn, "done", limit) for _, conn in clients]
+        t1 = time.monotonic()
+        machine1 = machine_cpu_s()
+        cpu1 = _cpu_if_alive(servicer_pid) if servicer_pid else None
+        threads1 = thread_cpu_s(servicer_pid) if servicer_pid else {}
+        engine1 = sum(map(_cpu_or_zero, engine_pids))
+    finally:
+        if spy is not None:
+            _stop_py_spy(spy)
+        for proc, conn in clients:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            conn.close()
+
+    servicer_cpu = None if cpu0 is None else (cpu1[0] - cpu0[0], cpu1[1] - cpu0[1])
+    # Threads that ended within the window are missing here; the process total is exact.
+    threads = {name: round(cpu - threads0.get(name, 0.0), 3) for name, cpu in threads1.items()}
+    report = summarize(args, results, t1 - t0, servicer_cpu, engine1 - engine0 if engine_pids else None)
+    report["server"] = server
+    if spy is not None and args.py_spy.suffix != ".svg" and args.py_spy.exists():
+        report["profile"] = {"samples_file": str(args.py_spy), "activities": profile_activities(args.py_spy)}
+    report["servicer_threads_cpu_s"] = dict(sorted(threads.items(), key=lambda kv: -kv[1]))
+    busy, softirq, steal = (b - a for a, b in zip(machine0, machine1))
+    ours = (report["servicer_cpu_s"] or 0.0) + (report["engine_cpu_s"] or 0.0) + report["client_cpu_s"]
+    report["machine_cpu"] = {
+        "busy_s": busy,
+        "softirq_s": softirq,
+        "steal_s": steal,
+        # Busy time the bench's own processes do not explain: other work on the machine.
+        "others_s": max(0.0, busy - ours),
+        "capacity_s": (os.cpu_count() or 1) * report["wall_s"],
+    }
+    return report
+
+
+def _expect(conn, what: str, timeout_s: float):
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"a client process did not report {what!r} within {timeout_s:g} s")
+    message, payload = conn.recv()
+    if message == "error":
+        raise RuntimeError(f"a client process failed:\n{payload}")
+    assert message == what, (message, what)
+    return payload
+
+
+def _cpu_if_alive(pid: int) -> tuple[float, float]:
+    try:
+        return proc_cpu_s(pid)
+    except OSError:
+        raise RuntimeError(f"the servicer (pid {pid}) exited during the load window") from None
+
+
+def _cpu_or_zero(pid: int) -> float:
+    try:
+        return sum(proc_cpu_s(pid))
+    except OSError:
+        return 0.0
+
+
+def _start_py_spy(out: Path, pid: int) -> subprocess.Popen:
+    exe = Path(sys.executable).parent / "py-spy"
+    fmt = "flamegraph" if out.suffix == ".svg" else "raw"
+    return subprocess.Popen(
+        [str(exe) if exe.exists() else "py-spy", "record", "--pid", str(pid), "--output", str(out),
+         "--format", fmt, "--rate", "250", "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+def _stop_py_spy(spy: subprocess.Popen) -> None:
+    spy.send_signal(signal.SIGINT)
+    try:
+        spy.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+
+
+# -- the profile ------------------------------------------------------------------------
+
+# Activities of the servicer, by a marker frame anywhere in a sampled stack;
+# the first rule that matches wins, so the order matters.
+PROFILE_ACTIVITIES: list[tuple[str, tuple[str, ...]]] = [
+    ("journal writer thread (SQLite)", ("WorkerThread._work",)),
+    ("snapshot fold task", ("run_snapshots",)),
+    ("engine frames: zmq recv, journal append, decode, fan-out", ("EngineLink._receive_loop",)),
+    ("response headers + trailers", ("send_initial_metadata", "send_trailing_metadata", "Stream.__aexit__",
+                                     "Stream.send_headers")),
+    ("response messages: take, protobuf, grpclib, h2, socket write",
+     ("Stream.send_message", "RequestHub.take", "take_messages", "Stream.send_data", "H2Connection.send_data",
+      "send_message (grpclib/stream", "data_send_process")),
+    ("request intake: h2 receive, accept, parse, validate, admit, zmq send",
+     ("_io_task", "data_received", "Handler.accept", "validate_generate", "RequestHub.admit", "recv_message",
+      "request_handler")),
+    ("trio + trio-asyncio scheduling", ("_main_loop_one", "unrolled_run")),
+]
+
+
+def profile_activities(collapsed: Path) -> dict[str, float]:
+    """Share of py-spy samples per activity, from its raw (collapsed stacks) output."""
+    counts: dict[str, int] = {}
+    total = 0
+    for line in collapsed.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        total += int(n)
+        name = next((name for name, marks in PROFILE_ACTIVITIES if any(m in stack for m in marks)), "other")
+        counts[name] = counts.get(name, 0) + int(n)
+    return {name: n / total for name, n in sorted(counts.items(), key=lambda kv: -kv[1])} if total else {}
+
+
+# -- the report ---------------------------------------------------------------------------
+
+
+def percentile(sorted_values, q: float) -> float | None:
+    """Nearest-rank percentile of an already sorted sequence (None when empty)."""
+    if not sorted_values:
+        return None
+    rank = max(1, math.ceil(q * len(sorted_values) / 100))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def _samples(results: list[dict], key: str) -> list[float]:
+    values = array("d")
+    for r in results:
+        values.frombytes(r[key])
+    return sorted(values)
+
+
+def summarize(args, results: list[dict], wall_s: float, servicer_cpu: tuple[float, float] | None,
+              engine_cpu_s: float | None) -> dict:
+    """The report: counts, rates, latency percentiles and CPU per output token."""
+    servicer_cpu_s = None if servicer_cpu is None else sum(servicer_cpu)
+    total = {k: sum(r[k] for r in results) for k in ("requests", "ok", "short", "errors", "tokens", "messages", "chunks")}
+    codes: dict[str, int] = {}
+    for r in results:
+        for code, n in r["error_codes"].items():
+            codes[code] = codes.get(code, 0) + n
+    client_cpu_s = sum(r["cpu_s"] for r in results)
+    tokens = total["tokens"]
+
+    def ms(values, q):
+        v = percentile(values, q)
+        return None if v is None else v * 1e3
+
+    ttft, gap_msg, gap_tok = (_samples(results, k) for k in ("ttft", "gap_msg", "gap_tok"))
+    per_token = (lambda cpu: None if cpu is None or not tokens else cpu / tokens * 1e6)
+    return {
+        "config": {
+            "target": args.target, "concurrency": args.concurrency, "requests": args.requests,
+            "duration_s": args.duration_s, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+            "client": args.client, "client_procs": args.client_procs, "channels": args.channels,
+            "engine_args": None if args.target else engine_args_of(args),
+        },
+        "machine": machine_facts(),
+        "wall_s": wall_s,
+        **total,
+        "error_codes": codes,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / wall_s if wall_s else 0.0,
+        "requests_per_s": total["ok"] / wall_s if wall_s else 0.0,
+        "messages_per_s": total["messages"] / wall_s if wall_s else 0.0,
+        "tokens_per_chunk": tokens / total["chunks"] if total["chunks"] else 0.0,
+        "ttft_ms": {"p50": ms(ttft, 50), "p99": ms(ttft, 99)},
+        "itl_token_ms": {"p50": ms(gap_tok, 50), "p99": ms(gap_tok, 99)},
+        "itl_message_ms": {"p50": ms(gap_msg, 50), "p99": ms(gap_msg, 99)},
+        "servicer_cpu_s": servicer_cpu_s,
+        "servicer_cpu_user_s": None if servicer_cpu is None else servicer_cpu[0],
+        "servicer_cpu_sys_s": None if servicer_cpu is None else servicer_cpu[1],
+        "servicer_cpu_us_per_token": per_token(servicer_cpu_s),
+        "servicer_cpu_util": None if servicer_cpu_s is None else servicer_cpu_s / wall_s,
+        "engine_cpu_s": engine_cpu_s,
+        "engine_cpu_us_per_token": per_token(engine_cpu_s),
+        "client_cpu_s": client_cpu_s,
+        "client_cpu_us_per_token": per_token(client_cpu_s),
+        "client_cpu_util": client_cpu_s / wall_s if wall_s else 0.0,
+    }
