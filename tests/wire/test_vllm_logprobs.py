@@ -170,7 +170,7 @@ else:
     for out in outputs.outputs:
         s, p = out.new_logprobs, out.new_prompt_logprobs_tensors
         result[out.request_id] = {
-            "sample": None if s is None else [np.asarray(s[0]).tolist(), np.asarray(s[1]).tolist(), np.asarray(s[2]).tolist()],
+            "sample": None if s is None else [np.asarray(a).tolist() for a in s[:3]],
             "prompt": None if p is None else [p[0].tolist(), p[1].tolist(), p[2].tolist()],
         }
     print(json.dumps(result))
