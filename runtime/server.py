@@ -354,6 +354,8 @@ class LinkStats:
     # Stop strings of the calls that ended: text matched, automaton steps (<= 2 per character).
     stop_chars: int = 0
     stop_steps: int = 0
+    # Calls failed because the engine's logprob arrays could not be read (the engine's fault).
+    logprob_errors: int = 0
 
 
 def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
@@ -361,5 +363,5 @@ def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
         link.frames_received, hub.late_outputs, hub.in_flight_max,
         len(hub.retired), RETIRED_ENGINE_IDS_MAX, hub.renamed, hub.send_errors,
         MAX_CONCURRENT_STREAMS, hub.direct_writes, hub.direct_handovers,
-        hub.stop_chars, hub.stop_steps,
+        hub.stop_chars, hub.stop_steps, hub.logprob_errors,
     )
