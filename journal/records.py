@@ -31,7 +31,9 @@ Payload shapes (keys; all required unless marked):
 ``client.generate``   {request_id, n, prompt_tokens, stream, max_tokens}
 ``client.abort``      {request_ids, reason: "abort_rpc"|"client_gone"}
 ``engine.frame``      raw bytes of one engine output frame (multi-part frames:
-                      only the first part; aux frames are never used by us)
+                      only the first part: vLLM's large arrays, logprobs of
+                      more than ~30 tokens a row, travel in further frames
+                      that are not journaled; the fold never reads logprobs)
 ``engine.handshake``  {step: "hello"|"init"|"ready"|"READY", message: {...}}
 ``engine.facts``      {link, pid, facts: {...}}
 ``engine.request``    {link, request_ids, prompt_tokens}  (one ADD sent)

@@ -43,7 +43,8 @@ from typing import Final, Sequence, assert_never
 
 import msgspec
 
-from enginelink.wire import vllm
+from enginelink.machines import sim_logprobs
+from enginelink.wire import vllm, vllm_arrays
 from enginelink.wire.engine import FinishReason, WireError
 
 _PACK: Final = msgspec.msgpack.Encoder()
@@ -132,7 +133,7 @@ class _Request:
     __slots__ = (
         "rid", "prompt", "salt", "max_tokens", "min_tokens", "eos", "model_eos",
         "stop_ids", "masked", "digest", "queued_ts", "scheduled_ts", "num_computed",
-        "cached", "output", "block_hashes", "num_committed", "reserved",
+        "cached", "output", "block_hashes", "num_committed", "reserved", "logprobs", "prompt_logprobs", "greedy",
     )  # fmt: skip
 
     def __init__(self, req: vllm.EngineCoreRequest, config: SimConfig, now: float) -> None:
@@ -156,6 +157,10 @@ class _Request:
         # choices of one call differ as they would on a real engine.
         salt = req.request_id if (params.temperature or 0) > 0 and params.seed is None else None
         self.digest = hashlib.blake2b(_PACK.encode([params.seed, salt, prompt]), digest_size=16).digest()
+        # Logprobs as the request asked (machines/sim_logprobs.py); None: none.
+        self.logprobs = params.logprobs
+        self.prompt_logprobs = params.prompt_logprobs
+        self.greedy = not (params.temperature or 0) > 0
         self.queued_ts = now
         self.scheduled_ts = now
         self.num_computed = 0
@@ -331,7 +336,8 @@ class SimEngineCore:
             self.hooks.step_done(now)
             return [], 0.0
         self._step_counter += 1
-        outputs, finished = self._sample_all(scheduled, now)
+        writer = vllm_arrays.ArrayWriter()  # logprob arrays, as vLLM writes them
+        outputs, finished = self._sample_all(scheduled, now, writer)
         for r in finished:
             self._running.remove(r)
             del self._by_id[r.rid]
@@ -345,10 +351,10 @@ class SimEngineCore:
         )
         cost_s = (cfg.step_us + computed * cfg.prefill_us_per_token) * 1e-6
         self.hooks.step_done(now)
-        return self.hooks.outgoing([vllm.encode_outputs(out)], now), cost_s
+        return self.hooks.outgoing([vllm.encode_outputs(out, writer)], now), cost_s
 
     def _sample_all(
-        self, scheduled: list[_Request], now: float
+        self, scheduled: list[_Request], now: float, writer: vllm_arrays.ArrayWriter
     ) -> tuple[list[vllm.EngineCoreOutput], list[_Request]]:
         outputs: list[vllm.EngineCoreOutput] = []
         finished: list[_Request] = []
@@ -368,11 +374,23 @@ class SimEngineCore:
                 out.prefill_stats = vllm.PrefillStats(
                     len(r.prompt), len(r.prompt) - cached, cached, cached, 0
                 )
+            if r.logprobs is not None or r.prompt_logprobs is not None:
+                self._logprobs(r, out, token, writer)
             outputs.append(out)
             self._commit_blocks(r)
             if finish is not None:
                 finished.append(r)
         return outputs, finished
+
+    def _logprobs(self, r: _Request, out: vllm.EngineCoreOutput, token: int, writer: vllm_arrays.ArrayWriter) -> None:
+        vocab = self.config.vocab_size
+        if r.logprobs is not None:
+            out.new_logprobs = sim_logprobs.sample_logprobs(
+                writer, r.digest, len(r.output) - 1, token, vocab, r.logprobs, r.greedy)
+        if r.prompt_logprobs is not None and len(r.output) == 1:
+            # vLLM sends every prompt row at once, with the first token (no partial prefill outputs).
+            out.new_prompt_logprobs_tensors = sim_logprobs.prompt_logprobs(
+                writer, r.digest, r.prompt, vocab, r.prompt_logprobs)
 
     def _sample(self, r: _Request) -> int:
         i = len(r.output)

@@ -19,7 +19,7 @@ from enginelink.runtime.errors import ClientError, Precondition, ServicerError, 
 from enginelink.runtime.loads import Loads
 from enginelink.runtime.model_dir import ModelFacts
 from enginelink.runtime.tokenizer_bundle import tokenizer_bundle_chunks
-from enginelink.runtime.validate import EngineLimits
+from enginelink.runtime.validate import LOGPROBS_MAX, EngineLimits
 
 # The journal stream and id prefix kept for a call refused for its request id.
 REFUSED_ID_STREAM = "<refused id>"
@@ -59,6 +59,8 @@ class App:
             vocab_size=self.model.vocab_size,
             eos_token_ids=tuple(self.model.eos_token_ids),
             data_parallel_size=int(ready.get("data_parallel_size") or 1),
+            # The engine's --max-logprobs (its facts; vLLM's default when it does not say).
+            max_logprobs=int(ready.get("max_logprobs", LOGPROBS_MAX)),
         )
 
     @property

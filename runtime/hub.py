@@ -47,10 +47,11 @@ from enginelink.journal.records import (
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX, LinkMachine
 from enginelink.machines.request import RequestEvent, RequestMachine, RequestState
 from enginelink.runtime.errors import DuplicateRequest, EngineFailure, ServicerError, Unavailable
+from enginelink.runtime.logprobs import ChoiceLogprobs
 from enginelink.runtime.metrics import NoMetrics
 from enginelink.runtime.stops import StopAutomaton, StopMatcher
 from enginelink.runtime.validate import GenerateCall
-from enginelink.wire.engine import EngineCodec, FinishReason, OutputBatch
+from enginelink.wire.engine import EngineCodec, FinishReason, OutputBatch, WireError
 
 # Calls in flight at once; beyond it admission answers UNAVAILABLE (retryable).
 IN_FLIGHT_MAX = 4096
@@ -70,10 +71,11 @@ class Choice:
     __slots__ = (
         "index", "engine_id", "pending", "last_delta", "output", "tokens_engine", "tokens_sent",
         "finish_reason", "matched_token", "matched_str", "complete_sent", "stops", "cached_tokens",
-        "first_token_at", "last_token_at",
+        "first_token_at", "last_token_at", "logprobs",
     )
 
-    def __init__(self, index: int, engine_id: str, keep_output: bool, stops: StopMatcher | None) -> None:
+    def __init__(self, index: int, engine_id: str, keep_output: bool, stops: StopMatcher | None,
+                 logprobs: ChoiceLogprobs | None = None) -> None:
         self.index = index
         self.engine_id = engine_id
         self.pending: list[int] = []
@@ -89,6 +91,9 @@ class Choice:
         self.cached_tokens = 0
         self.first_token_at = 0.0
         self.last_token_at = 0.0
+        # None unless the call asked for logprobs (runtime/logprobs.py): the
+        # calls that did not pay nothing per token for them.
+        self.logprobs = logprobs
 
     @property
     def finished(self) -> bool:
@@ -108,7 +113,7 @@ class Call:
 
     __slots__ = (
         "spec", "machine", "choices", "open_choices", "wake", "error", "admitted_at", "prompt_tokens", "metrics",
-        "direct", "writer_busy", "backlog",
+        "direct", "writer_busy", "backlog", "plain_one",
     )
 
     def __init__(self, spec: GenerateCall, now: float, tokenizer, wake, metrics) -> None:
@@ -116,15 +121,21 @@ class Call:
         self.machine = RequestMachine(spec.request_id, now)
         # One automaton per call, built once; each choice keeps only its place in it.
         automaton = StopAutomaton(spec.stop_strings) if spec.stop_strings else None
+        sampling = spec.specs[0].sampling if spec.specs else None
+        top, prompt_top = (None, None) if sampling is None else (sampling.logprobs, sampling.prompt_logprobs)
+        with_logprobs = top is not None or prompt_top is not None
         self.choices = [
             Choice(
                 index,
                 engine_id,
                 keep_output=not spec.stream,
                 stops=StopMatcher(automaton, tokenizer, spec.skip_special_tokens) if automaton else None,
+                logprobs=ChoiceLogprobs(top, prompt_top, keep_all=not spec.stream) if with_logprobs else None,
             )
             for index, engine_id in enumerate(spec.engine_ids)
         ]
+        # One choice and no logprobs: its chunks can be hand-encoded (stream_chunk_body).
+        self.plain_one = len(self.choices) == 1 and not with_logprobs
         self.open_choices = len(self.choices)
         # asyncio.Event for gRPC handlers; trio code (warm-up) passes a trio-side one.
         self.wake = wake if wake is not None else asyncio.Event()
@@ -159,6 +170,8 @@ class Call:
                 chunk.completion_tokens = len(tokens)
                 chunk.cached_tokens = choice.cached_tokens
                 chunk.index = choice.index
+                if choice.logprobs is not None:
+                    choice.logprobs.fill_chunk(chunk)
                 messages.append(message)
             if choice.finished and not choice.complete_sent:
                 messages.append(self._complete(choice))
@@ -181,6 +194,8 @@ class Call:
             cached_tokens=choice.cached_tokens,
             index=choice.index,
         )
+        if choice.logprobs is not None:
+            choice.logprobs.fill_complete(complete, self.spec.stream)
         if choice.matched_str is not None:
             complete.matched_stop_str = choice.matched_str
         elif choice.matched_token is not None:
@@ -221,7 +236,8 @@ def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int,
     frame's 128 chunks run warmer (docs/benchmarks.md). Layout: vllm_engine.proto,
     ``GenerateResponse.chunk`` = 1; ``GenerateStreamChunk``: token_ids = 1,
     prompt_tokens = 2, completion_tokens = 3, cached_tokens = 4, index = 7
-    (logprobs, 5 and 6, are not served).
+    (logprobs, 5 and 6, are not written here: a call that asked for them
+    takes the protobuf path, ``Call.plain_one``).
     """
     packed = _varint(tokens[0]) if len(tokens) == 1 else b"".join(map(_varint, tokens))
     chunk = b"\x0a" + _varint(len(packed)) + packed  # field 1, length-delimited
@@ -267,6 +283,7 @@ class RequestHub:
         self.renamed = 0  # calls that got fresh engine ids (see RETIRED_ENGINE_IDS_MAX)
         self.send_errors = 0  # frames the link could not hand to the engine
         self.late_outputs = 0
+        self.logprob_errors = 0  # calls failed for logprobs the engine sent unreadable
         # The direct write path (_write_now): chunks it wrote, and times it had to
         # hand the rest to the call's writer (a full flow-control window: a slow client).
         self.direct_writes = 0
@@ -424,6 +441,8 @@ class RequestHub:
                 choice.pending += tokens
                 if choice.output is not None:
                     choice.output += tokens
+            if choice.logprobs is not None and not self._logprobs(call, choice, out, batch.frames, tokens, now):
+                continue
             if out.finish_reason is not None and choice.finish_reason is None:
                 reason = FinishReason(out.finish_reason)
                 choice.finish_reason = reason.contract_name
@@ -456,7 +475,7 @@ class RequestHub:
         if (direct is None or call.writer_busy or call.backlog or call.error is not None
                 or call.wake.is_set()):
             return False
-        if call.open_choices == len(call.choices) == 1:
+        if call.open_choices == 1 and call.plain_one:
             # The common call (one choice, streaming): its chunk encoded straight to bytes.
             choice = call.choices[0]
             tokens = choice.pending
@@ -477,6 +496,31 @@ class RequestHub:
             return True
         direct.end_ok()  # if it could not, the writer's return sends them (grpclib)
         return False
+
+    def _logprobs(self, call: Call, choice: Choice, out, frames, kept: list[int], now: float) -> bool:
+        """Feed one output's logprobs to the choice; False if they failed the call (unreadable)."""
+        try:
+            sample, prompt = self.codec.logprobs(out, frames)
+            choice.logprobs.feed(sample, prompt, len(out.new_token_ids), kept, call.spec.prompt_token_ids)
+        except WireError as error:
+            self.logprob_errors += 1
+            log.warning("request %s: unreadable logprobs from the engine: %s", call.spec.request_id, error)
+            self._fail_call(call, f"engine sent logprobs enginelink cannot read ({error}); retry", now)
+            return False
+        return True
+
+    def _fail_call(self, call: Call, message: str, now: float) -> None:
+        """One call fails on the engine's account (the rest of the batch goes on)."""
+        open_ids = [c.engine_id for c in call.choices if not c.finished]
+        if open_ids:
+            self._send(self.codec.encode_abort(open_ids))
+            self._retire(open_ids)
+        call.error = EngineFailure(message)
+        for choice in call.choices:
+            self.by_engine_id.pop(choice.engine_id, None)
+        call.open_choices = 0
+        self._end(call, RequestEvent.FAIL, now)
+        call.wake.set()
 
     # -- ending calls -----------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from enginelink.wire.engine import GenerateSpec, SamplingSpec
 
 # The most parallel samples one call may ask for; each is a full engine request.
 N_MAX = 64
-# vLLM's default --max-logprobs.
+# vLLM's default --max-logprobs (the engine's own value comes with its facts).
 LOGPROBS_MAX = 20
 @dataclass(frozen=True)
 class EngineLimits:
@@ -43,6 +43,8 @@ class EngineLimits:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     data_parallel_size: int = 1
+    # The engine's --max-logprobs; -1: the whole vocabulary.
+    max_logprobs: int = LOGPROBS_MAX
     inputs: InputLimits = field(default_factory=input_limits)
 
 
@@ -84,6 +86,29 @@ def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
                 name, f"token id {token} at position {position} is outside the vocabulary (size {vocab_size})"
             )
     return ids
+
+
+def _logprobs(sp, name: str, what: str, limits: EngineLimits) -> int | None:
+    """A logprobs count as vLLM's front end checks it (``SamplingParams._validate_logprobs``).
+
+    The EngineCore does not check: a count it cannot serve (above the
+    vocabulary) would fail inside the engine's top-k. So: unset → None;
+    -1 (the whole vocabulary) or k >= 0, within the engine's ``--max-logprobs``
+    (-1 there: the vocabulary), in vLLM's words.
+    """
+    if not sp.HasField(name):
+        return None
+    value = getattr(sp, name)
+    if value < -1:
+        raise ClientError(f"sampling_params.{name}", f"must be non-negative or -1, got {value}")
+    asked = limits.vocab_size if value == -1 else value
+    cap = limits.vocab_size if limits.max_logprobs == -1 else min(limits.max_logprobs, limits.vocab_size)
+    if asked > cap:
+        raise ClientError(
+            f"sampling_params.{name}",
+            f"Requested {what} logprobs of {asked}, which is greater than max allowed: {cap}",
+        )
+    return value
 
 
 def _structured_outputs(sp, limits: InputLimits) -> dict | None:
@@ -191,9 +216,8 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
     stop_token_ids = tuple(_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size))
     stop_strings = _stop_strings(sp.stop, inputs)
 
-    for name in ("logprobs", "prompt_logprobs"):
-        if sp.HasField(name):
-            raise ClientError(f"sampling_params.{name}", "logprobs are not supported by enginelink yet")
+    logprobs = _logprobs(sp, "logprobs", "sample", limits)
+    prompt_logprobs = _logprobs(sp, "prompt_logprobs", "prompt", limits)
     logit_bias = None
     if sp.logit_bias:
         logit_bias = {}
@@ -241,6 +265,8 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
             eos_token_ids=limits.eos_token_ids,
             ignore_eos=sp.ignore_eos,
             seed=None if seed is None else seed + index,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=logit_bias,
             skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens,

@@ -106,6 +106,8 @@ def _write_facts(path: str, vllm_config) -> None:
         "dtype": str(model.dtype).removeprefix("torch."),
         "enable_prefix_caching": bool(cache.enable_prefix_caching),
         "profiler": getattr(vllm_config.profiler_config, "profiler", None),
+        # vLLM's front end checks logprob counts against it; the EngineCore does not.
+        "max_logprobs": int(model.max_logprobs),
     }
     _write_json(path, facts)
 

@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default 16)")
     parser.add_argument("--num-gpu-blocks", type=int, default=8192, help="KV cache blocks (default 8192)")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: config.json vocab_size")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="largest logprobs count a request may ask for, -1: the vocabulary (vLLM's flag; "
+                        "default 20)")
     parser.add_argument("--startup-delay-s", type=float, default=0.0,
                         help="seconds between the handshake init and the ready response (model loading)")
     parser.add_argument("--hello-gate", type=Path, default=None, metavar="PATH",
@@ -364,7 +367,17 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     # Launched by enginelink: a refusal (exit 2) is also reported where the servicer reads it.
     report_refused_arguments(parser, os.environ.get(ENGINE_FACTS_ENV))
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    _write_facts(os.environ.get(ENGINE_FACTS_ENV), args)
+    return run(args)
+
+
+def _write_facts(path: str | None, args: argparse.Namespace) -> None:
+    """What vLLM's launch script says of its config that the ready response does not (--max-logprobs)."""
+    if path:
+        tmp = f"{path}.tmp"
+        Path(tmp).write_text(json.dumps({"max_logprobs": args.max_logprobs}))
+        os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,21 @@ class EngineOutput(Protocol):
     stop_reason: int | str | None  # matched stop token id (or string), if any
 
 
+class LogprobRows(msgspec.Struct, frozen=True, kw_only=True):
+    """Logprobs of consecutive positions, as the engine computed them (vLLM's layout).
+
+    ``rows`` positions of ``cols`` columns each, flat in row order: column 0
+    is the position's own token (the sampled token, or the prompt token) and
+    its logprob; columns 1.. are the top-(cols - 1) tokens, descending. The
+    sequences are typically zero-copy views of the frame's bytes.
+    """
+
+    rows: int
+    cols: int
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+
+
 class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     """Engine load, as a rank reports it with its steps."""
 
@@ -127,6 +142,9 @@ class OutputBatch(msgspec.Struct, frozen=True):
     utility: UtilityReply | None = None
     finished_requests: Sequence[str] | None = None
     timestamp: float = 0.0
+    # The message's frames, for what the outputs point into (vLLM's large
+    # arrays travel as further frames; see ``EngineCodec.logprobs``).
+    frames: Sequence[bytes] = ()
 
 
 class EngineDead(msgspec.Struct, frozen=True):
@@ -156,4 +174,12 @@ class EngineCodec(Protocol):
 
     def cached_tokens(self, output: EngineOutput) -> int | None:
         """Prompt tokens served from the prefix cache, if this output says (first output only)."""
+        ...
+
+    def logprobs(self, output: EngineOutput, frames: Sequence[bytes]) -> tuple[LogprobRows | None, LogprobRows | None]:
+        """(this step's output logprobs, the prompt's logprobs) an output carries, each None if absent.
+
+        Decoded only when asked (calls that requested logprobs), never on
+        the decode of every frame. Raise WireError on arrays it cannot read.
+        """
         ...

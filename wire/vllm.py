@@ -31,10 +31,12 @@ from typing import Any, Final, Literal, Sequence
 
 import msgspec
 
+from enginelink.wire import vllm_arrays
 from enginelink.wire.engine import (
     EngineDead,
     FinishReason,
     GenerateSpec,
+    LogprobRows,
     OutputBatch,
     SamplingSpec,
     SchedulerStats,
@@ -363,6 +365,16 @@ class VllmCodec:
     # Prefix-cache hits of a request, read from its first output's prefill stats.
     cached_tokens = staticmethod(cached_tokens)
 
+    @staticmethod
+    def logprobs(output: EngineCoreOutput, frames: Sequence[bytes]) -> tuple[LogprobRows | None, LogprobRows | None]:
+        """``new_logprobs`` and ``new_prompt_logprobs_tensors``, read from their arrays (``wire/vllm_arrays.py``)."""
+        sample = output.new_logprobs
+        prompt = output.new_prompt_logprobs_tensors
+        return (
+            None if sample is None else vllm_arrays.logprob_rows(sample, frames),
+            None if prompt is None else vllm_arrays.logprob_rows(prompt, frames),
+        )
+
     def encode_add(self, spec: GenerateSpec) -> list[bytes]:
         return [REQ_ADD, _ENCODER.encode(request_for(spec, self.client_index))]
 
@@ -383,6 +395,7 @@ class VllmCodec:
             None if raw.utility_output is None else _utility(raw.utility_output),
             raw.finished_requests,
             raw.timestamp,
+            frames,
         )
 
 
@@ -532,9 +545,11 @@ def decode_input(request_type: bytes, payload: bytes) -> EngineInput:
     raise WireError(f"unsupported vLLM request type {bytes(request_type)!r}")
 
 
-def encode_outputs(outputs: EngineCoreOutputs) -> list[bytes]:
-    """The output message for one EngineCoreOutputs: one frame, no aux frames."""
-    return [_ENCODER.encode(outputs)]
+def encode_outputs(outputs: EngineCoreOutputs, writer: vllm_arrays.ArrayWriter | None = None) -> list[bytes]:
+    """The output message for one EngineCoreOutputs: one frame, plus the large
+    arrays ``writer`` put out of line (vLLM's aux frames), if any."""
+    body = _ENCODER.encode(outputs)
+    return [body] if writer is None else writer.message(body)
 
 
 def encode_dead() -> list[bytes]:

@@ -85,8 +85,8 @@ BAD = [
     Bad("malformed-json-schema", lambda rid: _sampling(rid, json_schema="{not json"), r"json_schema"),
     Bad("empty-regex", lambda rid: _sampling(rid, regex=""), r"regex"),
     Bad("choice-without-choices", _empty_choice, r"choice"),
-    Bad("logprobs", lambda rid: _sampling(rid, logprobs=0), r"logprobs"),
-    Bad("prompt-logprobs", lambda rid: _sampling(rid, prompt_logprobs=1), r"prompt_logprobs"),
+    Bad("logprobs-negative", lambda rid: _sampling(rid, logprobs=-2), r"\blogprobs"),
+    Bad("prompt-logprobs-huge", lambda rid: _sampling(rid, prompt_logprobs=2**31 - 1), r"prompt_logprobs"),
 ]
 
 

@@ -117,7 +117,11 @@ def _spoil(request: pb.GenerateRequest, bad: str) -> None:
         case "empty_stop_string":
             sp.stop.append("")
         case "logprobs":
-            sp.logprobs = 1
+            # A count vLLM's front end refuses: negative, or past --max-logprobs (20).
+            if len(request.tokenized.input_ids) % 2:
+                sp.logprobs = -2
+            else:
+                sp.prompt_logprobs = 2**31 - 1
         case "min_tokens_above_max":
             sp.max_tokens = 2
             sp.min_tokens = 3

@@ -26,7 +26,8 @@ import pytest
 from enginelink.runtime.launchers import LauncherError, default_vllm_python
 from tests.harness import Servicer, end_process
 
-ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager"]
+# --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).
+ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager", "--max-logprobs", "-1"]
 MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = 300.0
 OFFLINE_SCRIPT = Path(__file__).with_name("offline_llm.py")
@@ -58,7 +59,7 @@ class OfflineVllm:
     def __init__(self, python: str, model_dir: Path, log_path: Path) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        kwargs = {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True}
+        kwargs = {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "max_logprobs": -1}
         self.process = subprocess.Popen(
             [python, str(OFFLINE_SCRIPT), str(model_dir), json.dumps(kwargs)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,

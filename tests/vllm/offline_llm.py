@@ -10,6 +10,10 @@ out, until stdin closes:
     in:  {"id": ..., "prompt_token_ids": [...], "sampling": {SamplingParams kwargs}}
     out: {"id": ..., "outputs": [{"index", "token_ids", "finish_reason", "stop_reason"}]}
 
+with "logprobs" (per position: vLLM's dict as [[token id, logprob, rank], ...] in
+its own order, the sampled token first) when the case asked for logprobs, and
+"prompt_logprobs" (the same, None for position 0) when it asked for those.
+
 Each case is generated on its own (a batch of one), as the servicer's tests
 send them one at a time, so both runs see the same batch shapes. Everything
 vLLM prints goes to stderr; stdout carries only "ready" and the answers.
@@ -46,11 +50,18 @@ def main() -> int:
                 "token_ids": list(out.token_ids),
                 "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason,
+                **({"logprobs": _positions(out.logprobs)} if out.logprobs is not None else {}),
+                **({"prompt_logprobs": _positions(result.prompt_logprobs)}
+                   if result.prompt_logprobs is not None else {}),
             }
             for out in sorted(result.outputs, key=lambda o: o.index)
         ]
         answers.write(json.dumps({"id": case["id"], "outputs": outputs}) + "\n")
     return 0
+
+
+def _positions(logprobs) -> list:
+    return [None if entry is None else [[t, lp.logprob, lp.rank] for t, lp in entry.items()] for entry in logprobs]
 
 
 if __name__ == "__main__":
