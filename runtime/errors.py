@@ -110,6 +110,33 @@ class Unimplemented(ServicerError):
     whose = "client"
 
 
+class NotThisEngine(Unimplemented):
+    """The engine behind this worker does not run this kind of request: Embed on a
+    generation model, Generate on a pooling model → UNIMPLEMENTED (router: 501, not
+    retried; a 400 would tell the client its body was wrong)."""
+
+    whose = "servicer"
+
+    @property
+    def reason(self) -> str:
+        return "wrong_runner"
+
+
+class EngineRequestFailed(ServicerError):
+    """The engine ended a unary request (Embed) without a result: its own failure →
+    INTERNAL, as the reference servicer answers; not our bug, so not reported as one."""
+
+    status = Status.INTERNAL
+    whose = "engine"
+
+
+class CallAborted(ServicerError):
+    """A unary call (Embed) ended by the Abort RPC → CANCELLED (it has no stream to end with a complete)."""
+
+    status = Status.CANCELLED
+    whose = "client"
+
+
 def to_grpc_error(error: BaseException) -> GRPCError:
     """Map any exception to the status the caller sees (the only such map)."""
     if isinstance(error, GRPCError):
@@ -196,7 +223,7 @@ def grpc_errors(handler):
             raise
         except Exception as error:
             status = to_grpc_error(error)
-            if status.status is Status.INTERNAL:
+            if status.status is Status.INTERNAL and not isinstance(error, EngineRequestFailed):
                 try:
                     report_bug(handler.__name__, error, journal=getattr(self, "journal", None),
                                metrics=getattr(self, "metrics", None))

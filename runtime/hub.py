@@ -70,7 +70,7 @@ class Choice:
     __slots__ = (
         "index", "engine_id", "pending", "last_delta", "output", "tokens_engine", "tokens_sent",
         "finish_reason", "matched_token", "matched_str", "complete_sent", "stops", "cached_tokens",
-        "first_token_at", "last_token_at",
+        "first_token_at", "last_token_at", "pooled",
     )
 
     def __init__(self, index: int, engine_id: str, keep_output: bool, stops: StopMatcher | None) -> None:
@@ -89,6 +89,7 @@ class Choice:
         self.cached_tokens = 0
         self.first_token_at = 0.0
         self.last_token_at = 0.0
+        self.pooled = None  # a pooling request's result (Embed; runtime/embed.py): a wire.tensors.Tensor
 
     @property
     def finished(self) -> bool:
@@ -316,6 +317,8 @@ class RequestHub:
                 "prompt_tokens": call.prompt_tokens,
                 "stream": spec.stream,
                 "max_tokens": spec.max_tokens,
+                # An Embed call (runtime/embed.py) goes through the same machine; the journal says which.
+                **({"task": spec.task} if getattr(spec, "task", None) else {}),
             },
         )
         self.calls[spec.request_id] = call
@@ -425,6 +428,8 @@ class RequestHub:
                 if choice.output is not None:
                     choice.output += tokens
             if out.finish_reason is not None and choice.finish_reason is None:
+                # A pooling request's result comes with its finish (vLLM: one output, no tokens).
+                choice.pooled = getattr(out, "pooling_output", None)
                 reason = FinishReason(out.finish_reason)
                 choice.finish_reason = reason.contract_name
                 if reason is FinishReason.STOP and isinstance(out.stop_reason, int):

@@ -41,6 +41,7 @@ PARENT_POLL_S = 0.5
 
 def print_layout() -> int:
     import vllm
+    from vllm.pooling_params import PoolingParams
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
@@ -54,6 +55,7 @@ def print_layout() -> int:
                 "outputs": list(EngineCoreOutputs.__struct_fields__),
                 "output": list(EngineCoreOutput.__struct_fields__),
                 "sampling_keys": list(SamplingParams.__struct_fields__),
+                "pooling": list(PoolingParams.__struct_fields__),
                 "finish_reasons": {r.name: r.value for r in FinishReason},
             }
         ),
@@ -81,6 +83,8 @@ def _write_facts(path: str, vllm_config) -> None:
         "dtype": str(model.dtype).removeprefix("torch."),
         "enable_prefix_caching": bool(cache.enable_prefix_caching),
         "profiler": getattr(vllm_config.profiler_config, "profiler", None),
+        # "generate" or "pooling" (--runner, or what vLLM resolved for the model): which RPCs the engine can serve.
+        "runner_type": str(model.runner_type),
     }
     _write_json(path, facts)
 

@@ -307,6 +307,10 @@ async def warm_up(setting: WarmupSetting, *, link, hub, limits: EngineLimits, lo
     if setting.level is WarmupLevel.OFF:
         log.info("warm-up is off")
         return None
+    if link.ready.get("runner_type") == "pooling":
+        # The plan is generation requests; a pooling engine takes none (vLLM plans none for pooling models either).
+        log.info("warm-up skipped: the engine runs a pooling model")
+        return None
     facts = facts_from_ready(link.ready, limits.vocab_size)
     plan = plan_warmup(facts, setting.level)
     log.info(
