@@ -11,6 +11,11 @@
   FAILED_PRECONDITION.
 - ``ResourceExhausted``: the caller went past a per-client bound (a message
   larger than the receive limit) → RESOURCE_EXHAUSTED.
+- ``NotThisEngine``: the engine does not run this kind of request (Embed on a
+  generation model, Generate on a pooling model) → UNIMPLEMENTED.
+- ``EngineRequestFailed``: the engine ended a unary request (Embed) without a
+  result → INTERNAL, as the reference; the engine's failure, not reported as our bug.
+- ``CallAborted``: a unary call (Embed) ended by the Abort RPC → CANCELLED.
 - a request message that does not decode (protobuf ``DecodeError``), or
   ends before its length prefix said, is the client's → INVALID_ARGUMENT; a
   compressed one → UNIMPLEMENTED (grpclib does not decompress);

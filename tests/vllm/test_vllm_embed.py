@@ -4,7 +4,7 @@ The engine is the tiny test model run as an embedding model by vLLM's
 pooling runner (``--runner pooling --convert embed``: last-token pooling,
 normalised), one engine for the module. The reference is vLLM's offline
 ``LLM`` on the same model and arguments, one prompt at a time; every
-element of every vector must be within 1e-5 of it (in practice equal).
+element of every vector must be within 1e-5 of it.
 """
 
 from __future__ import annotations
