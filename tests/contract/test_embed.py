@@ -35,10 +35,10 @@ from tests.harness import Servicer, generate_request, wait_until
 DIM = 256  # the test model's hidden_size: the sim's default embedding length
 MAX_MODEL_LEN = 512
 # The sim sends a step's outputs and then waits out its cost: a full-context prompt's step
-# costs about a second (2 ms per prompt token), so a call sent right after it waits that
+# costs about two seconds (4 ms per prompt token), so a call sent right after it waits that
 # long in flight (``hold_next_step``), long enough to abort it or collide with it.
 POOLING_ARGS = ["--runner", "pooling", "--max-model-len", str(MAX_MODEL_LEN), "--step-us", "5000",
-                "--prefill-us-per-token", "2000"]
+                "--prefill-us-per-token", "4000"]
 
 
 def in_flight(stub) -> int:
@@ -46,7 +46,7 @@ def in_flight(stub) -> int:
 
 
 def hold_next_step(stub) -> None:
-    """Make the engine's next step wait about a second: one full-context Embed, answered at once."""
+    """Make the engine's next step wait about two seconds: one full-context Embed, answered at once."""
     wait_idle(stub)
     stub.Embed(embed_request(new_id("hold"), prompt(99, MAX_MODEL_LEN)), timeout=CALL_TIMEOUT_S)
 

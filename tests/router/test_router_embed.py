@@ -57,3 +57,18 @@ def test_chat_on_the_pooling_worker_is_refused(pooling_stack):
                         {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert status == 501, body
     assert "pooling" in str(body)
+
+
+def test_embeddings_on_a_generation_worker_are_a_501_naming_the_runner(tmp_path, test_model_dir):
+    servicer = Servicer(tmp_path, model_dir=test_model_dir).start()
+    try:
+        router = Router(tmp_path, servicer.port, test_model_dir).start()
+        try:
+            model = get(router.url, "/v1/models")[1]["data"][0]["id"]
+            status, body = post(router.url, "/v1/embeddings", {"model": model, "input": "hello world"})
+            assert status == 501, body
+            assert "generation model" in str(body) and "--runner pooling" in str(body)
+        finally:
+            router.stop()
+    finally:
+        servicer.stop()
