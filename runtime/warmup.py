@@ -41,6 +41,7 @@ from enginelink.machines.warmup import (
     facts_from_ready,
     plan_warmup,
 )
+from enginelink.runtime.embed import RUNNER_POOLING, runner_type
 from enginelink.runtime.errors import DuplicateRequest, ServicerError, Unavailable
 from enginelink.runtime.validate import EngineLimits, GenerateCall
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
@@ -307,7 +308,7 @@ async def warm_up(setting: WarmupSetting, *, link, hub, limits: EngineLimits, lo
     if setting.level is WarmupLevel.OFF:
         log.info("warm-up is off")
         return None
-    if link.ready.get("runner_type") == "pooling":
+    if runner_type(link.ready) == RUNNER_POOLING:
         # The plan is generation requests; a pooling engine takes none (vLLM plans none for pooling models either).
         log.info("warm-up skipped: the engine runs a pooling model")
         return None
