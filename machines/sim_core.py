@@ -28,6 +28,12 @@ Theory of operation (mirrors vLLM's v1 scheduler where it is observable):
   vLLM), and reports it in ``prefill_stats`` on its first output.
 - KV space is reserved per request for prompt + max_tokens at admission, so
   the sim never preempts; ``kv_cache_usage`` reports blocks actually filled.
+- ``runner="pooling"`` (``--runner pooling``) makes it an embedding engine, as
+  vLLM's pooling runner: it takes only requests with pooling params, and once
+  a prompt is prefilled answers with no tokens, ``finish_reason`` STOP and a
+  ``pooling_output`` float32 tensor (``sim_embedding``: a hash of the prompt,
+  L2-normalised), inline or in an extra frame by vLLM's 256-byte rule. Either
+  runner answers a request of the other kind with ERROR at once.
 
 Rules: no I/O, no clock (``now`` is an argument), no randomness; every
 collection is bounded by a config value. ``SimHooks`` is where KV-event
@@ -65,8 +71,14 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_stats: bool = True  # vLLM --headless default: stats on
     dtype: str = "bfloat16"
     instance_id: str = "sim"
+    runner: str = "generate"  # or "pooling": an embedding engine (vLLM's --runner)
+    embed_dim: int = 256  # pooled vector length (the model's hidden size)
 
     def __post_init__(self) -> None:
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
+        if self.embed_dim < 1:
+            raise ValueError("embed_dim must be >= 1")
         if self.vocab_size <= _FIRST_TOKEN:
             raise ValueError(f"vocab_size must exceed {_FIRST_TOKEN}, got {self.vocab_size}")
         for name in ("max_model_len", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -133,7 +145,7 @@ class _Request:
     __slots__ = (
         "rid", "prompt", "salt", "max_tokens", "min_tokens", "eos", "model_eos",
         "stop_ids", "masked", "digest", "queued_ts", "scheduled_ts", "num_computed",
-        "cached", "output", "block_hashes", "num_committed", "reserved", "logprobs", "prompt_logprobs", "greedy",
+        "cached", "output", "block_hashes", "num_committed", "reserved", "logprobs", "prompt_logprobs", "greedy", "pooling",
     )  # fmt: skip
 
     def __init__(self, req: vllm.EngineCoreRequest, config: SimConfig, now: float) -> None:
@@ -143,7 +155,9 @@ class _Request:
         self.prompt = prompt
         self.salt = req.cache_salt
         room = config.max_model_len - len(prompt)
-        self.max_tokens = room if params.max_tokens is None else params.max_tokens
+        self.pooling = req.pooling_params
+        # vLLM's Request has max_tokens 1 for a pooling request: its KV need is the prompt's.
+        self.max_tokens = 1 if self.pooling is not None else room if params.max_tokens is None else params.max_tokens
         self.min_tokens = params.min_tokens
         self.eos = params.eos_token_id  # what stops it; None under ignore_eos
         self.model_eos = config.eos_token_id if config.eos_token_id is not None else params.eos_token_id
@@ -173,6 +187,23 @@ class _Request:
             self.block_hashes.append(block_hash(parent, prompt[i * bs : (i + 1) * bs], self.salt if i == 0 else None))
         self.num_committed = 0
         self.reserved = 0
+
+
+def sim_embedding(prompt: Sequence[int], dim: int, normalize: bool = True) -> list[float]:
+    """The sim's pooled vector for a prompt: deterministic, in [-1, 1) per element, unit length if ``normalize``.
+
+    As float64; on the wire it is float32 (``array("f", sim_embedding(...))`` is what a client gets).
+    """
+    seed = hashlib.blake2b(_PACK.encode(list(prompt)), digest_size=16).digest()
+    values = []
+    for i in range(0, dim, 8):  # 8 elements per 64-byte hash
+        block = hashlib.blake2b(seed + i.to_bytes(4, "little"), digest_size=64).digest()
+        values += [int.from_bytes(block[j : j + 8], "little") / 2**63 - 1.0 for j in range(0, 64, 8)]
+    values = values[:dim]
+    if normalize:
+        norm = sum(v * v for v in values) ** 0.5 or 1.0
+        values = [v / norm for v in values]
+    return values
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -229,7 +260,10 @@ class SimEngineCore:
         cfg = self.config
         r = _Request(req, cfg, now)
         need = _blocks(min(len(r.prompt) + r.max_tokens, cfg.max_model_len), cfg.block_size)
-        if not r.prompt or len(r.prompt) >= cfg.max_model_len or need > cfg.num_gpu_blocks:
+        wrong_runner = (r.pooling is not None) != (cfg.runner == "pooling")
+        # A pooling prompt may fill the context (nothing is generated after it), as vLLM allows.
+        room = 0 if r.pooling is not None else 1
+        if wrong_runner or not r.prompt or len(r.prompt) + room > cfg.max_model_len or need > cfg.num_gpu_blocks:
             # vLLM answers a request it cannot preprocess with ERROR at once.
             out = vllm.EngineCoreOutputs(
                 cfg.engine_index,
@@ -361,10 +395,18 @@ class SimEngineCore:
         for r in scheduled:
             if r.num_computed < len(r.prompt):
                 continue  # a prefill chunk that does not finish the prompt samples nothing
-            token = self._sample(r)
-            r.output.append(token)
-            finish, stop_reason = self._check_stop(r, token)
-            out = vllm.EngineCoreOutput(r.rid, [token], finish_reason=finish, stop_reason=stop_reason)
+            if r.pooling is not None:
+                # A pooling request ends with its prefill: no token, the pooled vector.
+                vector = sim_embedding(r.prompt, self.config.embed_dim, r.pooling.use_activation is not False)
+                r.output.append(-1)  # one step done (the stats below key on the first)
+                finish, stop_reason = FinishReason.STOP, None
+                out = vllm.EngineCoreOutput(r.rid, [], pooling_output=writer.array("float32", [len(vector)], vector),
+                                            finish_reason=finish)
+            else:
+                token = self._sample(r)
+                r.output.append(token)
+                finish, stop_reason = self._check_stop(r, token)
+                out = vllm.EngineCoreOutput(r.rid, [token], finish_reason=finish, stop_reason=stop_reason)
             if len(r.output) == 1 and self.config.log_stats:
                 out.events = [
                     vllm.EngineCoreEvent(vllm.EVENT_QUEUED, r.queued_ts),

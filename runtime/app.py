@@ -15,6 +15,7 @@ import trio
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.records import KIND_ERROR, request_stream
+from enginelink.runtime.embed import RUNNER_POOLING, runner_type
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
 from enginelink.runtime.loads import Loads
 from enginelink.runtime.model_dir import ModelFacts
@@ -77,7 +78,8 @@ class App:
         max_len = int(self.ready.get("max_model_len") or model.max_position_embeddings or 0)
         return pb.GetModelInfoResponse(
             model_path=str(model.model_path),
-            is_generation=True,
+            # False on a pooling engine (runtime/embed.py): it serves Embed, not Generate.
+            is_generation=runner_type(self.ready) != RUNNER_POOLING,
             max_context_length=max_len,
             vocab_size=model.vocab_size,
             supports_vision=False,

@@ -11,6 +11,11 @@
   FAILED_PRECONDITION.
 - ``ResourceExhausted``: the caller went past a per-client bound (a message
   larger than the receive limit) → RESOURCE_EXHAUSTED.
+- ``NotThisEngine``: the engine does not run this kind of request (Embed on a
+  generation model, Generate on a pooling model) → UNIMPLEMENTED.
+- ``EngineRequestFailed``: the engine ended a unary request (Embed) without a
+  result → INTERNAL, as the reference; the engine's failure, not reported as our bug.
+- ``CallAborted``: a unary call (Embed) ended by the Abort RPC → CANCELLED.
 - a request message that does not decode (protobuf ``DecodeError``), or
   ends before its length prefix said, is the client's → INVALID_ARGUMENT; a
   compressed one → UNIMPLEMENTED (grpclib does not decompress);
@@ -105,6 +110,38 @@ class ResourceExhausted(ServicerError):
     whose = "client"
 
 
+class Unimplemented(ServicerError):
+    status = Status.UNIMPLEMENTED
+    whose = "client"
+
+
+class NotThisEngine(Unimplemented):
+    """The engine behind this worker does not run this kind of request: Embed on a
+    generation model, Generate on a pooling model → UNIMPLEMENTED (router: 501, not
+    retried; a 400 would tell the client its body was wrong)."""
+
+    whose = "servicer"
+
+    @property
+    def reason(self) -> str:
+        return "wrong_runner"
+
+
+class EngineRequestFailed(ServicerError):
+    """The engine ended a unary request (Embed) without a result: its own failure →
+    INTERNAL, as the reference servicer answers; not our bug, so not reported as one."""
+
+    status = Status.INTERNAL
+    whose = "engine"
+
+
+class CallAborted(ServicerError):
+    """A unary call (Embed) ended by the Abort RPC → CANCELLED (it has no stream to end with a complete)."""
+
+    status = Status.CANCELLED
+    whose = "client"
+
+
 def to_grpc_error(error: BaseException) -> GRPCError:
     """Map any exception to the status the caller sees (the only such map)."""
     if isinstance(error, GRPCError):
@@ -191,7 +228,7 @@ def grpc_errors(handler):
             raise
         except Exception as error:
             status = to_grpc_error(error)
-            if status.status is Status.INTERNAL:
+            if status.status is Status.INTERNAL and not isinstance(error, EngineRequestFailed):
                 try:
                     report_bug(handler.__name__, error, journal=getattr(self, "journal", None),
                                metrics=getattr(self, "metrics", None))

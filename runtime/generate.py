@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import trio
 
+from enginelink.runtime.embed import check_generation
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.inputs import check_request_id, input_limits
 from enginelink.runtime.validate import validate_generate
@@ -43,7 +44,9 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
         # The id first, whatever the link's state: a reserved or oversized id is the
         # client's error even while the engine starts (app.limits answers UNAVAILABLE then).
         check_request_id("request_id", request.request_id, input_limits())
-        spec = validate_generate(request, app.limits, app.wall_time(now))
+        limits = app.limits
+        check_generation(app.ready)  # a pooling engine generates nothing: UNIMPLEMENTED, before validation
+        spec = validate_generate(request, limits, app.wall_time(now))
         call = hub.admit(spec, now, wake=wake)
     except ServicerError as error:
         app.refused(request.request_id, error, now)

@@ -14,11 +14,11 @@ import datetime
 
 import trio
 import trio_asyncio
-from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
+from enginelink.runtime.embed import embed
 from enginelink.runtime.errors import current_request_id, grpc_errors
 from enginelink.runtime.generate import generate
 from enginelink.runtime.grpc_transport import DirectSender, FrameWrites
@@ -115,11 +115,15 @@ class VllmEngineService(VllmEngineBase):
             raise GRPCError(error.status, str(error)) from None
         await stream.send_message(reply)
 
-    # -- not offered (yet) ----------------------------------------------------------
+    # -- Embed (runtime/embed.py; UNIMPLEMENTED unless the engine is a pooling model) --
 
     @grpc_errors
     async def Embed(self, stream) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, "Embed: this worker serves a generation model")
+        request = await stream.recv_message()
+        current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
+        await stream.send_message(await embed(self.app, request, wake=asyncio.Event()))
+
+    # -- profiling ------------------------------------------------------------------
 
     @grpc_errors
     async def StartProfile(self, stream) -> None:

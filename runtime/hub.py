@@ -71,7 +71,7 @@ class Choice:
     __slots__ = (
         "index", "engine_id", "pending", "last_delta", "output", "tokens_engine", "tokens_sent",
         "finish_reason", "matched_token", "matched_str", "complete_sent", "stops", "cached_tokens",
-        "first_token_at", "last_token_at", "logprobs",
+        "first_token_at", "last_token_at", "logprobs", "pooled",
     )
 
     def __init__(self, index: int, engine_id: str, keep_output: bool, stops: StopMatcher | None,
@@ -94,6 +94,7 @@ class Choice:
         # None unless the call asked for logprobs (runtime/logprobs.py): the
         # calls that did not pay nothing per token for them.
         self.logprobs = logprobs
+        self.pooled = None  # a pooling request's result (Embed; runtime/embed.py): a wire.vllm_arrays.Tensor
 
     @property
     def finished(self) -> bool:
@@ -333,6 +334,8 @@ class RequestHub:
                 "prompt_tokens": call.prompt_tokens,
                 "stream": spec.stream,
                 "max_tokens": spec.max_tokens,
+                # An Embed call (runtime/embed.py) goes through the same machine; the journal says which.
+                **({"task": spec.task} if getattr(spec, "task", None) else {}),
             },
         )
         self.calls[spec.request_id] = call
@@ -444,6 +447,8 @@ class RequestHub:
             if choice.logprobs is not None and not self._logprobs(call, choice, out, batch.frames, tokens, now):
                 continue
             if out.finish_reason is not None and choice.finish_reason is None:
+                # A pooling request's result comes with its finish (vLLM: one output, no tokens).
+                choice.pooled = getattr(out, "pooling_output", None)
                 reason = FinishReason(out.finish_reason)
                 choice.finish_reason = reason.contract_name
                 if reason is FinishReason.STOP and isinstance(out.stop_reason, int):

@@ -40,7 +40,8 @@ LAYOUT_FILE_ENV = "ENGINELINK_VLLM_LAYOUT_FILE"
 SUPPORTED_RELEASES = ("0.32.0",)
 LAYOUT_TIMEOUT_S = 180.0
 # Files whose contents define the structs; a change to any of them refreshes the cache.
-_STRUCT_FILES = ("vllm/_version.py", "vllm/v1/engine/__init__.py", "vllm/sampling_params.py")
+_STRUCT_FILES = ("vllm/_version.py", "vllm/v1/engine/__init__.py", "vllm/sampling_params.py",
+                 "vllm/pooling_params.py")
 
 _FIND_VLLM = "import importlib.util as u, sys; s = u.find_spec('vllm'); print(s.origin if s else '')"
 
@@ -77,6 +78,11 @@ def compare(ours: dict, theirs: dict) -> list[str]:
                 problems.append(
                     f"{struct} field {index} is {other!r} in {release}, {mine!r} in enginelink's codec"
                 )
+    # PoolingParams is positional (Embed): a moved field would silently change its meaning.
+    # Layouts printed before Embed was served lack the key; nothing to compare then.
+    for index, (mine, other) in enumerate(zip(ours.get("pooling", ()), theirs.get("pooling", ours.get("pooling", ())))):
+        if mine != other:
+            problems.append(f"PoolingParams field {index} is {other!r} in {release}, {mine!r} in enginelink's codec")
     known = set(theirs["sampling_keys"])
     for name in ours["sampling_keys"]:
         if name not in known:

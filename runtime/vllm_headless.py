@@ -66,6 +66,7 @@ def core_stop_window_s(shutdown_timeout: float) -> float:
 
 def print_layout() -> int:
     import vllm
+    from vllm.pooling_params import PoolingParams
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
@@ -79,6 +80,7 @@ def print_layout() -> int:
                 "outputs": list(EngineCoreOutputs.__struct_fields__),
                 "output": list(EngineCoreOutput.__struct_fields__),
                 "sampling_keys": list(SamplingParams.__struct_fields__),
+                "pooling": list(PoolingParams.__struct_fields__),
                 "finish_reasons": {r.name: r.value for r in FinishReason},
             }
         ),
@@ -108,6 +110,8 @@ def _write_facts(path: str, vllm_config) -> None:
         "profiler": getattr(vllm_config.profiler_config, "profiler", None),
         # vLLM's front end checks logprob counts against it; the EngineCore does not.
         "max_logprobs": int(model.max_logprobs),
+        # "generate" or "pooling" (--runner, or what vLLM resolved for the model): which RPCs the engine can serve.
+        "runner_type": str(model.runner_type),
     }
     _write_json(path, facts)
 

@@ -41,6 +41,7 @@ from enginelink.machines.warmup import (
     facts_from_ready,
     plan_warmup,
 )
+from enginelink.runtime.embed import RUNNER_POOLING, runner_type
 from enginelink.runtime.errors import DuplicateRequest, ServicerError, Unavailable
 from enginelink.runtime.validate import EngineLimits, GenerateCall
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
@@ -306,6 +307,10 @@ async def warm_up(setting: WarmupSetting, *, link, hub, limits: EngineLimits, lo
     """The server's whole warm-up: plan from the engine's facts, run it, flush. None when off."""
     if setting.level is WarmupLevel.OFF:
         log.info("warm-up is off")
+        return None
+    if runner_type(link.ready) == RUNNER_POOLING:
+        # The plan is generation requests; a pooling engine takes none (vLLM plans none for pooling models either).
+        log.info("warm-up skipped: the engine runs a pooling model")
         return None
     facts = facts_from_ready(link.ready, limits.vocab_size)
     plan = plan_warmup(facts, setting.level)

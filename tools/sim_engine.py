@@ -80,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind-cpu", type=int, default=None, metavar="CPU",
                         help="while loading, bind one thread to CPU, as vLLM's CPU backend binds its Worker's "
                         "OpenMP thread (for placement tests; the thread only waits)")
+    parser.add_argument("--runner", choices=("generate", "pooling"), default="generate",
+                        help="generate (default), or pooling: an embedding engine, as vLLM's --runner pooling")
+    parser.add_argument("--embed-dim", type=int, default=None, metavar="N",
+                        help="pooled vector length under --runner pooling (default: config.json hidden_size, else 256)")
     parser.add_argument("--kv-events-config", type=_kv_config, default=None, metavar="JSON",
                         help="vLLM's KV-event publisher config, e.g. "
                         '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\'')
@@ -131,6 +135,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         step_us=args.step_us,
         engine_index=args.rank,
         instance_id=f"sim-{os.getpid()}",
+        runner=args.runner,
+        embed_dim=int(args.embed_dim or model.get("hidden_size") or 256),
     )
 
 
@@ -373,10 +379,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_facts(path: str | None, args: argparse.Namespace) -> None:
-    """What vLLM's launch script says of its config that the ready response does not (--max-logprobs)."""
+    """What vLLM's launch script reports beside the ready response (runtime/vllm_headless.py):
+    the runner (whether the servicer offers Generate or Embed) and --max-logprobs."""
     if path:
         tmp = f"{path}.tmp"
-        Path(tmp).write_text(json.dumps({"max_logprobs": args.max_logprobs}))
+        Path(tmp).write_text(json.dumps({"runner_type": args.runner, "max_logprobs": args.max_logprobs}))
         os.replace(tmp, path)
 
 

@@ -78,8 +78,26 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     structured_outputs: dict | None = None
 
 
+class PoolingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A pooling request (Embed): the engine runs the prompt once and returns one pooled tensor.
+
+    ``task`` is the pooling task (``"embed"``); ``normalize`` is vLLM's
+    ``use_activation`` for embed (L2-normalise the pooled vector), on by
+    default as vLLM's front end sets it.
+    """
+
+    task: str = "embed"
+    normalize: bool = True
+
+
 class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """One engine request: what the engine must generate for one choice."""
+    """One engine request: what the engine must generate for one choice.
+
+    With ``pooling`` set it is a pooling request instead (Embed): nothing is
+    generated, ``sampling`` is unused (``max_tokens=1``, as vLLM's own
+    ``Request`` has for pooling), and the codec sends pooling params in place
+    of sampling params.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -90,6 +108,7 @@ class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Opaque PD connector params, passed verbatim (JSON object) when present.
     kv_transfer_params: dict | None = None
     trace_headers: dict[str, str] | None = None
+    pooling: PoolingSpec | None = None
 
 
 class EngineOutput(Protocol):

@@ -37,12 +37,14 @@ from enginelink.wire.engine import (
     FinishReason,
     GenerateSpec,
     LogprobRows,
+    PoolingSpec,
     OutputBatch,
     SamplingSpec,
     SchedulerStats,
     UtilityReply,
     WireError,
 )
+from enginelink.wire.vllm_arrays import decode_tensor
 
 VLLM_VERSION: Final = "0.32.0"
 
@@ -106,6 +108,33 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     extra_args: dict[str, Any] | None = None
 
 
+class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    """vLLM's ``PoolingParams``: unlike SamplingParams a positional array (§4.1, pooling_params).
+
+    Fields in vLLM 0.32's order. The values are what vLLM's front end sends
+    after ``PoolingParams.verify`` for an embed request on a model without
+    pooler defaults (checked against ``LLM.embed`` on the test model run with
+    ``--runner pooling --convert embed``): ``task="embed"``,
+    ``use_activation=True`` (normalise), ``skip_reading_prefix_cache=False``,
+    ``output_kind`` FINAL_ONLY. The engine core does not verify them again.
+    """
+
+    use_activation: bool | None = None
+    dimensions: int | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
+    task: str | None = None
+    requires_token_ids: bool = False
+    skip_reading_prefix_cache: bool | None = None
+    late_interaction_params: Any = None
+    extra_kwargs: dict[str, Any] | None = None
+    output_kind: int = OUTPUT_KIND_FINAL_ONLY
+
+
+def pooling_params_for(pooling: PoolingSpec) -> PoolingParams:
+    return PoolingParams(use_activation=pooling.normalize, task=pooling.task, skip_reading_prefix_cache=False)
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """ADD payload: a positional array, fields 0-8 required (§4.1)."""
 
@@ -113,7 +142,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_token_ids: list[int] | None
     mm_features: Any
     sampling_params: SamplingParams | None
-    pooling_params: Any
+    pooling_params: PoolingParams | None
     arrival_time: float
     lora_request: Any
     cache_salt: str | None
@@ -184,12 +213,14 @@ _SAMPLING_DEFAULTS: Final = {
 
 
 def request_for(spec: GenerateSpec, client_index: int = 0) -> EngineCoreRequest:
+    # A pooling request (Embed) carries pooling params and no sampling params, as vLLM's front end sends it.
+    pooling = spec.pooling
     return EngineCoreRequest(
         spec.request_id,
         spec.prompt_token_ids,
         None,
-        sampling_params_for(spec.sampling, spec.kv_transfer_params),
-        None,
+        sampling_params_for(spec.sampling, spec.kv_transfer_params) if pooling is None else None,
+        None if pooling is None else pooling_params_for(pooling),
         spec.arrival_time,
         None,
         spec.cache_salt,
@@ -388,6 +419,10 @@ class VllmCodec:
         raw = decode_outputs(frames)
         if isinstance(raw, EngineDead):
             return raw
+        for out in raw.outputs:
+            if out.pooling_output is not None:
+                # A pooling request's result (Embed): its bytes may be in a later frame of this message.
+                out.pooling_output = decode_tensor(out.pooling_output, frames)
         return OutputBatch(
             raw.engine_index,
             raw.outputs,
@@ -583,5 +618,6 @@ LAYOUT: Final = {
     "outputs": _names(EngineCoreOutputs),
     "output": _names(EngineCoreOutput),
     "sampling_keys": _names(SamplingParams),
+    "pooling": _names(PoolingParams),
     "finish_reasons": {r.name: r.value for r in FinishReason},
 }

@@ -1,4 +1,4 @@
-"""vLLM 0.32's arrays on the EngineCore wire, and the logprobs carried in them, without numpy or torch.
+"""vLLM 0.32's arrays on the EngineCore wire (logprobs, pooled vectors), read and written without numpy or torch.
 
 vLLM's ``MsgpackEncoder`` (``vllm/v1/serial_utils.py``) writes every numpy
 array and torch tensor as a 3-element array ``[dtype, shape, data]``:
@@ -24,6 +24,13 @@ Logprobs travel in two of those (``reference/request-features.md`` §1.3):
 In both, column 0 is the sampled (or prompt) token and columns 1..K the
 top-K, descending. ``LogprobRows`` keeps exactly that layout, engine-neutral.
 
+A pooling request's result (Embed) is ``EngineCoreOutput.pooling_output``, one
+torch tensor (float32, or the model's float16/bfloat16), read as ``Tensor``.
+The journal keeps only frame 0 of a message, so a replay decodes a pooled
+tensor whose bytes were in an extra frame as ``Tensor(data=None)``; the live
+path, which has every frame, treats missing bytes as the engine's fault when
+it reads the values. (Logprobs are read only live, for the calls that asked.)
+
 Rules: sans-io; the bytes are read through ``memoryview.cast`` (no copy,
 no third-party dependency); anything malformed is ``WireError`` (the
 engine's fault). Only the little-endian dtypes vLLM writes on the hosts it
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import array
 import math
+import struct
 import sys
 from typing import Any, Final, Sequence
 
@@ -46,6 +54,10 @@ from enginelink.wire.engine import LogprobRows, WireError
 EXT_RAW_VIEW: Final = 3
 # vLLM's VLLM_MSGPACK_ZERO_COPY_THRESHOLD default: smaller arrays go inline.
 ZERO_COPY_THRESHOLD: Final = 256
+# The most elements one decoded pooled tensor may hold (a pooled vector is the
+# model's hidden size: thousands). A bound on what a broken engine can make
+# us allocate from a shape it claims.
+TENSOR_ELEMENTS_MAX: Final = 1 << 24
 
 # dtype string (numpy's dtype.str or torch's name) -> memoryview format; sizes
 # are checked against the formats' native sizes at import (``_check_formats``).
@@ -55,20 +67,24 @@ _FORMATS: Final = {
     "<i4": "i", "int32": "i",
     "<i8": "q", "int64": "q",
     "<u4": "I", "uint32": "I",
+    "<f2": "e", "float16": "e",
+    "bfloat16": "H",  # the high half of a float32; widened by ``Tensor.floats``
 }  # fmt: skip
-_SIZES: Final = {"f": 4, "d": 8, "i": 4, "q": 8, "I": 4}
+_SIZES: Final = {"f": 4, "d": 8, "i": 4, "q": 8, "I": 4, "e": 2, "H": 2}
+# Formats memoryview.cast does not take (half floats) or that mean something else (bfloat16).
+_NOT_CASTABLE: Final = frozenset({"e", "H"})
 
 
 def _check_formats() -> None:
     for fmt, size in _SIZES.items():
-        assert memoryview(bytes(size)).cast(fmt).itemsize == size, fmt
+        assert struct.calcsize(fmt) == size, fmt
 
 
 _check_formats()
 
 
-def read_array(wire: Any, frames: Sequence[bytes]) -> tuple[memoryview, list[int]]:
-    """One ``[dtype, shape, data]`` triple as a flat typed memoryview and its shape."""
+def _triple(wire: Any) -> tuple[str, str, list[int], Any]:
+    """``[dtype, shape, data]`` checked: (dtype, memoryview format, shape, data)."""
     if not (isinstance(wire, (list, tuple)) and len(wire) == 3):
         raise WireError(f"an array on the wire must be [dtype, shape, data], got {type(wire).__name__}")
     dtype, shape, data = wire
@@ -79,22 +95,77 @@ def read_array(wire: Any, frames: Sequence[bytes]) -> tuple[memoryview, list[int
         raise WireError("vLLM's arrays are little-endian; this host is not")
     if not (isinstance(shape, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise WireError(f"array shape {shape!r} is not a list of sizes")
+    return dtype, fmt, list(shape), data
+
+
+def _buffer(data: Any, frames: Sequence[bytes], *, missing_ok: bool = False) -> bytes | memoryview | None:
+    """An array's bytes: inline (Ext 3) or frame ``data`` of the message (None: not given, ``missing_ok``)."""
     if isinstance(data, msgspec.msgpack.Ext):
         if data.code != EXT_RAW_VIEW:
             raise WireError(f"array data in msgpack Ext type {data.code}, not {EXT_RAW_VIEW} (raw bytes)")
-        buffer = data.data
-    elif isinstance(data, int) and not isinstance(data, bool):
-        if not 1 <= data < len(frames):
-            raise WireError(f"array data names frame {data}; the message has {len(frames)}")
-        buffer = frames[data]
-    else:
-        # vLLM's out-of-band tensor dict needs a tensor provider we never configure.
-        raise WireError(f"array data of type {type(data).__name__} (out-of-band tensors are not read)")
-    view = memoryview(buffer)
+        return data.data
+    if isinstance(data, int) and not isinstance(data, bool):
+        if data < 1:
+            raise WireError(f"array data names frame {data}; frame 0 is the message itself")
+        if data < len(frames):
+            return frames[data]
+        if missing_ok:
+            return None
+        raise WireError(f"array data names frame {data}; the message has {len(frames)}")
+    if isinstance(data, dict):
+        # vLLM's out-of-band tensor dict (a GPU IPC handle) needs a tensor provider we never configure.
+        raise WireError("array sent out of band (out-of-band tensor IPC handles are not read; only inline or extra-frame data)")
+    raise WireError(f"array data must be raw bytes or a frame index, got {type(data).__name__}")
+
+
+def read_array(wire: Any, frames: Sequence[bytes]) -> tuple[memoryview, list[int]]:
+    """One ``[dtype, shape, data]`` triple as a flat typed memoryview and its shape."""
+    dtype, fmt, shape, data = _triple(wire)
+    if fmt in _NOT_CASTABLE:
+        raise WireError(f"array dtype {dtype!r} is read only as a pooled tensor")
+    view = memoryview(_buffer(data, frames))
     count = math.prod(shape)
     if view.nbytes != count * _SIZES[fmt]:
-        raise WireError(f"array of shape {list(shape)} {dtype} needs {count * _SIZES[fmt]} bytes, got {view.nbytes}")
-    return view.cast("B").cast(fmt), list(shape)
+        raise WireError(f"array of shape {shape} {dtype} needs {count * _SIZES[fmt]} bytes, got {view.nbytes}")
+    return view.cast("B").cast(fmt), shape
+
+
+class Tensor(msgspec.Struct, frozen=True):
+    """A pooled tensor: its dtype name, shape and bytes (None: in a frame a replay does not have)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes | None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def floats(self) -> list[float]:
+        """The elements, flat in C order, as Python floats (float32 values exactly)."""
+        if self.data is None:
+            raise WireError("tensor bytes are missing (an extra frame the message did not carry)")
+        fmt = _FORMATS[self.dtype]
+        if len(self.data) != self.size * _SIZES[fmt]:
+            raise WireError(f"tensor {self.dtype}{list(self.shape)} has {len(self.data)} bytes, "
+                            f"not {self.size * _SIZES[fmt]}")
+        if fmt == "e":  # half floats: array has no typecode for them, struct does
+            return list(struct.unpack(f"<{self.size}e", self.data))
+        if fmt == "H":  # bfloat16: the high half of a float32
+            wide = array.array("I", [h << 16 for h in array.array("H", self.data)])
+            return array.array("f", wide.tobytes()).tolist()
+        if fmt not in ("f", "d"):
+            raise WireError(f"a pooled tensor of {self.dtype} is not floats")
+        return array.array(fmt, self.data).tolist()
+
+
+def decode_tensor(wire: Any, frames: Sequence[bytes]) -> Tensor:
+    """A pooled tensor, its bytes found inline or in ``frames`` (None when a replay lacks that frame)."""
+    dtype, _, shape, data = _triple(wire)
+    if math.prod(shape) > TENSOR_ELEMENTS_MAX:
+        raise WireError(f"tensor shape {shape} is over {TENSOR_ELEMENTS_MAX} elements")
+    raw = _buffer(data, frames, missing_ok=True)
+    return Tensor(dtype, tuple(shape), None if raw is None else bytes(raw))
 
 
 def logprob_rows(wire: Any, frames: Sequence[bytes]) -> LogprobRows:

@@ -56,10 +56,10 @@ def vllm_servicer(tmp: Path, model_dir: Path, engine_args: list[str] | None = No
 class OfflineVllm:
     """vLLM's offline ``LLM`` in a subprocess: ``run(cases)`` answers them in order."""
 
-    def __init__(self, python: str, model_dir: Path, log_path: Path) -> None:
+    def __init__(self, python: str, model_dir: Path, log_path: Path, llm_kwargs: dict | None = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        kwargs = {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "max_logprobs": -1}
+        kwargs = {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "max_logprobs": -1, **(llm_kwargs or {})}
         self.process = subprocess.Popen(
             [python, str(OFFLINE_SCRIPT), str(model_dir), json.dumps(kwargs)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,

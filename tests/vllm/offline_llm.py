@@ -14,6 +14,11 @@ with "logprobs" (per position: vLLM's dict as [[token id, logprob, rank], ...] i
 its own order, the sampled token first) when the case asked for logprobs, and
 "prompt_logprobs" (the same, None for position 0) when it asked for those.
 
+or, for a pooling model (LLM kwargs ``{"runner": "pooling", "convert": "embed"}``):
+
+    in:  {"id": ..., "prompt_token_ids": [...], "embed": true}
+    out: {"id": ..., "outputs": [{"embedding": [floats], "prompt_tokens": n}]}
+
 Each case is generated on its own (a batch of one), as the servicer's tests
 send them one at a time, so both runs see the same batch shapes. Everything
 vLLM prints goes to stderr; stdout carries only "ready" and the answers.
@@ -39,6 +44,11 @@ def main() -> int:
         if not line.strip():
             continue
         case = json.loads(line)
+        if case.get("embed"):
+            (result,) = llm.embed([TokensPrompt(prompt_token_ids=case["prompt_token_ids"])], use_tqdm=False)
+            outputs = [{"embedding": list(result.outputs.embedding), "prompt_tokens": len(result.prompt_token_ids)}]
+            answers.write(json.dumps({"id": case["id"], "outputs": outputs}) + "\n")
+            continue
         sampling = case["sampling"]
         if sampling.get("logit_bias"):  # JSON made the token ids strings
             sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2
 
-from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
+from enginelink.journal.records import KIND_ENGINE_FACTS, KIND_ENGINE_HANDSHAKE
 from enginelink.journal.store import open_reader
 from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, cpu_list, session_members
 from tests.harness import engine_pid
@@ -71,3 +71,18 @@ def test_the_servicer_and_engine_core_keep_off_the_cpu_the_worker_binds(vllm_sta
         if process != "VLLM::Worker":  # the servicer, the launcher and EngineCore: every thread
             assert cpus == front_end, (process, tid, cpus)
     assert f"placement: the engine binds {cpu_list(bound)}; the servicer's" in servicer.log()
+
+
+def test_the_generation_engine_refuses_embed_and_says_it_generates(vllm_stack):
+    """The engine's own facts (runner_type "generate", from vLLM's resolved config) decide: Embed is UNIMPLEMENTED."""
+    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+    servicer, _ = vllm_stack
+    assert servicer.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).is_generation is True
+    with pytest.raises(grpc.RpcError) as error:
+        servicer.stub.Embed(pb.EmbedRequest(request_id="embed-on-generate",
+                                            tokenized=pb.TokenizedInput(input_ids=[5, 6, 7])), timeout=60)
+    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "generation model" in error.value.details()
+    (facts,) = open_reader(servicer.journal).records(kinds=[KIND_ENGINE_FACTS])
+    assert facts.payload["facts"]["runner_type"] == "generate"
