@@ -15,6 +15,7 @@ import trio
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.records import KIND_ERROR, request_stream
+from enginelink.runtime.constraints import DEFAULT_BACKEND
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
 from enginelink.runtime.loads import Loads
 from enginelink.runtime.model_dir import ModelFacts
@@ -59,6 +60,7 @@ class App:
             vocab_size=self.model.vocab_size,
             eos_token_ids=tuple(self.model.eos_token_ids),
             data_parallel_size=int(ready.get("data_parallel_size") or 1),
+            grammar_backend=str(ready.get("structured_outputs_backend") or DEFAULT_BACKEND),
         )
 
     @property

@@ -81,6 +81,8 @@ def _write_facts(path: str, vllm_config) -> None:
         "dtype": str(model.dtype).removeprefix("torch."),
         "enable_prefix_caching": bool(cache.enable_prefix_caching),
         "profiler": getattr(vllm_config.profiler_config, "profiler", None),
+        # The grammar backend its front end would resolve constraints for (--structured-outputs-config).
+        "structured_outputs_backend": getattr(vllm_config.structured_outputs_config, "backend", None),
     }
     _write_json(path, facts)
 
