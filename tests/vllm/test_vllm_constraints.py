@@ -6,7 +6,8 @@ front end resolves it). Greedy output through enginelink must equal vLLM's
 offline ``LLM`` given the same ``SamplingParams``, and must satisfy its
 constraint: a regex ``[0-9]{3}`` yields three digits, a JSON schema yields
 JSON that validates, a choice one of the choices, an EBNF grammar a string of
-its language, ``json_object`` a JSON object.
+its language, ``json_object`` a JSON object, a structural tag its tagged
+content.
 A constraint the engine cannot compile ends FAILED_PRECONDITION naming it
 (with the ``smg-constraint-failed`` trailer) while the engine keeps serving,
 and the SMG router in front answers it 400.
@@ -43,6 +44,10 @@ SCHEMA = {
 CHOICES = ["yes", "no", "maybe"]
 EBNF = 'root ::= "x=" [0-9]+ ";"'
 EBNF_LANGUAGE = re.compile(r"x=[0-9]+;")
+# xgrammar's structural tag: a tag around a one-digit JSON integer.
+STRUCTURAL_TAG = json.dumps({"type": "structural_tag", "format": {
+    "type": "tag", "begin": "<a>", "end": "</a>",
+    "content": {"type": "json_schema", "json_schema": {"type": "integer", "minimum": 0, "maximum": 9}}}})
 # Each case: the contract's constraint field, vLLM's StructuredOutputsParams for offline, max_tokens.
 CASES = {
     "regex": ({"regex": "[0-9]{3}"}, {"regex": "[0-9]{3}"}, 16),
@@ -50,6 +55,7 @@ CASES = {
     "json_object": ({"json_object": True}, {"json_object": True}, 200),
     "choice": ({"choice": pb.ChoiceConstraint(choices=CHOICES)}, {"choice": CHOICES}, 16),
     "grammar": ({"grammar": EBNF}, {"grammar": EBNF}, 32),
+    "structural_tag": ({"structural_tag": STRUCTURAL_TAG}, {"structural_tag": STRUCTURAL_TAG}, 32),
 }
 
 
@@ -90,6 +96,8 @@ def holds(kind: str, text: str) -> None:
         assert text in CHOICES, text
     elif kind == "grammar":
         assert EBNF_LANGUAGE.fullmatch(text), text
+    elif kind == "structural_tag":
+        assert re.fullmatch(r"<a>\s*[0-9]\s*</a>", text), text
 
 
 # -- constraints: equal to vLLM offline, and holding ----------------------------------------
@@ -202,9 +210,9 @@ def test_truncate_prompt_tokens_keeps_the_last_n_as_vllm_offline(vllm_stack):
         assert mine["prompt_tokens"] == 4
         assert mine["token_ids"] == answers["last4"]["outputs"][0]["token_ids"]
     assert mine["token_ids"] != answers["whole"]["outputs"][0]["token_ids"]
-    # vLLM offline with left truncation to 4 is the same request.
-    if "error" not in answers["truncated"] and answers["truncated"]["prompt_tokens"] == 4:
-        assert answers["truncated"]["outputs"][0]["token_ids"] == mine["token_ids"]
+    # vLLM offline with its own left truncation to 4 is the same request.
+    assert answers["truncated"]["prompt_tokens"] == 4, answers["truncated"]
+    assert answers["truncated"]["outputs"][0]["token_ids"] == mine["token_ids"]
     # -1: the model's context less one, so a short prompt is kept whole.
     whole = generate(servicer, "so-trunc-all", PROMPT, truncate_prompt_tokens=-1, **sampling)
     assert whole["prompt_tokens"] == len(PROMPT)
@@ -277,6 +285,7 @@ def test_response_format_json_schema_through_the_router(router, test_model_dir):
     (choice,) = whole["choices"]
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    print("router json_schema reply:", json.dumps(whole))  # for the record (pytest -s)
     status, events = http_stream(router.url, "/v1/chat/completions", body)
     assert status == 200 and events[-1] == DONE, events[-3:]
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
@@ -286,6 +295,7 @@ def test_response_format_json_schema_through_the_router(router, test_model_dir):
 def test_a_schema_the_engine_cannot_compile_is_a_400_through_the_router(router, test_model_dir):
     status, body = post(router.url, "/v1/chat/completions", _chat(test_model_dir, {"type": "foo"}))
     assert status == 400, body
+    print("router reply to an uncompilable schema:", status, json.dumps(body))  # for the record (pytest -s)
     assert "could not continue the request under its constraint" in json.dumps(body), body
     # The router sent it once and the worker still serves.
     status, _ = post(router.url, "/v1/chat/completions", _chat(test_model_dir, SCHEMA))
