@@ -206,6 +206,30 @@ def sim_embedding(prompt: Sequence[int], dim: int, normalize: bool = True) -> li
     return values
 
 
+# vLLM 0.32's grammar backends (v1/structured_output/__init__.py grammar_init).
+_GRAMMAR_BACKENDS: Final = frozenset({"xgrammar", "guidance", "outlines", "lm-format-enforcer"})
+
+
+def _grammar_fails(params: vllm.SamplingParams | None) -> bool:
+    """Whether vLLM would end this request ERROR for its constraint before its first step.
+
+    The sim does not enforce constraints (its tokens are hashes). It fails
+    the two cases it can judge without a grammar compiler, so the servicer's
+    handling of an engine-side constraint failure runs against it: no or an
+    unknown ``_backend`` (vLLM's grammar_init raises "Unsupported structured
+    output backend") and an EBNF grammar with no ``root`` rule (xgrammar's
+    parser refuses it).
+    """
+    so = params.structured_outputs if params is not None else None
+    if not so:
+        return False
+    if so.get("_backend") not in _GRAMMAR_BACKENDS:
+        return True
+    grammar = so.get("grammar")
+    return isinstance(grammar, str) and "::=" in grammar and not any(
+        line.strip().startswith("root") for line in grammar.splitlines())
+
+
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
@@ -263,7 +287,8 @@ class SimEngineCore:
         wrong_runner = (r.pooling is not None) != (cfg.runner == "pooling")
         # A pooling prompt may fill the context (nothing is generated after it), as vLLM allows.
         room = 0 if r.pooling is not None else 1
-        if wrong_runner or not r.prompt or len(r.prompt) + room > cfg.max_model_len or need > cfg.num_gpu_blocks:
+        if (wrong_runner or not r.prompt or len(r.prompt) + room > cfg.max_model_len or need > cfg.num_gpu_blocks
+                or _grammar_fails(req.sampling_params)):
             # vLLM answers a request it cannot preprocess with ERROR at once.
             out = vllm.EngineCoreOutputs(
                 cfg.engine_index,

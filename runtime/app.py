@@ -16,6 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.records import KIND_ERROR, request_stream
 from enginelink.runtime.embed import RUNNER_POOLING, runner_type
+from enginelink.runtime.constraints import DEFAULT_BACKEND
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
 from enginelink.runtime.loads import Loads
 from enginelink.runtime.model_dir import ModelFacts
@@ -62,6 +63,7 @@ class App:
             data_parallel_size=int(ready.get("data_parallel_size") or 1),
             # The engine's --max-logprobs (its facts; vLLM's default when it does not say).
             max_logprobs=int(ready.get("max_logprobs", LOGPROBS_MAX)),
+            grammar_backend=str(ready.get("structured_outputs_backend") or DEFAULT_BACKEND),
         )
 
     @property

@@ -9,6 +9,13 @@
   the request was open → UNAVAILABLE (nothing to fix in the request).
 - ``Precondition``: the servicer cannot do this here (no tokenizer files) →
   FAILED_PRECONDITION.
+- ``ConstraintFailed``: the engine ended a constrained request with an error
+  (its grammar backend could not compile the constraint, or rejected a
+  token) → FAILED_PRECONDITION with the trailing metadata
+  ``smg-constraint-failed: engine`` (the reference servicers' shape,
+  ``engine_status.py``): the SMG router answers 400 and retries nothing
+  (1.13.0), 422 ``constraint_failed`` (newer); the same constraint would
+  fail on any worker, so a retryable code would only repeat it.
 - ``ResourceExhausted``: the caller went past a per-client bound (a message
   larger than the receive limit) → RESOURCE_EXHAUSTED.
 - ``NotThisEngine``: the engine does not run this kind of request (Embed on a
@@ -101,6 +108,27 @@ class EngineFailure(ServicerError):
 class Precondition(ServicerError):
     status = Status.FAILED_PRECONDITION
     whose = "servicer"
+
+
+# The reference's trailer for "the engine could not continue under the constraint" (engine_status.py).
+CONSTRAINT_FAILED_METADATA = ("smg-constraint-failed", "engine")
+
+
+class ConstraintFailed(ServicerError):
+    """The engine could not continue a request under its constraint → FAILED_PRECONDITION + trailer."""
+
+    status = Status.FAILED_PRECONDITION
+    whose = "client"
+    trailing_metadata = (CONSTRAINT_FAILED_METADATA,)
+
+    def __init__(self, field: str, detail: str) -> None:
+        # The reference's wording, naming the constraint's field.
+        super().__init__(f"the engine could not continue the request under its constraint: {field}: {detail}")
+        self.field = field
+
+    @property
+    def reason(self) -> str:
+        return "constraint_failed"
 
 
 class ResourceExhausted(ServicerError):
@@ -228,6 +256,12 @@ def grpc_errors(handler):
             raise
         except Exception as error:
             status = to_grpc_error(error)
+            metadata = getattr(error, "trailing_metadata", None)
+            if metadata and isinstance(error, ServicerError):
+                # grpclib's GRPCError carries no trailing metadata: send the trailers here.
+                await stream.send_trailing_metadata(status=status.status, status_message=status.message,
+                                                    metadata=list(metadata))
+                return None
             if status.status is Status.INTERNAL and not isinstance(error, EngineRequestFailed):
                 try:
                     report_bug(handler.__name__, error, journal=getattr(self, "journal", None),

@@ -46,7 +46,7 @@ from enginelink.journal.records import (
 )
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX, LinkMachine
 from enginelink.machines.request import RequestEvent, RequestMachine, RequestState
-from enginelink.runtime.errors import DuplicateRequest, EngineFailure, ServicerError, Unavailable
+from enginelink.runtime.errors import ConstraintFailed, DuplicateRequest, EngineFailure, ServicerError, Unavailable
 from enginelink.runtime.logprobs import ChoiceLogprobs
 from enginelink.runtime.metrics import NoMetrics
 from enginelink.runtime.stops import StopAutomaton, StopMatcher
@@ -450,6 +450,9 @@ class RequestHub:
                 # A pooling request's result comes with its finish (vLLM: one output, no tokens).
                 choice.pooled = getattr(out, "pooling_output", None)
                 reason = FinishReason(out.finish_reason)
+                if reason is FinishReason.ERROR and call.spec.constraint is not None:
+                    self._constraint_failed(call, choice, now)
+                    continue
                 choice.finish_reason = reason.contract_name
                 if reason is FinishReason.STOP and isinstance(out.stop_reason, int):
                     choice.matched_token = out.stop_reason
@@ -553,6 +556,32 @@ class RequestHub:
             self._end(call, RequestEvent.ABORT, now)
             call.wake.set()
         return aborted
+
+    def _constraint_failed(self, call: Call, failed: Choice, now: float) -> None:
+        """The engine ended a choice of a constrained call with an error: the call fails, naming the constraint.
+
+        vLLM's wire says only ERROR. On a constrained request that is its
+        grammar backend refusing the constraint (it did not compile) or a token
+        (docs/structured-outputs.md); an "error" complete with OK status would
+        look like an empty answer to the client. The other choices stop: the
+        same constraint holds for them.
+        """
+        self.by_engine_id.pop(failed.engine_id, None)  # the engine finished this one itself
+        others = [c.engine_id for c in call.choices if c is not failed and c.engine_id in self.by_engine_id]
+        for engine_id in others:
+            del self.by_engine_id[engine_id]
+        if others:
+            self._send(self.codec.encode_abort(others))
+            self._retire(others)
+        call.error = ConstraintFailed(
+            call.spec.constraint,
+            f"the engine ended the request with an error under its {call.spec.grammar_backend} grammar backend "
+            "(a constraint it cannot compile, or a token it rejected; the engine's log has the cause)",
+        )
+        log.info("request %r: %s", call.spec.request_id, call.error)
+        call.open_choices = 0
+        self._end(call, RequestEvent.FAIL, now)
+        call.wake.set()
 
     def fail_all(self, message: str, now: float) -> int:
         """The engine is gone: every open call ends with UNAVAILABLE."""

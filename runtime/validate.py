@@ -19,15 +19,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from enginelink.runtime.constraints import DEFAULT_BACKEND, constraint_of
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.inputs import (
     InputLimits,
-    check_json_nesting,
     check_request_id,
     input_limits,
     parse_json,
     stop_strings as _stop_strings,
-    utf8_len,
 )
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 
@@ -45,6 +44,8 @@ class EngineLimits:
     data_parallel_size: int = 1
     # The engine's --max-logprobs; -1: the whole vocabulary.
     max_logprobs: int = LOGPROBS_MAX
+    # The engine's structured-output backend (its --structured-outputs-config), "auto" by default.
+    grammar_backend: str = DEFAULT_BACKEND
     inputs: InputLimits = field(default_factory=input_limits)
 
 
@@ -62,6 +63,10 @@ class GenerateCall:
     skip_special_tokens: bool = True
     max_tokens: int = 0
     engine_ids: list[str] = field(default_factory=list)
+    # The constraint's field (``sampling_params.regex``, …) and backend, when the call has one:
+    # an engine error on such a call is reported as the constraint's failure (hub).
+    constraint: str | None = None
+    grammar_backend: str | None = None
 
     @property
     def n(self) -> int:
@@ -111,37 +116,6 @@ def _logprobs(sp, name: str, what: str, limits: EngineLimits) -> int | None:
     return value
 
 
-def _structured_outputs(sp, limits: InputLimits) -> dict | None:
-    kind = sp.WhichOneof("constraint")
-    if kind is None:
-        return None
-    name = f"sampling_params.{kind}"
-    cap = limits.constraint_bytes
-    if kind == "json_object":
-        return {"json_object": True} if sp.json_object else None
-    if kind == "choice":
-        choices = list(sp.choice.choices)
-        if not choices:
-            raise ClientError(name, "needs at least one choice")
-        size = sum(utf8_len(c, cap) for c in choices)
-        if size > cap:
-            raise ClientError(name, f"choices total {size} bytes; at most {cap} (ENGINELINK_MAX_CONSTRAINT_BYTES)")
-        return {"choice": choices}
-    value = getattr(sp, kind)
-    if not value:
-        raise ClientError(name, "must not be empty")
-    if kind == "json_schema":
-        return {"json": parse_json(name, value, cap, "ENGINELINK_MAX_CONSTRAINT_BYTES", limits)}
-    size = utf8_len(value, cap)
-    if size > cap:
-        raise ClientError(name, f"is {size} bytes; at most {cap} (ENGINELINK_MAX_CONSTRAINT_BYTES)")
-    if kind == "structural_tag":
-        check_json_nesting("structural_tag", value, limits)
-    if kind in ("regex", "grammar", "structural_tag"):
-        return {kind: value}
-    raise ClientError("sampling_params.constraint", f"unknown constraint kind {kind!r}")
-
-
 def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall:
     """Check a ``vllm_engine_pb2.GenerateRequest``; raise ClientError or return the call."""
     inputs = limits.inputs
@@ -164,6 +138,15 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
             keep = limits.max_model_len - 1
         if keep < -1:
             raise ClientError("sampling_params.truncate_prompt_tokens", f"must be -1 or positive, got {keep}")
+        if keep > limits.max_model_len:
+            # vLLM's TokenizeParams refuses it in these words (renderers/params.py).
+            raise ClientError(
+                "sampling_params.truncate_prompt_tokens",
+                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = {limits.max_model_len}. "
+                "Please request a smaller truncation size.",
+            )
+        # The last N, as vLLM's OpenAI server truncates (left side): the end of a
+        # prompt is what the answer continues.
         prompt = prompt[-keep:]
     if not prompt:
         raise ClientError("tokenized.input_ids", "must not be empty")
@@ -223,11 +206,13 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
         logit_bias = {}
         for token, bias in sp.logit_bias.items():
             if not 0 <= token < limits.vocab_size:
-                raise ClientError("sampling_params.logit_bias", f"token id {token} is outside the vocabulary")
+                # vLLM's front end (_validate_logit_bias) refuses it; its engine would index out of range.
+                raise ClientError("sampling_params.logit_bias",
+                                  f"token id {token} is outside the vocabulary (size {limits.vocab_size})")
             if not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise ClientError("sampling_params.logit_bias", f"bias for {token} must be in [-100, 100]")
             logit_bias[token] = bias
-    structured = _structured_outputs(sp, inputs)
+    constraint = constraint_of(sp, inputs, limits.grammar_backend)
 
     kv_transfer_params = None
     if request.HasField("kv_transfer_params_json"):
@@ -270,7 +255,9 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
             logit_bias=logit_bias,
             skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
-            structured_outputs=structured,
+            structured_outputs=constraint.params if constraint else None,
+            grammar_backend=constraint.backend if constraint else None,
+            grammar_backend_auto=constraint.backend_was_auto if constraint else False,
         )
         specs.append(
             GenerateSpec(
@@ -280,6 +267,8 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
                 arrival_time=now,
                 data_parallel_rank=dp_rank,
                 kv_transfer_params=kv_transfer_params,
+                # The gateway shaped the constraint to start at the first generated token.
+                reasoning_ended=True if constraint and sp.grammar_from_first_token else None,
             )
         )
     return GenerateCall(
@@ -292,4 +281,6 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
         skip_special_tokens=sp.skip_special_tokens,
         max_tokens=max_tokens,
         engine_ids=engine_ids,
+        constraint=constraint.field if constraint else None,
+        grammar_backend=constraint.backend if constraint else None,
     )

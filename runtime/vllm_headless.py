@@ -112,6 +112,8 @@ def _write_facts(path: str, vllm_config) -> None:
         "max_logprobs": int(model.max_logprobs),
         # "generate" or "pooling" (--runner, or what vLLM resolved for the model): which RPCs the engine can serve.
         "runner_type": str(model.runner_type),
+        # The grammar backend its front end would resolve constraints for (--structured-outputs-config).
+        "structured_outputs_backend": getattr(vllm_config.structured_outputs_config, "backend", None),
     }
     _write_json(path, facts)
 

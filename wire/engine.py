@@ -76,6 +76,10 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     # Structured output: at most one of these, as vLLM's StructuredOutputsParams keys.
     structured_outputs: dict | None = None
+    # The grammar backend the front end resolved for it (runtime/constraints.py), and
+    # whether it was resolved from "auto"; each codec carries them as its engine needs.
+    grammar_backend: str | None = None
+    grammar_backend_auto: bool = False
 
 
 class PoolingSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,6 +113,8 @@ class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
     kv_transfer_params: dict | None = None
     trace_headers: dict[str, str] | None = None
     pooling: PoolingSpec | None = None
+    # True: a constraint starts at the first generated token, whatever reasoning parser runs.
+    reasoning_ended: bool | None = None
 
 
 class EngineOutput(Protocol):

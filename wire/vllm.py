@@ -195,7 +195,7 @@ def sampling_params_for(sampling: SamplingSpec, kv_transfer_params: dict | None 
         "output_kind": OUTPUT_KIND_DELTA,
         "eos_token_id": eos[0] if eos and not sampling.ignore_eos else None,
         "all_stop_token_ids": sorted(set(eos) | set(sampling.stop_token_ids)),
-        "structured_outputs": sampling.structured_outputs,
+        "structured_outputs": _structured_outputs(sampling),
         "logit_bias": sampling.logit_bias,
         # vLLM carries PD connector params in extra_args.
         "extra_args": {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
@@ -204,6 +204,25 @@ def sampling_params_for(sampling: SamplingSpec, kv_transfer_params: dict | None 
     # default's 0.0 object), so pass only the values that differ; the rest
     # take the default object itself and stay off the wire.
     return SamplingParams(**{k: v for k, v in values.items() if v != _SAMPLING_DEFAULTS[k]})
+
+
+def _structured_outputs(sampling: SamplingSpec) -> dict | None:
+    """vLLM's ``StructuredOutputsParams`` map with the private ``_backend`` its engine reads.
+
+    vLLM's engine builds its grammar backend from ``_backend``, which only its
+    front end sets (msgspec carries a dataclass's underscore fields as plain
+    keys); without it every constrained request ends FINISHED_ERROR
+    ("Unsupported structured output backend: None"). runtime/constraints.py
+    resolves the value as vLLM's front end does.
+    """
+    if sampling.structured_outputs is None:
+        return None
+    params = dict(sampling.structured_outputs)
+    if sampling.grammar_backend is not None:
+        params["_backend"] = sampling.grammar_backend
+        if sampling.grammar_backend_auto:
+            params["_backend_was_auto"] = True
+    return params
 
 
 _SAMPLING_DEFAULTS: Final = {
@@ -227,6 +246,7 @@ def request_for(spec: GenerateSpec, client_index: int = 0) -> EngineCoreRequest:
         spec.data_parallel_rank,
         client_index=client_index,
         trace_headers=spec.trace_headers,
+        reasoning_ended=spec.reasoning_ended,
     )
 
 

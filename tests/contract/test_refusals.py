@@ -87,6 +87,18 @@ BAD = [
     Bad("choice-without-choices", _empty_choice, r"choice"),
     Bad("logprobs-negative", lambda rid: _sampling(rid, logprobs=-2), r"\blogprobs"),
     Bad("prompt-logprobs-huge", lambda rid: _sampling(rid, prompt_logprobs=2**31 - 1), r"prompt_logprobs"),
+    Bad("json-schema-not-an-object", lambda rid: _sampling(rid, json_schema="[1, 2]"), r"json_schema"),
+    Bad("json-object-false", lambda rid: _sampling(rid, json_object=False), r"json_object"),
+    Bad("blank-grammar", lambda rid: _sampling(rid, grammar=" \n\t"), r"grammar"),
+    Bad("blank-structural-tag", lambda rid: _sampling(rid, structural_tag="  "), r"structural_tag"),
+    Bad("regex-with-nul", lambda rid: _sampling(rid, regex="a\x00b"), r"regex"),
+    Bad("logit-bias-outside-vocab", lambda rid: _sampling(rid, logit_bias={4096: 1.0}), r"logit_bias.*4096"),
+    Bad("logit-bias-negative-id", lambda rid: _sampling(rid, logit_bias={-1: 1.0}), r"logit_bias"),
+    Bad("logit-bias-above-100", lambda rid: _sampling(rid, logit_bias={5: 150.0}), r"logit_bias"),
+    Bad("logit-bias-nan", lambda rid: _sampling(rid, logit_bias={5: math.nan}), r"logit_bias"),
+    Bad("truncate-below-minus-1", lambda rid: _sampling(rid, truncate_prompt_tokens=-2), r"truncate_prompt_tokens"),
+    Bad("truncate-beyond-context",
+        lambda rid: _sampling(rid, truncate_prompt_tokens=CONTEXT + 1), r"truncate_prompt_tokens.*cannot be greater"),
 ]
 
 

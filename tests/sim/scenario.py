@@ -38,6 +38,14 @@ BAD_KINDS = (
     "min_p_above_1", "n_above_64", "empty_stop_string", "logprobs", "min_tokens_above_max", "bad_logit_bias",
     "bad_json_schema", "empty_regex", "bad_dp_rank", "bad_kv_transfer_params",
 )  # fmt: skip
+# Further ways, each a variant of a kind above picked by the call's index, so the
+# seeded draws (and every named regression seed) stay what they were.
+BAD_VARIANTS = {
+    "bad_logit_bias": ("bad_logit_bias", "logit_bias_negative_id", "logit_bias_above_100"),
+    "bad_json_schema": ("bad_json_schema", "json_schema_not_object", "json_object_false", "blank_grammar"),
+    "empty_regex": ("empty_regex", "regex_with_nul", "empty_choice"),
+    "max_tokens_too_big": ("max_tokens_too_big", "truncate_beyond_context", "truncate_below_minus_1"),
+}
 
 
 @dataclass
@@ -127,10 +135,28 @@ def _spoil(request: pb.GenerateRequest, bad: str) -> None:
             sp.min_tokens = 3
         case "bad_logit_bias":
             sp.logit_bias[VOCAB_SIZE + 1] = 1.0
+        case "logit_bias_negative_id":
+            sp.logit_bias[-1] = 1.0
+        case "logit_bias_above_100":
+            sp.logit_bias[FIRST_TOKEN] = 150.0
         case "bad_json_schema":
             sp.json_schema = "{not json"
+        case "json_schema_not_object":
+            sp.json_schema = "[1, 2]"
+        case "json_object_false":
+            sp.json_object = False
+        case "blank_grammar":
+            sp.grammar = "  \n "
         case "empty_regex":
             sp.regex = ""
+        case "regex_with_nul":
+            sp.regex = "a\x00b"
+        case "empty_choice":
+            sp.choice.SetInParent()
+        case "truncate_beyond_context":
+            sp.truncate_prompt_tokens = 1 << 20
+        case "truncate_below_minus_1":
+            sp.truncate_prompt_tokens = -2
         case "bad_dp_rank":
             request.data_parallel_rank = 3
         case "bad_kv_transfer_params":
@@ -282,6 +308,8 @@ def _client(rng: random.Random, index: int, sc: Scenario) -> ClientPlan:
         plan.stop_token_ids = tuple(rng.randrange(FIRST_TOKEN, VOCAB_SIZE) for _ in range(rng.choice((1, 50))))
     if rng.random() < 0.1:
         plan.bad = rng.choice(BAD_KINDS)
+        variants = BAD_VARIANTS.get(plan.bad, (plan.bad,))
+        plan.bad = variants[index % len(variants)]
         plan.request_id = "" if plan.bad == "empty_id" else f"bad{index}"
         plan.duplicate_of = None
     if rng.random() < 0.15:

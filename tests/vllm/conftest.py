@@ -80,6 +80,11 @@ class OfflineVllm:
 
     def run(self, cases: list[dict], timeout_s: float = 120.0) -> dict[str, list[dict]]:
         """{case id: outputs} for cases {"id", "prompt_token_ids", "sampling"}."""
+        answers = self.answers(cases, timeout_s)
+        return {case_id: answer["outputs"] for case_id, answer in answers.items()}
+
+    def answers(self, cases: list[dict], timeout_s: float = 120.0) -> dict[str, dict]:
+        """{case id: the whole answer} ("prompt_tokens", "outputs"; or "error" where vLLM refused it)."""
         with self._lock:
             if not self._ready:
                 assert self._read_line(START_TIMEOUT_S) == {"ready": True}
@@ -88,7 +93,7 @@ class OfflineVllm:
                 self.process.stdin.write(json.dumps(case) + "\n")
             self.process.stdin.flush()
             answers = [self._read_line(timeout_s) for _ in cases]
-        return {a["id"]: a["outputs"] for a in answers}
+        return {a["id"]: a for a in answers}
 
     def close(self) -> None:
         end_process(self.process, self.process.stdin.close)  # end of input: the script exits

@@ -7,8 +7,13 @@ Run by path with the vLLM venv's python (enginelink is not installed there):
 It builds one ``LLM`` and then answers cases, one JSON line in, one JSON line
 out, until stdin closes:
 
-    in:  {"id": ..., "prompt_token_ids": [...], "sampling": {SamplingParams kwargs}}
-    out: {"id": ..., "outputs": [{"index", "token_ids", "finish_reason", "stop_reason"}]}
+    in:  {"id": ..., "prompt_token_ids": [...], "sampling": {SamplingParams kwargs},
+          "tokenization_kwargs": {...} (optional)}
+    out: {"id": ..., "prompt_tokens": N, "outputs": [{"index", "token_ids", "finish_reason", "stop_reason"}]}
+         or {"id": ..., "error": "..."} when vLLM refuses the case
+
+``sampling["structured_outputs"]`` is a map of ``StructuredOutputsParams``
+fields (JSON cannot carry the dataclass).
 
 with "logprobs" (per position: vLLM's dict as [[token id, logprob, rank], ...] in
 its own order, the sampled token first) when the case asked for logprobs, and
@@ -36,6 +41,7 @@ def main() -> int:
     os.dup2(2, 1)  # vLLM (and its child processes) log to stdout: send that to stderr
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     llm = LLM(model=sys.argv[1], **kwargs)
@@ -52,8 +58,15 @@ def main() -> int:
         sampling = case["sampling"]
         if sampling.get("logit_bias"):  # JSON made the token ids strings
             sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
-        params = SamplingParams(**sampling)
-        (result,) = llm.generate([TokensPrompt(prompt_token_ids=case["prompt_token_ids"])], params, use_tqdm=False)
+        if sampling.get("structured_outputs"):
+            sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
+        try:
+            params = SamplingParams(**sampling)
+            (result,) = llm.generate([TokensPrompt(prompt_token_ids=case["prompt_token_ids"])], params,
+                                     use_tqdm=False, tokenization_kwargs=case.get("tokenization_kwargs"))
+        except ValueError as error:  # vLLM's validation errors are ValueErrors
+            answers.write(json.dumps({"id": case["id"], "error": f"{type(error).__name__}: {error}"}) + "\n")
+            continue
         outputs = [
             {
                 "index": out.index,
@@ -66,7 +79,8 @@ def main() -> int:
             }
             for out in sorted(result.outputs, key=lambda o: o.index)
         ]
-        answers.write(json.dumps({"id": case["id"], "outputs": outputs}) + "\n")
+        answers.write(json.dumps({"id": case["id"], "prompt_tokens": len(result.prompt_token_ids),
+                                  "outputs": outputs}) + "\n")
     return 0
 
 
