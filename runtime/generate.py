@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import trio
 
-from enginelink.runtime.errors import ServicerError
+from enginelink.runtime import kv_transfer
+from enginelink.runtime.errors import ClientError, ServicerError
 from enginelink.runtime.inputs import check_request_id, input_limits
 from enginelink.runtime.validate import validate_generate
 
@@ -47,6 +48,7 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
         call = hub.admit(spec, now, wake=wake)
     except ServicerError as error:
         app.refused(request.request_id, error, now)
+        release_refused_kv(app, request, error, now)
         raise
     try:
         if direct is not None and spec.stream:
@@ -75,3 +77,19 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
             # that is an abort, and the engine must stop working on it.
             hub.abort([call.spec.request_id], "client_gone", trio.current_time())
         hub.release(call)
+
+
+def release_refused_kv(app, request, error: ServicerError, now: float) -> None:
+    """A refused decode-side PD request: the engine frees the prefill side's KV now (``RequestHub.release_kv``).
+
+    As the reference does for any failure before the engine took the request,
+    whatever the reason. A call the hub admitted needs nothing of this: its ADD
+    reached the engine, and the engine's abort (client gone, Abort) runs the
+    connector's same hook. A request refused for its id is not released: the
+    id is not one the servicer takes.
+    """
+    if isinstance(error, ClientError) and error.field == "request_id":
+        return
+    params = kv_transfer.params_for_release(request, input_limits())
+    if params is not None:
+        app.hub.release_kv(request.request_id, params, now)

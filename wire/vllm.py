@@ -194,6 +194,7 @@ def request_for(spec: GenerateSpec, client_index: int = 0) -> EngineCoreRequest:
         spec.data_parallel_rank,
         client_index=client_index,
         trace_headers=spec.trace_headers,
+        abort_immediately=spec.abort_immediately,
     )
 
 
