@@ -37,9 +37,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.records import (
     KIND_CLIENT_ABORT,
-    KIND_ENGINE_KV_RELEASE,
     KIND_CLIENT_GENERATE,
     KIND_CLIENT_SENT,
+    KIND_ENGINE_KV_RELEASE,
     KIND_ENGINE_REQUEST,
     KIND_TRANSITION,
     Transition,

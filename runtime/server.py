@@ -366,6 +366,8 @@ class LinkStats:
     # Stop strings of the calls that ended: text matched, automaton steps (<= 2 per character).
     stop_chars: int = 0
     stop_steps: int = 0
+    # PD: refused decode legs sent to the engine pre-aborted, so the prefill side frees its KV.
+    kv_releases: int = 0
 
 
 def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
@@ -375,5 +377,5 @@ def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
         len(hub.retired), RETIRED_ENGINE_IDS_MAX, hub.renamed, hub.send_errors,
         MAX_CONCURRENT_STREAMS, hub.direct_writes, hub.direct_handovers,
         link.idle_probe.probes_sent, sup.idle_probe.interval_s, sup.idle_probe.timeout_s, sup.stop_grace_s,
-        hub.stop_chars, hub.stop_steps,
+        hub.stop_chars, hub.stop_steps, hub.kv_releases,
     )

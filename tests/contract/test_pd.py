@@ -27,7 +27,7 @@ from tests.contract.helpers import (
     refusal,
     wait_journal,
 )
-from tests.harness import Servicer, generate_request
+from tests.harness import Servicer, free_port, generate_request, scrape
 
 ENGINE_ID = "pd-engine-1"
 KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": ENGINE_ID}
@@ -37,8 +37,10 @@ KV_PORT = 14579  # vLLM's default kv_port, what the sim's prefill leg advertises
 
 @pytest.fixture(scope="module")
 def pd_servicer(tmp_path_factory, test_model_dir):
-    with Servicer(tmp_path_factory.mktemp("pd"), model_dir=test_model_dir,
+    metrics_port = free_port()
+    with Servicer(tmp_path_factory.mktemp("pd"), model_dir=test_model_dir, extra=["--metrics-port", str(metrics_port)],
                   engine_args=["--kv-transfer-config", json.dumps(KV_CONFIG)]) as running:
+        running.metrics_port = metrics_port
         yield running
 
 
@@ -145,6 +147,12 @@ def test_bad_params_are_invalid_argument_and_never_reach_the_engine(pd_servicer,
     assert not [r for r in journal_rows(pd_servicer.journal, ("engine.kv_release",)) if r.payload["request_id"] == rid]
 
 
+def _kv_releases(servicer) -> float:
+    """The servicer's ``link_kv_releases`` gauge, whatever its labels."""
+    (value,) = [v for k, v in scrape(servicer.metrics_port).items() if k.startswith("smg_servicer_link_kv_releases")]
+    return value
+
+
 def _releases(journal, rid: str) -> list[dict]:
     return [r.payload for r in journal_rows(journal, ("engine.kv_release",)) if r.payload["request_id"] == rid]
 
@@ -152,6 +160,7 @@ def _releases(journal, rid: str) -> list[dict]:
 def test_a_refused_decode_leg_is_released_to_the_engine(pd_servicer):
     """The prefill side holds this request's KV: the engine is told at once, pre-aborted, never run."""
     rid = new_id("pd-release")
+    released_before = _kv_releases(pd_servicer)
     params = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_request_id": "p-1", "remote_block_ids": [1]}
     error = refusal(pd_servicer.stub, _pd_request(rid, prompt(8, 8), params=params, max_tokens=0))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in error.details()
@@ -160,6 +169,7 @@ def test_a_refused_decode_leg_is_released_to_the_engine(pd_servicer):
     (release,) = _releases(pd_servicer.journal, rid)
     assert release["sent"] is True and release["engine_id"].startswith("smg-kv-release-")
     assert rid not in engine_request_ids(pd_servicer.journal), "no call was admitted for it"
+    assert _kv_releases(pd_servicer) == released_before + 1
     # The servicer and the engine go on serving.
     assert call(pd_servicer.stub, _pd_request(new_id("pd-after"), prompt(9, 8))).complete(0).finish_reason == "length"
 
