@@ -268,3 +268,18 @@ def test_sim_runs_nothing_for_a_pre_aborted_add():
     _add(core, "release", [0], {"do_remote_prefill": True}, abort_immediately=True)
     assert not core.has_work and core.kv_releases == 1
     assert _run(core) == []
+
+
+def test_sim_engine_reads_kv_transfer_config_as_vllm_does():
+    import argparse
+
+    from enginelink.tools.sim_engine import _kv_transfer_config
+
+    assert _kv_transfer_config('{"password": "x"}') is None, "no kv_connector: no connector, as in vLLM"
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "engine_id": "e"}
+    assert _kv_transfer_config(json.dumps(config)) == config
+    for bad in ('{"kv_connector": "NixlConnector"}', '{"kv_connector": "N", "kv_role": "boss"}', "[1]", "{nope",
+                '{"kv_connector": 7, "kv_role": "kv_both"}'):
+        with pytest.raises(argparse.ArgumentTypeError) as refused:
+            _kv_transfer_config(bad)
+        assert "nope" not in str(refused.value)

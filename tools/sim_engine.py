@@ -108,16 +108,24 @@ def _kv_config(text: str) -> kv_events.KvEventsConfig:
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
-def _kv_transfer_config(text: str) -> dict:
-    """vLLM's ``--kv-transfer-config``, checked as vLLM's ``KVTransferConfig`` checks what the sim uses."""
+def _kv_transfer_config(text: str) -> dict | None:
+    """vLLM's ``--kv-transfer-config``, checked as vLLM's ``KVTransferConfig`` checks what the sim uses.
+
+    As in vLLM, an object that names no ``kv_connector`` configures no
+    connector; one that does needs a ``kv_role``. Errors never echo the text
+    (a connector's config may hold credentials)."""
     try:
         config = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(config, dict) or not isinstance(config.get("kv_connector"), str) or not config["kv_connector"]:
-        raise argparse.ArgumentTypeError("expected a JSON object naming kv_connector")
+    except ValueError:
+        raise argparse.ArgumentTypeError("not JSON") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    if not config.get("kv_connector"):
+        return None
+    if not isinstance(config["kv_connector"], str):
+        raise argparse.ArgumentTypeError("kv_connector must be a connector's name")
     if config.get("kv_role") not in _KV_ROLES:
-        raise argparse.ArgumentTypeError(f"kv_role must be one of {', '.join(_KV_ROLES)}")
+        raise argparse.ArgumentTypeError(f"kv_role must be one of {', '.join(_KV_ROLES)} when kv_connector is set")
     return config
 
 
