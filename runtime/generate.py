@@ -82,13 +82,17 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
 def release_refused_kv(app, request, error: ServicerError, now: float) -> None:
     """A refused decode-side PD request: the engine frees the prefill side's KV now (``RequestHub.release_kv``).
 
-    As the reference does for any failure before the engine took the request,
-    whatever the reason. A call the hub admitted needs nothing of this: its ADD
+    Only for a refusal that is final, the client's fault (INVALID_ARGUMENT,
+    ALREADY_EXISTS): the router does not send that request again. A refusal
+    that says "retry on another worker" (UNAVAILABLE: capacity, starting,
+    draining) keeps the prefill side's KV for the retry, which needs it; the
+    reference releases on any failure, and would free KV its retry then
+    cannot pull. A call the hub admitted needs nothing of this: its ADD
     reached the engine, and the engine's abort (client gone, Abort) runs the
-    connector's same hook. A request refused for its id is not released: the
-    id is not one the servicer takes.
+    connector's same hook. A request refused for its id is not released:
+    the id is not one the servicer takes.
     """
-    if isinstance(error, ClientError) and error.field == "request_id":
+    if error.whose != "client" or (isinstance(error, ClientError) and error.field == "request_id"):
         return
     params = kv_transfer.params_for_release(request, input_limits())
     if params is not None:

@@ -283,3 +283,29 @@ def test_sim_engine_reads_kv_transfer_config_as_vllm_does():
         with pytest.raises(argparse.ArgumentTypeError) as refused:
             _kv_transfer_config(bad)
         assert "nope" not in str(refused.value)
+
+
+class _ReleaseHub:
+    def __init__(self) -> None:
+        self.released: list[tuple[str, dict]] = []
+
+    def release_kv(self, request_id: str, params: dict, now: float) -> bool:
+        self.released.append((request_id, params))
+        return True
+
+
+def test_only_final_refusals_release_the_prefill_sides_kv():
+    from types import SimpleNamespace
+
+    from enginelink.runtime.errors import DuplicateRequest, Unavailable
+    from enginelink.runtime.generate import release_refused_kv
+
+    params = {"do_remote_prefill": True, "remote_request_id": "p"}
+    request = _request(kv_transfer_params_json=json.dumps(params))
+    final = [ClientError("sampling_params.max_tokens", "must be at least 1"), DuplicateRequest("in flight")]
+    retry = [Unavailable("4096 requests in flight", reason="capacity"), Unavailable("starting"),
+             ClientError("request_id", "must not start with 'smg-kv-release-'")]
+    for error in final + retry:
+        app = SimpleNamespace(hub=_ReleaseHub())
+        release_refused_kv(app, request, error, 0.0)
+        assert app.hub.released == ([("r", params)] if error in final else []), error

@@ -18,6 +18,8 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from tests.contract.helpers import (
+    CALL_TIMEOUT_S,
+    SLOW_ENGINE_ARGS,
     Outcome,
     call,
     engine_request_ids,
@@ -39,7 +41,7 @@ KV_PORT = 14579  # vLLM's default kv_port, what the sim's prefill leg advertises
 def pd_servicer(tmp_path_factory, test_model_dir):
     metrics_port = free_port()
     with Servicer(tmp_path_factory.mktemp("pd"), model_dir=test_model_dir, extra=["--metrics-port", str(metrics_port)],
-                  engine_args=["--kv-transfer-config", json.dumps(KV_CONFIG)]) as running:
+                  engine_args=[*SLOW_ENGINE_ARGS, "--kv-transfer-config", json.dumps(KV_CONFIG)]) as running:
         running.metrics_port = metrics_port
         yield running
 
@@ -172,6 +174,23 @@ def test_a_refused_decode_leg_is_released_to_the_engine(pd_servicer):
     assert _kv_releases(pd_servicer) == released_before + 1
     # The servicer and the engine go on serving.
     assert call(pd_servicer.stub, _pd_request(new_id("pd-after"), prompt(9, 8))).complete(0).finish_reason == "length"
+
+
+def test_a_decode_leg_refused_as_a_duplicate_is_released_and_the_original_runs_on(pd_servicer):
+    rid = new_id("pd-dup")
+    params = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_request_id": "p-2"}
+    stream = pd_servicer.stub.Generate(_pd_request(rid, prompt(12, 8), params=params, stream=True, max_tokens=40),
+                                       timeout=CALL_TIMEOUT_S)
+    messages = [next(stream)]  # in flight now
+    error = refusal(pd_servicer.stub, _pd_request(rid, prompt(13, 8), params=params))
+    assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+    messages += list(stream)
+    original = Outcome(messages).complete(0)
+    assert original.finish_reason == "length" and _kv_out(original)[0] == _echo(params, rid, 8)
+    wait_journal(pd_servicer.journal, lambda rows: any(
+        r.kind == "engine.kv_release" and r.payload["request_id"] == rid for r in rows), "the release journaled")
+    (release,) = _releases(pd_servicer.journal, rid)
+    assert release["sent"] and release["engine_id"] != rid, "the release never takes the live call's engine id"
 
 
 def test_refusals_that_hold_no_prefill_kv_release_nothing(pd_servicer):
