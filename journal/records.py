@@ -37,6 +37,9 @@ Payload shapes (keys; all required unless marked):
 ``engine.handshake``  {step: "hello"|"init"|"ready"|"READY", message: {...}}
 ``engine.facts``      {link, pid, facts: {...}}
 ``engine.request``    {link, request_ids, prompt_tokens}  (one ADD sent)
+``engine.kv_release`` {link, request_id, engine_id, sent}  a refused PD decode
+                      request's pre-aborted ADD, so the prefill side frees its KV
+                      (runtime/kv_transfer.py); never a call's engine request
 ``client.sent``       {request_id, index, tokens_sent, finish_reason}  written
                       ONCE per choice, when it completes (never per message:
                       the journal must stay cheap at 100k tokens/s)
@@ -73,6 +76,7 @@ KIND_ENGINE_FRAME: Final = "engine.frame"
 KIND_ENGINE_HANDSHAKE: Final = "engine.handshake"
 KIND_ENGINE_FACTS: Final = "engine.facts"
 KIND_ENGINE_REQUEST: Final = "engine.request"
+KIND_ENGINE_KV_RELEASE: Final = "engine.kv_release"
 KIND_ERROR: Final = "error"
 KIND_INTERNAL_ERROR: Final = "internal_error"
 KIND_SNAPSHOT: Final = "snapshot"
@@ -94,6 +98,7 @@ KINDS: Final = frozenset(
         KIND_ENGINE_HANDSHAKE,
         KIND_ENGINE_FACTS,
         KIND_ENGINE_REQUEST,
+        KIND_ENGINE_KV_RELEASE,
         KIND_ERROR,
         KIND_INTERNAL_ERROR,
         KIND_SNAPSHOT,

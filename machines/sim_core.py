@@ -34,6 +34,15 @@ Theory of operation (mirrors vLLM's v1 scheduler where it is observable):
   ``pooling_output`` float32 tensor (``sim_embedding``: a hash of the prompt,
   L2-normalised), inline or in an extra frame by vLLM's 256-byte rule. Either
   runner answers a request of the other kind with ERROR at once.
+- PD (``kv_connector`` set, as ``--kv-transfer-config`` sets it): a request's
+  ``sampling_params.extra_args.kv_transfer_params`` come back on its finishing
+  output, echoed with what a connector adds (``sim_kv_params``): the other
+  leg's block ids, engine id and request id, and for a prefill leg
+  (``do_remote_decode``) the flags flipped and this engine's side channel
+  (``remote_host``/``remote_port``). Without a connector the params are
+  ignored, as vLLM ignores them ("no KVConnector found"). An
+  ``abort_immediately`` ADD is added and aborted at once (vLLM's pre-admission
+  release): it never runs, nothing comes back, ``kv_releases`` counts it.
 
 Rules: no I/O, no clock (``now`` is an argument), no randomness; every
 collection is bounded by a config value. ``SimHooks`` is where KV-event
@@ -73,6 +82,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     instance_id: str = "sim"
     runner: str = "generate"  # or "pooling": an embedding engine (vLLM's --runner)
     embed_dim: int = 256  # pooled vector length (the model's hidden size)
+    # PD: the connector --kv-transfer-config names (None: no KV transfer), and its identity.
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    kv_engine_id: str = "sim-kv-engine"
+    kv_port: int = 14579  # vLLM's KVTransferConfig.kv_port default
 
     def __post_init__(self) -> None:
         if self.runner not in ("generate", "pooling"):
@@ -145,7 +159,7 @@ class _Request:
     __slots__ = (
         "rid", "prompt", "salt", "max_tokens", "min_tokens", "eos", "model_eos",
         "stop_ids", "masked", "digest", "queued_ts", "scheduled_ts", "num_computed",
-        "cached", "output", "block_hashes", "num_committed", "reserved", "logprobs", "prompt_logprobs", "greedy", "pooling",
+        "cached", "output", "block_hashes", "num_committed", "reserved", "logprobs", "prompt_logprobs", "greedy", "pooling", "kv_params",
     )  # fmt: skip
 
     def __init__(self, req: vllm.EngineCoreRequest, config: SimConfig, now: float) -> None:
@@ -187,6 +201,27 @@ class _Request:
             self.block_hashes.append(block_hash(parent, prompt[i * bs : (i + 1) * bs], self.salt if i == 0 else None))
         self.num_committed = 0
         self.reserved = 0
+        extra = params.extra_args or {}
+        kv_params = extra.get("kv_transfer_params") if config.kv_connector else None
+        self.kv_params: dict | None = kv_params if isinstance(kv_params, dict) else None
+
+
+def sim_kv_params(params: dict, request_id: str, prompt_tokens: int, config: SimConfig) -> dict:
+    """What the sim's connector hands the other leg at a request's end: the params, echoed and extended.
+
+    Deterministic: block ids are the prompt's block positions.
+    """
+    out = dict(params)
+    out.update(
+        remote_block_ids=list(range(_blocks(prompt_tokens, config.block_size))),
+        remote_engine_id=config.kv_engine_id,
+        remote_request_id=request_id,
+    )
+    if params.get("do_remote_decode"):
+        # A prefill leg: the decode side pulls from here next.
+        out.update(do_remote_decode=False, do_remote_prefill=True, remote_host="127.0.0.1",
+                   remote_port=config.kv_port + config.engine_index)
+    return out
 
 
 def sim_embedding(prompt: Sequence[int], dim: int, normalize: bool = True) -> list[float]:
@@ -247,6 +282,7 @@ class SimEngineCore:
         self._reserved_blocks = 0
         self._step_counter = 0
         self._pcs = vllm.PrefixCacheStats()
+        self.kv_releases = 0  # abort_immediately ADDs: PD releases (never scheduled)
         self.hooks.attach(self)
 
     @property
@@ -282,6 +318,11 @@ class SimEngineCore:
         if req.request_id in self._by_id:
             raise WireError(f"duplicate request id {req.request_id!r}")
         cfg = self.config
+        if req.abort_immediately:
+            # vLLM adds it and aborts it in the same call: only the connector's
+            # request_finished hook runs (it frees the prefill side's KV); no output.
+            self.kv_releases += 1
+            return []
         r = _Request(req, cfg, now)
         need = _blocks(min(len(r.prompt) + r.max_tokens, cfg.max_model_len), cfg.block_size)
         wrong_runner = (r.pooling is not None) != (cfg.runner == "pooling")
@@ -432,6 +473,8 @@ class SimEngineCore:
                 r.output.append(token)
                 finish, stop_reason = self._check_stop(r, token)
                 out = vllm.EngineCoreOutput(r.rid, [token], finish_reason=finish, stop_reason=stop_reason)
+                if finish is not None and r.kv_params is not None:
+                    out.kv_transfer_params = sim_kv_params(r.kv_params, r.rid, len(r.prompt), self.config)
             if len(r.output) == 1 and self.config.log_stats:
                 out.events = [
                     vllm.EngineCoreEvent(vllm.EVENT_QUEUED, r.queued_ts),

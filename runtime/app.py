@@ -15,6 +15,7 @@ import trio
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.records import KIND_ERROR, request_stream
+from enginelink.runtime import kv_transfer
 from enginelink.runtime.embed import RUNNER_POOLING, runner_type
 from enginelink.runtime.constraints import DEFAULT_BACKEND
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
@@ -109,6 +110,9 @@ class App:
             block_size=int(ready.get("block_size") or 0),
             model_dtype=str(ready.get("dtype") or self.model.dtype or ""),
             max_num_seqs=self.max_num_seqs,
+            # PD: the connector, role and engine id the router pairs legs by, from the
+            # engine's resolved --kv-transfer-config (its facts), and SMG_PAIRING_PROTOCOL.
+            **kv_transfer.server_fields(ready),
         )
 
     def uptime_s(self) -> float:

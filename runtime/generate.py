@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import trio
 
+from enginelink.runtime import kv_transfer
 from enginelink.runtime.embed import check_generation
-from enginelink.runtime.errors import ServicerError
+from enginelink.runtime.errors import ClientError, ServicerError
 from enginelink.runtime.inputs import check_request_id, input_limits
 from enginelink.runtime.validate import validate_generate
 
@@ -50,6 +51,7 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
         call = hub.admit(spec, now, wake=wake)
     except ServicerError as error:
         app.refused(request.request_id, error, now)
+        release_refused_kv(app, request, error, now)
         raise
     try:
         if direct is not None and spec.stream:
@@ -78,3 +80,23 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
             # that is an abort, and the engine must stop working on it.
             hub.abort([call.spec.request_id], "client_gone", trio.current_time())
         hub.release(call)
+
+
+def release_refused_kv(app, request, error: ServicerError, now: float) -> None:
+    """A refused decode-side PD request: the engine frees the prefill side's KV now (``RequestHub.release_kv``).
+
+    Only for a refusal that is final, the client's fault (INVALID_ARGUMENT,
+    ALREADY_EXISTS): the router does not send that request again. A refusal
+    that says "retry on another worker" (UNAVAILABLE: capacity, starting,
+    draining) keeps the prefill side's KV for the retry, which needs it; the
+    reference releases on any failure, and would free KV its retry then
+    cannot pull. A call the hub admitted needs nothing of this: its ADD
+    reached the engine, and the engine's abort (client gone, Abort) runs the
+    connector's same hook. A request refused for its id is not released:
+    the id is not one the servicer takes.
+    """
+    if error.whose != "client" or (isinstance(error, ClientError) and error.field == "request_id"):
+        return
+    params = kv_transfer.params_for_release(request, input_limits())
+    if params is not None:
+        app.hub.release_kv(request.request_id, params, now)

@@ -39,19 +39,22 @@ from enginelink.journal.records import (
     KIND_CLIENT_ABORT,
     KIND_CLIENT_GENERATE,
     KIND_CLIENT_SENT,
+    KIND_ENGINE_KV_RELEASE,
     KIND_ENGINE_REQUEST,
     KIND_TRANSITION,
     Transition,
     request_stream,
 )
-from enginelink.machines.link import WARMUP_REQUEST_PREFIX, LinkMachine
+from enginelink.journal.states import LinkState
+from enginelink.machines.link import KV_RELEASE_REQUEST_PREFIX, WARMUP_REQUEST_PREFIX, LinkMachine
 from enginelink.machines.request import RequestEvent, RequestMachine, RequestState
+from enginelink.runtime import kv_transfer
 from enginelink.runtime.errors import ConstraintFailed, DuplicateRequest, EngineFailure, ServicerError, Unavailable
 from enginelink.runtime.logprobs import ChoiceLogprobs
 from enginelink.runtime.metrics import NoMetrics
 from enginelink.runtime.stops import StopAutomaton, StopMatcher
 from enginelink.runtime.validate import GenerateCall
-from enginelink.wire.engine import EngineCodec, FinishReason, OutputBatch, WireError
+from enginelink.wire.engine import EngineCodec, FinishReason, GenerateSpec, OutputBatch, SamplingSpec, WireError
 
 # Calls in flight at once; beyond it admission answers UNAVAILABLE (retryable).
 IN_FLIGHT_MAX = 4096
@@ -71,7 +74,7 @@ class Choice:
     __slots__ = (
         "index", "engine_id", "pending", "last_delta", "output", "tokens_engine", "tokens_sent",
         "finish_reason", "matched_token", "matched_str", "complete_sent", "stops", "cached_tokens",
-        "first_token_at", "last_token_at", "logprobs", "pooled",
+        "first_token_at", "last_token_at", "logprobs", "pooled", "kv_transfer_params",
     )
 
     def __init__(self, index: int, engine_id: str, keep_output: bool, stops: StopMatcher | None,
@@ -95,6 +98,7 @@ class Choice:
         # calls that did not pay nothing per token for them.
         self.logprobs = logprobs
         self.pooled = None  # a pooling request's result (Embed; runtime/embed.py): a wire.vllm_arrays.Tensor
+        self.kv_transfer_params: dict | None = None  # PD: the engine's, for the other leg (kv_transfer.py)
 
     @property
     def finished(self) -> bool:
@@ -201,6 +205,8 @@ class Call:
             complete.matched_stop_str = choice.matched_str
         elif choice.matched_token is not None:
             complete.matched_token_id = choice.matched_token
+        if choice.kv_transfer_params is not None:
+            kv_transfer.fill_complete(complete, choice.kv_transfer_params)
         return pb.GenerateResponse(complete=complete)
 
 
@@ -282,6 +288,7 @@ class RequestHub:
         self.by_engine_id: dict[str, tuple[Call, Choice]] = {}
         self.retired: OrderedDict[str, None] = OrderedDict()
         self.renamed = 0  # calls that got fresh engine ids (see RETIRED_ENGINE_IDS_MAX)
+        self.kv_releases = 0  # refused PD decode requests the engine was told about (release_kv)
         self.send_errors = 0  # frames the link could not hand to the engine
         self.late_outputs = 0
         self.logprob_errors = 0  # calls failed for logprobs the engine sent unreadable
@@ -400,6 +407,39 @@ class RequestHub:
         while len(retired) > RETIRED_ENGINE_IDS_MAX:
             retired.popitem(last=False)
 
+    def release_kv(self, request_id: str, params: dict, now: float) -> bool:
+        """Tell the engine about a decode-side PD request the servicer refused.
+
+        The prefill side holds the request's KV until the decode side pulls it
+        or the connector's lease runs out (NIXL: 30 s). vLLM frees it at once
+        when the decode engine sees the request added and aborted in one go
+        (``abort_immediately``, what ``AsyncLLM.notify_kv_transfer_request_rejected``
+        sends): its connector's ``request_finished`` hook tells the prefill
+        side. The engine runs nothing for it and answers nothing. The engine id
+        takes a reserved prefix, so it never names a client's call. True when
+        the ADD went out; nothing is sent while the engine is not up.
+        """
+        if self.link.state not in (LinkState.SERVING, LinkState.WARMING_UP, LinkState.DRAINING):
+            return False
+        self.kv_releases += 1
+        engine_id = f"{KV_RELEASE_REQUEST_PREFIX}{self.kv_releases}-{request_id}"
+        spec = GenerateSpec(
+            request_id=engine_id,
+            prompt_token_ids=[0],
+            sampling=SamplingSpec(max_tokens=1),
+            arrival_time=now,
+            kv_transfer_params=params,
+            abort_immediately=True,
+        )
+        error = self._send(self.codec.encode_add(spec))
+        self.journal.append(
+            now,
+            request_stream(request_id),
+            KIND_ENGINE_KV_RELEASE,
+            {"link": self.link.name, "request_id": request_id, "engine_id": engine_id, "sent": error is None},
+        )
+        return error is None
+
     # -- engine outputs ---------------------------------------------------------------
 
     def on_batch(self, batch: OutputBatch, now: float) -> int:
@@ -444,6 +484,8 @@ class RequestHub:
                 choice.pending += tokens
                 if choice.output is not None:
                     choice.output += tokens
+            if out.kv_transfer_params is not None:
+                choice.kv_transfer_params = out.kv_transfer_params
             if choice.logprobs is not None and not self._logprobs(call, choice, out, batch.frames, tokens, now):
                 continue
             if out.finish_reason is not None and choice.finish_reason is None:

@@ -21,13 +21,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from enginelink.machines.link import WARMUP_REQUEST_PREFIX
+from enginelink.machines.link import KV_RELEASE_REQUEST_PREFIX, WARMUP_REQUEST_PREFIX
 from enginelink.runtime.errors import ClientError
 
 # Request-id prefixes the servicer gives its own requests; a client's id may not
 # start with one (a client id taking the warm-up's prefix would be admitted
-# during warm-up, hidden from the metrics, and collide with the warm-up's ids).
-RESERVED_ID_PREFIXES = (WARMUP_REQUEST_PREFIX,)
+# during warm-up, hidden from the metrics, and collide with the warm-up's ids;
+# one taking the PD release prefix could collide with a release's engine id).
+RESERVED_ID_PREFIXES = (WARMUP_REQUEST_PREFIX, KV_RELEASE_REQUEST_PREFIX)
 
 
 @dataclass(frozen=True)

@@ -368,6 +368,8 @@ class LinkStats:
     stop_steps: int = 0
     # Calls failed because the engine's logprob arrays could not be read (the engine's fault).
     logprob_errors: int = 0
+    # PD: refused decode legs sent to the engine pre-aborted, so the prefill side frees its KV.
+    kv_releases: int = 0
 
 
 def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
@@ -377,5 +379,5 @@ def _link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
         len(hub.retired), RETIRED_ENGINE_IDS_MAX, hub.renamed, hub.send_errors,
         MAX_CONCURRENT_STREAMS, hub.direct_writes, hub.direct_handovers,
         link.idle_probe.probes_sent, sup.idle_probe.interval_s, sup.idle_probe.timeout_s, sup.stop_grace_s,
-        hub.stop_chars, hub.stop_steps, hub.logprob_errors,
+        hub.stop_chars, hub.stop_steps, hub.logprob_errors, hub.kv_releases,
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from enginelink.runtime import kv_transfer
 from enginelink.runtime.constraints import DEFAULT_BACKEND, constraint_of
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.inputs import (
@@ -214,14 +215,8 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
             logit_bias[token] = bias
     constraint = constraint_of(sp, inputs, limits.grammar_backend)
 
-    kv_transfer_params = None
-    if request.HasField("kv_transfer_params_json"):
-        kv_transfer_params = parse_json(
-            "kv_transfer_params_json", request.kv_transfer_params_json, inputs.kv_transfer_params_bytes,
-            "ENGINELINK_MAX_KV_TRANSFER_PARAMS_BYTES", inputs,
-        )
-        if not isinstance(kv_transfer_params, dict):
-            raise ClientError("kv_transfer_params_json", "must be a JSON object")
+    # PD: the JSON field or the legacy message, checked as the reference does (runtime/kv_transfer.py).
+    kv_transfer_params = kv_transfer.params_from_request(request, inputs)
     dp_rank = None
     if request.HasField("data_parallel_rank"):
         dp_rank = request.data_parallel_rank

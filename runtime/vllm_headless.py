@@ -114,8 +114,36 @@ def _write_facts(path: str, vllm_config) -> None:
         "runner_type": str(model.runner_type),
         # The grammar backend its front end would resolve constraints for (--structured-outputs-config).
         "structured_outputs_backend": getattr(vllm_config.structured_outputs_config, "backend", None),
+        **_pd_facts(vllm_config),
     }
     _write_json(path, facts)
+
+
+def _pd_facts(vllm_config) -> dict:
+    """The PD pairing identity GetServerInfo advertises (enginelink's runtime/kv_transfer.py reads it).
+
+    Resolved by vLLM itself (an engine id left out is a fresh uuid, known only
+    here). Names and ids only: the connector's extra config may hold
+    credentials, and the facts are journaled. A MultiConnector's children go
+    as [connector, engine id] pairs, for enginelink to project onto the one
+    that moves the KV.
+    """
+    facts = {}
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None)
+    if backend is not None:
+        facts["attention_backend"] = str(getattr(backend, "name", backend))
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None or not kv.kv_connector:
+        return facts
+    facts.update(kv_connector=kv.kv_connector, kv_role=kv.kv_role or "", kv_engine_id=kv.engine_id or "")
+    children = (kv.kv_connector_extra_config or {}).get("connectors")
+    if isinstance(children, list):
+        facts["kv_connector_children"] = [
+            [child.get("kv_connector"), child.get("engine_id")] if isinstance(child, dict) else None
+            for child in children
+        ]
+    return facts
 
 
 def _write_json(path: str, body: dict) -> None:

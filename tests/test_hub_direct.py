@@ -50,7 +50,8 @@ class Wire:
 
 def output(request_id: str, tokens: list[int], finish: FinishReason | None = None):
     return SimpleNamespace(request_id=request_id, new_token_ids=tokens,
-                           finish_reason=None if finish is None else int(finish), stop_reason=None)
+                           finish_reason=None if finish is None else int(finish), stop_reason=None,
+                           kv_transfer_params=None)
 
 
 def hub_with_call(wire: Wire, n: int = 1):

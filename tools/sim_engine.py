@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-config", type=_kv_config, default=None, metavar="JSON",
                         help="vLLM's KV-event publisher config, e.g. "
                         '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\'')
+    parser.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None, metavar="JSON",
+                        help="vLLM's PD connector config: the sim echoes kv_transfer_params back as a connector "
+                        'would, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both","engine_id":"e1"}\'')
     parser.add_argument("--kv-fault-skip", type=_seqs, default=frozenset(), metavar="SEQ[,SEQ]",
                         help="KV batches numbered and never sent nor kept for replay (holes)")
     parser.add_argument("--kv-fault-drop", type=_seqs, default=frozenset(), metavar="SEQ[,SEQ]",
@@ -107,6 +110,42 @@ def _kv_config(text: str) -> kv_events.KvEventsConfig:
         return kv_events.parse_config(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+def _kv_transfer_config(text: str) -> dict | None:
+    """vLLM's ``--kv-transfer-config``, checked as vLLM's ``KVTransferConfig`` checks what the sim uses.
+
+    As in vLLM, an object that names no ``kv_connector`` configures no
+    connector; one that does needs a ``kv_role``. Errors never echo the text
+    (a connector's config may hold credentials)."""
+    try:
+        config = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("not JSON") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    if not config.get("kv_connector"):
+        return None
+    if not isinstance(config["kv_connector"], str):
+        raise argparse.ArgumentTypeError("kv_connector must be a connector's name")
+    if config.get("kv_role") not in _KV_ROLES:
+        raise argparse.ArgumentTypeError(f"kv_role must be one of {', '.join(_KV_ROLES)} when kv_connector is set")
+    return config
+
+
+def _pd_facts(config: SimConfig, kv_transfer: dict) -> dict:
+    """The PD identity, written where vllm_headless.py writes the real engine's (same keys)."""
+    facts = {"kv_connector": config.kv_connector, "kv_role": config.kv_role, "kv_engine_id": config.kv_engine_id}
+    children = (kv_transfer.get("kv_connector_extra_config") or {}).get("connectors")
+    if isinstance(children, list):
+        facts["kv_connector_children"] = [
+            [child.get("kv_connector"), child.get("engine_id")] if isinstance(child, dict) else None
+            for child in children
+        ]
+    return facts
 
 
 def _seqs(text: str) -> frozenset[int]:
@@ -137,7 +176,19 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         instance_id=f"sim-{os.getpid()}",
         runner=args.runner,
         embed_dim=int(args.embed_dim or model.get("hidden_size") or 256),
+        **_kv_transfer_fields(args.kv_transfer_config),
     )
+
+
+def _kv_transfer_fields(kv_transfer: dict | None) -> dict:
+    if kv_transfer is None:
+        return {}
+    fields = {"kv_connector": kv_transfer["kv_connector"], "kv_role": kv_transfer["kv_role"]}
+    if isinstance(kv_transfer.get("engine_id"), str) and kv_transfer["engine_id"]:
+        fields["kv_engine_id"] = kv_transfer["engine_id"]
+    if isinstance(kv_transfer.get("kv_port"), int):
+        fields["kv_port"] = kv_transfer["kv_port"]
+    return fields
 
 
 class _Lifetime:
@@ -195,6 +246,8 @@ def _handshake(
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if args.kv_transfer_config is not None:
+        _write_pd_facts(config, args.kv_transfer_config)
     life = _Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
     ctx = zmq.Context()
     try:
@@ -363,6 +416,17 @@ def _serve(core: SimEngineCore, inputs: zmq.Socket, outputs: zmq.Socket, life: _
             if kv is not None:
                 kv.flush()
             next_step = now + cost_s
+
+
+def _write_pd_facts(config: SimConfig, kv_transfer: dict) -> None:
+    """Before the handshake, where enginelink reads the engine's facts (as vllm_headless.py does)."""
+    from enginelink.runtime.engine_link import ENGINE_FACTS_ENV
+
+    path = os.environ.get(ENGINE_FACTS_ENV)
+    if path:
+        # Atomically: enginelink reads the file at the handshake.
+        Path(f"{path}.tmp").write_text(json.dumps(_pd_facts(config, kv_transfer)))
+        os.replace(f"{path}.tmp", path)
 
 
 def main(argv: list[str] | None = None) -> int:

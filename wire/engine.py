@@ -115,6 +115,10 @@ class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
     pooling: PoolingSpec | None = None
     # True: a constraint starts at the first generated token, whatever reasoning parser runs.
     reasoning_ended: bool | None = None
+    # Added and aborted at once by the engine, never run: how a servicer tells
+    # the engine's KV connector about a PD request it refused, so the prefill
+    # side's blocks are freed now rather than when the connector's lease ends.
+    abort_immediately: bool = False
 
 
 class EngineOutput(Protocol):
@@ -124,6 +128,7 @@ class EngineOutput(Protocol):
     new_token_ids: list[int]
     finish_reason: int | None  # FinishReason value, None while running
     stop_reason: int | str | None  # matched stop token id (or string), if any
+    kv_transfer_params: dict | None  # PD: the connector's params for the other leg (a finished request's)
 
 
 class LogprobRows(msgspec.Struct, frozen=True, kw_only=True):

@@ -247,6 +247,7 @@ def request_for(spec: GenerateSpec, client_index: int = 0) -> EngineCoreRequest:
         client_index=client_index,
         trace_headers=spec.trace_headers,
         reasoning_ended=spec.reasoning_ended,
+        abort_immediately=spec.abort_immediately,
     )
 
 
