@@ -237,30 +237,6 @@ def _ensure_schema(db: sqlite_utils.Database, path: Path, records_max: int, byte
     )
 
 
-def set_aside(path: str | os.PathLike[str]) -> Path | None:
-    """Move an existing journal at ``path`` to ``<stem>.prev<suffix>``.
-
-    One file holds one run (seq restarts at 1 each run), so a new run moves
-    the previous run's file aside, keeping it for post-mortem, and replaces
-    an older ``.prev``. The WAL moves with its database (it may hold the last
-    batches of a killed writer); the shared-memory index is rebuilt by
-    SQLite, so it is removed instead. Returns the new path, None if nothing
-    was there.
-    """
-    path = Path(path)
-    if not path.exists():
-        return None
-    prev = path.with_name(f"{path.stem}.prev{path.suffix}")
-    for suffix in ("-wal", "-shm"):
-        Path(f"{prev}{suffix}").unlink(missing_ok=True)
-    os.replace(path, prev)
-    wal = Path(f"{path}-wal")
-    if wal.exists():
-        os.replace(wal, f"{prev}-wal")
-    Path(f"{path}-shm").unlink(missing_ok=True)
-    return prev
-
-
 class Reader:
     """Read-only queries on a journal file. Make it with ``open_reader``."""
 

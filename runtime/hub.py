@@ -565,6 +565,10 @@ class RequestHub:
         if open_ids:
             self._send(self.codec.encode_abort(open_ids))
             self._retire(open_ids)
+        self._end_failed(call, message, now)
+
+    def _end_failed(self, call: Call, message: str, now: float) -> None:
+        """End an open call with UNAVAILABLE (the engine's fault): its ids leave the routing table."""
         call.error = EngineFailure(message)
         for choice in call.choices:
             self.by_engine_id.pop(choice.engine_id, None)
@@ -632,12 +636,7 @@ class RequestHub:
             if not call.machine.open:
                 continue
             failed += 1
-            call.error = EngineFailure(message)
-            for choice in call.choices:
-                self.by_engine_id.pop(choice.engine_id, None)
-            call.open_choices = 0
-            self._end(call, RequestEvent.FAIL, now)
-            call.wake.set()
+            self._end_failed(call, message, now)
         return failed
 
     def take(self, call: Call, now: float) -> list[pb.GenerateResponse]:

@@ -20,7 +20,6 @@ from enginelink.journal.store import (
     StoreError,
     open_reader,
     open_store,
-    set_aside,
 )
 
 WRITER = Path(__file__).with_name("writer_proc.py")
@@ -153,19 +152,6 @@ def test_not_a_journal(tmp_path):
     text.write_text("not a database at all, not even close to one" * 20)
     with pytest.raises(StoreError):
         open_reader(text)
-
-
-def test_set_aside_keeps_the_previous_run(tmp_path):
-    path = tmp_path / "journal-1.sqlite"
-    assert set_aside(path) is None
-    store = open_store(path)
-    store.write_batch(frame_rows(1, 3))
-    store.close()
-    prev = set_aside(path)
-    assert prev == tmp_path / "journal-1.prev.sqlite"
-    assert not path.exists()
-    with open_reader(prev) as reader:
-        assert reader.last_seq() == 3
 
 
 def test_reader_sees_a_live_writer_in_another_process(tmp_path):
