@@ -61,7 +61,7 @@ def _link(test_model_dir, sockets: Path, gate: Path, monkeypatch) -> el.EngineLi
     monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(sockets))
     launcher = SimLauncher(model_dir=test_model_dir, extra_args=["--hello-gate", str(gate)])
     return el.EngineLink(name="vllm-0", launcher=launcher, codec=VllmCodec(), journal=RecordingJournal(),
-                         supervision=el.Supervision(startup_timeout_s=30, startup_ceiling_s=60, term_grace_s=5),
+                         supervision=el.Supervision(startup_timeout_s=30, startup_ceiling_s=60, stop_grace_s=5),
                          servicer_sched="normal")
 
 
