@@ -58,7 +58,7 @@ class App:
             max_model_len=int(ready["max_model_len"]),
             vocab_size=self.model.vocab_size,
             eos_token_ids=tuple(self.model.eos_token_ids),
-            data_parallel_size=int(ready.get("data_parallel_size") or 1),
+            data_parallel_size=self.link.ranks.size,  # the ranks this servicer fronts: a pin's [0, N)
         )
 
     @property
@@ -98,7 +98,7 @@ class App:
             last_receive_timestamp=self.hub.last_receive_wall,
             uptime_seconds=self.uptime_s(),
             server_type=self.server_type,
-            data_parallel_size=int(ready.get("data_parallel_size") or 1),
+            data_parallel_size=self.link.ranks.size,
             kv_cache_dtype=str(ready.get("kv_cache_dtype") or "auto"),
             block_size=int(ready.get("block_size") or 0),
             model_dtype=str(ready.get("dtype") or self.model.dtype or ""),

@@ -45,6 +45,7 @@ from enginelink.journal.records import (
     request_stream,
 )
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX, LinkMachine
+from enginelink.machines.ranks import RankTable
 from enginelink.machines.request import RequestEvent, RequestMachine, RequestState
 from enginelink.runtime.errors import DuplicateRequest, EngineFailure, ServicerError, Unavailable
 from enginelink.runtime.metrics import NoMetrics
@@ -70,7 +71,7 @@ class Choice:
     __slots__ = (
         "index", "engine_id", "pending", "last_delta", "output", "tokens_engine", "tokens_sent",
         "finish_reason", "matched_token", "matched_str", "complete_sent", "stops", "cached_tokens",
-        "first_token_at", "last_token_at",
+        "first_token_at", "last_token_at", "rank",
     )
 
     def __init__(self, index: int, engine_id: str, keep_output: bool, stops: StopMatcher | None) -> None:
@@ -89,6 +90,7 @@ class Choice:
         self.cached_tokens = 0
         self.first_token_at = 0.0
         self.last_token_at = 0.0
+        self.rank: int | None = None  # the DP rank holding it, while the engine may (machines/ranks.py)
 
     @property
     def finished(self) -> bool:
@@ -241,8 +243,9 @@ class RequestHub:
         *,
         link: LinkMachine,
         codec: EngineCodec,
-        send_frames: Callable[[list[bytes]], None],
+        send_frames: Callable[[list[bytes], int], None],
         journal,
+        ranks: RankTable | None = None,
         tokenizer=None,
         cached_tokens: Callable[[object], int | None] | None = None,
         in_flight_max: int = IN_FLIGHT_MAX,
@@ -250,8 +253,10 @@ class RequestHub:
     ) -> None:
         self.link = link
         self.codec = codec
-        self.send_frames = send_frames
+        self.send_frames = send_frames  # (frames, DP rank): the link sends to that rank's identity
         self.journal = journal
+        # The engine's DP ranks (the link fills them at its handshake); one rank 0 when none given.
+        self.ranks = ranks if ranks is not None else RankTable((0,))
         self.tokenizer = tokenizer
         self.cached_tokens = cached_tokens
         self.in_flight_max = in_flight_max
@@ -322,16 +327,19 @@ class RequestHub:
         for choice in call.choices:
             self.by_engine_id[choice.engine_id] = (call, choice)
         call.metrics.admitted(call.prompt_tokens, spec.n)
-        for sent, engine_spec in enumerate(spec.specs):
-            error = self._send(self.codec.encode_add(engine_spec))
+        for choice, engine_spec in zip(call.choices, spec.specs, strict=True):
+            # Each engine request picks its rank, as vLLM's DP front end does for n > 1's children.
+            choice.rank = self.ranks.pick(engine_spec.data_parallel_rank)
+            error = self._send(self.codec.encode_add(engine_spec), choice.rank)
             if error is not None:
-                self._unreachable(call, spec.engine_ids[:sent], error, now)
+                self._unreachable(call, error, now)
                 return call
         self.journal.append(
             now,
             stream,
             KIND_ENGINE_REQUEST,
-            {"link": self.link.name, "request_ids": spec.engine_ids, "prompt_tokens": call.prompt_tokens},
+            {"link": self.link.name, "request_ids": spec.engine_ids, "prompt_tokens": call.prompt_tokens,
+             "ranks": [choice.rank for choice in call.choices]},
         )
         return call
 
@@ -346,11 +354,12 @@ class RequestHub:
             raise DuplicateRequest(f"request_id {spec.request_id!r} is already in flight")
         return spec
 
-    def _unreachable(self, call: Call, sent_ids: list[str], error: Exception, now: float) -> None:
+    def _unreachable(self, call: Call, error: Exception, now: float) -> None:
         """An ADD could not be handed to the engine (it is going away): the call fails now."""
-        if sent_ids:
-            self._send(self.codec.encode_abort(sent_ids))
-            self._retire(sent_ids)
+        sent = [choice for choice in call.choices if choice.rank is not None]
+        self._abort_choices(sent[:-1])  # the last one picked is the ADD that failed
+        for choice in sent[-1:]:
+            self._release_rank(choice)
         call.error = EngineFailure(f"engine is not reachable ({type(error).__name__}: {error}); retry on another worker")
         for choice in call.choices:
             self.by_engine_id.pop(choice.engine_id, None)
@@ -358,19 +367,36 @@ class RequestHub:
         self._end(call, RequestEvent.FAIL, now)
         call.wake.set()
 
-    def _send(self, frames: list[bytes]) -> Exception | None:
+    def _send(self, frames: list[bytes], rank: int) -> Exception | None:
         """Hand frames to the link; the error if it could not (the engine is gone or going).
 
         The link's supervision fails the link when the engine is gone, so a
         lost ABORT needs nothing more; a lost ADD fails its call (``_unreachable``).
         """
         try:
-            self.send_frames(frames)
+            self.send_frames(frames, rank)
         except Exception as error:  # LinkFailed, zmq errors: whatever the transport says
             self.send_errors += 1
             log.warning("could not send a frame to the engine: %s: %s", type(error).__name__, error)
             return error
         return None
+
+    def _abort_choices(self, choices: Sequence[Choice]) -> None:
+        """ABORT the engine requests of these choices, one frame per rank holding some; retire them."""
+        by_rank: dict[int, list[str]] = {}
+        for choice in choices:
+            if choice.rank is not None:
+                by_rank.setdefault(choice.rank, []).append(choice.engine_id)
+                self._release_rank(choice)
+        for rank, engine_ids in by_rank.items():
+            self._send(self.codec.encode_abort(engine_ids), rank)
+            self._retire(engine_ids)
+
+    def _release_rank(self, choice: Choice) -> None:
+        """The engine request of this choice is over for us: its rank's in-flight count drops once."""
+        if choice.rank is not None:
+            self.ranks.ended(choice.rank)
+            choice.rank = None
 
     def _retire(self, engine_ids: Sequence[str]) -> None:
         retired = self.retired
@@ -419,8 +445,7 @@ class RequestHub:
                         choice.matched_str = matched
                         choice.finish_reason = "stop"
                         # The engine does not do stop strings: stop it ourselves.
-                        self._send(self.codec.encode_abort([choice.engine_id]))
-                        self._retire([choice.engine_id])
+                        self._abort_choices([choice])
                 choice.pending += tokens
                 if choice.output is not None:
                     choice.output += tokens
@@ -432,6 +457,7 @@ class RequestHub:
                 elif reason is FinishReason.STOP and isinstance(out.stop_reason, str):
                     choice.matched_str = out.stop_reason
             if choice.finish_reason is not None:
+                self._release_rank(choice)
                 del by_engine_id[choice.engine_id]
                 call.open_choices -= 1
                 if call.open_choices == 0:
@@ -491,11 +517,9 @@ class RequestHub:
             self.journal.append(
                 now, request_stream(request_id), KIND_CLIENT_ABORT, {"request_ids": [request_id], "reason": reason}
             )
-            open_ids = [c.engine_id for c in call.choices if not c.finished]
-            if open_ids:
-                # vLLM sends nothing back for a client abort: we end the choices ourselves.
-                self._send(self.codec.encode_abort(open_ids))
-                self._retire(open_ids)
+            # vLLM sends nothing back for a client abort: we end the choices ourselves,
+            # each ABORT to the rank that holds the request.
+            self._abort_choices([c for c in call.choices if not c.finished])
             for choice in call.choices:
                 if not choice.finished:
                     choice.finish_reason = "abort"
@@ -514,6 +538,7 @@ class RequestHub:
             failed += 1
             call.error = EngineFailure(message)
             for choice in call.choices:
+                self._release_rank(choice)
                 self.by_engine_id.pop(choice.engine_id, None)
             call.open_choices = 0
             self._end(call, RequestEvent.FAIL, now)

@@ -201,6 +201,21 @@ def _kv_events(engine: str, engine_args: list[str]):
         raise ConfigError(str(error)) from None
 
 
+def _engine_ranks(engine: str, engine_args: list[str]) -> tuple[int, ...]:
+    """The DP ranks the engine runs, each a handshake to wait for; a front end fronts ranks 0..N-1."""
+    from enginelink.runtime.kv_config import KvConfigError, engine_ranks
+
+    try:
+        ranks = engine_ranks(engine, engine_args)
+    except KvConfigError as error:
+        raise ConfigError(str(error)) from None
+    if engine == "vllm" and ranks[0] != 0:
+        # A node of a multi-node DP engine whose ranks start past 0: its front end is the head node's.
+        raise ConfigError(f"the engine's DP ranks start at {ranks[0]} (--data-parallel-start-rank / "
+                          "--data-parallel-rank): enginelink fronts a whole engine, ranks 0..N-1, on one node")
+    return ranks
+
+
 def _grpc_limits():
     from enginelink.runtime.grpc_limits import GrpcLimits
 
@@ -228,6 +243,7 @@ def build_config(args: argparse.Namespace):
         launcher = _vllm_launcher(model_dir, engine_args)
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args)
+    launcher.ranks = _engine_ranks(args.engine, engine_args)
     return ServeConfig(
         launcher=launcher,
         model=model,
