@@ -235,3 +235,15 @@ def test_many_concurrent_calls_all_finish_across_ranks(dp_servicer):
 
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(one, range(16))) == ["length"] * 16
+
+
+def test_inspect_shows_the_ranks(dp_servicer):
+    from tests.tools.helpers import enginelink, inspect_json
+
+    view = inspect_json(dp_servicer.journal)
+    (link,) = view["links"]
+    assert [r["rank"] for r in link["ranks"]] == [0, 1]
+    assert [r["data_parallel_rank"] for r in link["ranks"]] == [0, 1]
+    done = enginelink("inspect", "--journal", dp_servicer.journal)
+    assert done.returncode == 0, done.stderr
+    assert "DP ranks (2): 0 (sim-" in done.stdout
