@@ -247,3 +247,28 @@ def test_inspect_shows_the_ranks(dp_servicer):
     done = enginelink("inspect", "--journal", dp_servicer.journal)
     assert done.returncode == 0, done.stderr
     assert "DP ranks (2): 0 (sim-" in done.stdout
+
+
+def test_kv_events_come_from_each_rank_with_its_rank(dp_servicer):
+    """KV events are on by default: each rank publishes its own, relayed with ``dp_rank`` and its own load."""
+    from tests.kv.kv_client import KvSubscription
+
+    stub = dp_servicer.stub
+    with KvSubscription(dp_servicer) as sub:
+        sub.caught_up()
+        seen = len(sub.kv_batches())
+        for rank in (0, 1):
+            request = generate_request(new_id(f"kv{rank}"), prompt(200 + rank, length=40), temperature=0.0,
+                                       max_tokens=2, ignore_eos=True)
+            request.data_parallel_rank = rank
+            assert call(stub, request).complete(0).finish_reason == "length"
+
+        def stored_by_rank(s):
+            ranks = {b.dp_rank for b in s.kv_batches()[seen:]
+                     if any(e.WhichOneof("data") == "stored" for e in b.events)}
+            return ranks == {0, 1}
+
+        sub.wait(stored_by_rank, CALL_TIMEOUT_S, "stored blocks from rank 0 and from rank 1")
+        # Heartbeats (load records) name both ranks too.
+        sub.wait(lambda s: {b.dp_rank for b in s.snapshot() if b.load.load_only} == {0, 1}, CALL_TIMEOUT_S,
+                 "load records of both ranks")
