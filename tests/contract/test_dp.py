@@ -272,3 +272,17 @@ def test_kv_events_come_from_each_rank_with_its_rank(dp_servicer):
         # Heartbeats (load records) name both ranks too.
         sub.wait(lambda s: {b.dp_rank for b in s.snapshot() if b.load.load_only} == {0, 1}, CALL_TIMEOUT_S,
                  "load records of both ranks")
+
+
+def test_one_rank_takes_pin_0_and_refuses_any_other(slow_servicer):
+    """Without --data-parallel-size the engine is one rank: pin 0 is served, pin 1 is vLLM's refusal."""
+    stub = slow_servicer.stub
+    request = generate_request(new_id("one-pin0"), prompt(6), temperature=0.0, max_tokens=2, ignore_eos=True)
+    request.data_parallel_rank = 0
+    assert call(stub, request).complete(0).finish_reason == "length"
+    request = generate_request(new_id("one-pin1"), prompt(6), temperature=0.0, max_tokens=2)
+    request.data_parallel_rank = 1
+    error = refusal(stub, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "data_parallel_rank 1 is out of range [0, 1)."
+    assert [load.dp_rank for load in stub.GetLoads(pb.GetLoadsRequest(), timeout=CALL_TIMEOUT_S).loads] == [0]
