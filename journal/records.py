@@ -32,9 +32,11 @@ Payload shapes (keys; all required unless marked):
 ``client.abort``      {request_ids, reason: "abort_rpc"|"client_gone"}
 ``engine.frame``      raw bytes of one engine output frame (multi-part frames:
                       only the first part; aux frames are never used by us)
-``engine.handshake``  {step: "hello"|"init"|"ready"|"READY", message: {...}}
-``engine.facts``      {link, pid, facts: {...}}
-``engine.request``    {link, request_ids, prompt_tokens}  (one ADD sent)
+``engine.handshake``  {step: "hello"|"init"|"ready"|"READY", message: {...}, rank}
+                      (``rank``: the DP rank whose step it is; a launch step has none)
+``engine.facts``      {link, pid, facts: {...}, ranks: [{rank, instance_id, …}]}
+``engine.request``    {link, request_ids, prompt_tokens, ranks}  (one ADD per
+                      engine request; ``ranks[i]``: the DP rank request_ids[i] went to)
 ``client.sent``       {request_id, index, tokens_sent, finish_reason}  written
                       ONCE per choice, when it completes (never per message:
                       the journal must stay cheap at 100k tokens/s)
