@@ -233,25 +233,34 @@ class EngineLink:
         self.journal.append(now, link_stream(self.name), KIND_TRANSITION, payload)
 
     async def utility(self, method: str, args: list, timeout_s: float, rank: int | None = None) -> object:
-        """Call an engine utility method on one rank (the first by default, whose answer vLLM's
-        DP client returns); raises LinkFailed on failure or timeout."""
-        call_id = self._next_call_id
-        self._next_call_id += 1
-        done = trio.Event()
-        box: list = []
-        self._utility_waiters[call_id] = (done, box)
+        """Call an engine utility method on one rank, or on every rank (``rank`` None) as vLLM's DP
+        client does (``call_utility_async``: all engines, the first one's answer); raises LinkFailed
+        when a rank refuses or does not answer within ``timeout_s``."""
+        ranks = [rank] if rank is not None else list(self.ranks.ranks or (self._first_rank,))
+        calls: dict[int, tuple[int, trio.Event, list]] = {}
         try:
-            self.send(self.codec.encode_utility(call_id, method, args), self._first_rank if rank is None else rank)
+            for target in ranks:
+                call_id = self._next_call_id
+                self._next_call_id += 1
+                done, box = trio.Event(), []
+                self._utility_waiters[call_id] = (done, box)
+                calls[target] = (call_id, done, box)
+                self.send(self.codec.encode_utility(call_id, method, args), target)
             with trio.move_on_after(timeout_s):
-                await done.wait()
+                for _, done, _ in calls.values():
+                    await done.wait()
         finally:
-            self._utility_waiters.pop(call_id, None)
-        if not box:
-            raise LinkFailed(f"engine did not answer {method} within {timeout_s:g} s")
-        reply = box[0]
-        if reply.failure:
-            raise LinkFailed(f"engine refused {method}: {reply.failure}")
-        return reply.result
+            for call_id, _, _ in calls.values():
+                self._utility_waiters.pop(call_id, None)
+        results = []
+        for target, (_, _, box) in calls.items():
+            who = "engine" if len(ranks) == 1 else f"engine DP rank {target}"
+            if not box:
+                raise LinkFailed(f"{who} did not answer {method} within {timeout_s:g} s")
+            if box[0].failure:
+                raise LinkFailed(f"{who} refused {method}: {box[0].failure}")
+            results.append(box[0].result)
+        return results[0]
 
     @property
     def _first_rank(self) -> int:

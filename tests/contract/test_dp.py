@@ -286,3 +286,24 @@ def test_one_rank_takes_pin_0_and_refuses_any_other(slow_servicer):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details() == "data_parallel_rank 1 is out of range [0, 1)."
     assert [load.dp_rank for load in stub.GetLoads(pb.GetLoadsRequest(), timeout=CALL_TIMEOUT_S).loads] == [0]
+
+
+def test_flush_cache_clears_every_rank(dp_servicer):
+    """FlushCache goes to every rank, as vLLM's DP client sends utility calls to all engines."""
+    from smg_grpc_proto.generated import common_pb2
+
+    from tests.kv.kv_client import KvSubscription
+
+    stub = dp_servicer.stub
+    with KvSubscription(dp_servicer) as sub:
+        sub.caught_up()
+        seen = len(sub.kv_batches())
+        reply = stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=5), timeout=CALL_TIMEOUT_S)
+        assert reply.success and reply.message == "Local KV prefix cache flushed successfully"
+        _settle(stub, 0, 1)  # a rank publishes its clear with its next step
+
+        def cleared_by_rank(s):
+            return {b.dp_rank for b in s.kv_batches()[seen:]
+                    if any(e.WhichOneof("data") == "cleared" for e in b.events)} == {0, 1}
+
+        sub.wait(cleared_by_rank, CALL_TIMEOUT_S, "a cleared event from rank 0 and from rank 1")
