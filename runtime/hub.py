@@ -451,6 +451,16 @@ class RequestHub:
                     choice.output += tokens
             if out.finish_reason is not None and choice.finish_reason is None:
                 reason = FinishReason(out.finish_reason)
+                if reason is FinishReason.ABORT:
+                    # Our own aborts are never heard of again (their ids are retired): the engine gave
+                    # this request up by itself, which vLLM does when it is stopping (a shutdown in
+                    # abort mode; vLLM's DP launcher stops every rank so when one rank dies). The
+                    # engine's failure, as for a dead engine: UNAVAILABLE, retryable.
+                    self._release_rank(choice)  # over on the engine: not aborted again
+                    self._abort_choices([c for c in call.choices if not c.finished and c is not choice])
+                    self._fail_call(call, "the engine aborted the request itself (it is stopping); "
+                                    "retry on another worker", now)
+                    continue
                 choice.finish_reason = reason.contract_name
                 if reason is FinishReason.STOP and isinstance(out.stop_reason, int):
                     choice.matched_token = out.stop_reason
@@ -536,14 +546,18 @@ class RequestHub:
             if not call.machine.open:
                 continue
             failed += 1
-            call.error = EngineFailure(message)
-            for choice in call.choices:
-                self._release_rank(choice)
-                self.by_engine_id.pop(choice.engine_id, None)
-            call.open_choices = 0
-            self._end(call, RequestEvent.FAIL, now)
-            call.wake.set()
+            self._fail_call(call, message, now)
         return failed
+
+    def _fail_call(self, call: Call, message: str, now: float) -> None:
+        """One call ends with UNAVAILABLE (the engine's failure)."""
+        call.error = EngineFailure(message)
+        for choice in call.choices:
+            self._release_rank(choice)
+            self.by_engine_id.pop(choice.engine_id, None)
+        call.open_choices = 0
+        self._end(call, RequestEvent.FAIL, now)
+        call.wake.set()
 
     def take(self, call: Call, now: float) -> list[pb.GenerateResponse]:
         """The messages a call's writer should send now; journals completed choices."""

@@ -119,3 +119,18 @@ def test_a_finished_or_failed_choice_frees_its_rank_once():
     hub.fail_all("engine gone", 2.0)
     hub.abort(["b", "c"], "late", 3.0)  # already ended: nothing released twice
     assert hub.ranks.in_flight == {0: 0, 1: 0}
+
+
+def test_an_abort_the_engine_made_itself_fails_the_call_unavailable_and_aborts_its_other_choices():
+    """vLLM aborts requests itself only when it stops (its DP launcher stops every rank when one dies):
+    the client must see the engine's failure (UNAVAILABLE, retryable), not a normal ``abort`` end."""
+    hub, sent = _hub()
+    call = _admit(hub, "a", n=2)
+    sent.clear()
+    hub.on_batch(OutputBatch(0, [_out("a#0", FinishReason.ABORT)]), 1.0)
+    assert call.error is not None and call.error.status.name == "UNAVAILABLE"
+    assert "aborted the request itself" in str(call.error)
+    assert not call.machine.open and hub.active_requests == 0
+    # The other choice, on the other rank, is stopped there; the aborted one is not aborted again.
+    assert [(rank, ids) for rank, kind, ids in sent if kind == vllm.REQ_ABORT] == [(1, ["a#1"])]
+    assert hub.ranks.in_flight == {0: 0, 1: 0}
