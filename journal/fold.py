@@ -79,6 +79,8 @@ class LinkView(msgspec.Struct):
     # Which CPUs the engine binds and where the servicer runs (the ``placement``
     # handshake step; engine_process.place_front_end).
     placement: dict[str, Any] = {}
+    # The engine's DP ranks, one entry each (rank, instance_id, …): the ``engine.facts`` record's ``ranks``.
+    ranks: list[dict[str, Any]] = []
 
 
 class RequestView(msgspec.Struct):
@@ -279,6 +281,7 @@ def _apply(st: FoldState, rec: Record) -> None:
             link = _link(st, p["link"], rec.time)
             link.pid = p["pid"]
             link.facts = p["facts"]
+            link.ranks = p.get("ranks", [])
         case r.KIND_RUN_START:
             st.run.started_at = rec.time
             st.run.wall_time = p["wall_time"]

@@ -34,9 +34,11 @@ Payload shapes (keys; all required unless marked):
                       only the first part: vLLM's large arrays, logprobs of
                       more than ~30 tokens a row, travel in further frames
                       that are not journaled; the fold never reads logprobs)
-``engine.handshake``  {step: "hello"|"init"|"ready"|"READY", message: {...}}
-``engine.facts``      {link, pid, facts: {...}}
-``engine.request``    {link, request_ids, prompt_tokens}  (one ADD sent)
+``engine.handshake``  {step: "hello"|"init"|"ready"|"READY", message: {...}, rank}
+                      (``rank``: the DP rank whose step it is; a launch step has none)
+``engine.facts``      {link, pid, facts: {...}, ranks: [{rank, instance_id, …}]}
+``engine.request``    {link, request_ids, prompt_tokens, ranks}  (one ADD per
+                      engine request; ``ranks[i]``: the DP rank request_ids[i] went to)
 ``engine.kv_release`` {link, request_id, engine_id, sent}  a refused PD decode
                       request's pre-aborted ADD, so the prefill side frees its KV
                       (runtime/kv_transfer.py); never a call's engine request

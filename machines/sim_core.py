@@ -77,6 +77,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_us_per_token: float = 0.0
     step_us: float = 0.0
     engine_index: int = 0
+    data_parallel_size: int = 1  # ranks of the launch (its ready response says so, as vLLM's does)
     log_stats: bool = True  # vLLM --headless default: stats on
     dtype: str = "bfloat16"
     instance_id: str = "sim"
@@ -109,6 +110,7 @@ def ready_response(config: SimConfig) -> vllm.ReadyResponse:
         dtype=config.dtype,
         vllm_version=vllm.VLLM_VERSION,
         data_parallel_rank=config.engine_index,
+        data_parallel_size=config.data_parallel_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         instance_id=config.instance_id,

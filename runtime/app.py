@@ -61,7 +61,7 @@ class App:
             max_model_len=int(ready["max_model_len"]),
             vocab_size=self.model.vocab_size,
             eos_token_ids=tuple(self.model.eos_token_ids),
-            data_parallel_size=int(ready.get("data_parallel_size") or 1),
+            data_parallel_size=self.link.ranks.size,  # the ranks this servicer fronts: a pin's [0, N)
             # The engine's --max-logprobs (its facts; vLLM's default when it does not say).
             max_logprobs=int(ready.get("max_logprobs", LOGPROBS_MAX)),
             grammar_backend=str(ready.get("structured_outputs_backend") or DEFAULT_BACKEND),
@@ -105,7 +105,7 @@ class App:
             last_receive_timestamp=self.hub.last_receive_wall,
             uptime_seconds=self.uptime_s(),
             server_type=self.server_type,
-            data_parallel_size=int(ready.get("data_parallel_size") or 1),
+            data_parallel_size=self.link.ranks.size,
             kv_cache_dtype=str(ready.get("kv_cache_dtype") or "auto"),
             block_size=int(ready.get("block_size") or 0),
             model_dtype=str(ready.get("dtype") or self.model.dtype or ""),

@@ -27,6 +27,15 @@ Supervision (the reference servicer's knobs, see ``Supervision``):
   the session after ``stop_grace_s``, and wait until none is left (none may
   outlive us); bounded by ``stop_grace_s`` + ``ENGINE_KILL_WAIT_S``.
 
+Data parallelism: a launch with ``--data-parallel-size N`` runs N engine
+ranks; each runs the handshake on its own identity (the rank, 2 bytes
+little-endian), and the link waits for every rank's HELLO, ready response
+and READY. All ranks share the three sockets, the process session and this
+link's one machine: one rank dying fails the link (docs/architecture.md,
+"Data-parallel ranks"). ``send(frames, rank)`` routes to a rank's identity;
+the hub picks the rank (``machines/ranks.py``). ``ready`` is the first
+rank's ready response, ``rank_ready`` every rank's.
+
 Rules: no request I/O outside this file and the hub; the machine decides
 state, this file only feeds it events; every handshake message is journaled.
 """
@@ -57,6 +66,7 @@ from enginelink.journal.records import (
     link_stream,
 )
 from enginelink.machines.link import LinkEvent, LinkMachine, LinkState
+from enginelink.machines.ranks import RankTable
 from enginelink.machines.liveness import PROBE_METHOD, IdleProbe, ProbeFailed, ProbeSend, ProbeTiming, ProbeWait
 from enginelink.runtime.engine_process import (
     ENGINE_NICE_DEFAULT,
@@ -80,7 +90,7 @@ from enginelink.runtime.handshake_gate import (
     HandshakeGate,
     bound_handshake_socket,
     bound_input_socket,
-    poll_engine,
+    poll_engine_from,
     receive_from_engine,
 )
 from enginelink.runtime.launchers import EngineLauncher, launch_secrets, refused_arguments
@@ -90,7 +100,8 @@ from enginelink.wire.engine import EngineCodec, EngineDead, OutputBatch, WireErr
 
 log = logging.getLogger("enginelink.link")
 
-# The journal stream of engine output frames (one engine, rank 0, per link today).
+# The journal stream of engine output frames: every rank's, in the order received
+# (each frame names its rank, ``engine_index``), so one stream keeps the link's order.
 ENGINE_STREAM = engine_stream(0)
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
@@ -99,6 +110,8 @@ HANDSHAKE_POLL_S = 0.01
 # When the engine drops its connection, how long the process watcher gets to
 # report the exit itself (with its status) before the drop fails the link.
 DISCONNECT_GRACE_S = 0.2
+# What the journal's engine.facts record keeps of each DP rank's own ready response.
+RANK_FACTS_SHOWN = ("data_parallel_rank", "data_parallel_size", "instance_id", "num_gpu_blocks", "max_num_seqs")
 # Where the link asks an engine to write the config facts its ready response lacks.
 ENGINE_FACTS_ENV = "ENGINELINK_ENGINE_FACTS"
 _HANDSHAKE_FAILED = (
@@ -165,7 +178,11 @@ class EngineLink:
             supervision = Supervision(**{**supervision.__dict__, "startup_timeout_s": startup_timeout_s})
         self.supervision = supervision
         self.machine = LinkMachine(name, trio.current_time())
-        self.ready: dict = {}
+        self.ready: dict = {}  # the first rank's ready response (and the engine's facts)
+        self.rank_ready: dict[int, dict] = {}  # every rank's ready response
+        # The DP ranks the launch runs (runtime/kv_config.engine_ranks: the engine arguments).
+        self.expected_ranks: tuple[int, ...] = tuple(getattr(launcher, "ranks", None) or (0,))
+        self.ranks = RankTable()  # filled at the handshake; the hub picks ranks from it
         self.engine_facts: dict = {}
         self.process: trio.Process | None = None
         self._relay: EngineOutputRelay | None = None
@@ -177,7 +194,7 @@ class EngineLink:
         # (requests in flight, prompt tokens not yet prefilled), for the silence limit.
         self.load_probe: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self._context = zmq.Context.instance()
-        self._identity = b"\x00\x00"
+        self._identities: dict[int, bytes] = {}  # rank -> its identity on the input ROUTER
         self._input: zmq.Socket | None = None
         self._paths: list[Path] = []
         self._next_call_id = 1
@@ -198,11 +215,14 @@ class EngineLink:
 
     # -- public --------------------------------------------------------------------
 
-    def send(self, frames: list[bytes]) -> None:
-        """Send one request frame set to the engine; never blocks."""
+    def send(self, frames: list[bytes], rank: int = 0) -> None:
+        """Send one request frame set to one DP rank of the engine; never blocks."""
         if self._input is None:
             raise LinkFailed("engine link is not connected")
-        self._input.send_multipart([self._identity, *frames], zmq.NOBLOCK)
+        identity = self._identities.get(rank)
+        if identity is None:
+            raise LinkFailed(f"the engine has no DP rank {rank}")
+        self._input.send_multipart([identity, *frames], zmq.NOBLOCK)
 
     def step(self, event: LinkEvent, reason: str | None = None) -> None:
         now = trio.current_time()
@@ -212,25 +232,39 @@ class EngineLink:
             payload["reason"] = reason
         self.journal.append(now, link_stream(self.name), KIND_TRANSITION, payload)
 
-    async def utility(self, method: str, args: list, timeout_s: float) -> object:
-        """Call an engine utility method; raises LinkFailed on failure or timeout."""
-        call_id = self._next_call_id
-        self._next_call_id += 1
-        done = trio.Event()
-        box: list = []
-        self._utility_waiters[call_id] = (done, box)
+    async def utility(self, method: str, args: list, timeout_s: float, rank: int | None = None) -> object:
+        """Call an engine utility method on one rank, or on every rank (``rank`` None) as vLLM's DP
+        client does (``call_utility_async``: all engines, the first one's answer); raises LinkFailed
+        when a rank refuses or does not answer within ``timeout_s``."""
+        ranks = [rank] if rank is not None else list(self.ranks.ranks or (self._first_rank,))
+        calls: dict[int, tuple[int, trio.Event, list]] = {}
         try:
-            self.send(self.codec.encode_utility(call_id, method, args))
+            for target in ranks:
+                call_id = self._next_call_id
+                self._next_call_id += 1
+                done, box = trio.Event(), []
+                self._utility_waiters[call_id] = (done, box)
+                calls[target] = (call_id, done, box)
+                self.send(self.codec.encode_utility(call_id, method, args), target)
             with trio.move_on_after(timeout_s):
-                await done.wait()
+                for _, done, _ in calls.values():
+                    await done.wait()
         finally:
-            self._utility_waiters.pop(call_id, None)
-        if not box:
-            raise LinkFailed(f"engine did not answer {method} within {timeout_s:g} s")
-        reply = box[0]
-        if reply.failure:
-            raise LinkFailed(f"engine refused {method}: {reply.failure}")
-        return reply.result
+            for call_id, _, _ in calls.values():
+                self._utility_waiters.pop(call_id, None)
+        results = []
+        for target, (_, _, box) in calls.items():
+            who = "engine" if len(ranks) == 1 else f"engine DP rank {target}"
+            if not box:
+                raise LinkFailed(f"{who} did not answer {method} within {timeout_s:g} s")
+            if box[0].failure:
+                raise LinkFailed(f"{who} refused {method}: {box[0].failure}")
+            results.append(box[0].result)
+        return results[0]
+
+    @property
+    def _first_rank(self) -> int:
+        return self.ranks.ranks[0] if self.ranks.ranks else self.expected_ranks[0]
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -346,11 +380,12 @@ class EngineLink:
 
     # -- internals: start-up -------------------------------------------------------
 
-    def _journal_handshake(self, step: str, message: dict) -> None:
+    def _journal_handshake(self, step: str, message: dict, rank: int | None = None) -> None:
         self._progress_at = trio.current_time()
-        self.journal.append(
-            trio.current_time(), link_stream(self.name), KIND_ENGINE_HANDSHAKE, {"step": step, "message": message}
-        )
+        payload = {"step": step, "message": message}
+        if rank is not None:
+            payload["rank"] = rank
+        self.journal.append(trio.current_time(), link_stream(self.name), KIND_ENGINE_HANDSHAKE, payload)
 
     async def _supervise_startup(self) -> None:
         """Bound the handshake: silence extended while the process lives, and a ceiling."""
@@ -400,14 +435,18 @@ class EngineLink:
         if failure is not None:
             return EngineArgsRefused(str(failure)) if self.failure_status == 2 else failure
         self._read_facts(facts_path)
-        problem = getattr(self.launcher, "check_ready", lambda ready: None)(self.ready)
-        if problem:
-            self._fail(problem)
-            return EngineIncompatible(problem)
+        check = getattr(self.launcher, "check_ready", lambda ready: None)
+        for rank, ready in self.rank_ready.items():
+            problem = check(ready)
+            if problem:
+                problem = problem if len(self.rank_ready) == 1 else f"DP rank {rank}: {problem}"
+                self._fail(problem)
+                return EngineIncompatible(problem)
         return None
 
     async def _handshake(self, handshake, inputs, in_address: str, out_address: str) -> None:
-        gate = HandshakeGate(self.process.pid, self._journal_handshake)
+        identities = frozenset(rank.to_bytes(2, "little") for rank in self.expected_ranks)
+        gate = HandshakeGate(self.process.pid, self._journal_handshake, identities)
         try:
             await self._handshake_with(gate, handshake, inputs, in_address, out_address)
         finally:
@@ -416,30 +455,46 @@ class EngineLink:
                 self._journal_handshake("strangers", summary)
 
     async def _handshake_with(self, gate: HandshakeGate, handshake, inputs, in_address: str, out_address: str) -> None:
-        identity, hello = await receive_from_engine(handshake, gate)
-        self._journal_handshake("hello", hello)
-        self._identity = identity
+        """Every rank: HELLO → init → its ready response (input socket) and READY (handshake socket).
+
+        The ranks start together and their steps interleave, so each message is
+        filed by the identity that sent it; a rank's ready response and READY
+        come within the same 0.1 s in either order, so both sockets are polled.
+        """
+        ranks = {rank.to_bytes(2, "little"): rank for rank in self.expected_ranks}
         init = vllm_wire.encode_handshake_init(
             vllm_wire.HandshakeInit(addresses=vllm_wire.HandshakeAddresses(inputs=[in_address], outputs=[out_address]))
         )
-        handshake.send_multipart([identity, init])
-        self._journal_handshake("init", {"inputs": [in_address], "outputs": [out_address]})
-        # The ready response (input socket) and READY (handshake socket) come
-        # within the same 0.1 s, in either order: poll both.
-        got_ready = got_ready_response = False
-        while not (got_ready and got_ready_response):
-            if not got_ready_response:
-                ready = poll_engine(inputs, gate)
-                if ready is not None:
-                    self.ready = ready
-                    self._journal_handshake("ready", self.ready)
-                    got_ready_response = True
-            if not got_ready:
-                message = poll_engine(handshake, gate)
-                if message is not None:
-                    self._journal_handshake("READY", message)
-                    got_ready = message.get("status") == "READY"
-            await trio.sleep(HANDSHAKE_POLL_S)
+        progress: dict[int, set[str]] = {rank: set() for rank in ranks.values()}
+        first = await receive_from_engine(handshake, gate)  # nothing to poll for before the first HELLO
+        while not all({"ready", "READY"} <= steps for steps in progress.values()):
+            judged = first or poll_engine_from(handshake, gate)
+            first = None
+            if judged is not None:
+                identity, message = judged
+                rank = ranks[identity]
+                if "hello" not in progress[rank]:
+                    self._journal_handshake("hello", message, rank)
+                    handshake.send_multipart([identity, init])
+                    self._journal_handshake("init", {"inputs": [in_address], "outputs": [out_address]}, rank)
+                    self._identities[rank] = identity
+                    progress[rank].add("hello")
+                else:
+                    self._journal_handshake("READY", message, rank)
+                    if message.get("status") == "READY":
+                        progress[rank].add("READY")
+            response = poll_engine_from(inputs, gate)
+            if response is not None:
+                identity, ready = response
+                rank = ranks[identity]
+                self.rank_ready[rank] = ready
+                self._journal_handshake("ready", ready, rank)
+                progress[rank].add("ready")
+            if judged is None and response is None:
+                await trio.sleep(HANDSHAKE_POLL_S)
+        ordered = sorted(self.rank_ready)
+        self.ready = dict(self.rank_ready[ordered[0]])
+        self.ranks.set_ranks(tuple(ordered))
 
     def _read_facts(self, facts_path: Path) -> None:
         """Merge the engine's own config facts into ``ready`` where the response lacks them."""
@@ -449,14 +504,21 @@ class EngineLink:
             facts = {}
         if isinstance(facts, dict):
             self.engine_facts = facts
-            for key, value in facts.items():
-                self.ready.setdefault(key, value)
+            for ready in (self.ready, *self.rank_ready.values()):
+                for key, value in facts.items():
+                    ready.setdefault(key, value)
         self.journal.append(
             trio.current_time(),
             link_stream(self.name),
             KIND_ENGINE_FACTS,
-            {"link": self.name, "pid": self.process.pid if self.process else None, "facts": self.ready},
+            {"link": self.name, "pid": self.process.pid if self.process else None, "facts": self.ready,
+             "ranks": self.rank_facts()},
         )
+
+    def rank_facts(self) -> list[dict]:
+        """Each DP rank as the journal and ``inspect`` show it: what tells one rank's engine core apart."""
+        return [{"rank": rank, **{key: ready.get(key) for key in RANK_FACTS_SHOWN}}
+                for rank, ready in sorted(self.rank_ready.items())]
 
     # -- internals: running --------------------------------------------------------
 
@@ -607,14 +669,17 @@ class EngineLink:
                     assert_never(unreachable)
 
     def _send_probe(self) -> None:
+        """One probe to every rank (one call id): an idle engine is silent on every rank."""
         call_id = self._next_call_id
         self._next_call_id += 1
         self._probe_call_id = call_id
-        try:
-            self.send(self.codec.encode_utility(call_id, PROBE_METHOD, []))
-        except (zmq.ZMQError, LinkFailed) as error:
-            # Unanswered, it fails the link at its timeout; the log says why it went unanswered.
-            log.warning("idle probe not sent: %s", error)
+        frames = self.codec.encode_utility(call_id, PROBE_METHOD, [])
+        for rank in self.ranks.ranks or (0,):
+            try:
+                self.send(frames, rank)
+            except (zmq.ZMQError, LinkFailed) as error:
+                # Unanswered, it fails the link at its timeout; the log says why it went unanswered.
+                log.warning("idle probe not sent to DP rank %d: %s", rank, error)
 
     def _fail(self, message: str) -> None:
         if not self.machine.live:

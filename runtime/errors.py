@@ -77,8 +77,9 @@ class ClientError(ServicerError):
     status = Status.INVALID_ARGUMENT
     whose = "client"
 
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
+    def __init__(self, field: str, problem: str, *, words: str | None = None) -> None:
+        # ``words``: the whole message, where the engine's own front end has words a client may match on.
+        super().__init__(words if words is not None else f"{field}: {problem}")
         self.field = field
 
 

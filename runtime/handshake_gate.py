@@ -16,7 +16,9 @@ rules it keeps:
   is the engine's only when it comes from a process of the engine's session
   (for ipc, libzmq tells the sender's pid: the ``Peer-Address`` property
   reads ``host:uid:gid:pid``; a session cannot be joined from outside) and,
-  once HELLO was accepted, from the identity that sent it. A stranger's
+  from the identity of one of the engine's DP ranks (the rank, 2 bytes
+  little-endian; each rank sends its own HELLO first), and, once HELLO was
+  accepted, from the identity that sent it. A stranger's
   frame is never decoded. Where the pid is unknown (not Linux), the first
   frame that decodes as HELLO is taken, and others are strangers.
 
@@ -105,9 +107,11 @@ class Stranger:
 class HandshakeGate:
     """Sorts handshake frames into the engine's messages and strangers' (no I/O but reads)."""
 
-    def __init__(self, engine_session: int, journal_step) -> None:
+    def __init__(self, engine_session: int, journal_step, identities: frozenset[bytes] | None = None) -> None:
         self.engine_session = engine_session
-        self.identity: bytes | None = None  # the engine's, from its HELLO
+        # The identities the engine's ranks may use (None: whichever sends HELLO first, one rank).
+        self.allowed = identities
+        self.hello_from: set[bytes] = set()  # the ranks' identities that sent HELLO
         self.strangers = 0
         self._journal_step = journal_step
 
@@ -120,8 +124,8 @@ class HandshakeGate:
             return self._stranger("not one frame", identity, peer, size)
         if pid is not None and session_of(pid) != self.engine_session:
             return self._stranger(f"pid {pid} is not in the engine's session", identity, peer, size)
-        if self.identity is not None and identity != self.identity:
-            return self._stranger("not the identity that sent HELLO", identity, peer, size)
+        if self.allowed is not None and identity not in self.allowed:
+            return self._stranger("not the identity of one of the engine's DP ranks", identity, peer, size)
         try:
             message = msgspec.msgpack.decode(frames[1].bytes)
         except msgspec.DecodeError as error:
@@ -132,12 +136,14 @@ class HandshakeGate:
             if pid is None:
                 return self._stranger("not a map", identity, peer, size)
             raise HandshakeBroken(f"engine sent {message!r} on the handshake socket")
-        if self.identity is None:
+        if identity not in self.hello_from:
             if message.get("status") != "HELLO":
                 if pid is None:
                     return self._stranger("not HELLO", identity, peer, size)
                 raise HandshakeBroken(f"engine sent {message!r} instead of HELLO on the handshake socket")
-            self.identity = identity
+            self.hello_from.add(identity)
+            if self.allowed is None:
+                self.allowed = frozenset((identity,))  # the first HELLO's identity is the engine's
         return identity, message
 
     def _stranger(self, reason: str, identity: bytes, peer: str, size: int) -> None:
@@ -182,10 +188,16 @@ async def receive_from_engine(sock: zmq.Socket, gate: HandshakeGate) -> tuple[by
 
 def poll_engine(sock: zmq.Socket, gate: HandshakeGate) -> dict | None:
     """The engine's message waiting on the socket, if any; strangers' are passed over."""
+    judged = poll_engine_from(sock, gate)
+    return None if judged is None else judged[1]
+
+
+def poll_engine_from(sock: zmq.Socket, gate: HandshakeGate) -> tuple[bytes, dict] | None:
+    """The engine's (identity, message) waiting on the socket, if any; strangers' are passed over."""
     while True:
         frames = read_frames(sock)
         if frames is None:
             return None
         judged = gate.judge(frames)
         if judged is not None:
-            return judged[1]
+            return judged

@@ -47,6 +47,7 @@ from enginelink.journal.records import (
 )
 from enginelink.journal.states import LinkState
 from enginelink.machines.link import KV_RELEASE_REQUEST_PREFIX, WARMUP_REQUEST_PREFIX, LinkMachine
+from enginelink.machines.ranks import RankTable
 from enginelink.machines.request import RequestEvent, RequestMachine, RequestState
 from enginelink.runtime import kv_transfer
 from enginelink.runtime.errors import ConstraintFailed, DuplicateRequest, EngineFailure, ServicerError, Unavailable
@@ -74,7 +75,7 @@ class Choice:
     __slots__ = (
         "index", "engine_id", "pending", "last_delta", "output", "tokens_engine", "tokens_sent",
         "finish_reason", "matched_token", "matched_str", "complete_sent", "stops", "cached_tokens",
-        "first_token_at", "last_token_at", "logprobs", "pooled", "kv_transfer_params",
+        "first_token_at", "last_token_at", "logprobs", "pooled", "kv_transfer_params", "rank",
     )
 
     def __init__(self, index: int, engine_id: str, keep_output: bool, stops: StopMatcher | None,
@@ -99,6 +100,7 @@ class Choice:
         self.logprobs = logprobs
         self.pooled = None  # a pooling request's result (Embed; runtime/embed.py): a wire.vllm_arrays.Tensor
         self.kv_transfer_params: dict | None = None  # PD: the engine's, for the other leg (kv_transfer.py)
+        self.rank: int | None = None  # the DP rank holding it, while the engine may (machines/ranks.py)
 
     @property
     def finished(self) -> bool:
@@ -264,8 +266,9 @@ class RequestHub:
         *,
         link: LinkMachine,
         codec: EngineCodec,
-        send_frames: Callable[[list[bytes]], None],
+        send_frames: Callable[[list[bytes], int], None],
         journal,
+        ranks: RankTable | None = None,
         tokenizer=None,
         cached_tokens: Callable[[object], int | None] | None = None,
         in_flight_max: int = IN_FLIGHT_MAX,
@@ -273,8 +276,10 @@ class RequestHub:
     ) -> None:
         self.link = link
         self.codec = codec
-        self.send_frames = send_frames
+        self.send_frames = send_frames  # (frames, DP rank): the link sends to that rank's identity
         self.journal = journal
+        # The engine's DP ranks (the link fills them at its handshake); one rank 0 when none given.
+        self.ranks = ranks if ranks is not None else RankTable((0,))
         self.tokenizer = tokenizer
         self.cached_tokens = cached_tokens
         self.in_flight_max = in_flight_max
@@ -349,16 +354,19 @@ class RequestHub:
         for choice in call.choices:
             self.by_engine_id[choice.engine_id] = (call, choice)
         call.metrics.admitted(call.prompt_tokens, spec.n)
-        for sent, engine_spec in enumerate(spec.specs):
-            error = self._send(self.codec.encode_add(engine_spec))
+        for choice, engine_spec in zip(call.choices, spec.specs, strict=True):
+            # Each engine request picks its rank, as vLLM's DP front end does for n > 1's children.
+            choice.rank = self.ranks.pick(engine_spec.data_parallel_rank)
+            error = self._send(self.codec.encode_add(engine_spec), choice.rank)
             if error is not None:
-                self._unreachable(call, spec.engine_ids[:sent], error, now)
+                self._unreachable(call, error, now)
                 return call
         self.journal.append(
             now,
             stream,
             KIND_ENGINE_REQUEST,
-            {"link": self.link.name, "request_ids": spec.engine_ids, "prompt_tokens": call.prompt_tokens},
+            {"link": self.link.name, "request_ids": spec.engine_ids, "prompt_tokens": call.prompt_tokens,
+             "ranks": [choice.rank for choice in call.choices]},
         )
         return call
 
@@ -373,11 +381,12 @@ class RequestHub:
             raise DuplicateRequest(f"request_id {spec.request_id!r} is already in flight")
         return spec
 
-    def _unreachable(self, call: Call, sent_ids: list[str], error: Exception, now: float) -> None:
+    def _unreachable(self, call: Call, error: Exception, now: float) -> None:
         """An ADD could not be handed to the engine (it is going away): the call fails now."""
-        if sent_ids:
-            self._send(self.codec.encode_abort(sent_ids))
-            self._retire(sent_ids)
+        sent = [choice for choice in call.choices if choice.rank is not None]
+        self._abort_choices(sent[:-1])  # the last one picked is the ADD that failed
+        for choice in sent[-1:]:
+            self._release_rank(choice)
         call.error = EngineFailure(f"engine is not reachable ({type(error).__name__}: {error}); retry on another worker")
         for choice in call.choices:
             self.by_engine_id.pop(choice.engine_id, None)
@@ -385,19 +394,36 @@ class RequestHub:
         self._end(call, RequestEvent.FAIL, now)
         call.wake.set()
 
-    def _send(self, frames: list[bytes]) -> Exception | None:
+    def _send(self, frames: list[bytes], rank: int) -> Exception | None:
         """Hand frames to the link; the error if it could not (the engine is gone or going).
 
         The link's supervision fails the link when the engine is gone, so a
         lost ABORT needs nothing more; a lost ADD fails its call (``_unreachable``).
         """
         try:
-            self.send_frames(frames)
+            self.send_frames(frames, rank)
         except Exception as error:  # LinkFailed, zmq errors: whatever the transport says
             self.send_errors += 1
             log.warning("could not send a frame to the engine: %s: %s", type(error).__name__, error)
             return error
         return None
+
+    def _abort_choices(self, choices: Sequence[Choice]) -> None:
+        """ABORT the engine requests of these choices, one frame per rank holding some; retire them."""
+        by_rank: dict[int, list[str]] = {}
+        for choice in choices:
+            if choice.rank is not None:
+                by_rank.setdefault(choice.rank, []).append(choice.engine_id)
+                self._release_rank(choice)
+        for rank, engine_ids in by_rank.items():
+            self._send(self.codec.encode_abort(engine_ids), rank)
+            self._retire(engine_ids)
+
+    def _release_rank(self, choice: Choice) -> None:
+        """The engine request of this choice is over for us: its rank's in-flight count drops once."""
+        if choice.rank is not None:
+            self.ranks.ended(choice.rank)
+            choice.rank = None
 
     def _retire(self, engine_ids: Sequence[str]) -> None:
         retired = self.retired
@@ -431,7 +457,11 @@ class RequestHub:
             kv_transfer_params=params,
             abort_immediately=True,
         )
-        error = self._send(self.codec.encode_add(spec))
+        # Added and aborted at once, it is never in flight: not counted on a rank. The first
+        # rank's connector takes it (with several DP ranks any rank's connector frees the
+        # prefill side; the refused call was never given a rank).
+        first_rank = self.ranks.ranks[0] if self.ranks.ranks else 0
+        error = self._send(self.codec.encode_add(spec), first_rank)
         self.journal.append(
             now,
             request_stream(request_id),
@@ -479,8 +509,7 @@ class RequestHub:
                         choice.matched_str = matched
                         choice.finish_reason = "stop"
                         # The engine does not do stop strings: stop it ourselves.
-                        self._send(self.codec.encode_abort([choice.engine_id]))
-                        self._retire([choice.engine_id])
+                        self._abort_choices([choice])
                 choice.pending += tokens
                 if choice.output is not None:
                     choice.output += tokens
@@ -495,12 +524,22 @@ class RequestHub:
                 if reason is FinishReason.ERROR and call.spec.constraint is not None:
                     self._constraint_failed(call, choice, now)
                     continue
+                if reason is FinishReason.ABORT:
+                    # Our own aborts are never heard of again (their ids are retired): the engine gave
+                    # this request up by itself, which vLLM does when it is stopping (a shutdown in
+                    # abort mode; vLLM's DP launcher stops every rank so when one rank dies). The
+                    # engine's failure, as for a dead engine: UNAVAILABLE, retryable.
+                    self._release_rank(choice)  # over on the engine: not aborted again
+                    self._fail_call(call, "the engine aborted the request itself (it is stopping); "
+                                    "retry on another worker", now)
+                    continue
                 choice.finish_reason = reason.contract_name
                 if reason is FinishReason.STOP and isinstance(out.stop_reason, int):
                     choice.matched_token = out.stop_reason
                 elif reason is FinishReason.STOP and isinstance(out.stop_reason, str):
                     choice.matched_str = out.stop_reason
             if choice.finish_reason is not None:
+                self._release_rank(choice)
                 del by_engine_id[choice.engine_id]
                 call.open_choices -= 1
                 if call.open_choices == 0:
@@ -560,17 +599,15 @@ class RequestHub:
         return True
 
     def _fail_call(self, call: Call, message: str, now: float) -> None:
-        """One call fails on the engine's account (the rest of the batch goes on)."""
-        open_ids = [c.engine_id for c in call.choices if not c.finished]
-        if open_ids:
-            self._send(self.codec.encode_abort(open_ids))
-            self._retire(open_ids)
+        """One call fails on the engine's account (the rest of the batch goes on): its open engine requests are aborted."""
+        self._abort_choices([c for c in call.choices if not c.finished])
         self._end_failed(call, message, now)
 
     def _end_failed(self, call: Call, message: str, now: float) -> None:
         """End an open call with UNAVAILABLE (the engine's fault): its ids leave the routing table."""
         call.error = EngineFailure(message)
         for choice in call.choices:
+            self._release_rank(choice)
             self.by_engine_id.pop(choice.engine_id, None)
         call.open_choices = 0
         self._end(call, RequestEvent.FAIL, now)
@@ -589,11 +626,9 @@ class RequestHub:
             self.journal.append(
                 now, request_stream(request_id), KIND_CLIENT_ABORT, {"request_ids": [request_id], "reason": reason}
             )
-            open_ids = [c.engine_id for c in call.choices if not c.finished]
-            if open_ids:
-                # vLLM sends nothing back for a client abort: we end the choices ourselves.
-                self._send(self.codec.encode_abort(open_ids))
-                self._retire(open_ids)
+            # vLLM sends nothing back for a client abort: we end the choices ourselves,
+            # each ABORT to the rank that holds the request.
+            self._abort_choices([c for c in call.choices if not c.finished])
             for choice in call.choices:
                 if not choice.finished:
                     choice.finish_reason = "abort"
@@ -612,13 +647,12 @@ class RequestHub:
         look like an empty answer to the client. The other choices stop: the
         same constraint holds for them.
         """
-        self.by_engine_id.pop(failed.engine_id, None)  # the engine finished this one itself
-        others = [c.engine_id for c in call.choices if c is not failed and c.engine_id in self.by_engine_id]
-        for engine_id in others:
-            del self.by_engine_id[engine_id]
-        if others:
-            self._send(self.codec.encode_abort(others))
-            self._retire(others)
+        self._release_rank(failed)  # the engine finished this one itself
+        self.by_engine_id.pop(failed.engine_id, None)
+        others = [c for c in call.choices if c is not failed and c.engine_id in self.by_engine_id]
+        for choice in others:
+            del self.by_engine_id[choice.engine_id]
+        self._abort_choices(others)
         call.error = ConstraintFailed(
             call.spec.constraint,
             f"the engine ended the request with an error under its {call.spec.grammar_backend} grammar backend "

@@ -92,8 +92,12 @@ def kv_events_enabled(env: Mapping[str, str]) -> bool:
 
 
 def engine_ranks(engine: str, engine_args: list[str]) -> tuple[int, ...]:
-    """The DP ranks the launched engine process runs (each one publishes)."""
+    """The DP ranks the launched engine process runs (each one publishes, each handshakes)."""
     if engine == "sim":
+        # The sim engine runs N ranks from 0 with vLLM's flag, else the one rank it is told.
+        size = _int_flag(engine_args, "--data-parallel-size", 0) or _int_flag(engine_args, "-dp", 1)
+        if size > 1:
+            return tuple(range(size))
         return (_int_flag(engine_args, "--rank", 0),)
     size = _int_flag(engine_args, "--data-parallel-size-local", 0) or _int_flag(
         engine_args, "--data-parallel-size", 0) or _int_flag(engine_args, "-dp", 1)  # fmt: skip

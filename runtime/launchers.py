@@ -204,6 +204,7 @@ class SimLauncher:
     extra_args: list[str] = field(default_factory=list)
     engine: str = "vllm"  # it speaks the vLLM wire
     warnings: list[str] = field(default_factory=list)  # from the last ``command``
+    ranks: tuple[int, ...] = (0,)  # the DP ranks it runs (kv_config.engine_ranks of its arguments)
 
     def command(self, handshake_address: str) -> tuple[list[str], dict[str, str]]:
         argv = [
@@ -266,6 +267,7 @@ class VllmLauncher:
     checked_version: str = ""
     engine: str = "vllm"
     warnings: list[str] = field(default_factory=list)  # from the last ``command``
+    ranks: tuple[int, ...] = (0,)  # the DP ranks it runs (kv_config.engine_ranks of its arguments)
 
     def command(self, handshake_address: str) -> tuple[list[str], dict[str, str]]:
         argv = [

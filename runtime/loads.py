@@ -1,8 +1,9 @@
 """Engine load, from the scheduler stats that ride on engine output frames.
 
-GetLoads answers from here. The first served rank is always present, zero
-filled before the first stats arrive, so the router sees a responsive worker;
-ranks that never reported are omitted (as the reference servicer does).
+GetLoads answers from here. Every served rank is present (``served``: the
+link's DP ranks once its handshake named them; the first rank before), zero
+filled before its first stats arrive, so the router sees a responsive worker
+and every rank it may pin.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ THROUGHPUT_WINDOW_S = 2.0
 class Loads:
     def __init__(self, first_rank: int = 0) -> None:
         self.first_rank = first_rank
+        self.served: tuple[int, ...] = (first_rank,)
         self.stats: dict[int, SchedulerStats] = {}
         self._generated: dict[int, deque[tuple[float, int]]] = {}
 
@@ -39,7 +41,7 @@ class Loads:
         return sum(n for _, n in window) / THROUGHPUT_WINDOW_S
 
     def scheduler_loads(self, max_num_seqs: int, capacity_tokens: int) -> list:
-        ranks = sorted(set(self.stats) | {self.first_rank})
+        ranks = sorted(set(self.stats) | set(self.served))
         loads = []
         for rank in ranks:
             stats = self.stats.get(rank, SchedulerStats())

@@ -128,10 +128,14 @@ class MemoryLink(EngineLink):
 
     # -- EngineLink's public interface --------------------------------------------
 
-    def send(self, frames: list[bytes]) -> None:
-        """Send one request frame set to the engine; never blocks (as a NOBLOCK socket send)."""
+    def send(self, frames: list[bytes], rank: int = 0) -> None:
+        """Send one request frame set to the engine; never blocks (as a NOBLOCK socket send).
+
+        One engine core, one rank (its ``engine_index``): the simulation runs no DP."""
         if not self._connected:
             raise LinkFailed("engine link is not connected")
+        if rank != self.config.engine_index:
+            raise LinkFailed(f"the engine has no DP rank {rank}")
         if self._core_gone or (self.process is not None and self.process.returncode is not None):
             # The ROUTER (ROUTER_MANDATORY) no longer knows the engine's identity.
             raise zmq.ZMQError(zmq.EHOSTUNREACH)
@@ -401,6 +405,8 @@ class MemoryLink(EngineLink):
         await self._hs_to_engine_tx.send(vllm.encode_handshake_init(vllm.HandshakeInit(addresses=addresses)))
         self._journal_handshake("init", {"inputs": addresses.inputs, "outputs": addresses.outputs})
         self.ready = msgspec.msgpack.decode(await self._hs_to_link_rx.receive())
+        self.rank_ready = {self.config.engine_index: self.ready}
+        self.ranks.set_ranks((self.config.engine_index,))
         self._journal_handshake("ready", self.ready)
         message = msgspec.msgpack.decode(await self._hs_to_link_rx.receive())
         self._journal_handshake("READY", message)

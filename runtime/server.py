@@ -55,6 +55,7 @@ from enginelink.runtime.kv_metrics import KvRelayCollector
 from enginelink.runtime.kv_relay import KvRelayError, KvRelayShell, wall_sequence_base
 from enginelink.runtime.launchers import EngineLauncher
 from enginelink.runtime.metrics import Metrics, serve_metrics
+from enginelink.runtime.rank_metrics import RankCollector
 from enginelink.runtime.model_dir import ModelFacts, load_tokenizer
 from enginelink.runtime.snapshots import run_snapshots
 from enginelink.runtime.inputs import input_limits
@@ -221,6 +222,7 @@ async def _serve(config: ServeConfig, journal: Journal, grpc_sock: socket.socket
                 codec=codec,
                 send_frames=link.send,
                 journal=journal,
+                ranks=link.ranks,
                 tokenizer=_tokenizer_or_none(config.model),
                 cached_tokens=codec.cached_tokens,
                 metrics=metrics,
@@ -244,6 +246,8 @@ async def _serve(config: ServeConfig, journal: Journal, grpc_sock: socket.socket
                 run_start_wall=run_start_wall,
                 run_start_trio=run_start_trio,
             )
+            if metrics is not None:
+                metrics.add_collector(lambda labels: RankCollector(link.ranks, app.loads, labels))
             kv_relay = None
             if config.kv_events is not None:
                 loads = LoadSource(
@@ -293,6 +297,7 @@ async def _serve(config: ServeConfig, journal: Journal, grpc_sock: socket.socket
                             # or it refused its arguments (a typo a restart would repeat).
                             refused = isinstance(error, (EngineIncompatible, EngineArgsRefused))
                             raise core.Exit(2 if refused else 1, str(error)) from None
+                        app.loads.served = link.ranks.ranks  # GetLoads names every DP rank from now
                         if kv_relay is not None:
                             await kv_relay.after_handshake(link.ready)
                         if link.machine.state is LinkState.WARMING_UP:

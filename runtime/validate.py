@@ -221,9 +221,9 @@ def validate_generate(request, limits: EngineLimits, now: float) -> GenerateCall
     if request.HasField("data_parallel_rank"):
         dp_rank = request.data_parallel_rank
         if not 0 <= dp_rank < limits.data_parallel_size:
-            raise ClientError(
-                "data_parallel_rank", f"{dp_rank} is not a rank of this engine (0..{limits.data_parallel_size - 1})"
-            )
+            # vLLM's words (input_processor.py), N = the ranks this servicer fronts.
+            raise ClientError("data_parallel_rank", "out of range", words=(
+                f"data_parallel_rank {dp_rank} is out of range [0, {limits.data_parallel_size})."))
 
     seed = sp.seed if sp.HasField("seed") else None
     specs = []

@@ -312,7 +312,8 @@ async def warm_up(setting: WarmupSetting, *, link, hub, limits: EngineLimits, lo
         # The plan is generation requests; a pooling engine takes none (vLLM plans none for pooling models either).
         log.info("warm-up skipped: the engine runs a pooling model")
         return None
-    facts = facts_from_ready(link.ready, limits.vocab_size)
+    # Every rank the link fronts gets every step pinned (the pins are places in [0, N), as a client's).
+    facts = facts_from_ready({**link.ready, "data_parallel_size": limits.data_parallel_size}, limits.vocab_size)
     plan = plan_warmup(facts, setting.level)
     log.info(
         "warm-up %s, budget %g s: %d steps (window %d, step %d tokens, context %d, %d DP rank%s)",

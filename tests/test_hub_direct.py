@@ -59,7 +59,7 @@ def hub_with_call(wire: Wire, n: int = 1):
     link.handle(LinkEvent.HANDSHAKE_DONE, 0.0)
     link.handle(LinkEvent.WARMUP_DONE, 0.0)
     journal = ListJournal()
-    hub = RequestHub(link=link, codec=VllmCodec(), send_frames=lambda frames: None, journal=journal)
+    hub = RequestHub(link=link, codec=VllmCodec(), send_frames=lambda frames, rank=0: None, journal=journal)
     request = generate_request("r1", [5, 6, 7], stream=True, max_tokens=2, n=n, seed=1)
     call = hub.admit(validate_generate(request, LIMITS, 0.0), 0.0, wake=asyncio.Event())
     call.direct = wire

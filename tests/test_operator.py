@@ -226,3 +226,15 @@ def test_every_flag_is_explained(command):
         text = parser.format_help()
         assert "Arguments after `--` go to the engine and nowhere else" in text
         assert 'README.md, "Running"' in text
+
+
+@pytest.mark.parametrize("engine_args, words", [
+    (["--data-parallel-size", "4", "--data-parallel-start-rank", "2", "--data-parallel-size-local", "2"],
+     "--data-parallel-size 4 with 2 local ranks"),
+    (["--data-parallel-size-local", "2", "--data-parallel-start-rank", "2"], "the engine's DP ranks start at 2"),
+])
+def test_a_vllm_engine_split_over_nodes_is_refused(tmp_path, test_model_dir, engine_args, words):
+    """enginelink fronts a whole DP engine on one node (ranks 0..N-1): a node of a multi-node one is refused."""
+    line = refused_with_one_line(serve(tmp_path, "--model", test_model_dir, "--engine", "vllm", "--port",
+                                       free_port(), "--", *engine_args))
+    assert words in line and "ranks 0..N-1, on one node" in line

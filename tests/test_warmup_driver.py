@@ -323,7 +323,7 @@ class SimLink:
         self.cached.append(cached or 0)
         return cached
 
-    def send(self, frames: list[bytes]) -> None:
+    def send(self, frames: list[bytes], rank: int = 0) -> None:
         self.sent.append(frames[0])
         for message in self.core.handle_input(frames[0], frames[1], trio.current_time()):
             self._deliver(message)

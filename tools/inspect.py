@@ -227,7 +227,7 @@ def describe(st: FoldState, reader: Reader, path: Path) -> dict[str, Any]:
         "name": name, "state": link.state or "starting", "since_t": _round(_rel(link.since, origin)),
         "for_s": _round(None if now is None else now - link.since), "engine_pid": link.pid,
         "engine_alive": pid_alive(link.pid, started_after=None if wall0 is None else wall0 - CLOCK_SLACK_S),
-        "facts": link.facts, "priority": link.priority, "placement": link.placement,
+        "facts": link.facts, "priority": link.priority, "placement": link.placement, "ranks": link.ranks,
     } for name, link in st.links.items()]
     return {
         "as_of": {"basis": as_of, "seq": st.last_seq, "t": _round(_rel(now, origin)),
@@ -408,6 +408,9 @@ def render_links(links: list[dict[str, Any]]) -> list[str]:
             lines.append(f"             priority: engine {describe_priority(link['priority'])}")
         if link.get("placement"):
             lines.append(f"             placement: {describe_placement(link['placement'])}")
+        if len(link.get("ranks") or ()) > 1:
+            ranks = ", ".join(f"{r['rank']} ({r.get('instance_id')})" for r in link["ranks"])
+            lines.append(f"             DP ranks ({len(link['ranks'])}): {ranks}")
     return lines
 
 
@@ -432,7 +435,7 @@ def render_state(st: FoldState) -> str:
     lines += render_links([{
         "name": n, "state": v.state or "starting", "since_t": _round(_rel(v.since, origin)), "for_s": None,
         "engine_pid": v.pid, "engine_alive": None, "facts": v.facts, "priority": v.priority,
-        "placement": v.placement}
+        "placement": v.placement, "ranks": v.ranks}
         for n, v in st.links.items()])
     live = {rid: v for rid, v in st.requests.items() if v.state not in TERMINAL_REQUEST_STATES}
     lines += render_requests([{

@@ -201,6 +201,26 @@ def _kv_events(engine: str, engine_args: list[str]):
         raise ConfigError(str(error)) from None
 
 
+def _engine_ranks(engine: str, engine_args: list[str]) -> tuple[int, ...]:
+    """The DP ranks the engine runs, each a handshake to wait for; a front end fronts ranks 0..N-1."""
+    from enginelink.runtime.kv_config import KvConfigError, engine_ranks
+
+    try:
+        ranks = engine_ranks(engine, engine_args)
+    except KvConfigError as error:
+        raise ConfigError(str(error)) from None
+    size = flag_value(engine_args, "--data-parallel-size") or flag_value(engine_args, "-dp")
+    if engine == "vllm" and size is not None and size != str(len(ranks)):
+        # The head node of a multi-node engine: the other nodes' ranks dial their own front ends.
+        raise ConfigError(f"--data-parallel-size {size} with {len(ranks)} local ranks (--data-parallel-size-local): "
+                          "enginelink fronts a whole engine, ranks 0..N-1, on one node")
+    if engine == "vllm" and ranks[0] != 0:
+        # A node of a multi-node DP engine whose ranks start past 0: its front end is the head node's.
+        raise ConfigError(f"the engine's DP ranks start at {ranks[0]} (--data-parallel-start-rank / "
+                          "--data-parallel-rank): enginelink fronts a whole engine, ranks 0..N-1, on one node")
+    return ranks
+
+
 def _grpc_limits():
     from enginelink.runtime.grpc_limits import GrpcLimits
 
@@ -224,10 +244,12 @@ def build_config(args: argparse.Namespace):
     except ModelDirError as error:
         raise ConfigError(str(error)) from None
     engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
+    ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
     if args.engine == "vllm":
         launcher = _vllm_launcher(model_dir, engine_args)
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args)
+    launcher.ranks = ranks
     return ServeConfig(
         launcher=launcher,
         model=model,

@@ -11,6 +11,12 @@ Rules:
   is waited out by polling the input socket until the step's deadline, so
   aborts and utility calls are still read while "the GPU is busy".
 - one front end (client index 0): inputs[0] and outputs[0] of the init message.
+- data parallelism as ``vllm serve --headless --data-parallel-size N`` does it:
+  the launched process runs no rank itself; it starts one process per rank
+  (``--rank i``, identity = i as 2 bytes little-endian, each its own
+  handshake) and watches them, as vLLM's ``CoreEngineProcManager`` does: one
+  rank exiting stops the others and the launcher exits 1; SIGTERM stops
+  every rank (0). ``sim_ranks.py``.
 - it never orphans: SIGTERM/SIGINT end it with status 0, and it exits when
   its parent process goes away (``os.getppid`` changes).
 - plain blocking pyzmq is fine here: this is its own process, outside trio.
@@ -58,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--handshake", required=True, help="the front end's handshake ROUTER: ipc://PATH or tcp://HOST:PORT")
     parser.add_argument("--model", required=True, type=Path, help="model directory holding config.json")
     parser.add_argument("--rank", type=int, default=0, help="data-parallel rank (engine index and identity)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                        help="run N engine ranks (0..N-1), one process each, as vllm serve --headless does")
+    parser.add_argument("--data-parallel-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prefill-us-per-token", type=float, default=0.0, metavar="US",
                         help="cost model: microseconds of a step per prompt token it prefills (default 0)")
     parser.add_argument("--step-us", type=float, default=0.0, metavar="US",
@@ -173,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_us_per_token=args.prefill_us_per_token,
         step_us=args.step_us,
         engine_index=args.rank,
+        data_parallel_size=args.data_parallel_size,
         instance_id=f"sim-{os.getpid()}",
         runner=args.runner,
         embed_dim=int(args.embed_dim or model.get("hidden_size") or 256),
@@ -439,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     report_refused_arguments(parser, os.environ.get(ENGINE_FACTS_ENV))
     args = parser.parse_args(argv)
     _write_facts(os.environ.get(ENGINE_FACTS_ENV), args)
+    if args.data_parallel_size < 1:
+        parser.error(f"--data-parallel-size {args.data_parallel_size}: expected >= 1")
+    if args.data_parallel_size > 1 and not args.data_parallel_child:
+        from enginelink.tools.sim_ranks import run_ranks
+
+        return run_ranks(sys.argv[1:] if argv is None else list(argv), args.data_parallel_size)
     return run(args)
 
 

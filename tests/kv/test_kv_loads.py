@@ -120,7 +120,7 @@ def test_the_hub_names_the_oldest_call_in_flight():
     link = LinkMachine("sim-0", 0.0)
     link.handle(LinkEvent.HANDSHAKE_DONE, 0.0)
     link.handle(LinkEvent.WARMUP_DONE, 0.0)
-    hub = RequestHub(link=link, codec=VllmCodec(), send_frames=lambda frames: None, journal=ListJournal())
+    hub = RequestHub(link=link, codec=VllmCodec(), send_frames=lambda frames, rank=0: None, journal=ListJournal())
     limits = EngineLimits(max_model_len=2048, vocab_size=4096, eos_token_ids=(2,))
     assert hub.oldest_admitted_at() is None
     for request_id, now in (("a", 1.0), ("b", 2.0), ("c", 3.0)):

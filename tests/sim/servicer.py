@@ -121,6 +121,7 @@ class SimServicer:
             link=self.link.machine,
             codec=self.link.codec,
             send_frames=self.link.send,
+            ranks=self.link.ranks,
             journal=self.journal,
             tokenizer=tokenizer,
             cached_tokens=self.link.codec.cached_tokens,
