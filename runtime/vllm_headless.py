@@ -31,6 +31,7 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -94,8 +95,11 @@ def _watch_parent(parent: int) -> None:
     while True:
         time.sleep(PARENT_POLL_S)
         if os.getppid() != parent:
-            print("vllm-headless: parent process exited; shutting down", file=sys.stderr, flush=True)
+            # The signal first: our stderr is a pipe to the servicer that just died, so
+            # the line below may fail (EPIPE) and must not stop the shutdown.
             os.kill(os.getpid(), signal.SIGTERM)
+            with contextlib.suppress(OSError):
+                print("vllm-headless: parent process exited; shutting down", file=sys.stderr, flush=True)
             return
 
 

@@ -53,7 +53,7 @@ def make_hub():
     link.handle(LinkEvent.HANDSHAKE_DONE, 0.0)
     link.handle(LinkEvent.WARMUP_DONE, 0.0)
     sent: list[list[bytes]] = []
-    hub = RequestHub(link=link, codec=vllm.VllmCodec(), send_frames=sent.append, journal=ListJournal())
+    hub = RequestHub(link=link, codec=vllm.VllmCodec(), send_frames=lambda frames, rank=0: sent.append(frames), journal=ListJournal())
     return hub, sent
 
 

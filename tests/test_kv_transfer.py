@@ -179,7 +179,7 @@ class _Link:
 
 
 def _hub(state: LinkState, sent: list, fail: bool = False) -> tuple[RequestHub, ListJournal]:
-    def send(frames):
+    def send(frames, rank=0):
         if fail:
             raise ConnectionError("gone")
         sent.append(frames)

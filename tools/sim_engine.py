@@ -32,6 +32,7 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -224,7 +225,10 @@ class _Lifetime:
 
 
 def _log(message: str) -> None:
-    print(f"sim-engine[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
+    # Our stderr is a pipe to the servicer: once it is gone (the reason we may be
+    # stopping), a line is lost rather than an exception thrown mid-shutdown.
+    with contextlib.suppress(OSError):
+        print(f"sim-engine[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
 
 
 def _handshake(

@@ -72,7 +72,7 @@ class _Link:
 
 def test_a_flood_of_refused_decode_legs_costs_one_add_each_under_distinct_ids():
     sent: list = []
-    hub = RequestHub(link=_Link(), codec=vllm.VllmCodec(), send_frames=sent.append, journal=ListJournal())
+    hub = RequestHub(link=_Link(), codec=vllm.VllmCodec(), send_frames=lambda frames, rank=0: sent.append(frames), journal=ListJournal())
     params = {"do_remote_prefill": True}
     for _ in range(1000):
         hub.release_kv("same-id", params, 0.0)

@@ -88,7 +88,8 @@ def _admit(hub, rid: str, n: int = 1, pin: int | None = None):
 
 def _out(engine_id: str, finish: FinishReason | None = None):
     return SimpleNamespace(request_id=engine_id, new_token_ids=[9],
-                           finish_reason=None if finish is None else int(finish), stop_reason=None)
+                           finish_reason=None if finish is None else int(finish), stop_reason=None,
+                           kv_transfer_params=None)
 
 
 def test_the_hub_sends_each_choice_to_its_rank_and_the_abort_to_the_same_ranks():
