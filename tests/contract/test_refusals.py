@@ -57,6 +57,17 @@ def _empty_choice(rid: str) -> pb.GenerateRequest:
     return request
 
 
+def _with(rid: str, **fields) -> pb.GenerateRequest:
+    """A valid request with top-level fields set (PD params, a DP rank pin)."""
+    request = _sampling(rid)
+    for name, value in fields.items():
+        if name == "legacy_kv":
+            request.kv_transfer_params.CopyFrom(value)
+        else:
+            setattr(request, name, value)
+    return request
+
+
 @dataclass(frozen=True)
 class Bad:
     name: str
@@ -85,6 +96,14 @@ BAD = [
     Bad("malformed-json-schema", lambda rid: _sampling(rid, json_schema="{not json"), r"json_schema"),
     Bad("empty-regex", lambda rid: _sampling(rid, regex=""), r"regex"),
     Bad("choice-without-choices", _empty_choice, r"choice"),
+    Bad("kv-transfer-params-not-an-object", lambda rid: _with(rid, kv_transfer_params_json="[1, 2]"),
+        r"kv_transfer_params_json"),
+    Bad("kv-transfer-params-not-json", lambda rid: _with(rid, kv_transfer_params_json="{not json"),
+        r"kv_transfer_params_json"),
+    Bad("legacy-kv-transfer-params-without-host",
+        lambda rid: _with(rid, legacy_kv=pb.KvTransferParams(remote_port=7000)), r"kv_transfer_params"),
+    Bad("dp-rank-out-of-range", lambda rid: _with(rid, data_parallel_rank=1),
+        r"data_parallel_rank 1 is out of range \[0, 1\)"),
     Bad("logprobs-negative", lambda rid: _sampling(rid, logprobs=-2), r"\blogprobs"),
     Bad("prompt-logprobs-huge", lambda rid: _sampling(rid, prompt_logprobs=2**31 - 1), r"prompt_logprobs"),
     Bad("json-schema-not-an-object", lambda rid: _sampling(rid, json_schema="[1, 2]"), r"json_schema"),
