@@ -209,6 +209,9 @@ class EngineLink:
         self._progress_at = trio.current_time()
         self._stop_done: trio.Event | None = None
         self.last_frame_at = trio.current_time()
+        # When each DP rank last sent a frame (set for every rank at the handshake): the
+        # idle probe asks every rank, and one frozen rank among live ones must not pass.
+        self.rank_heard_at: dict[int, float] = {}
         self.frames_received = 0
         self.idle_probe = IdleProbe(self.supervision.idle_probe)
         self._probe_call_id: int | None = None  # the outstanding idle probe's utility call
@@ -424,6 +427,8 @@ class EngineLink:
                 self._fail(f"engine broke the handshake: {error}")
             else:
                 self._handshake_done = True
+                now = trio.current_time()
+                self.rank_heard_at = {rank: now for rank in self.rank_ready or (0,)}
         if not self._handshake_done:
             return LinkFailed(self.machine.failure or "engine start-up was cancelled")
         return None
@@ -562,6 +567,7 @@ class EngineLink:
             self.journal.append(now, ENGINE_STREAM, KIND_ENGINE_FRAME, frames[0])
             self._fail("engine reported ENGINE_CORE_DEAD")
             return False
+        self.rank_heard_at[batch.engine_index] = now
         if batch.utility is None or batch.utility.call_id != self._probe_call_id or batch.outputs:
             # An idle probe's answer is not journaled: one every few seconds would
             # fill an idle servicer's journal and push real history out of it.
@@ -654,12 +660,16 @@ class EngineLink:
         while self.machine.live:
             now = trio.current_time()
             idle = self.machine.state is LinkState.SERVING and not self.load_probe()[0]
-            match self.idle_probe.poll(now, idle=idle, last_frame_at=self.last_frame_at):
+            # The quietest rank decides: every rank gets the probe, and each must answer it.
+            quiet_rank, heard_at = min(self.rank_heard_at.items(), key=lambda item: item[1],
+                                       default=(0, self.last_frame_at))
+            match self.idle_probe.poll(now, idle=idle, last_frame_at=heard_at):
                 case ProbeSend():
                     self._send_probe()
                 case ProbeFailed(unanswered_s=unanswered_s):
+                    who = "engine" if len(self.rank_heard_at) <= 1 else f"engine DP rank {quiet_rank}"
                     self._fail(
-                        f"engine answered no liveness probe ({PROBE_METHOD}) for {unanswered_s:.1f} s while idle "
+                        f"{who} answered no liveness probe ({PROBE_METHOD}) for {unanswered_s:.1f} s while idle "
                         f"(limit ENGINELINK_IDLE_PROBE_TIMEOUT_SECS={timing.timeout_s:g}): it is frozen or gone"
                     )
                     return

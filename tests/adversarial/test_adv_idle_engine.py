@@ -16,6 +16,7 @@ machine; every wait is a bounded poll.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -34,9 +35,10 @@ PROBE_S = 0.5
 SLACK_S = 3.0
 
 
-def idle_servicer(tmp_path, model_dir, timeout_s: float) -> Servicer:
+def idle_servicer(tmp_path, model_dir, timeout_s: float, engine_args: list[str] | None = None) -> Servicer:
     metrics_port = free_port()
-    servicer = Servicer(tmp_path, model_dir=model_dir, extra=["--metrics-port", str(metrics_port)], env={
+    servicer = Servicer(tmp_path, model_dir=model_dir, extra=["--metrics-port", str(metrics_port)],
+                        engine_args=engine_args, env={
         "ENGINELINK_IDLE_PROBE_SECS": str(PROBE_S), "ENGINELINK_IDLE_PROBE_TIMEOUT_SECS": str(timeout_s),
         "ENGINELINK_ENGINE_STOP_GRACE_SECS": "1", "SMG_VLLM_SERVICER_WARMUP": "off",
     })  # fmt: skip
@@ -123,4 +125,29 @@ def test_an_engine_paused_for_less_than_the_timeout_stays_serving(tmp_path, test
         replies = list(servicer.stub.Generate(generate_request("after-pause", PROMPT, max_tokens=4), timeout=30))
         assert replies[-1].complete.finish_reason == "length"
     finally:
+        servicer.stop()
+
+
+def test_one_frozen_dp_rank_is_noticed_though_the_other_answers(tmp_path, test_model_dir):
+    """Two DP ranks, each its own process: SIGSTOP one while idle. The other rank's answers
+    do not cover it; the servicer goes NOT_SERVING and exits 1, naming the frozen rank."""
+    timeout_s = 2.0
+    servicer = idle_servicer(tmp_path, test_model_dir, timeout_s, engine_args=["--data-parallel-size", "2"])
+    ranks: dict[str, str] = {}
+    try:
+        ranks = wait_until(lambda: dict(re.findall(r"DP rank (\d+) started: pid (\d+)", servicer.log())),
+                           10, "both ranks' pids in the log")
+        wait_until(lambda: probes_sent(servicer) >= 3, 10 * PROBE_S + SLACK_S, "three answered probes")
+        assert health_status(servicer) == health_pb2.HealthCheckResponse.SERVING
+        os.kill(int(ranks["1"]), signal.SIGSTOP)
+        wait_until(lambda: not_serving(servicer), PROBE_S + timeout_s + SLACK_S,
+                   "health NOT_SERVING after one rank froze", interval_s=0.05)  # fmt: skip
+        assert servicer.wait(PROBE_S + timeout_s + SLACK_S + 10) == 1
+        assert "engine DP rank 1 answered no liveness probe" in servicer.log()
+    finally:
+        for pid in ranks.values():  # a stopped process would hold the servicer's stop to its grace
+            try:
+                os.kill(int(pid), signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         servicer.stop()

@@ -86,13 +86,16 @@ class _Journal:
 @pytest.fixture
 def engine(monkeypatch):
     """Probes the link sends, by virtual time; ``answer`` says whether the engine answers them."""
-    state = {"sent": [], "answer": True}
+    state = {"sent": [], "answer": True, "frozen_ranks": set()}
 
     def send_probe(self) -> None:
         now = trio.current_time()
         state["sent"].append(now)
         if state["answer"]:
             self.last_frame_at = now + 0.01  # the engine's reply arrives 10 ms later
+            for rank in self.rank_heard_at:  # from every DP rank that is not frozen
+                if rank not in state["frozen_ranks"]:
+                    self.rank_heard_at[rank] = now + 0.01
 
     monkeypatch.setattr(el.EngineLink, "_send_probe", send_probe)
     return state
@@ -125,6 +128,21 @@ async def test_an_answering_idle_engine_is_probed_every_interval_and_stays_up(au
     assert len(engine["sent"]) >= 5
     assert link.machine.state.value == "serving"
     assert [kind for _, _, kind, _ in link.journal.records if kind == "error"] == []
+
+
+async def test_one_frozen_dp_rank_among_answering_ones_fails_the_link_naming_it(autojump_clock, engine):
+    """Every rank gets the probe and each must answer: the other ranks' frames do not cover a frozen one."""
+    link = serving_link(ProbeTiming(interval_s=5.0, timeout_s=10.0))
+    start = trio.current_time()
+    link.rank_heard_at = {0: start, 1: start}  # as the handshake sets them
+    engine["frozen_ranks"] = {1}
+    failures = []
+    link.on_failure = lambda message, now: failures.append((message, now))
+    with trio.move_on_after(60):
+        await link._probe_while_idle()
+    assert engine["sent"] == [start + 5.0]
+    assert [now - start for _, now in failures] == [15.0]
+    assert "DP rank 1 answered no liveness probe" in failures[0][0]
 
 
 async def test_no_probe_while_requests_are_in_flight(autojump_clock, engine):
