@@ -1,10 +1,10 @@
-"""The header blocks the direct path writes without h2's encoder (runtime/grpc_transport.py)."""
+"""The header blocks the direct path writes without h2's encoder (runtime/fastpath.py)."""
 
 from __future__ import annotations
 
 import hpack
 
-from enginelink.runtime.grpc_transport import header_block
+from enginelink.runtime.fastpath import header_block
 
 
 def test_a_header_block_says_its_headers_and_leaves_the_peers_table_alone():
