@@ -50,8 +50,10 @@ class VllmEngineService(VllmEngineBase):
         request = await stream.recv_message()
         current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
         # runtime/generate.py: the one Generate loop (the simulation runs it too).
+        # ENGINELINK_FAST_PATH off: no DirectSender; grpclib sends the headers once admitted, as the fast path does.
         direct = DirectSender(stream, self.frame_writes) if self.frame_writes.fast_path else None
-        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct)
+        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct,
+                       send_headers=stream.send_initial_metadata)
 
     @grpc_errors
     async def Abort(self, stream) -> None:

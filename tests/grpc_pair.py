@@ -48,6 +48,7 @@ class Pair:
     hub: RequestHub
     link: MemoryLink
     frame_writes: FrameWrites
+    app: App
 
     def flow_states(self):
         return flow_states(self.server)
@@ -78,7 +79,7 @@ async def grpc_pair(model, tokenizer, *, fast_path: bool, sim: SimConfig | None 
             port = sock.getsockname()[1]
             await trio_asyncio.aio_as_trio(server.start)(sock=sock)
             try:
-                yield Pair(port, server, hub, link, frame_writes)
+                yield Pair(port, server, hub, link, frame_writes, app)
             finally:
                 with trio.CancelScope(shield=True):
                     server.close()
