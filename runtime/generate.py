@@ -31,7 +31,7 @@ from enginelink.runtime.validate import validate_generate
 async def generate(app, request, *, wake, send, direct=None, send_headers=None) -> None:
     """Serve one ``vllm_engine_pb2.GenerateRequest`` through ``app.hub``; returns when it ended OK.
 
-    ``direct`` (gRPC only): the stream's ``grpc_transport.DirectSender``.
+    ``direct`` (gRPC only): the stream's ``fastpath.DirectSender``.
     Once a streaming call is admitted its headers go out and its synchronous
     ``send`` is handed to the hub, which from then on writes chunks itself
     while this loop is idle; this loop wakes for the completes and anything
