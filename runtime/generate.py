@@ -28,16 +28,17 @@ from enginelink.runtime.inputs import check_request_id, input_limits
 from enginelink.runtime.validate import validate_generate
 
 
-async def generate(app, request, *, wake, send, direct=None) -> None:
+async def generate(app, request, *, wake, send, direct=None, send_headers=None) -> None:
     """Serve one ``vllm_engine_pb2.GenerateRequest`` through ``app.hub``; returns when it ended OK.
 
-    ``direct`` (gRPC only): the stream's ``grpc_transport.DirectSender``.
+    ``direct`` (gRPC only): the stream's ``fastpath.DirectSender``.
     Once a streaming call is admitted its headers go out and its synchronous
     ``send`` is handed to the hub, which from then on writes chunks itself
     while this loop is idle; this loop wakes for the completes and anything
     the hub could not write. (Headers right after admission rather than with the first chunk:
     the first chunk then needs no wake-up of this task either. A refusal is
-    still a trailers-only response.)
+    still a trailers-only response.) ``send_headers`` (gRPC, fast path off):
+    how those headers go out when there is no ``direct``.
     """
     hub = app.hub
     now = trio.current_time()
@@ -57,6 +58,8 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
         if direct is not None and spec.stream:
             await direct.send_headers()
             call.direct = direct
+        elif send_headers is not None and spec.stream:
+            await send_headers()
         while True:
             await wake.wait()
             wake.clear()

@@ -30,24 +30,17 @@ and dropped. What this module adds, each bound a named setting
   every PING itself and a PING counts as activity, so the router's
   connection is kept however long it stays idle; nothing penalises pings.
 
-The protocol here (``LimitedProtocol``) builds grpclib's connection as
-``H2Protocol.connection_made`` does, with ``BoundedConnection`` (which makes
-``BoundedStream``s) in place of grpclib's; private grpclib API, pinned below
-0.5 in pyproject.toml for that reason.
+This module is the policy (the settings, the counters, the refusals); the
+grpclib classes that apply it (``LimitedProtocol``, ``BoundedConnection``,
+``BoundedStream``) reach into grpclib, so they live in ``runtime/fastpath.py``
+with its other private touches. They apply with the fast path on or off.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 from dataclasses import dataclass
-from typing import Mapping, cast
-
-from grpclib.protocol import Connection, EventsProcessor, H2Protocol, Stream, _set_nodelay
-from h2.connection import H2Connection
-from h2.errors import ErrorCodes
-from h2.events import RemoteSettingsChanged
-from h2.settings import SettingCodes
+from typing import Mapping
 
 from enginelink.runtime.errors import ResourceExhausted, to_grpc_error
 
@@ -120,7 +113,7 @@ class ConnectionStats:
 
 
 class ConnectionGuard:
-    """The server's count of connections and the limits' counters (one per ``CoalescingServer``)."""
+    """The server's count of connections and the limits' counters (one per ``fastpath.GrpcServer``)."""
 
     def __init__(self, limits: GrpcLimits) -> None:
         self.limits = limits
@@ -135,154 +128,20 @@ class ConnectionGuard:
     def read(self) -> ConnectionStats:
         return self.stats
 
+    def check_recv(self, reserved: int, size: int) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) a message body of ``size`` beside ``reserved`` bytes in reassembly.
 
-class BoundedStream(Stream):
-    """grpclib's stream, refusing a message body larger than the limits before reading it.
-
-    grpclib's ``recv_message`` calls ``recv_data(5)`` for the prefix, then
-    ``recv_data(length)`` with the length the prefix claims: the check sits
-    there, so nothing of an oversized body is acknowledged or kept.
-    """
-
-    async def recv_data(self, size: int) -> bytes:
-        connection = cast(BoundedConnection, self.connection)
-        guard = connection.guard
-        limits = guard.limits
+        Called before one byte of the body is read (``fastpath.BoundedStream.recv_data``).
+        """
+        limits = self.limits
         if size > limits.max_recv_bytes:
-            guard.stats.messages_refused_size += 1
+            self.stats.messages_refused_size += 1
             raise to_grpc_error(ResourceExhausted(
                 f"message of {size} bytes is larger than this server accepts "
                 f"({limits.max_recv_bytes} bytes, {MAX_RECV_BYTES_ENV})"))  # fmt: skip
-        if connection.recv_reserved + size > limits.connection_recv_bytes:
-            guard.stats.messages_refused_connection += 1
+        if reserved + size > limits.connection_recv_bytes:
+            self.stats.messages_refused_connection += 1
             raise to_grpc_error(ResourceExhausted(
-                f"message of {size} bytes does not fit beside the {connection.recv_reserved} bytes this "
+                f"message of {size} bytes does not fit beside the {reserved} bytes this "
                 f"connection has in reassembly ({limits.connection_recv_bytes} bytes, {CONNECTION_RECV_BYTES_ENV}); "
                 "retry or use another connection"))  # fmt: skip
-        connection.recv_reserved += size
-        try:
-            return await self.buffer.read(size)
-        finally:
-            connection.recv_reserved -= size
-
-
-class BoundedConnection(Connection):
-    """grpclib's connection with the guard, its reassembly budget and its last activity."""
-
-    guard: ConnectionGuard
-    recv_reserved = 0  # bytes of messages in reassembly on this connection
-    preface_done = False
-    last_received = 0.0  # loop time of the last bytes received, or of the last call's end
-    loop: asyncio.AbstractEventLoop
-
-    def feed(self, data: bytes):
-        events = super().feed(data)
-        self.last_received = self.loop.time()
-        if not self.preface_done:
-            # h2 checks the preface's magic; its SETTINGS frame is the first event.
-            self.preface_done = any(isinstance(event, RemoteSettingsChanged) for event in events)
-        return events
-
-    def create_stream(self, *, stream_id=None, wrapper=None) -> Stream:
-        return BoundedStream(self, self._connection, self._transport, stream_id=stream_id, wrapper=wrapper)
-
-
-class _Processor(EventsProcessor):
-    """grpclib's event processor; a call's end counts as activity for the idle limit."""
-
-    def register(self, stream: Stream):
-        release = super().register(stream)
-        connection = cast(BoundedConnection, self.connection)
-
-        def release_stream() -> None:
-            release()
-            connection.last_received = connection.loop.time()
-
-        return release_stream
-
-
-class LimitedProtocol(H2Protocol):
-    """grpclib's server protocol with ``GrpcLimits`` applied; ``guard`` is the server's."""
-
-    guard: ConnectionGuard
-    max_concurrent_streams: int | None = None  # SETTINGS_MAX_CONCURRENT_STREAMS; None: h2's default
-    _counted = False
-    _timer: asyncio.TimerHandle | None = None
-    _handshake_deadline = 0.0
-
-    def connection_made(self, transport) -> None:
-        # H2Protocol.connection_made, building a BoundedConnection.
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            _set_nodelay(sock)
-        h2_conn = H2Connection(config=self.h2_config)
-        h2_conn.initiate_connection()
-        initial = h2_conn.local_settings.initial_window_size
-        conn_delta = self.config.http2_connection_window_size - initial
-        stream_delta = self.config.http2_stream_window_size - initial
-        if conn_delta:
-            h2_conn.increment_flow_control_window(conn_delta)
-        settings = {SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size} if stream_delta else {}
-        if self.max_concurrent_streams is not None:
-            settings[SettingCodes.MAX_CONCURRENT_STREAMS] = self.max_concurrent_streams
-        if settings:
-            h2_conn.update_settings(settings)
-        connection = self.connection = BoundedConnection(h2_conn, transport, config=self.config)
-        connection.guard = self.guard
-        connection.loop = loop = asyncio.get_running_loop()
-        connection.last_received = loop.time()
-        self.processor = _Processor(self.handler, connection)
-        stats = self.guard.stats
-        if stats.connections >= self.guard.limits.max_connections:
-            stats.connections_refused += 1
-            h2_conn.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"connection limit")
-            connection.flush()
-            self.processor.close("connection limit")
-            return
-        self._counted = True
-        stats.connections += 1
-        connection.flush()
-        connection.initialize()
-        self._handshake_deadline = loop.time() + self.guard.limits.handshake_timeout_s
-        first_look_s = min(self.guard.limits.handshake_timeout_s, self.guard.limits.idle_timeout_s)
-        self._timer = loop.call_later(first_look_s, self._handshake_due)
-
-    def _handshake_due(self) -> None:
-        connection = cast(BoundedConnection, self.connection)
-        if connection.is_closing():
-            return
-        if connection.preface_done:
-            self._idle_due()
-            return
-        left = self._handshake_deadline - connection.loop.time()
-        if left > 0:  # the idle limit is the shorter one: look again at the handshake's
-            self._timer = connection.loop.call_later(left, self._handshake_due)
-            return
-        self.guard.stats.handshake_timeouts += 1
-        self.processor.close("no HTTP/2 client preface in time")
-
-    def _idle_due(self) -> None:
-        """Close the connection if it has been idle for the limit, else look again when it could be."""
-        connection = cast(BoundedConnection, self.connection)
-        if connection.is_closing():
-            return
-        idle_s = self.guard.limits.idle_timeout_s
-        due = connection.last_received + idle_s
-        now = connection.loop.time()
-        if now >= due and not self.processor.streams:
-            self.guard.stats.idle_closed += 1
-            connection._connection.close_connection(ErrorCodes.NO_ERROR, additional_data=b"idle")
-            connection.flush()
-            self.processor.close("idle")
-            return
-        # Not idle long enough, or a call is open: look again when it could be (a
-        # call's end counts as activity, so a full period after a look that found one).
-        self._timer = connection.loop.call_later(due - now if now < due else idle_s, self._idle_due)
-
-    def connection_lost(self, exc) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._counted:
-            self._counted = False
-            self.guard.stats.connections -= 1
-        super().connection_lost(exc)

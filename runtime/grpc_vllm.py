@@ -21,7 +21,7 @@ from enginelink.proto.vllm_engine_grpc import VllmEngineBase
 from enginelink.runtime.embed import embed
 from enginelink.runtime.errors import current_request_id, grpc_errors
 from enginelink.runtime.generate import generate
-from enginelink.runtime.grpc_transport import DirectSender, FrameWrites
+from enginelink.runtime.fastpath import DirectSender, FrameWrites
 from enginelink.runtime.profiling import check_start_options, profile
 from enginelink.runtime.grpc_kv import FlushError, flush_cache, subscribe_kv_events
 from enginelink.runtime.inputs import input_limits, validate_abort_ids
@@ -50,8 +50,10 @@ class VllmEngineService(VllmEngineBase):
         request = await stream.recv_message()
         current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
         # runtime/generate.py: the one Generate loop (the simulation runs it too).
-        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message,
-                       direct=DirectSender(stream, self.frame_writes))
+        # ENGINELINK_FAST_PATH off: no DirectSender; grpclib sends the headers once admitted, as the fast path does.
+        direct = DirectSender(stream, self.frame_writes) if self.frame_writes.fast_path else None
+        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct,
+                       send_headers=stream.send_initial_metadata)
 
     @grpc_errors
     async def Abort(self, stream) -> None:

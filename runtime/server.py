@@ -41,12 +41,11 @@ from enginelink.machines.link import LinkEvent, LinkState
 from enginelink.machines.liveness import ProbeTiming
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime import core
-from enginelink.runtime.aio_loop import run_ready_callbacks_together
 from enginelink.runtime.app import App
 from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine_link import EngineArgsRefused, EngineIncompatible, EngineLink, LinkFailed, Supervision
 from enginelink.runtime.grpc_limits import GrpcLimits
-from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS, CoalescingServer, FrameWrites
+from enginelink.runtime.fastpath import MAX_CONCURRENT_STREAMS, FrameWrites, GrpcServer, run_ready_callbacks_together
 from enginelink.runtime.grpc_vllm import VllmEngineService
 from enginelink.runtime.hub import RETIRED_ENGINE_IDS_MAX, RequestHub
 from enginelink.runtime.kv_config import KvPlan
@@ -91,6 +90,7 @@ class ServeConfig:
     metrics_port: int | None = None  # no endpoint unless asked
     kv_events: KvPlan | None = None  # None: KV events off (SubscribeKvEvents is UNIMPLEMENTED)
     grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)  # message size, connections (grpc_limits.py)
+    fast_path: bool = True  # ENGINELINK_FAST_PATH: off, grpclib's own send path only (runtime/fastpath.py)
     argv: list[str] = field(default_factory=list)
 
 
@@ -181,7 +181,7 @@ async def _serve(config: ServeConfig, journal: Journal, grpc_sock: socket.socket
     exit_status = 1
     reason = "unknown"
     async with trio_asyncio.open_loop() as loop:
-        loop_stats = run_ready_callbacks_together(loop)  # runtime/aio_loop.py: less trio per gRPC call
+        loop_stats = run_ready_callbacks_together(loop)  # runtime/fastpath.py: less trio per gRPC call
         async with trio.open_nursery() as nursery:
             await nursery.start(journal.run)
             journal.append(
@@ -263,7 +263,7 @@ async def _serve(config: ServeConfig, journal: Journal, grpc_sock: socket.socket
                     metrics.add_collector(lambda labels: KvRelayCollector(kv_relay, labels))
             readiness = ServiceStatus()
             readiness.set(False)
-            frame_writes = FrameWrites()
+            frame_writes = FrameWrites(config.fast_path)
             hub.end_of_batch = frame_writes.flush  # the direct path's writes go out once per engine frame
             engine_service = VllmEngineService(app, frame_writes, kv_relay)
             if metrics is not None:
@@ -271,7 +271,7 @@ async def _serve(config: ServeConfig, journal: Journal, grpc_sock: socket.socket
             # grpclib names the service by the servicer object; "" (overall) gets
             # the same check, so liveness and readiness agree.
             health = Health({engine_service: [readiness]})
-            server = CoalescingServer([engine_service, health], limits=config.grpc_limits)
+            server = GrpcServer([engine_service, health], limits=config.grpc_limits, fast_path=config.fast_path)
             if metrics is not None:
                 metrics.add_gauges("grpc", server.guard.read)
             await trio_asyncio.aio_as_trio(server.start)(sock=grpc_sock)

@@ -1,10 +1,10 @@
-"""The header blocks the direct path writes without h2's encoder (runtime/grpc_transport.py)."""
+"""The header blocks the direct path writes without h2's encoder (runtime/fastpath.py)."""
 
 from __future__ import annotations
 
 import hpack
 
-from enginelink.runtime.grpc_transport import header_block
+from enginelink.runtime.fastpath import header_block
 
 
 def test_a_header_block_says_its_headers_and_leaves_the_peers_table_alone():
@@ -20,3 +20,19 @@ def test_a_header_block_says_its_headers_and_leaves_the_peers_table_alone():
     assert list(decoder.header_table.dynamic_entries) == entries
     # ... so h2's encoder, which never saw the blocks, still speaks the peer's table.
     assert decoder.decode(primed.encode([("grpc-status", "0")])) == [("grpc-status", "0")]
+
+
+def test_the_fast_path_knob_reads_on_and_off_words_and_names_itself_otherwise():
+    from enginelink.runtime.fastpath import FAST_PATH_ENV, fast_path_from_env
+
+    assert fast_path_from_env({}) is True  # default on
+    for word in ("1", "on", "ON", " true ", "yes"):
+        assert fast_path_from_env({FAST_PATH_ENV: word}) is True
+    for word in ("0", "off", "Off", "false", "no"):
+        assert fast_path_from_env({FAST_PATH_ENV: word}) is False
+    try:
+        fast_path_from_env({FAST_PATH_ENV: "fast"})
+    except ValueError as error:
+        assert FAST_PATH_ENV in str(error)
+    else:
+        raise AssertionError("a value that is neither on nor off was taken")

@@ -23,8 +23,7 @@ from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
 from enginelink.runtime.engine_process import (
     ENGINE_NICE_DEFAULT, autogroup_nice, cpu_list, describe_placement, session_members,
 )
-from enginelink.runtime.aio_loop import READY_CALLBACKS_MAX
-from enginelink.runtime.grpc_transport import MAX_CONCURRENT_STREAMS
+from enginelink.runtime.fastpath import MAX_CONCURRENT_STREAMS, READY_CALLBACKS_MAX
 from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
@@ -181,7 +180,7 @@ def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir)
         assert metrics["smg_servicer_grpc_direct_headers"] + metrics["smg_servicer_grpc_grpclib_headers"] == calls
         assert metrics["smg_servicer_grpc_direct_headers"] > 0
         assert 0 < metrics["smg_servicer_grpc_direct_trailers"] <= calls
-        # ... and the asyncio loop's bound on callbacks per trio round (runtime/aio_loop.py).
+        # ... and the asyncio loop's bound on callbacks per trio round (runtime/fastpath.py).
         assert metrics["smg_servicer_asyncio_ready_callbacks_max"] == READY_CALLBACKS_MAX
         assert "smg_servicer_asyncio_full_passes" in metrics
 

@@ -230,6 +230,15 @@ def _grpc_limits():
         raise ConfigError(str(error)) from None
 
 
+def _fast_path() -> bool:
+    from enginelink.runtime.fastpath import fast_path_from_env
+
+    try:
+        return fast_path_from_env(os.environ)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def build_config(args: argparse.Namespace):
     from enginelink.runtime.engine_process import (
         PLACEMENT_CHOICES, PLACEMENT_DEFAULT, SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT,
@@ -282,6 +291,7 @@ def build_config(args: argparse.Namespace):
         metrics_port=_metrics_port(args),
         kv_events=kv_events,
         grpc_limits=_grpc_limits(),
+        fast_path=_fast_path(),
         argv=list(sys.argv),
     )
 
