@@ -31,8 +31,11 @@ import sys
 
 # Run by path, this file's folder (enginelink's tools/, which holds an ``inspect.py``) would come first on
 # sys.path and shadow the standard library's modules of the same names.
-if sys.path and sys.path[0] and __file__.startswith(sys.path[0].rstrip("/") + "/"):
-    del sys.path[0]
+if __name__ == "__main__" and sys.path and sys.path[0]:
+    import os.path
+
+    if os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]
 
 import argparse  # noqa: E402
 import inspect  # noqa: E402
