@@ -109,12 +109,17 @@ def _check_arm(result: dict, arm: str) -> None:
     assert len(runs) == 2  # one per repetition
     for run in runs:
         assert run["tokens"] == 16 * 8 and run["short"] == 0
-        assert run["servicer_cpu_s"] > 0 and run["servicer_rss_mib"] > 0
+        # A short run of the Rust servicer may cost less than one clock tick (10 ms): measured, maybe 0.
+        assert run["servicer_cpu_s"] is not None and run["servicer_cpu_s"] >= 0
+        assert run["servicer_rss_mib"] > 0
     summary = result["arms"][arm]
-    assert summary["servicer_us_per_token"] > 0 and summary["servicer_rss_mib"] > 0
+    assert summary["servicer_us_per_token"] >= 0 and summary["servicer_rss_mib"] > 0
     if arm != "enginelink":
-        assert summary["vs_enginelink"]["n"] == 2 and summary["vs_enginelink"]["geomean"] > 0
-        assert summary["cpu_vs_enginelink"]["low"] <= summary["cpu_vs_enginelink"]["geomean"]
+        pooled = summary["vs_enginelink"]
+        assert pooled["n"] == 2 and pooled["low"] <= pooled["geomean"] <= pooled["high"]
+        if "cpu_vs_enginelink" in summary:  # only when both arms' CPU moved in every repetition
+            cpu = summary["cpu_vs_enginelink"]
+            assert cpu["low"] <= cpu["geomean"] <= cpu["high"]
 
 
 @pytest.mark.slow
