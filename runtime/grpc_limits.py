@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Mapping, cast
 
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol, Stream, _set_nodelay
@@ -49,7 +50,7 @@ from h2.errors import ErrorCodes
 from h2.events import RemoteSettingsChanged
 from h2.settings import SettingCodes
 
-from enginelink.runtime.dormant_event import DormantEvent
+from enginelink.runtime.stream_memory import DormantEvent, LeanBuffer
 from enginelink.runtime.errors import ResourceExhausted, to_grpc_error
 
 MAX_RECV_BYTES_ENV = "ENGINELINK_GRPC_MAX_RECV_BYTES"
@@ -145,11 +146,16 @@ class BoundedStream(Stream):
     there, so nothing of an oversized body is acknowledged or kept.
     """
 
-    # grpclib's three Events per stream, made only when waited on (runtime/dormant_event.py): ~1.2 KiB
+    # grpclib's three Events per stream, made only when waited on (runtime/stream_memory.py): ~1.2 KiB
     # less per open call.
     window_updated = DormantEvent()
     headers_received = DormantEvent()
     trailers_received = DormantEvent()
+
+    def init_stream(self, stream_id: int, connection: Connection) -> None:
+        super().init_stream(stream_id, connection)
+        # grpclib's Buffer keeps an asyncio.Queue for the call's life; this one holds nothing when empty.
+        self.buffer = LeanBuffer(partial(connection.ack, self.id))
 
     async def recv_data(self, size: int) -> bytes:
         connection = cast(BoundedConnection, self.connection)
