@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --engine vllm or --against: repetitions per concurrency, the arms alternating "
                         "within each (default 2)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[128],
-                   help="streaming calls open at once (default 128); --engine vllm takes several")
+                   help="streaming calls open at once (default 128); --engine vllm and --against take several")
     p.add_argument("--requests", type=int, default=None, help="total calls (default: run for --duration-s)")
     p.add_argument("--duration-s", type=float, default=None,
                    help=f"start calls for this long, then let open ones finish (default {DEFAULT_DURATION_S:g})")
