@@ -33,11 +33,15 @@ import trio
 log = logging.getLogger("enginelink.link")
 
 SOCKET_PREFIX = "enginelink-"
-# Nice levels between the servicer and its engine (ENGINELINK_ENGINE_NICE).
-ENGINE_NICE_DEFAULT = 10
-# The servicer's own scheduling policy once its engine runs (ENGINELINK_SERVICER_SCHED).
+# Nice levels between the servicer and its engine (ENGINELINK_ENGINE_NICE). Opt-in, 0 by default: a
+# reniced engine yields to every process on the host, not only to its servicer. In undisturbed pairs
+# on 2 cores +10 bought nothing measurable, and with other load on the machine the reniced engine lost
+# the most (issue 23; docs/benchmarks.md, "Defaults for production").
+ENGINE_NICE_DEFAULT = 0
+# The servicer's own scheduling policy once its engine runs (ENGINELINK_SERVICER_SCHED). Opt-in
+# `batch`, `normal` (SCHED_OTHER) by default, for the same measurements.
 SERVICER_SCHED_CHOICES = ("batch", "normal")
-SERVICER_SCHED_DEFAULT = "batch"
+SERVICER_SCHED_DEFAULT = "normal"
 # Where the servicer and the engine's unbound threads run once the engine is up (ENGINELINK_PLACEMENT).
 PLACEMENT_CHOICES = ("auto", "off")
 PLACEMENT_DEFAULT = "off"  # opt-in: no throughput change measured on 2 cores (docs/benchmarks.md)

@@ -34,6 +34,10 @@ grpclib (``grpclib.server``, ``grpclib.protocol``):
      headers / OK trailers itself and tells grpclib so.
   G6 ``EventsProcessor.register`` wrapped and ``EventsProcessor.streams`` read:
      a call's end counts as activity for the idle limit.
+  G7 ``Stream``'s three Events (``window_updated``, ``headers_received``,
+     ``trailers_received``) and its ``buffer`` replaced (``BoundedStream``) by
+     ``runtime/stream_memory.py``'s lazy ``DormantEvent`` and ``LeanBuffer``
+     (a ``grpclib.protocol.Buffer`` subclass): ~5 KiB less per open call.
 h2 (``h2.connection``, ``h2.stream``; public names, internal contracts):
   H1 ``H2Connection.streams``, ``H2Stream.state_machine.process_input`` with
      ``ConnectionInputs`` / ``StreamInputs`` / ``StreamState`` / ``ConnectionState``:
@@ -80,6 +84,7 @@ from h2.settings import SettingCodes
 from h2.stream import StreamInputs, StreamState
 
 from enginelink.runtime.grpc_limits import ConnectionGuard, GrpcLimits
+from enginelink.runtime.stream_memory import DormantEvent, LeanBuffer
 from enginelink.runtime.hub import IN_FLIGHT_MAX
 
 FAST_PATH_ENV = "ENGINELINK_FAST_PATH"
@@ -176,6 +181,16 @@ class BoundedStream(Stream):
             return await self.buffer.read(size)
         finally:
             connection.recv_reserved -= size
+
+    # G7: grpclib's three Events per stream, made only when waited on: ~1.2 KiB less per open call.
+    window_updated = DormantEvent()
+    headers_received = DormantEvent()
+    trailers_received = DormantEvent()
+
+    def init_stream(self, stream_id: int, connection: Connection) -> None:
+        super().init_stream(stream_id, connection)
+        # grpclib's Buffer keeps an asyncio.Queue for the call's life; this one holds nothing when empty.
+        self.buffer = LeanBuffer(functools.partial(connection.ack, self.id))
 
 
 class BoundedConnection(Connection):

@@ -35,11 +35,28 @@ def priority_record(journal: Path) -> dict:
     return next(s["message"] for s in steps if s["step"] == "priority")
 
 
-def test_engine_runs_ten_nice_levels_below_the_servicer(tmp_path, test_model_dir):
+def test_engine_runs_at_the_servicers_priority_by_default(tmp_path, test_model_dir):
+    """Production default (issue 23): no renice, so the engine does not yield to every process on the host."""
+    assert ENGINE_NICE_DEFAULT == 0
     with Servicer(tmp_path, model_dir=test_model_dir) as servicer:
         engine = engine_pid(servicer.journal)
         own = os.getpriority(os.PRIO_PROCESS, servicer.process.pid)
-        expected = min(19, own + ENGINE_NICE_DEFAULT)
+        for pid in session_members(engine):
+            assert os.getpriority(os.PRIO_PROCESS, pid) == own, pid
+        group = autogroup_nice(servicer.process.pid)
+        if group is not None:
+            assert autogroup_nice(engine) == group
+        record = priority_record(servicer.journal)
+        assert record["levels"] == 0 and "nice" not in record and "autogroup_nice" not in record
+        assert f"engine process {engine} started, at the servicer's priority (ENGINELINK_ENGINE_NICE=0)" in servicer.log()
+
+
+def test_engine_nice_ten_runs_the_engine_ten_levels_below_the_servicer(tmp_path, test_model_dir):
+    """The opt-in knob still does what it did as the default."""
+    with Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_ENGINE_NICE": "10"}) as servicer:
+        engine = engine_pid(servicer.journal)
+        own = os.getpriority(os.PRIO_PROCESS, servicer.process.pid)
+        expected = min(19, own + 10)
         for pid in session_members(engine):
             assert os.getpriority(os.PRIO_PROCESS, pid) == expected, pid
         record = priority_record(servicer.journal)
@@ -47,7 +64,7 @@ def test_engine_runs_ten_nice_levels_below_the_servicer(tmp_path, test_model_dir
         assert f"engine process {engine} started, 10 levels below the servicer: nice {expected}" in servicer.log()
         group = autogroup_nice(servicer.process.pid)
         if group is not None:  # the kernel groups sessions: the engine's group is lowered too
-            assert autogroup_nice(engine) == min(19, group + ENGINE_NICE_DEFAULT)
+            assert autogroup_nice(engine) == min(19, group + 10)
             assert record["autogroup_nice"] == autogroup_nice(engine)
         else:  # a cgroup (container, CI runner): nice alone ranks the tasks, and nothing claims a group
             assert "autogroup_nice" not in record
@@ -64,8 +81,9 @@ def thread_policies(pid: int) -> dict[int, int]:
 
 
 def test_servicer_threads_wait_for_the_engine_to_yield(tmp_path, test_model_dir):
-    """By default every servicer thread runs SCHED_BATCH once the engine runs; the engine keeps SCHED_OTHER."""
-    with Servicer(tmp_path, model_dir=test_model_dir) as servicer:
+    """With ENGINELINK_SERVICER_SCHED=batch every servicer thread runs SCHED_BATCH once the engine runs;
+    the engine keeps SCHED_OTHER."""
+    with Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_SERVICER_SCHED": "batch"}) as servicer:
         engine = engine_pid(servicer.journal)
         policies = thread_policies(servicer.process.pid)
         assert len(policies) > 1 and set(policies.values()) == {os.SCHED_BATCH}, policies
@@ -84,7 +102,7 @@ def test_a_servicer_started_as_batch_still_gives_its_engine_the_normal_policy(tm
     """Policies are inherited: under `chrt -b` (here: a SCHED_BATCH parent) the engine must not be batch."""
     os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     try:
-        servicer = Servicer(tmp_path, model_dir=test_model_dir)
+        servicer = Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_SERVICER_SCHED": "batch"})
         servicer.start()
     finally:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
@@ -100,6 +118,17 @@ def test_servicer_sched_normal_leaves_the_policy_alone(tmp_path, test_model_dir)
     with Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_SERVICER_SCHED": "normal"}) as servicer:
         assert set(thread_policies(servicer.process.pid).values()) == {os.SCHED_OTHER}
         assert "servicer" not in priority_record(servicer.journal)
+
+
+def test_servicer_threads_keep_sched_other_by_default(tmp_path, test_model_dir):
+    """Production default (issue 23): SCHED_BATCH is opt-in; every servicer and engine thread keeps SCHED_OTHER."""
+    with Servicer(tmp_path, model_dir=test_model_dir) as servicer:
+        engine = engine_pid(servicer.journal)
+        policies = thread_policies(servicer.process.pid)
+        assert len(policies) > 1 and set(policies.values()) == {os.SCHED_OTHER}, policies
+        assert {os.sched_getscheduler(pid) for pid in session_members(engine)} == {os.SCHED_OTHER}
+        assert "servicer" not in priority_record(servicer.journal)
+        assert "SCHED_BATCH" not in servicer.log()
 
 
 @pytest.mark.parametrize("name, value, expected", [

@@ -35,10 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --engine vllm: also run the raw driver as if it were a front end that spends "
                         "US CPU microseconds per output token (a busy loop in the driver), one side per value; "
                         "shows how much of the ratio a front end's CPU alone costs on this machine")
+    p.add_argument("--against", type=_against, default=[], metavar="ARMS",
+                   help="also run the reference servicers, comma-separated: smg-rust (smg 1.13.0's Rust servicer), "
+                        "smg-python (smg-grpc-servicer 0.14.1); installed by tools/setup-bench-refs. With --engine "
+                        "vllm they join the alternation; without it, every arm runs against the zero-cost sim "
+                        "engine (the servicer alone), alternating (tools/bench_refs.py)")
     p.add_argument("--rounds", type=int, default=2,
-                   help="with --engine vllm: (enginelink, raw) pairs per concurrency (default 2)")
+                   help="with --engine vllm or --against: repetitions per concurrency, the arms alternating "
+                        "within each (default 2)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[128],
-                   help="streaming calls open at once (default 128); --engine vllm takes several")
+                   help="streaming calls open at once (default 128); --engine vllm and --against take several")
     p.add_argument("--requests", type=int, default=None, help="total calls (default: run for --duration-s)")
     p.add_argument("--duration-s", type=float, default=None,
                    help=f"start calls for this long, then let open ones finish (default {DEFAULT_DURATION_S:g})")
@@ -62,6 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         ".txt collapsed stacks); needs py-spy on PATH or in the venv")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(engine_args=[])
+
+
+def _against(text: str) -> list[str]:
+    from enginelink.tools.bench_refs import parse_against
+
+    return parse_against(text)
 
 
 def format_report(report: dict) -> str:
@@ -92,6 +104,8 @@ def format_report(report: dict) -> str:
         f"({f(None if report['servicer_cpu_util'] is None else report['servicer_cpu_util'] * 100, '.0f')}% of a core; "
         f"user {f(report['servicer_cpu_user_s'], '.2f')} s, sys {f(report['servicer_cpu_sys_s'], '.2f')} s)",
         "  servicer threads   " + ", ".join(f"{k} {v:.2f} s" for k, v in report.get("servicer_threads_cpu_s", {}).items() if v),
+        f"  servicer RSS       {f(report.get('servicer_rss_mib'), '.0f')} MiB at the window's end, "
+        f"peak {f(report.get('servicer_rss_peak_mib'), '.0f')} MiB",
         f"  engine CPU         {f(report['engine_cpu_s'], '.2f')} s  = {f(report['engine_cpu_us_per_token'])} us/token",
         f"  client CPU         {report['client_cpu_s']:.2f} s  = {f(report['client_cpu_us_per_token'])} us/token  "
         f"({report['client_cpu_util'] * 100:.0f}% of a core)",
@@ -174,6 +188,18 @@ def run(args: argparse.Namespace) -> int:
             return 2
         try:
             return bench_engine.run(args)
+        except (RuntimeError, TimeoutError) as error:
+            print(f"enginelink bench: {error}", file=sys.stderr)
+            return 1
+    if args.against:
+        from enginelink.tools import bench_refs
+
+        if args.target is not None or args.rounds < 1 or any(c < 1 for c in args.concurrency) or len(args.client) != 1:
+            print("enginelink bench: --against needs --rounds >= 1, --concurrency >= 1, one --client and no --target",
+                  file=sys.stderr)
+            return 2
+        try:
+            return bench_refs.run_sim(args)
         except (RuntimeError, TimeoutError) as error:
             print(f"enginelink bench: {error}", file=sys.stderr)
             return 1

@@ -18,9 +18,15 @@ Theory of operation. For each ``--concurrency`` value the bench alternates
   tokens until each finishes. No gRPC, no journal, no servicer. The engine
   runs at the priority enginelink gives it (``ENGINELINK_ENGINE_NICE``).
 
+- ``--against smg-rust,smg-python``: the reference servicers join the alternation
+  (``tools/bench_refs.py``): smg-rust in front of the same ``vllm_headless.py``
+  launch, smg-python on the engine core its own ``AsyncLLM`` starts.
+
 Each side's figure is output tokens / load window (first request sent to last
 finished; one short warm-up request before). Engine start-up is outside the
-window. The ratio is enginelink / raw of the per-concurrency medians.
+window. The ratio is enginelink / raw of the per-concurrency medians; every
+servicer arm is also compared with raw and with enginelink repetition by
+repetition (geometric mean with a 95% interval).
 """
 
 from __future__ import annotations
@@ -43,12 +49,14 @@ ENGINE_ARGS_DEFAULT = ["--max-model-len", "1024", "--enforce-eager"]
 
 
 class Side(NamedTuple):
-    """One side of the comparison: enginelink driven by ``client``, or the raw driver
-    spending ``front_end_us`` CPU per token as a stand-in front end (0: none)."""
+    """One side of the comparison: enginelink driven by ``client``, the raw driver spending
+    ``front_end_us`` CPU per token as a stand-in front end (0: none), or a reference servicer
+    (``ref``: smg-rust, smg-python; ``tools/bench_refs.py``) driven by ``client``."""
 
     label: str
     client: str | None = None
     front_end_us: float = 0.0
+    ref: str | None = None
 
 
 def engine_args_for(args: argparse.Namespace, concurrency: int) -> list[str]:
@@ -243,11 +251,51 @@ def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: l
         raise RuntimeError(f"{error}\nservicer log ends:\n{servicer.log()}") from None
     finally:
         servicer.stop()
+    return load_result(report)
+
+
+def load_result(report: dict) -> dict:
     return {
         "tokens": report["output_tokens"], "short": report["short"] + report["errors"],
         "requests": report["requests"], "wall_s": report["wall_s"], "tokens_per_s": report["tokens_per_s"],
         "servicer_cpu_s": report["servicer_cpu_s"], "client_cpu_s": report["client_cpu_s"],
+        "servicer_rss_mib": report.get("servicer_rss_mib"),
     }
+
+
+def measure_ref(args: argparse.Namespace, model_dir: Path, engine_args: list[str], concurrency: int,
+                client: str, arm: str, tmp: Path) -> dict:
+    """A reference servicer (tools/bench_refs.py) in front of the same engine, driven by the same load."""
+    from enginelink.tools import bench_load
+    from enginelink.tools.bench_refs import RefServicer, give_engine_its_priority
+    from enginelink.tools.serve import _engine_nice, _vllm_launcher
+
+    run_args = argparse.Namespace(**vars(args))
+    run_args.concurrency = concurrency
+    run_args.client = client
+    run_args.target = None
+    run_args.servicer_pid = None
+    run_args.duration_s = None
+    run_args.temperature = 1.0
+    run_args.random_prompt = True
+    argv, env = _vllm_launcher(model_dir, engine_args).command("{handshake}")
+    env.pop("ENGINELINK_ENGINE_FACTS", None)
+    tmp.mkdir(parents=True, exist_ok=True)
+    if arm == "smg-rust":
+        # The very engine launch enginelink and the raw driver use, dialing the Rust server's handshake.
+        servicer = RefServicer(arm, tmp, model_dir, engine_args, (argv, env))
+    else:
+        # smg-python's AsyncLLM starts its engine core itself, with the same arguments and KV cache size.
+        servicer = RefServicer(arm, tmp, model_dir, engine_args, None, env=env)
+    servicer.start(timeout_s=HANDSHAKE_TIMEOUT_S)
+    try:
+        give_engine_its_priority(servicer, _engine_nice())
+        report = bench_load.run_load(run_args, servicer.target, servicer.process.pid)
+    except Exception as error:
+        raise RuntimeError(f"{arm}: {error}\nits log ends:\n{servicer.log()}") from None
+    finally:
+        servicer.stop()
+    return load_result(report)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -267,14 +315,22 @@ def run(args: argparse.Namespace) -> int:
         # enginelink with the first client and raw make the ratio; the other sides are compared to raw.
         sides = [Side("enginelink", client=clients[0]), Side("raw"),
                  *(Side(f"raw+{us:g}us", front_end_us=us) for us in args.raw_front_end_us),
-                 *(Side(f"enginelink/{client}", client=client) for client in clients[1:])]
+                 *(Side(f"enginelink/{client}", client=client) for client in clients[1:]),
+                 *(Side(arm, client=clients[0], ref=arm) for arm in getattr(args, "against", []))]
+        if getattr(args, "against", []):
+            from enginelink.tools.bench_refs import refs_python
+
+            refs_python()  # fail before the first engine starts
         for concurrency in args.concurrency:
             engine_args = engine_args_for(args, concurrency)
             runs = {side.label: [] for side in sides}
             for r in range(args.rounds):
                 for side in sides:
                     t = time.monotonic()
-                    if side.client is not None:
+                    if side.ref is not None:
+                        res = measure_ref(args, model_dir, engine_args, concurrency, side.client, side.ref,
+                                          tmp / f"{side.ref}-{concurrency}-{r}")
+                    elif side.client is not None:
                         res = measure_enginelink(args, model_dir, engine_args, concurrency, side.client,
                                                  tmp / f"el-{concurrency}-{r}-{side.client}")
                     else:
@@ -286,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
                         print(f"concurrency {concurrency} raw driver placement: {res['placement']}",
                               file=sys.stderr, flush=True)
                     cpu = (f"; servicer {res['servicer_cpu_s'] / res['tokens'] * 1e6:.0f} us/token, "
-                           f"{side.client} client {res['client_cpu_s'] / res['tokens'] * 1e6:.0f} us/token"
+                           f"{side.client} client {res['client_cpu_s'] / res['tokens'] * 1e6:.0f} us/token, "
+                           f"servicer RSS {res['servicer_rss_mib'] or 0:.0f} MiB"
                            if side.client is not None and res["tokens"] else "")
                     print(f"concurrency {concurrency} round {r + 1} {side.label:18s} {res['tokens_per_s']:8.0f} "
                           f"tokens/s ({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed; "
@@ -294,10 +351,15 @@ def run(args: argparse.Namespace) -> int:
             el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
             raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])
             others = {side.label: statistics.median(x["tokens_per_s"] for x in runs[side.label]) / raw
-                      for side in sides[2:]}
+                      for side in sides[2:] if side.ref is None}
+            from enginelink.tools.bench_refs import arm_summary
+
+            # Every servicer arm against raw and enginelink, repetition by repetition, pooled with an interval.
+            arms = {side.label: arm_summary(runs, side.label, ("raw", "enginelink"))
+                    for side in sides if side.label == "enginelink" or side.ref is not None}
             results.append({"concurrency": concurrency, "engine_args": engine_args, "runs": runs,
                             "enginelink_tokens_per_s": el, "raw_tokens_per_s": raw, "ratio": el / raw,
-                            "client": clients[0], "other_ratios": others})
+                            "client": clients[0], "other_ratios": others, "arms": arms})
     report = {"machine": machine_facts(), "requests": requests, "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "model": str(model_dir), "results": results}
     if args.json:
@@ -311,6 +373,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"  concurrency {r['concurrency']:4d}: enginelink ({r['client']} client) "
                   f"{r['enginelink_tokens_per_s']:7.0f} tokens/s ({el})"
                   f"  raw {r['raw_tokens_per_s']:7.0f} tokens/s ({raw})  ratio {r['ratio']:.3f}")
+            if len(r["arms"]) > 1 or args.rounds > 1:
+                from enginelink.tools.bench_refs import format_arm
+
+                print("    servicers, each against the raw driver and enginelink in the same repetition "
+                      "(geometric mean of the per-repetition ratios, 95% interval):")
+                for label, summary in r["arms"].items():
+                    print("\n".join(format_arm(label, r["runs"][label], summary, ("raw", "enginelink"))))
             for side, ratio in r["other_ratios"].items():
                 runs_text = ", ".join(f"{x['tokens_per_s']:.0f}" for x in r["runs"][side])
                 what = ("raw driver spending that much CPU per token" if side.startswith("raw")

@@ -90,6 +90,19 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     return by_name
 
 
+def proc_rss_mib(pid: int) -> tuple[float, float] | None:
+    """(resident now, peak resident) of one process, MiB, from ``/proc/<pid>/status``; None if it is gone."""
+    found = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    found[line[:5]] = int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return found.get("VmRSS", 0.0), found.get("VmHWM", 0.0)
+
+
 def proc_children(pid: int) -> list[int]:
     children: list[int] = []
     try:
@@ -529,6 +542,7 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
         cpu1 = _cpu_if_alive(servicer_pid) if servicer_pid else None
         threads1 = thread_cpu_s(servicer_pid) if servicer_pid else {}
         engine1 = sum(map(_cpu_or_zero, engine_pids))
+        rss = proc_rss_mib(servicer_pid) if servicer_pid else None
     finally:
         if spy is not None:
             _stop_py_spy(spy)
@@ -547,6 +561,8 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
     if spy is not None and args.py_spy.suffix != ".svg" and args.py_spy.exists():
         report["profile"] = {"samples_file": str(args.py_spy), "activities": profile_activities(args.py_spy)}
     report["servicer_threads_cpu_s"] = dict(sorted(threads.items(), key=lambda kv: -kv[1]))
+    # The servicer's memory at the end of the window (every call still open then counts) and its peak so far.
+    report["servicer_rss_mib"], report["servicer_rss_peak_mib"] = rss if rss else (None, None)
     busy, softirq, steal = (b - a for a, b in zip(machine0, machine1))
     ours = (report["servicer_cpu_s"] or 0.0) + (report["engine_cpu_s"] or 0.0) + report["client_cpu_s"]
     report["machine_cpu"] = {

@@ -35,7 +35,9 @@ def busy(tmp_path_factory, test_model_dir):
     """A servicer with long-0, long-1 and long-n2 (n = 2) in flight; short, pair finished; cut aborted."""
     servicer = Servicer(tmp_path_factory.mktemp("inspect"), model_dir=test_model_dir,
                         engine_args=["--step-us", "20000", "--bind-cpu", str(BOUND_CPU)],
-                        env={"ENGINELINK_DRAIN_SECS": "0.2", "ENGINELINK_PLACEMENT": "auto"}).start()
+                        # The opt-in priority knobs on, so inspect has them to show (defaults: 0 and normal).
+                        env={"ENGINELINK_DRAIN_SECS": "0.2", "ENGINELINK_PLACEMENT": "auto",
+                             "ENGINELINK_ENGINE_NICE": "10", "ENGINELINK_SERVICER_SCHED": "batch"}).start()
     streams = []
     try:
         streams = [Stream(servicer, "long-0", **LONG), Stream(servicer, "long-1", **LONG),
@@ -64,7 +66,7 @@ def test_json_shows_links_requests_in_flight_and_the_live_run(busy):
     assert (link["name"], link["state"]) == ("vllm-0", "serving")
     assert link["engine_pid"] == engine_pid(busy.journal) and link["engine_alive"] is True
     assert link["facts"]["max_model_len"] == 2048
-    # What the launch set for the engine and the servicer (ENGINELINK_ENGINE_NICE, ENGINELINK_SERVICER_SCHED defaults).
+    # What the launch set for the engine and the servicer (ENGINELINK_ENGINE_NICE=10, ENGINELINK_SERVICER_SCHED=batch).
     assert link["priority"]["levels"] == 10 and link["priority"]["nice"] == engine_nice(busy)
     assert link["priority"]["servicer"]["policy"] == "batch" and link["priority"]["servicer"]["threads"] >= 1
     assert link["placement"]["bound_cpus"] == [BOUND_CPU]  # ENGINELINK_PLACEMENT=auto

@@ -1,0 +1,122 @@
+"""``runtime/stream_memory.py``: an Event attribute that keeps no Event until waited on, with Event's semantics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from enginelink.runtime.stream_memory import DormantEvent
+from enginelink.runtime.grpc_limits import BoundedStream
+
+
+class Holder:
+    ready = DormantEvent()
+
+    def __init__(self) -> None:
+        self.ready = asyncio.Event()  # as grpclib's Stream.__init__ assigns its Events
+
+
+def test_nothing_is_kept_until_a_wait():
+    h = Holder()
+    assert not any(isinstance(v, asyncio.Event) for v in vars(h).values())
+    h.ready.set()
+    h.ready.clear()
+    h.ready.set()
+    assert h.ready.is_set()
+    assert not any(isinstance(v, asyncio.Event) for v in vars(h).values())  # a flag, no deque
+
+
+def test_it_behaves_as_an_event_in_every_order():
+    async def scenario() -> None:
+        h = Holder()
+        h.ready.set()
+        await asyncio.wait_for(h.ready.wait(), 1)  # set before the wait: returns at once
+        assert isinstance(h.ready, asyncio.Event) and h.ready.is_set()
+
+        h2 = Holder()
+        h2.ready.set()
+        h2.ready.clear()
+        waiter = asyncio.ensure_future(h2.ready.wait())
+        await asyncio.sleep(0)
+        assert not waiter.done()  # cleared: it waits
+        h2.ready.set()  # the real Event now: wakes the waiter
+        assert await asyncio.wait_for(waiter, 1) is True
+
+        h3 = Holder()
+        stale = h3.ready  # a view kept across the wake-up must act on the real Event
+        waiter = asyncio.ensure_future(h3.ready.wait())
+        await asyncio.sleep(0)
+        stale.set()
+        assert await asyncio.wait_for(waiter, 1) is True
+        stale.clear()
+        assert not h3.ready.is_set()
+
+    asyncio.run(scenario())
+
+
+def test_only_a_fresh_event_may_be_assigned():
+    h = Holder()
+    done = asyncio.Event()
+    done.set()
+    with pytest.raises(AttributeError):
+        h.ready = done
+    with pytest.raises(AttributeError):
+        h.ready = True
+
+
+def test_server_streams_use_it_for_grpclibs_three_events():
+    for name in ("window_updated", "headers_received", "trailers_received"):
+        assert isinstance(vars(BoundedStream)[name], DormantEvent)
+
+
+def test_lean_buffer_reads_what_grpclibs_buffer_reads():
+    """Same bytes, same acknowledgements, same EOF, whatever the chunking; nothing kept once drained."""
+    from grpclib.protocol import Buffer
+
+    from enginelink.runtime.stream_memory import LeanBuffer
+
+    async def feed_and_read(cls) -> tuple[list[bytes], list[int], object]:
+        acks: list[int] = []
+        buffer = cls(acks.append)
+        reads = []
+
+        async def reader() -> None:
+            reads.append(await buffer.read(5))
+            reads.append(await buffer.read(7))
+            reads.append(await buffer.read(4))  # only EOF is left: b""
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)  # the reader waits before anything came
+        for chunk in (b"ab", b"cdefg", b"hij", b"kl"):
+            buffer.add(chunk, len(chunk) + 1)  # padding counts for flow control, not for the bytes
+            await asyncio.sleep(0)
+        buffer.eof()
+        await asyncio.wait_for(task, 1)
+        return reads, acks, buffer
+
+    lean = asyncio.run(feed_and_read(LeanBuffer))
+    stock = asyncio.run(feed_and_read(Buffer))
+    assert lean[:2] == stock[:2] == ([b"abcde", b"fghijkl", b""], [3, 6, 4, 3])
+    assert lean[2]._unacked.qsize() == 0 and lean[2]._unacked._items is None
+
+
+def test_lean_queue_has_one_reader_and_survives_a_cancelled_wait():
+    from enginelink.runtime.stream_memory import LeanQueue
+
+    async def scenario() -> None:
+        q = LeanQueue()
+        first = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="one reader"):
+            await q.get()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        q.put_nowait(1)
+        q.put_nowait(2)
+        assert (q.qsize(), await q.get(), q.get_nowait(), q.empty()) == (2, 1, 2, True)
+        with pytest.raises(asyncio.QueueEmpty):
+            q.get_nowait()
+
+    asyncio.run(scenario())
