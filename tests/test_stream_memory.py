@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from enginelink.runtime.stream_memory import DormantEvent
-from enginelink.runtime.grpc_limits import BoundedStream
+from enginelink.runtime.fastpath import BoundedStream
 
 
 class Holder:
