@@ -5,9 +5,8 @@ own: ``_main_loop_one`` opens a cancel scope with the next timer's deadline,
 receives one callback from a memory channel (a checkpoint: the loop task is
 rescheduled) and runs it. A gRPC call is several callbacks (the socket read,
 the handler task's steps, its wake-ups), so every call paid that round several
-times. Measured side by side with the sim engine (concurrency 128, 8 tokens
-per call, alternating; docs/benchmarks.md): 89.1/97.5/103.4 servicer µs per
-token with one round per callback, 80.9/77.5/93.4 with this.
+times; running them together cut the servicer's CPU per token, side by side
+with the sim engine (the figures: docs/benchmarks.md, "The end of a call").
 
 What. After trio-asyncio's own ``_main_loop_one`` (one callback, with its
 timers and its round), the loop calls it again with ``no_wait=True`` while

@@ -5,8 +5,9 @@ trailer. With hundreds of streams on one connection (the router multiplexes
 every call over one channel) that is one ``send`` syscall, and one TCP segment
 for the client to take apart, per message. ``CoalescingTransport`` buffers the
 writes of one loop tick and hands them to the real transport as one write on
-the next tick: measured side by side in ``docs/benchmarks.md`` (servicer CPU
-per message about a third lower, client CPU per token about half).
+the next tick, which lowered both the servicer's CPU per message and the
+client's per token (the figures: ``docs/benchmarks.md``, "After coalescing
+socket writes").
 
 Rules: ordering is preserved (one buffer per connection, flushed in order);
 ``close`` flushes first; nothing is buffered once the transport is closing;
@@ -16,8 +17,8 @@ flow control is untouched (the real transport still calls the protocol's
 ``CoalescingServer`` installs it, and raises the HTTP/2 limit on concurrent
 streams per connection from h2's default of 100 to ``MAX_CONCURRENT_STREAMS``.
 The router multiplexes every call over one connection: at 100 the 101st call
-waited in the client, unseen, while the engine ran under-full (measured at
-concurrency 128: the engine never held more than 100 requests). Admission
+waited in the client, unseen, while the engine ran under-full (above 100
+concurrent calls the engine never held more than 100 requests). Admission
 (``RequestHub``, ``IN_FLIGHT_MAX``) is the bound that answers, with a
 retryable UNAVAILABLE; the transport's limit sits above it with room for the
 control calls (health, loads, KV subscriptions) beside a full load.
