@@ -9,14 +9,11 @@ identity, and carries out the actions it returns (journal a step, send the
 init to a rank, the handshake is done). It never reads a clock or a socket.
 
 Theory of operation. Each rank runs its own handshake on its own identity
-(vLLM's headless wire, reference §3):
-
-    waiting ──hello──> greeted ──response──> responded ──ready──> up
-                          └─────ready──> confirmed ──response──┘
-
-The ready response (input socket) and READY (handshake socket) arrive close
-together in either order (SGLang's adapter sends READY first), so both
-orders are in the table. When every rank is ``up`` the machine returns
+(vLLM's headless wire, reference §3): ``waiting``, HELLO → ``greeted`` (the
+init goes out), then its ready response (input socket) and READY (handshake
+socket) in either order, through ``responded`` or ``confirmed``, → ``up``.
+They arrive close together and SGLang's adapter sends READY first, so both
+orders are in the table (``HANDSHAKE_TABLE.diagram()`` draws it). When every rank is ``up`` the machine returns
 ``HandshakeDone``: each rank's ready response as the runtime reads it, and
 ``incompatible`` when the engine is not the one the launch check verified
 (its version) or not this wire's engine at all (another engine's adapter
