@@ -43,8 +43,6 @@ from typing import Any
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.inputs import InputLimits, check_json_nesting, parse_json, utf8_len
 
-# vLLM 0.32's structured-output backends (config/structured_outputs.py StructuredOutputsBackend).
-BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
 DEFAULT_BACKEND = "auto"
 
 

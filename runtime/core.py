@@ -1,17 +1,16 @@
 """The servicer's lifetime decisions, without gRPC: how it ends, drains, and wires link to hub.
 
-``runtime/server.py`` composes journal, link, hub and app around a grpclib
-server; the simulation (``tests/sim``) composes the same pieces around
-in-memory clients. What both need — wiring the link's batches and failure
-into the hub, racing bring-up against signals and failure, draining — lives
-here, free of grpclib (whose health protos cannot be imported next to
-grpcio's in one process), so both run the same code. These are server.py's
-``_wait_for_end``, ``_drain``, ``_pending_prefill_tokens`` and its
-``on_batch``/``on_failure`` closures, moved as they are; server.py can import
-them from here (it still holds its own copies).
+``runtime/compose.py`` builds the servicer and runs its lifetime for both
+``runtime/server.py`` (a grpclib server) and the simulation (``tests/sim``,
+in-memory clients); the steps of that lifetime — wiring the link's batches
+and failure into the hub, racing bring-up against signals and failure,
+draining — live here, free of grpclib (whose health protos cannot be
+imported next to grpcio's in one process).
 
-Rules: time only from ``trio.current_time()``; one nursery per wait; the
-readiness object is anything with ``set(bool)`` (grpclib's ``ServiceStatus``).
+Rules: time only from ``trio.current_time()``; one nursery per wait;
+readiness is not set here: it follows the link's state
+(``runtime/readiness.py``), so a failure or a drain turns it off by the
+transition itself.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ class Exit(Exception):
         self.reason = reason
 
 
-def connect(link, hub, app, readiness, failed: trio.Event, on_failed=None) -> None:
+def connect(link, hub, app, failed: trio.Event, on_failed=None) -> None:
     """Wire the link to the hub: batches fan out, loads update, a failure fails every call."""
 
     def on_batch(batch, now: float) -> None:
@@ -50,7 +49,6 @@ def connect(link, hub, app, readiness, failed: trio.Event, on_failed=None) -> No
         hub.last_receive_wall = app.wall_time(now)
 
     def on_failure(message: str, now: float) -> None:
-        readiness.set(False)
         hub.fail_all(message, now)
         failed.set()
         if on_failed is not None:
@@ -94,10 +92,9 @@ async def wait_for_end(signals, failed: trio.Event, link, bring_up) -> tuple[int
     return result[0]
 
 
-async def drain(app, readiness, drain_s: float) -> None:
-    """Close admission, let in-flight calls finish for ``drain_s``, abort the rest."""
+async def drain(app, drain_s: float) -> None:
+    """Close admission (``draining``: health NOT_SERVING), let in-flight calls finish for ``drain_s``, abort the rest."""
     link, hub = app.link, app.hub
-    readiness.set(False)
     if link.machine.can(LinkEvent.DRAIN):
         link.step(LinkEvent.DRAIN)
     log.info("draining: %d requests in flight, up to %g s", hub.active_requests, drain_s)

@@ -3,11 +3,14 @@
 Lifetime (one nursery): remove stale ipc socket files (only those nothing live
 is bound to); bind the handshake ROUTER, the input ROUTER and the output PULL
 (ipc sockets in a private 0700 directory); launch the engine in its own
-session, which dials the handshake socket; HELLO → init addresses → ready
-response (on the input socket) and READY (on the handshake socket, in either
-order); close the handshake socket; check the ready response with the
-launcher (a version guard); then the link is up and the receive loop decodes
-each output frame once, journals it as received, and hands it to the hub.
+session, which dials the handshake socket; the handshake (HELLO → init
+addresses → ready response on the input socket and READY on the handshake
+socket, in either order) is decided by the sans-io handshake machine
+(``machines/handshake.py``, the same one the memory link feeds), which also
+checks the engine's version against the launch check; this file only moves
+its messages and journals its steps; close the handshake socket; then the
+link is up and the receive loop decodes each output frame once, journals it
+as received, and hands it to the hub.
 Frames from anyone but the engine on the handshake socket are ignored and
 journaled (``runtime/handshake_gate.py``).
 
@@ -36,8 +39,10 @@ link's one machine: one rank dying fails the link (docs/architecture.md,
 the hub picks the rank (``machines/ranks.py``). ``ready`` is the first
 rank's ready response, ``rank_ready`` every rank's.
 
-Rules: no request I/O outside this file and the hub; the machine decides
-state, this file only feeds it events; every handshake message is journaled.
+Rules: no request I/O outside this file and the hub; the machines (link,
+handshake) decide, this file only feeds them events; every handshake message
+is journaled; every transition goes through ``step``, and ``on_transition``
+hears each one (readiness follows the link's state: ``runtime/readiness.py``).
 """
 
 from __future__ import annotations
@@ -51,7 +56,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, assert_never
 
-import msgspec
 import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -65,6 +69,8 @@ from enginelink.journal.records import (
     engine_stream,
     link_stream,
 )
+from enginelink.machines.handshake import Action as HandshakeAction
+from enginelink.machines.handshake import EngineHandshake, HandshakeDone, HandshakeRefused, Record, SendInit
 from enginelink.machines.link import LinkEvent, LinkMachine, LinkState
 from enginelink.machines.ranks import RankTable
 from enginelink.machines.liveness import PROBE_METHOD, IdleProbe, ProbeFailed, ProbeSend, ProbeTiming, ProbeWait
@@ -86,7 +92,6 @@ from enginelink.runtime.engine_process import (
 from enginelink.runtime.engine_output import RELAY_DRAIN_S, EngineOutputRelay, Redactor
 from enginelink.runtime.handshake_gate import (
     HANDSHAKE_MESSAGE_MAX_BYTES,
-    HandshakeBroken,
     HandshakeGate,
     bound_handshake_socket,
     bound_input_socket,
@@ -95,8 +100,8 @@ from enginelink.runtime.handshake_gate import (
 )
 from enginelink.runtime.launchers import EngineLauncher, launch_secrets, refused_arguments
 from enginelink.runtime.zmq_trio import has_message, make_socket, recv_multipart, wait_fd
-from enginelink.wire import vllm as vllm_wire
-from enginelink.wire.engine import EngineCodec, EngineDead, OutputBatch, WireError
+from enginelink.wire import codecs
+from enginelink.wire.engine import EngineCodec, EngineDead, HandshakeWire, OutputBatch, WireError
 
 log = logging.getLogger("enginelink.link")
 
@@ -165,6 +170,7 @@ class EngineLink:
         engine_nice: int = ENGINE_NICE_DEFAULT,
         servicer_sched: str = SERVICER_SCHED_DEFAULT,
         placement: str = PLACEMENT_DEFAULT,
+        handshake_wire: HandshakeWire | None = None,
     ) -> None:
         self.name = name
         self.engine_nice = engine_nice
@@ -172,6 +178,8 @@ class EngineLink:
         self.placement = placement
         self.launcher = launcher
         self.codec = codec
+        # How this wire's handshake reads (machines/handshake.py); the codec's own by default.
+        self.handshake_wire = handshake_wire or codecs.handshake(codec.name)
         self.journal = journal
         supervision = supervision or Supervision()
         if startup_timeout_s is not None:
@@ -180,10 +188,10 @@ class EngineLink:
         self.machine = LinkMachine(name, trio.current_time())
         self.ready: dict = {}  # the first rank's ready response (and the engine's facts)
         self.rank_ready: dict[int, dict] = {}  # every rank's ready response
+        self._handshake_result: HandshakeDone | None = None
         # The DP ranks the launch runs (runtime/kv_config.engine_ranks: the engine arguments).
         self.expected_ranks: tuple[int, ...] = tuple(getattr(launcher, "ranks", None) or (0,))
         self.ranks = RankTable()  # filled at the handshake; the hub picks ranks from it
-        self.engine_facts: dict = {}
         self.process: trio.Process | None = None
         self._relay: EngineOutputRelay | None = None
         # The launch's redactor once it knows the secrets; before that (and for a link
@@ -191,6 +199,8 @@ class EngineLink:
         self._redactor = Redactor()
         self.on_batch: Callable[[OutputBatch, float], None] = lambda batch, now: None
         self.on_failure: Callable[[str, float], None] = lambda message, now: None
+        # Hears every transition, after it is journaled (readiness follows the state).
+        self.on_transition: Callable[[LinkState], None] = lambda state: None
         # (requests in flight, prompt tokens not yet prefilled), for the silence limit.
         self.load_probe: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self._context = zmq.Context.instance()
@@ -234,6 +244,7 @@ class EngineLink:
         if reason:
             payload["reason"] = reason
         self.journal.append(now, link_stream(self.name), KIND_TRANSITION, payload)
+        self.on_transition(self.machine.state)
 
     async def utility(self, method: str, args: list, timeout_s: float, rank: int | None = None) -> object:
         """Call an engine utility method on one rank, or on every rank (``rank`` None) as vLLM's DP
@@ -423,7 +434,7 @@ class EngineLink:
         with trio.CancelScope() as self._startup_scope:
             try:
                 await handshake()
-            except (LinkFailed, HandshakeBroken, msgspec.DecodeError) as error:
+            except (LinkFailed, HandshakeRefused) as error:
                 self._fail(f"engine broke the handshake: {error}")
             else:
                 self._handshake_done = True
@@ -433,6 +444,36 @@ class EngineLink:
             return LinkFailed(self.machine.failure or "engine start-up was cancelled")
         return None
 
+    def _new_handshake(self, inputs: str, outputs: str) -> EngineHandshake:
+        """The handshake machine of this start: every expected rank, the launch check's version."""
+        return EngineHandshake(self.handshake_wire, self.expected_ranks, [inputs], [outputs],
+                               expected_version=getattr(self.launcher, "checked_version", None) or None)
+
+    def _apply(self, actions: list[HandshakeAction], send_init) -> None:
+        """Carry out the handshake machine's actions; ``send_init(identity, payload)`` is the transport's."""
+        for action in actions:
+            match action:
+                case Record(step=step, message=message, rank=rank):
+                    self._journal_handshake(step, message, rank)
+                case SendInit(identity=identity, payload=payload):
+                    send_init(identity, payload)
+                case HandshakeDone(ready=ready):
+                    self._handshake_result = action
+                    self.rank_ready = dict(ready)
+                    self.ready = dict(ready[action.ranks[0]])
+                    self.ranks.set_ranks(action.ranks)
+                    self._identities = {rank: self.handshake_wire.identity(rank) for rank in action.ranks}
+                case unreachable:
+                    assert_never(unreachable)
+
+    def _check_compatible(self) -> LinkFailed | None:
+        """After the facts are recorded: the machine's verdict on the engine's version and wire."""
+        result = self._handshake_result
+        if result is not None and result.incompatible:
+            self._fail(result.incompatible)
+            return EngineIncompatible(result.incompatible)
+        return None
+
     async def _start_up(self, handshake, inputs, in_path: Path, out_path: Path, facts_path: Path) -> LinkFailed | None:
         """Handshake and check the engine; the failure, if it did not come up."""
         failure = await self._run_handshake(
@@ -440,66 +481,40 @@ class EngineLink:
         if failure is not None:
             return EngineArgsRefused(str(failure)) if self.failure_status == 2 else failure
         self._read_facts(facts_path)
-        check = getattr(self.launcher, "check_ready", lambda ready: None)
-        for rank, ready in self.rank_ready.items():
-            problem = check(ready)
-            if problem:
-                problem = problem if len(self.rank_ready) == 1 else f"DP rank {rank}: {problem}"
-                self._fail(problem)
-                return EngineIncompatible(problem)
-        return None
+        return self._check_compatible()
 
     async def _handshake(self, handshake, inputs, in_address: str, out_address: str) -> None:
-        identities = frozenset(rank.to_bytes(2, "little") for rank in self.expected_ranks)
-        gate = HandshakeGate(self.process.pid, self._journal_handshake, identities)
+        machine = self._new_handshake(in_address, out_address)
+        gate = HandshakeGate(self.process.pid, self._journal_handshake, machine.identities, machine.is_hello)
         try:
-            await self._handshake_with(gate, handshake, inputs, in_address, out_address)
+            await self._handshake_with(machine, gate, handshake, inputs)
         finally:
             summary = gate.summary()
             if summary is not None:
                 self._journal_handshake("strangers", summary)
 
-    async def _handshake_with(self, gate: HandshakeGate, handshake, inputs, in_address: str, out_address: str) -> None:
-        """Every rank: HELLO → init → its ready response (input socket) and READY (handshake socket).
+    async def _handshake_with(self, machine: EngineHandshake, gate: HandshakeGate, handshake, inputs) -> None:
+        """Feed the machine every rank's messages until it is done (``machines/handshake.py``).
 
         The ranks start together and their steps interleave, so each message is
         filed by the identity that sent it; a rank's ready response and READY
         come within the same 0.1 s in either order, so both sockets are polled.
         """
-        ranks = {rank.to_bytes(2, "little"): rank for rank in self.expected_ranks}
-        init = vllm_wire.encode_handshake_init(
-            vllm_wire.HandshakeInit(addresses=vllm_wire.HandshakeAddresses(inputs=[in_address], outputs=[out_address]))
-        )
-        progress: dict[int, set[str]] = {rank: set() for rank in ranks.values()}
+
+        def send_init(identity: bytes, payload: bytes) -> None:
+            handshake.send_multipart([identity, payload])
+
         first = await receive_from_engine(handshake, gate)  # nothing to poll for before the first HELLO
-        while not all({"ready", "READY"} <= steps for steps in progress.values()):
+        while machine.done is None:
             judged = first or poll_engine_from(handshake, gate)
             first = None
             if judged is not None:
-                identity, message = judged
-                rank = ranks[identity]
-                if "hello" not in progress[rank]:
-                    self._journal_handshake("hello", message, rank)
-                    handshake.send_multipart([identity, init])
-                    self._journal_handshake("init", {"inputs": [in_address], "outputs": [out_address]}, rank)
-                    self._identities[rank] = identity
-                    progress[rank].add("hello")
-                else:
-                    self._journal_handshake("READY", message, rank)
-                    if message.get("status") == "READY":
-                        progress[rank].add("READY")
-            response = poll_engine_from(inputs, gate)
+                self._apply(machine.on_status(*judged), send_init)
+            response = poll_engine_from(inputs, gate) if machine.done is None else None
             if response is not None:
-                identity, ready = response
-                rank = ranks[identity]
-                self.rank_ready[rank] = ready
-                self._journal_handshake("ready", ready, rank)
-                progress[rank].add("ready")
+                self._apply(machine.on_ready_response(*response), send_init)
             if judged is None and response is None:
                 await trio.sleep(HANDSHAKE_POLL_S)
-        ordered = sorted(self.rank_ready)
-        self.ready = dict(self.rank_ready[ordered[0]])
-        self.ranks.set_ranks(tuple(ordered))
 
     def _read_facts(self, facts_path: Path) -> None:
         """Merge the engine's own config facts into ``ready`` where the response lacks them."""
@@ -508,7 +523,6 @@ class EngineLink:
         except (OSError, ValueError):
             facts = {}
         if isinstance(facts, dict):
-            self.engine_facts = facts
             for ready in (self.ready, *self.rank_ready.values()):
                 for key, value in facts.items():
                     ready.setdefault(key, value)

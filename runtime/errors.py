@@ -139,16 +139,12 @@ class ResourceExhausted(ServicerError):
     whose = "client"
 
 
-class Unimplemented(ServicerError):
-    status = Status.UNIMPLEMENTED
-    whose = "client"
-
-
-class NotThisEngine(Unimplemented):
+class NotThisEngine(ServicerError):
     """The engine behind this worker does not run this kind of request: Embed on a
     generation model, Generate on a pooling model → UNIMPLEMENTED (router: 501, not
     retried; a 400 would tell the client its body was wrong)."""
 
+    status = Status.UNIMPLEMENTED
     whose = "servicer"
 
     @property

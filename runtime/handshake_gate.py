@@ -22,16 +22,18 @@ rules it keeps:
   frame is never decoded. Where the pid is unknown (not Linux), the first
   frame that decodes as HELLO is taken, and others are strangers.
 
-A frame from the engine itself that breaks the handshake still fails the
-link: that is the engine's fault, and waiting would not mend it.
+The gate says who sent a frame, never what it means: the engine's own frames
+go to the handshake machine (``machines/handshake.py``), and one that breaks
+the handshake still fails the link: that is the engine's fault, and waiting
+would not mend it.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
-import msgspec
 import zmq
 
 from enginelink.runtime.engine_process import session_of
@@ -48,10 +50,6 @@ READY_RESPONSE_MAX_BYTES = 1024 * 1024
 HANDSHAKE_QUEUE_MAX = 16
 # Strangers' frames journaled one by one (then only counted), so a flood cannot fill the journal.
 STRANGER_RECORDS_MAX = 16
-
-
-class HandshakeBroken(Exception):
-    """The engine itself sent something that is not its handshake (the engine's fault)."""
 
 
 def bound_handshake_socket(sock: zmq.Socket) -> None:
@@ -105,18 +103,24 @@ class Stranger:
 
 
 class HandshakeGate:
-    """Sorts handshake frames into the engine's messages and strangers' (no I/O but reads)."""
+    """Sorts handshake frames into the engine's messages and strangers' (no I/O but reads).
 
-    def __init__(self, engine_session: int, journal_step, identities: frozenset[bytes] | None = None) -> None:
+    It decides who sent a frame, never what the frame says: the engine's own
+    messages go to the handshake machine (``machines/handshake.py``), which
+    refuses a broken handshake.
+    """
+
+    def __init__(self, engine_session: int, journal_step, identities: frozenset[bytes],
+                 is_hello: Callable[[bytes], bool]) -> None:  # fmt: skip
         self.engine_session = engine_session
-        # The identities the engine's ranks may use (None: whichever sends HELLO first, one rank).
-        self.allowed = identities
-        self.hello_from: set[bytes] = set()  # the ranks' identities that sent HELLO
+        self.allowed = identities  # the identities the engine's ranks speak from
+        self._is_hello = is_hello
+        self.hello_from: set[bytes] = set()  # where the pid is unknown: the ranks that sent HELLO
         self.strangers = 0
         self._journal_step = journal_step
 
-    def judge(self, frames: list[zmq.Frame]) -> tuple[bytes, dict] | None:
-        """The engine's (identity, message), or None for a stranger's frame (journaled)."""
+    def judge(self, frames: list[zmq.Frame]) -> tuple[bytes, bytes] | None:
+        """The engine's (identity, payload), or None for a stranger's frame (journaled)."""
         identity = frames[0].bytes if frames else b""
         peer, pid = peer_of(frames[-1]) if frames else ("", None)
         size = sum(len(frame) for frame in frames[1:])  # what the sender sent (the identity is the ROUTER's)
@@ -124,27 +128,15 @@ class HandshakeGate:
             return self._stranger("not one frame", identity, peer, size)
         if pid is not None and session_of(pid) != self.engine_session:
             return self._stranger(f"pid {pid} is not in the engine's session", identity, peer, size)
-        if self.allowed is not None and identity not in self.allowed:
+        if identity not in self.allowed:
             return self._stranger("not the identity of one of the engine's DP ranks", identity, peer, size)
-        try:
-            message = msgspec.msgpack.decode(frames[1].bytes)
-        except msgspec.DecodeError as error:
-            if pid is None:
-                return self._stranger(f"not msgpack ({error})", identity, peer, size)
-            raise HandshakeBroken(f"engine sent a handshake frame that is not msgpack: {error}") from None
-        if not isinstance(message, dict):
-            if pid is None:
-                return self._stranger("not a map", identity, peer, size)
-            raise HandshakeBroken(f"engine sent {message!r} on the handshake socket")
-        if identity not in self.hello_from:
-            if message.get("status") != "HELLO":
-                if pid is None:
-                    return self._stranger("not HELLO", identity, peer, size)
-                raise HandshakeBroken(f"engine sent {message!r} instead of HELLO on the handshake socket")
+        payload = frames[1].bytes
+        if pid is None and identity not in self.hello_from:
+            # Nothing tells the engine apart but what it says: its first frame must be a HELLO.
+            if not self._is_hello(payload):
+                return self._stranger("not HELLO", identity, peer, size)
             self.hello_from.add(identity)
-            if self.allowed is None:
-                self.allowed = frozenset((identity,))  # the first HELLO's identity is the engine's
-        return identity, message
+        return identity, payload
 
     def _stranger(self, reason: str, identity: bytes, peer: str, size: int) -> None:
         self.strangers += 1
@@ -172,7 +164,7 @@ def read_frames(sock: zmq.Socket) -> list[zmq.Frame] | None:
         return None
 
 
-async def receive_from_engine(sock: zmq.Socket, gate: HandshakeGate) -> tuple[bytes, dict]:
+async def receive_from_engine(sock: zmq.Socket, gate: HandshakeGate) -> tuple[bytes, bytes]:
     """Wait for the engine's next handshake message, passing over strangers'."""
     fd = sock.getsockopt(zmq.FD)
     while True:
@@ -186,14 +178,8 @@ async def receive_from_engine(sock: zmq.Socket, gate: HandshakeGate) -> tuple[by
         await wait_fd(fd)
 
 
-def poll_engine(sock: zmq.Socket, gate: HandshakeGate) -> dict | None:
-    """The engine's message waiting on the socket, if any; strangers' are passed over."""
-    judged = poll_engine_from(sock, gate)
-    return None if judged is None else judged[1]
-
-
-def poll_engine_from(sock: zmq.Socket, gate: HandshakeGate) -> tuple[bytes, dict] | None:
-    """The engine's (identity, message) waiting on the socket, if any; strangers' are passed over."""
+def poll_engine_from(sock: zmq.Socket, gate: HandshakeGate) -> tuple[bytes, bytes] | None:
+    """The engine's (identity, payload) waiting on the socket, if any; strangers' are passed over."""
     while True:
         frames = read_frames(sock)
         if frames is None:

@@ -3,8 +3,9 @@
 A launcher is pure: it returns the argv and extra environment for the
 engine process; the link starts and supervises it. Engines run in their own
 session (process group) so stopping them never leaves a worker behind.
-A launcher may also offer ``check_ready(ready) -> str | None``: a problem
-with the engine's ready response that must stop the link (a version guard).
+A launcher may also say ``checked_version``: the release its launch check
+verified, which the engine's ready response must name (the handshake machine,
+``machines/handshake.py``, refuses another; ``check_ready`` is that check on a map).
 """
 
 from __future__ import annotations

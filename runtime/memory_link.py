@@ -20,7 +20,9 @@ Theory of operation:
   cost model (``SimConfig.step_us``, ``prefill_us_per_token``) is virtual
   time, so a run is exact and instant;
 - the handshake goes over a third pair of channels with the real messages
-  (HELLO, init, ready response, READY), after ``startup_delay_s``.
+  (HELLO, init, ready response, READY; each tagged with the socket it
+  would come on), after ``startup_delay_s``, and the link feeds them to the
+  same handshake machine as ``EngineLink`` (``machines/handshake.py``).
 
 Faults (call them from a trio task; each is what the engine would do):
 ``kill(status)`` the engine process exits (the watcher fails the link);
@@ -44,7 +46,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import msgspec
 import trio
 import zmq
 
@@ -105,6 +106,7 @@ class MemoryLink(EngineLink):
         self.config = config
         self.options = options or MemoryEngineOptions()
         self.core = SimEngineCore(config, hooks)
+        self.expected_ranks = (config.engine_index,)  # one engine core, one rank
         self._connected = False
         self._engine_scope: trio.CancelScope | None = None
         self._engine_running = False
@@ -279,16 +281,18 @@ class MemoryLink(EngineLink):
                 self.process.exited(self._exit_status)
 
     async def _engine_handshake(self) -> None:
+        """The engine's side: HELLO and READY on the handshake socket, the ready response on the input one."""
         opts = self.options
+        identity = self.handshake_wire.identity(self.config.engine_index)
         hello = vllm.HandshakeStatus(status="HELLO", local=False, headless=True)
-        await self._hs_to_link_tx.send(vllm.encode_handshake_status(hello))
+        await self._hs_to_link_tx.send(("handshake", identity, vllm.encode_handshake_status(hello)))
         vllm.decode_handshake_init(await self._hs_to_engine_rx.receive())
         await trio.sleep(opts.startup_delay_s)
         if opts.hang_startup:
             await trio.sleep_forever()
-        await self._hs_to_link_tx.send(vllm.encode_ready_response(ready_response(self.config)))
+        await self._hs_to_link_tx.send(("input", identity, vllm.encode_ready_response(ready_response(self.config))))
         ready = vllm.HandshakeStatus(status="READY", local=False, headless=True)
-        await self._hs_to_link_tx.send(vllm.encode_handshake_status(ready))
+        await self._hs_to_link_tx.send(("handshake", identity, vllm.encode_handshake_status(ready)))
 
     async def _engine_serve(self) -> None:
         """``sim_engine._serve`` on trio's clock."""
@@ -394,24 +398,21 @@ class MemoryLink(EngineLink):
             KIND_ENGINE_FACTS,
             {"link": self.name, "pid": self.process.pid, "facts": self.ready},
         )
-        return None
+        return self._check_compatible()
 
     async def _memory_handshake(self) -> None:
-        hello = msgspec.msgpack.decode(await self._hs_to_link_rx.receive())
-        self._journal_handshake("hello", hello)
-        if not isinstance(hello, dict) or hello.get("status") != "HELLO":
-            raise LinkFailed(f"engine sent {hello!r} instead of HELLO on the handshake socket")
-        addresses = vllm.HandshakeAddresses(inputs=["memory://in"], outputs=["memory://out"])
-        await self._hs_to_engine_tx.send(vllm.encode_handshake_init(vllm.HandshakeInit(addresses=addresses)))
-        self._journal_handshake("init", {"inputs": addresses.inputs, "outputs": addresses.outputs})
-        self.ready = msgspec.msgpack.decode(await self._hs_to_link_rx.receive())
-        self.rank_ready = {self.config.engine_index: self.ready}
-        self.ranks.set_ranks((self.config.engine_index,))
-        self._journal_handshake("ready", self.ready)
-        message = msgspec.msgpack.decode(await self._hs_to_link_rx.receive())
-        self._journal_handshake("READY", message)
-        if not (isinstance(message, dict) and message.get("status") == "READY"):
-            raise LinkFailed(f"engine sent {message!r} instead of READY")
+        """The handshake machine fed from the memory "sockets" (``EngineLink._handshake_with``'s loop)."""
+        machine = self._new_handshake("memory://in", "memory://out")
+
+        def send_init(identity: bytes, payload: bytes) -> None:
+            self._hs_to_engine_tx.send_nowait(payload)
+
+        while machine.done is None:
+            socket, identity, payload = await self._hs_to_link_rx.receive()
+            if socket == "input":
+                self._apply(machine.on_ready_response(identity, payload), send_init)
+            else:
+                self._apply(machine.on_status(identity, payload), send_init)
 
     async def _memory_receive_loop(self) -> None:
         """``EngineLink._receive_loop`` reading the memory channel."""

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import platformdirs
 
+from enginelink.machines.handshake import version_refusal
 from enginelink.wire.vllm import LAYOUT
 
 log = logging.getLogger("enginelink")
@@ -116,14 +117,11 @@ def check(theirs: dict, python: str) -> str | None:
 
 
 def check_ready(ready: dict, checked_version: str) -> str | None:
-    """The cheap run-time guard: the engine that answered is the release that was checked."""
-    version = str(ready.get("vllm_version") or "")
-    if version != checked_version:
-        return (
-            f"the engine's ready response says vLLM {version or '(none)'}, but the launch check "
-            f"verified vLLM {checked_version}: the engine runs from another installation"
-        )
-    return None
+    """The cheap run-time guard: the engine that answered is the release that was checked.
+
+    The link runs it inside the handshake machine (``machines/handshake.py``,
+    from the launcher's ``checked_version``); this is the same check on a map."""
+    return version_refusal("vLLM", str(ready.get("vllm_version") or ""), checked_version)
 
 
 def installed_layout(python: str) -> dict:

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from typing import Callable, Final
 
-from enginelink.wire.engine import EngineCodec
-from enginelink.wire.vllm import VllmCodec
+from enginelink.wire.engine import EngineCodec, HandshakeWire
+from enginelink.wire.vllm import VllmCodec, VllmHandshake
 
 _FACTORIES: Final[dict[str, Callable[[], EngineCodec]]] = {
     "vllm": VllmCodec,
+}
+
+# Each wire's start-up handshake (machines/handshake.py reads it through this object).
+_HANDSHAKES: Final[dict[str, Callable[[], HandshakeWire]]] = {
+    "vllm": VllmHandshake,
 }
 
 NAMES: Final = tuple(_FACTORIES)
@@ -27,4 +32,13 @@ def get(name: str) -> EngineCodec:
         factory = _FACTORIES[name]
     except KeyError:
         raise KeyError(f"unknown engine codec {name!r}; known: {', '.join(NAMES)}") from None
+    return factory()
+
+
+def handshake(name: str) -> HandshakeWire:
+    """The handshake codec of engine wire ``name`` (one of ``NAMES``)."""
+    try:
+        factory = _HANDSHAKES[name]
+    except KeyError:
+        raise KeyError(f"unknown engine wire {name!r}; known: {', '.join(NAMES)}") from None
     return factory()

@@ -17,7 +17,7 @@ Rules:
 from __future__ import annotations
 
 import enum
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import msgspec
 
@@ -212,4 +212,53 @@ class EngineCodec(Protocol):
         Decoded only when asked (calls that requested logprobs), never on
         the decode of every frame. Raise WireError on arrays it cannot read.
         """
+        ...
+
+
+class HandshakeStep(enum.StrEnum):
+    """What an engine rank says on the handshake socket: first HELLO, last READY."""
+
+    HELLO = "HELLO"
+    READY = "READY"
+
+
+class HandshakeWire(Protocol):
+    """Sans-io codec of one engine wire's start-up handshake, front-end side.
+
+    vLLM's headless handshake (HELLO → init addresses → ready response and
+    READY, in either order), which SMG's SGLang adapter and TokenSpeed's
+    headless scheduler reuse with a few fields of their own. The handshake
+    machine (``machines/handshake.py``) decides; this object only reads and
+    writes one wire's messages, as typed structs. Every ``decode_*`` raises
+    ``WireError`` on a message it cannot read.
+    """
+
+    engine: str  # how messages name the engine ("vLLM")
+
+    def identity(self, rank: int) -> bytes:
+        """The socket identity a DP rank speaks from."""
+        ...
+
+    def decode_status(self, payload: bytes) -> tuple[HandshakeStep, Any]:
+        """A handshake-socket message: which step it is, and the typed message."""
+        ...
+
+    def encode_init(self, inputs: Sequence[str], outputs: Sequence[str]) -> bytes:
+        """The init message: where the rank sends its inputs' answers and its outputs."""
+        ...
+
+    def decode_ready(self, payload: bytes) -> Any:
+        """The ready response (the rank's first message on the input socket), typed."""
+        ...
+
+    def facts(self, ready: Any) -> dict:
+        """The ready response as the runtime reads it (vLLM's key names)."""
+        ...
+
+    def version(self, ready: Any) -> str:
+        """The release the ready response says the engine runs ("" when it does not say)."""
+        ...
+
+    def foreign(self, version: str) -> str | None:
+        """The other engine a version names (SGLang's adapter says ``sglang-…``), or None if it is this wire's."""
         ...

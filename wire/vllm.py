@@ -36,6 +36,7 @@ from enginelink.wire.engine import (
     EngineDead,
     FinishReason,
     GenerateSpec,
+    HandshakeStep,
     LogprobRows,
     PoolingSpec,
     OutputBatch,
@@ -557,6 +558,48 @@ def decode_handshake_init(payload: bytes) -> HandshakeInit:
 
 def encode_ready_response(response: ReadyResponse) -> bytes:
     return _ENCODER.encode(response)
+
+
+class VllmHandshake:
+    """vLLM 0.32's handshake as the handshake machine reads it (``wire.engine.HandshakeWire``).
+
+    A rank's identity is its rank, 2 bytes little-endian (vLLM's engine
+    index). Another engine's adapter that reuses this handshake says so in
+    ``vllm_version`` (``sglang-<version>``, ``tokenspeed-<version>``): a
+    version that starts with a name and a dash is another engine's.
+    """
+
+    engine: Final = "vLLM"
+
+    @staticmethod
+    def identity(rank: int) -> bytes:
+        return rank.to_bytes(2, "little")
+
+    @staticmethod
+    def decode_status(payload: bytes) -> tuple[HandshakeStep, HandshakeStatus]:
+        status = decode_handshake_status(payload)
+        return HandshakeStep(status.status), status
+
+    @staticmethod
+    def encode_init(inputs: Sequence[str], outputs: Sequence[str]) -> bytes:
+        return encode_handshake_init(HandshakeInit(addresses=HandshakeAddresses(inputs=list(inputs), outputs=list(outputs))))
+
+    @staticmethod
+    def decode_ready(payload: bytes) -> ReadyResponse:
+        return decode_ready_response(payload)
+
+    @staticmethod
+    def facts(ready: ReadyResponse) -> dict:
+        return msgspec.to_builtins(ready)
+
+    @staticmethod
+    def version(ready: ReadyResponse) -> str:
+        return ready.vllm_version
+
+    @staticmethod
+    def foreign(version: str) -> str | None:
+        name, dash, _ = version.partition("-")
+        return name if dash and name.isalpha() else None
 
 
 # --------------------------------------------------------------------------

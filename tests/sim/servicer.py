@@ -1,14 +1,14 @@
 """The servicer core in memory: journal, link, hub, app, warm-up, drain and failure, on trio's clock.
 
 ``SimServicer.serve`` is ``runtime/server.py``'s ``serve`` without the
-sockets: the same lifetime (run.start → link up → warm-up → serving, then a
-signal → drain, exit 0, or the link failing → every open call UNAVAILABLE,
-exit 1; then engine stopped, handlers closed, run.stop), built from the same
-pieces, with the gRPC-free lifetime functions of ``runtime/core.py``
-(``connect``, ``wait_for_end``, ``drain``). What differs:
+sockets: the servicer is built by the same ``runtime/compose.compose`` and
+runs the same lifetime (``Servicer.run``: run.start → link up → warm-up →
+serving, then a signal → drain, exit 0, or the link failing → every open
+call UNAVAILABLE, exit 1; then engine stopped, handlers closed, run.stop).
+What differs is what ``Composition`` takes as parameters:
 
 - the engine link is a ``MemoryLink`` (the sim engine core in a trio task);
-- the gRPC server is a nursery of handler tasks running
+- the front (the gRPC server) is a nursery of handler tasks running
   ``runtime.generate.generate`` (the handler's own loop) with a ``TrioWake``;
   closing the server cancels them, as grpclib's ``Server.close`` does;
 - signals come from a memory channel; wall time is a fixed fake start, so
@@ -20,32 +20,24 @@ pieces, with the gRPC-free lifetime functions of ``runtime/core.py``
 from __future__ import annotations
 
 import signal
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from functools import partial
 
 import trio
 
-from enginelink.journal.journal import Journal
-from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
-from enginelink.machines.link import LinkEvent, LinkState
 from enginelink.machines.warmup import WarmupSetting
-from enginelink.runtime.app import App
-from enginelink.runtime.engine_link import EngineIncompatible, LinkFailed
+from enginelink.runtime.compose import Composition, JournalPlan, Servicer, compose
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.generate import generate
 from enginelink.runtime.hub import Call, RequestHub
 from enginelink.runtime.memory_link import MemoryLink
 from enginelink.runtime.model_dir import ModelFacts
-from enginelink.runtime.core import FAIL_FLUSH_S, Exit, connect, drain, wait_for_end
-from enginelink.runtime.snapshots import run_snapshots
-from enginelink.runtime.warmup import TrioWake, warm_up
+from enginelink.runtime.warmup import TrioWake
 from tests.sim.scenario import ClientPlan, Scenario
 
 FAKE_WALL_START = 1_700_000_000.0  # the run's "wall clock" at trio time 0
 FAKE_PID = 31337
 LINK_NAME = "vllm-0"
-# grpclib's wait_closed after close: how long handlers get to end (server.py waits as long).
-CLOSE_WAIT_S = 2.0
 # The journal's ring must hold a whole run: the checks read every record.
 RING_RECORDS_MAX = 2_000_000
 
@@ -98,50 +90,31 @@ class FaultRecord:
     link_state: str
 
 
-class _Readiness:
-    """grpclib's ServiceStatus, as far as the lifetime uses it."""
-
-    def __init__(self) -> None:
-        self.value = False
-
-    def set(self, value: bool) -> None:
-        self.value = bool(value)
-
-
 class SimServicer:
     def __init__(self, sc: Scenario, model: ModelFacts, tokenizer) -> None:
         self.sc = sc
         self.model = model
-        self.journal = Journal(None, ring_records_max=RING_RECORDS_MAX, ring_bytes_max=1 << 30)
-        self.link = MemoryLink(
-            name=LINK_NAME, config=sc.sim, journal=self.journal, supervision=sc.supervision, options=sc.engine
-        )
-        self.hub = ObservedHub(
-            shell=self.link,
-            link=self.link.machine,
-            codec=self.link.codec,
-            send_frames=self.link.send,
-            ranks=self.link.ranks,
-            journal=self.journal,
-            tokenizer=tokenizer,
-            cached_tokens=self.link.codec.cached_tokens,
-        )
-        self.app = App(
-            link=self.link,
-            hub=self.hub,
-            journal=self.journal,
+        self.parts: Servicer = compose(Composition(
             model=model,
             served_model_name="test-model",
-            run_start_wall=FAKE_WALL_START,
-            run_start_trio=0.0,
-        )
-        self.readiness = _Readiness()
+            new_link=lambda journal: MemoryLink(name=LINK_NAME, config=sc.sim, journal=journal,
+                                                supervision=sc.supervision, options=sc.engine),
+            new_hub=lambda shell, **kwargs: ObservedHub(shell=shell, **kwargs),
+            warmup=WarmupSetting(sc.warmup_level, sc.warmup_budget_s),
+            drain_s=sc.drain_s,
+            journal=JournalPlan(None, ring_records_max=RING_RECORDS_MAX, ring_bytes_max=1 << 30),
+            tokenizer=tokenizer,
+            run_record={"pid": FAKE_PID, "argv": ["enginelink", "serve", "--sim", str(sc.seed)], "engine": "vllm",
+                        "port": 0, "version": "sim"},
+            wall_clock=lambda: FAKE_WALL_START,
+            snapshot_interval_s=sc.snapshot_interval_s,
+        ))  # fmt: skip
+        self.parts.on_failed = self._link_failed
+        self.journal, self.link, self.hub, self.app = self.parts.journal, self.parts.link, self.parts.hub, self.parts.app
+        self.readiness = self.parts.readiness
         self.signals_tx, self.signals_rx = trio.open_memory_channel(4)
         self.accepting = False
         self.closing = False
-        self.exit_status: int | None = None
-        self.reason = ""
-        self.serving_at: float | None = None
         self.sigterm_sent_at: float | None = None
         self.link_failed_at: float | None = None
         self.faults: list[FaultRecord] = []
@@ -149,60 +122,41 @@ class SimServicer:
         self._handlers: trio.Nursery | None = None
         self._handlers_done = trio.Event()
 
+    @property
+    def exit_status(self) -> int | None:
+        return self.parts.exit_status
+
+    @property
+    def reason(self) -> str:
+        return self.parts.reason
+
+    @property
+    def serving_at(self) -> float | None:
+        return self.parts.serving_at
+
+    def _link_failed(self, message: str, now: float) -> None:
+        self.link_failed_at = now
+
     # -- the lifetime (server.serve, in memory) ------------------------------------------
 
     async def serve(self) -> int:
-        sc, journal, link, hub, app = self.sc, self.journal, self.link, self.hub, self.app
-        exit_status, reason = 1, "unknown"
-        async with trio.open_nursery() as nursery:
-            await nursery.start(journal.run)
-            journal.append(trio.current_time(), "run", KIND_RUN_START, {
-                "wall_time": FAKE_WALL_START, "trio_time": 0.0, "pid": FAKE_PID,
-                "argv": ["enginelink", "serve", "--sim", str(sc.seed)], "engine": "vllm", "port": 0, "version": "sim",
-            })  # fmt: skip
-            nursery.start_soon(partial(run_snapshots, journal, interval_s=sc.snapshot_interval_s, fold_every_s=0.5))
-            self._handlers = await nursery.start(self._host_handlers)
-            self.accepting = True  # "gRPC bound"
-            readiness = self.readiness
-            failed = trio.Event()
+        return await self.parts.run(self, lambda: nullcontext(self.signals_rx))
 
-            def on_failed(message: str, now: float) -> None:
-                self.link_failed_at = now
+    # -- the front: what grpclib's server is to server.py ---------------------------------
 
-            connect(link, hub, app, readiness, failed, on_failed)
-            try:
+    async def start(self, servicer: Servicer, nursery: trio.Nursery) -> None:
+        self._handlers = await nursery.start(self._host_handlers)
+        self.accepting = True  # "gRPC bound"
 
-                async def bring_up() -> None:
-                    try:
-                        await nursery.start(link.run)
-                    except LinkFailed as error:
-                        raise Exit(2 if isinstance(error, EngineIncompatible) else 1, str(error)) from None
-                    if link.machine.state is LinkState.WARMING_UP:
-                        await warm_up(WarmupSetting(sc.warmup_level, sc.warmup_budget_s), link=link, hub=hub,
-                                      limits=app.limits)  # fmt: skip
-                    if link.machine.can(LinkEvent.WARMUP_DONE):
-                        link.step(LinkEvent.WARMUP_DONE)
-                        readiness.set(True)
-                        self.serving_at = trio.current_time()
+    def close(self) -> None:
+        """grpclib's Server.close: no new calls, every running handler cancelled."""
+        self.accepting = False
+        self.closing = True
+        if self._handlers is not None:
+            self._handlers.cancel_scope.cancel()
 
-                exit_status, reason = await wait_for_end(self.signals_rx, failed, link, bring_up)
-                if exit_status == 0:
-                    await drain(app, readiness, sc.drain_s)
-                else:
-                    await trio.sleep(FAIL_FLUSH_S)
-            except Exit as stop:
-                exit_status, reason = stop.status, stop.reason
-            finally:
-                readiness.set(False)
-                with trio.CancelScope(shield=True):
-                    await link.stop_engine()
-                    self._close_server()
-                    with trio.move_on_after(CLOSE_WAIT_S):
-                        await self._handlers_done.wait()
-                    journal.append(trio.current_time(), "run", KIND_RUN_STOP, {"exit_status": exit_status, "reason": reason})
-                nursery.cancel_scope.cancel()
-        self.exit_status, self.reason = exit_status, reason
-        return exit_status
+    async def wait_closed(self) -> None:
+        await self._handlers_done.wait()
 
     async def _host_handlers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -211,13 +165,6 @@ class SimServicer:
                 await trio.sleep_forever()
         finally:
             self._handlers_done.set()
-
-    def _close_server(self) -> None:
-        """grpclib's Server.close: no new calls, every running handler cancelled."""
-        self.accepting = False
-        self.closing = True
-        if self._handlers is not None:
-            self._handlers.cancel_scope.cancel()
 
     # -- clients --------------------------------------------------------------------------
 
