@@ -1,0 +1,140 @@
+"""``vllm serve MODEL --grpc --servicer-impl enginelink``: vLLM's own launcher, enginelink inside it.
+
+The real ``vllm`` command of the vLLM venv (enginelink installed into it by
+tools/setup-vllm-plugin), the real SMG router in front, a streamed completion
+through both, then SIGTERM: the launcher drains and exits 0, and nothing of
+the engine is left. The selection by environment (``SMG_VLLM_SERVICER_IMPL``)
+and the ``VLLM_PLUGINS`` filter are checked on the parse alone (no engine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.harness import Router, Servicer, alive, scrape, free_port
+from tests.router.openai_http import DONE, stream
+from tests.vllm.conftest import START_TIMEOUT_S
+
+pytestmark = [pytest.mark.vllm, pytest.mark.router, pytest.mark.slow]
+
+PLUGIN_PROBE = """
+import json, sys
+from importlib.metadata import entry_points
+print(json.dumps([e.value for e in entry_points(group="vllm.general_plugins") if e.name == "enginelink"]))
+"""
+
+
+@pytest.fixture(scope="module")
+def vllm_command(vllm_python) -> Path:
+    """The vLLM venv's ``vllm`` command, with enginelink's plugin installed beside it."""
+    command = Path(vllm_python).parent / "vllm"
+    found = subprocess.run([vllm_python, "-c", PLUGIN_PROBE], capture_output=True, text=True, timeout=60)
+    if not command.exists() or json.loads(found.stdout or "[]") != ["enginelink.tools.vllm_plugin:register"]:
+        message = f"enginelink is not installed in the vLLM venv of {vllm_python}: run tools/setup-vllm-plugin"
+        if os.environ.get("ENGINELINK_REQUIRE_VLLM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return command
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (the engine runs in a session of its own, still a child)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def test_vllm_serve_grpc_runs_enginelink_behind_the_router(vllm_command, test_model_dir, tmp_path):
+    metrics_port = free_port()
+    launcher = Servicer(tmp_path, env={"ENGINELINK_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "5",
+                                       "SMG_VLLM_SERVICER_METRICS_HOST": "127.0.0.1"})
+    launcher.argv = [str(vllm_command), "serve", str(test_model_dir), "--grpc", "--servicer-impl", "enginelink",
+                     "--host", "127.0.0.1", "--port", str(launcher.port), "--metrics-port", str(metrics_port),
+                     "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "8",
+                     "--uvicorn-log-level", "warning"]
+    try:
+        launcher.start(timeout_s=START_TIMEOUT_S)
+        engine = descendants(launcher.process.pid)
+        assert engine, "the engine core runs beside the launcher, as its child"
+        log = launcher.log()
+        assert "vllm serve flags that enginelink's servicer does not use: --uvicorn-log-level" in log
+        # Eager mode: the capture cap keeps the engine's default, and says so once.
+        assert log.count("CUDA-graph capture cap: no CUDA graphs (--enforce-eager)") == 1
+        # --metrics-port is the servicer's Prometheus endpoint.
+        assert any(name.startswith("smg_servicer_") for name in scrape(metrics_port))
+        router = Router(tmp_path, launcher.port, test_model_dir).start(timeout_s=60)
+        try:
+            body = {"model": test_model_dir.name, "prompt": "def foo(x):", "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True}
+            status, events = stream(router.url, "/v1/completions", body)
+            assert status == 200, events
+            assert events[-1] == DONE
+            chunks = events[:-1]
+            assert "".join(c["choices"][0]["text"] for c in chunks)
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        finally:
+            router.stop()
+        launcher.signal(signal.SIGTERM)
+        assert launcher.wait(timeout_s=60) == 0, launcher.log()[-3000:]
+        left = {pid for pid in engine if alive(pid)}
+        assert not left, f"engine processes left after the launcher exited: {left}"
+    finally:
+        launcher.stop()
+
+
+PARSE_ONLY = """
+import sys
+import uvloop
+def stock(coroutine):  # vLLM's own launcher got as far as its event loop: stop there
+    coroutine.close()
+    print("STOCK", flush=True)
+    raise SystemExit(0)
+uvloop.run = stock
+from vllm.entrypoints.cli.main import main
+from enginelink.tools import vllm_grpc_launcher
+# What would run: the handover's engine arguments, not an engine.
+def show(args):
+    from enginelink.tools import vllm_plugin
+    plan = vllm_plugin.handover()
+    engine, unused = vllm_grpc_launcher.split_engine_args(plan.parser, plan.args, vllm_grpc_launcher.engine_dests())
+    print("HANDOVER", engine, unused, args.port, flush=True)
+    raise SystemExit(0)
+vllm_grpc_launcher.run = show
+sys.argv = ["vllm", "serve", sys.argv[1], "--grpc", "--port", "50999", "--max-model-len", "1024", "--enforce-eager"]
+main()
+"""
+
+
+def parse_only(vllm_python: str, model: Path, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("SMG_VLLM_SERVICER_IMPL", "VLLM_PLUGINS")}
+    return subprocess.run([vllm_python, "-c", PARSE_ONLY, str(model)], capture_output=True, text=True,
+                          timeout=300, env={**environ, **env})
+
+
+def test_the_environment_selects_enginelink_and_vllm_plugins_filters_it(vllm_command, vllm_python, test_model_dir):
+    chosen = parse_only(vllm_python, test_model_dir, SMG_VLLM_SERVICER_IMPL="enginelink")
+    assert chosen.returncode == 0, chosen.stderr[-3000:]
+    assert "HANDOVER ['--max-model-len', '1024', '--enforce-eager'] [] 50999" in chosen.stdout
+    # Filtered out by VLLM_PLUGINS, or not selected: vLLM's own launcher, which needs the reference package.
+    for env in ({"SMG_VLLM_SERVICER_IMPL": "enginelink", "VLLM_PLUGINS": "someone-else"}, {}):
+        stock = parse_only(vllm_python, test_model_dir, **env)
+        assert "HANDOVER" not in stock.stdout
+        # Without the reference package its import fails; with it, its serve_grpc reaches the event loop.
+        assert "STOCK" in stock.stdout or "gRPC mode requires smg-grpc-servicer" in stock.stderr, stock.stderr[-2000:]
