@@ -98,10 +98,10 @@ def split_engine_args(parser: Any, args: list[str], engine: set[str]) -> tuple[l
     return kept, unused
 
 
-def serve_namespace(args: Any, engine_args: list[str]) -> argparse.Namespace:
-    """``enginelink serve``'s arguments for this launch."""
+def serve_namespace(args: Any, engine_args: list[str], engine: str = "vllm") -> argparse.Namespace:
+    """``enginelink serve``'s arguments for a launch (engine-neutral: docs/launchers.md)."""
     return argparse.Namespace(
-        engine="vllm",
+        engine=engine,
         model=Path(args.model),
         served_model_name=None,  # the engine's --served-model-name, else the directory's name
         host=getattr(args, "host", None) or LISTEN_HOST_DEFAULT,
