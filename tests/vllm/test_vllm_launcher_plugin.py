@@ -63,14 +63,16 @@ def descendants(pid: int) -> set[int]:
 
 def test_vllm_serve_grpc_runs_enginelink_behind_the_router(vllm_command, test_model_dir, tmp_path):
     metrics_port = free_port()
+    # The engine at the servicer's priority: its nice (not what this test is about) starves it on a shared box.
     launcher = Servicer(tmp_path, env={"ENGINELINK_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "5",
-                                       "SMG_VLLM_SERVICER_METRICS_HOST": "127.0.0.1"})
+                                       "SMG_VLLM_SERVICER_METRICS_HOST": "127.0.0.1", "ENGINELINK_ENGINE_NICE": "0"})
     launcher.argv = [str(vllm_command), "serve", str(test_model_dir), "--grpc", "--servicer-impl", "enginelink",
                      "--host", "127.0.0.1", "--port", str(launcher.port), "--metrics-port", str(metrics_port),
                      "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "8",
                      "--uvicorn-log-level", "warning"]
     try:
-        launcher.start(timeout_s=START_TIMEOUT_S)
+        # Two vLLM interpreters start one after the other here: the launcher, then the engine core.
+        launcher.start(timeout_s=2 * START_TIMEOUT_S)
         engine = descendants(launcher.process.pid)
         assert engine, "the engine core runs beside the launcher, as its child"
         log = launcher.log()
