@@ -292,10 +292,11 @@ def apply_to_namespace(parsed: Any, environ: Mapping[str, str]) -> CaptureCap:
 _logged: set[str] = set()
 
 
-def log_capture_cap(cap: CaptureCap) -> bool:
-    """One INFO line per distinct decision in this process; whether this one was new."""
+def log_capture_cap(cap: CaptureCap, to: logging.Logger | None = None) -> bool:
+    """One INFO line per distinct decision in this process (``to``: another logger, e.g. under
+    ``vllm.`` inside a vLLM process, where only vLLM's loggers have handlers); whether it was new."""
     if cap.detail in _logged:
         return False
     _logged.add(cap.detail)
-    logger.info("CUDA-graph capture cap: %s", cap.detail)
+    (to or logger).info("CUDA-graph capture cap: %s", cap.detail)
     return True

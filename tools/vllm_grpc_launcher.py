@@ -36,7 +36,8 @@ LISTEN_HOST_DEFAULT = "0.0.0.0"  # vLLM's gRPC launcher binds all interfaces unl
 CONSUMED = frozenset({"host", "port", "grpc", "servicer_impl", "metrics_port", "metrics_host", "model_tag",
                       "headless"})
 
-log = logging.getLogger("enginelink.vllm_launcher")
+# Before enginelink configures logging, only vLLM's logger tree has handlers in this process.
+log = logging.getLogger("vllm.enginelink.launcher")
 
 
 def engine_dests() -> set[str]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
+import logging
 import importlib.util
 import os
 import sys
@@ -52,6 +53,8 @@ REFERENCE_IMPLS = ("python", "rust")
 LAUNCHER_MODULES = ("vllm.entrypoints.launchers.grpc_server", "vllm.entrypoints.grpc_server")
 SUBSTITUTE_MODULE = "enginelink.tools.vllm_grpc_launcher"
 _MARK = "_enginelink_plugin"
+# Inside a vLLM process only vLLM's logger tree has handlers (its format, its level): ours hangs there.
+VLLM_LOG = "vllm.enginelink"
 
 
 class Handover:
@@ -144,7 +147,40 @@ def after_parse(parser: Any, args: list[str] | None, parsed: Any) -> None:
             decision = apply_to_namespace(parsed, os.environ)
         except ValueError as error:
             parser.error(str(error))
+        log_in_vllm(decision)
+
+
+_pending: list = []
+
+
+def log_in_vllm(decision) -> None:
+    """The capture-cap line through vLLM's logging. vLLM configures it after the parse
+    (``configure_logging_from_args``): a line from the parse waits for that, then goes out once."""
+    from enginelink.runtime.capture_cap import log_capture_cap
+
+    if logging.getLogger("vllm").handlers:
+        log_capture_cap(decision, logging.getLogger(VLLM_LOG))
+        return
+    try:
+        import vllm.logger
+    except ImportError:  # not inside vLLM (this module's own tests): our logger as it is
         log_capture_cap(decision)
+        return
+    _pending.append(decision)
+
+    original = vllm.logger.configure_logging_if_needed
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def configure_logging_if_needed(*args, **kwargs):
+        result = original(*args, **kwargs)
+        while _pending:
+            log_capture_cap(_pending.pop(0), logging.getLogger(VLLM_LOG))
+        return result
+
+    setattr(configure_logging_if_needed, _MARK, True)
+    vllm.logger.configure_logging_if_needed = configure_logging_if_needed
 
 
 def register() -> None:

@@ -140,3 +140,32 @@ def test_the_environment_selects_enginelink_and_vllm_plugins_filters_it(vllm_com
         assert "HANDOVER" not in stock.stdout
         # Without the reference package its import fails; with it, its serve_grpc reaches the event loop.
         assert "STOCK" in stock.stdout or "gRPC mode requires smg-grpc-servicer" in stock.stderr, stock.stderr[-2000:]
+
+
+HEADLESS_PARSE = """
+import sys
+import vllm.entrypoints.cli.serve as serve
+from vllm.engine.arg_utils import AsyncEngineArgs
+def show(args):  # what the worker would build its engine from, then stop
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    print("ENGINE", engine_args.max_cudagraph_capture_size, flush=True)
+    raise SystemExit(0)
+serve.run_headless = show
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", "serve", sys.argv[1], "--headless", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+            "127.0.0.1", "--max-num-seqs", "32", *sys.argv[2:]]
+main()
+"""
+
+
+def test_a_headless_workers_engine_arguments_get_the_capture_cap(vllm_command, vllm_python, test_model_dir):
+    """A multi-node worker (`vllm serve --headless --node-rank 1`) builds its engine with the leader's cap:
+    on CPU only its engine arguments show it (no CUDA graphs to capture)."""
+    for extra, engine, line in ((["--max-num-batched-tokens", "2048"], "ENGINE 512", "512, derived"),
+                                (["--enforce-eager"], "ENGINE None", "no CUDA graphs (--enforce-eager)")):
+        done = subprocess.run([vllm_python, "-c", HEADLESS_PARSE, str(test_model_dir), *extra], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert engine in done.stdout
+        said = done.stdout + done.stderr
+        assert said.count(f"CUDA-graph capture cap: {line}") == 1, said[-3000:]
