@@ -4,22 +4,26 @@ The real ``vllm`` command of the vLLM venv (enginelink installed into it by
 tools/setup-vllm-plugin), the real SMG router in front, a streamed completion
 through both, then SIGTERM: the launcher drains and exits 0, and nothing of
 the engine is left. The selection by environment (``SMG_VLLM_SERVICER_IMPL``)
-and the ``VLLM_PLUGINS`` filter are checked on the parse alone (no engine).
+and the ``VLLM_PLUGINS`` filter are checked on the parse alone (no engine),
+as is the capture cap of a ``vllm serve --headless`` worker; last, a two-node
+engine on loopback with the worker probe against its worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import Router, Servicer, alive, scrape, free_port
+from tests.harness import Router, Servicer, alive, free_port, generate_request, scrape, wait_until
 from tests.router.openai_http import DONE, stream
-from tests.vllm.conftest import START_TIMEOUT_S
+from tests.vllm.conftest import START_TIMEOUT_S, vllm_servicer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.router, pytest.mark.slow]
 
@@ -169,3 +173,49 @@ def test_a_headless_workers_engine_arguments_get_the_capture_cap(vllm_command, v
         assert engine in done.stdout
         said = done.stdout + done.stderr
         assert said.count(f"CUDA-graph capture cap: {line}") == 1, said[-3000:]
+
+
+def probe_exit(proc_root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-I", "-m", "enginelink.tools.worker_probe", "--engine", "vllm",
+                           "--proc-root", str(proc_root)], capture_output=True, text=True, timeout=60)
+
+
+def test_a_two_node_engine_on_loopback_and_its_worker_probe(vllm_command, test_model_dir, tmp_path):
+    """Multi-node vLLM, emulated on one machine: enginelink fronts node 0 (TP rank 0), `vllm serve
+    --headless --node-rank 1` is node 1 (TP rank 1). The worker probe, reading the worker's own command
+    line, passes while the worker holds its connection to the leader's store, and fails once the leader
+    is gone while the orphaned worker still runs."""
+    store_port = free_port()
+    node = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(store_port),
+            "--tensor-parallel-size", "2", "--max-model-len", "1024", "--enforce-eager"]
+    leader = vllm_servicer(tmp_path, test_model_dir, engine_args=["--node-rank", "0", *node],
+                           env={"ENGINELINK_WARMUP": "off", "ENGINELINK_ENGINE_NICE": "0"})
+    worker_log = open(tmp_path / "worker.log", "wb")
+    worker = subprocess.Popen([str(vllm_command), "serve", str(test_model_dir), "--headless", "--node-rank", "1",
+                               *node], stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    # The probe as the worker's pod runs it: its PID 1 is the worker, its network namespace this one.
+    proc_root = tmp_path / "proc"
+    (proc_root / "1").mkdir(parents=True)
+    (proc_root / "net").symlink_to("/proc/net")
+    try:
+        leader.start(timeout_s=2 * START_TIMEOUT_S)
+        # Read once the worker is up (right after the fork, /proc shows the parent's command line).
+        (proc_root / "1" / "cmdline").write_bytes(Path(f"/proc/{worker.pid}/cmdline").read_bytes())
+        replies = list(leader.stub.Generate(generate_request("two-nodes", [318, 283, 1552, 10], max_tokens=4,
+                                                             ignore_eos=True, temperature=0.0), timeout=120))
+        assert len(replies[-1].complete.output_ids) == 4
+        alive_now = probe_exit(proc_root)
+        assert alive_now.returncode == 0, alive_now.stdout + alive_now.stderr
+        assert f"store port {store_port} from --master-port" in alive_now.stdout
+        assert leader.stop() == 0
+        assert worker.poll() is None, "the worker outlives its leader: what the probe is for"
+        gone = wait_until(lambda: (done := probe_exit(proc_root)).returncode == 1 and done, 60,
+                          "the worker probe failing once the leader is gone")
+        assert "NOT alive" in gone.stdout
+    finally:
+        leader.stop()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        worker_log.close()
