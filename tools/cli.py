@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "bench": ("bench", "measure the servicer's overhead per token"),
     "inspect": ("inspect", "a servicer's state (links, requests in flight, journal), read from its journal"),
     "journal": ("journal_cmd", "post-mortem on a journal file: show, replay, verify, export"),
+    "worker-probe": ("worker_probe", "liveness of a multi-node engine's worker: attached to its leader's store?"),
 }
 
 

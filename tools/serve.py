@@ -221,6 +221,29 @@ def _engine_ranks(engine: str, engine_args: list[str]) -> tuple[int, ...]:
     return ranks
 
 
+def _capture_cap(engine_args: list[str]) -> list[str]:
+    """The engine args with the CUDA-graph capture cap derived from the admission step
+    (SMG_VLLM_CUDAGRAPH_CAPTURE_CAP; runtime/capture_cap.py), the decision logged once."""
+    from enginelink.runtime.capture_cap import apply_to_argv, log_capture_cap
+
+    try:
+        engine_args, decision = apply_to_argv(engine_args, os.environ)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    log_capture_cap(decision)
+    return engine_args
+
+
+def _node_rank(engine_args: list[str]) -> None:
+    """A multi-node vLLM engine (``--nnodes N``): enginelink runs on the leader, node rank 0;
+    the other nodes run ``vllm serve --headless --node-rank K`` (README, "Multi-node engines")."""
+    rank = flag_value(engine_args, "--node-rank") or flag_value(engine_args, "-r")
+    if rank not in (None, "0"):
+        raise ConfigError(f"--node-rank {rank}: enginelink fronts the leader, node rank 0; the other nodes run "
+                          f"`vllm serve MODEL --headless --nnodes N --node-rank {rank} --master-addr LEADER` "
+                          "with the leader's engine flags")
+
+
 def _grpc_limits():
     from enginelink.runtime.grpc_limits import GrpcLimits
 
@@ -255,6 +278,8 @@ def build_config(args: argparse.Namespace):
     engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
     ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
     if args.engine == "vllm":
+        _node_rank(engine_args)
+        engine_args = _capture_cap(engine_args)
         launcher = _vllm_launcher(model_dir, engine_args)
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args)

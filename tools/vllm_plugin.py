@@ -1,0 +1,205 @@
+"""enginelink's vLLM general plugin: ``vllm serve MODEL --grpc --servicer-impl enginelink``.
+
+vLLM loads every ``vllm.general_plugins`` entry point (``VLLM_PLUGINS``
+filters them by name: this one is ``enginelink``) while it builds a command's
+argument parser, in every vLLM process. :func:`register` wraps the parser
+class's parse step, and that is all it does until a parse selects enginelink:
+
+- on ``vllm serve``'s parser (the one that defines ``--grpc``) it adds the
+  reference servicer's flags where they are missing: ``--servicer-impl``
+  (``enginelink`` joins the choices of the reference's own flag when both
+  packages are installed), ``--metrics-port`` and ``--metrics-host``;
+- a parse with ``--grpc`` whose implementation is ``enginelink`` (the flag,
+  else ``SMG_VLLM_SERVICER_IMPL``) is handed over: the import of vLLM's gRPC
+  launcher (``vllm.entrypoints.launchers.grpc_server``, which the CLI does
+  right after the parse) is answered with :mod:`enginelink.tools.vllm_grpc_launcher`
+  instead, by a meta-path finder, so the real launcher's module-level
+  ``import smg_grpc_servicer`` / ``grpc_reflection`` never runs and the
+  reference package need not be installed. The reference's launcher switch
+  binds over ``serve_grpc`` once its package is imported by that launcher;
+  enginelink cannot wait for that import, so it answers the import itself;
+- a ``vllm serve --headless`` parse (the engine-only ranks of a multi-node
+  engine, started with the leader's engine flags) gets the CUDA-graph capture
+  cap the leader's launch derived (runtime/capture_cap.py), so every node
+  captures the same sizes.
+
+Anything else (an HTTP ``vllm serve``, ``--grpc`` with another
+implementation, other commands, the engine's own processes) is left exactly
+as it was. Loaded in every vLLM process: nothing but the standard library is
+imported until a parse needs more.
+
+Only ``vllm serve ... --grpc`` is reached: ``python -m
+vllm.entrypoints.launchers.grpc_server`` imports the reference package at its
+top, before vLLM loads any plugin.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import logging
+import importlib.util
+import os
+import sys
+from typing import Any
+
+SERVICER_IMPL_ENV = "SMG_VLLM_SERVICER_IMPL"
+METRICS_PORT_ENV = "SMG_VLLM_SERVICER_METRICS_PORT"
+METRICS_HOST_ENV = "SMG_VLLM_SERVICER_METRICS_HOST"
+IMPL = "enginelink"
+# The reference package's own values, kept as choices so the flag means the same with or without it.
+REFERENCE_IMPLS = ("python", "rust")
+# vLLM's gRPC launcher, under its 0.30+ name and the older one (a shim from 0.30 on).
+LAUNCHER_MODULES = ("vllm.entrypoints.launchers.grpc_server", "vllm.entrypoints.grpc_server")
+SUBSTITUTE_MODULE = "enginelink.tools.vllm_grpc_launcher"
+_MARK = "_enginelink_plugin"
+# Inside a vLLM process only vLLM's logger tree has handlers (its format, its level): ours hangs there.
+VLLM_LOG = "vllm.enginelink"
+
+
+class Handover:
+    """What the selecting parse saw: the arguments (as vLLM's parser preprocessed them) and the parser."""
+
+    def __init__(self, parser: Any, args: list[str]) -> None:
+        self.parser = parser
+        self.args = args
+
+
+_handover: Handover | None = None
+
+
+def handover() -> Handover | None:
+    """The parse that selected enginelink in this process, if any."""
+    return _handover
+
+
+def selected_impl(parsed: Any, environ=os.environ) -> str | None:
+    """The implementation a parse selects: ``--servicer-impl``, else ``SMG_VLLM_SERVICER_IMPL``."""
+    flag = getattr(parsed, "servicer_impl", None)
+    value = flag if flag else environ.get(SERVICER_IMPL_ENV, "")
+    return value.strip().lower() or None
+
+
+def add_flags(parser: Any) -> None:
+    """The reference servicer's flags on ``vllm serve``'s parser, where missing; ``enginelink`` a choice."""
+    actions = parser._option_string_actions  # argparse's registry of option strings
+    existing = actions.get("--servicer-impl")
+    if existing is None:
+        parser.add_argument(
+            "--servicer-impl", default=None, choices=(*REFERENCE_IMPLS, IMPL),
+            help=f"which servicer serves the gRPC contract under --grpc; {IMPL}: enginelink's runtime in this "
+                 f"process, the engine core headless beside it (default: ${SERVICER_IMPL_ENV}, else vLLM's own "
+                 "launcher with the reference servicer)")
+    elif existing.choices is not None and IMPL not in existing.choices:
+        existing.choices = (*existing.choices, IMPL)
+    if "--metrics-port" not in actions:
+        parser.add_argument("--metrics-port", type=int, default=None,
+                            help=f"the servicer's Prometheus /metrics port (default: ${METRICS_PORT_ENV}, else none)")
+    if "--metrics-host" not in actions:
+        parser.add_argument("--metrics-host", default=None,
+                            help=f"the metrics host (default: ${METRICS_HOST_ENV}, else 127.0.0.1)")
+
+
+class _LauncherLoader(importlib.abc.Loader):
+    """Executes enginelink's launcher under vLLM's launcher's name."""
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        ours = importlib.import_module(SUBSTITUTE_MODULE)
+        module.__dict__.update({name: getattr(ours, name) for name in ours.__all__})
+        module.__doc__ = ours.__doc__
+
+
+class _LauncherFinder(importlib.abc.MetaPathFinder):
+    """Answers the import of vLLM's gRPC launcher with enginelink's, once a parse selected it."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if _handover is None or fullname not in LAUNCHER_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, _LauncherLoader())
+
+
+def take_over_launcher() -> None:
+    """From now on vLLM's gRPC launcher is enginelink's: future imports through the finder, a launcher
+    already imported (something imported it before the parse) by rebinding its ``serve_grpc``."""
+    if not any(isinstance(finder, _LauncherFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _LauncherFinder())
+    for name in LAUNCHER_MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            ours = importlib.import_module(SUBSTITUTE_MODULE)
+            for attribute in ours.__all__:
+                setattr(module, attribute, getattr(ours, attribute))
+
+
+def after_parse(parser: Any, args: list[str] | None, parsed: Any) -> None:
+    """The plugin's work on one parse of ``vllm serve``'s parser."""
+    global _handover
+    if getattr(parsed, "grpc", False) and selected_impl(parsed) == IMPL:
+        _handover = Handover(parser, list(sys.argv[1:] if args is None else args))
+        take_over_launcher()
+    elif getattr(parsed, "headless", False):
+        from enginelink.runtime.capture_cap import apply_to_namespace, log_capture_cap
+
+        try:
+            decision = apply_to_namespace(parsed, os.environ)
+        except ValueError as error:
+            parser.error(str(error))
+        log_in_vllm(decision)
+
+
+_pending: list = []
+
+
+def log_in_vllm(decision) -> None:
+    """The capture-cap line through vLLM's logging. vLLM configures it after the parse
+    (``configure_logging_from_args``): a line from the parse waits for that, then goes out once."""
+    from enginelink.runtime.capture_cap import log_capture_cap
+
+    if logging.getLogger("vllm").handlers:
+        log_capture_cap(decision, logging.getLogger(VLLM_LOG))
+        return
+    try:
+        import vllm.logger
+    except ImportError:  # not inside vLLM (this module's own tests): our logger as it is
+        log_capture_cap(decision)
+        return
+    _pending.append(decision)
+
+    original = vllm.logger.configure_logging_if_needed
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def configure_logging_if_needed(*args, **kwargs):
+        result = original(*args, **kwargs)
+        while _pending:
+            log_capture_cap(_pending.pop(0), logging.getLogger(VLLM_LOG))
+        return result
+
+    setattr(configure_logging_if_needed, _MARK, True)
+    vllm.logger.configure_logging_if_needed = configure_logging_if_needed
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point; idempotent (vLLM may load plugins more than once)."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if getattr(FlexibleArgumentParser, _MARK, False):
+        return
+    original = FlexibleArgumentParser.parse_known_args
+
+    @functools.wraps(original)
+    def parse_known_args(self, args=None, namespace=None):
+        serve = "--grpc" in self._option_string_actions
+        if serve:
+            add_flags(self)  # right before parsing: the parser is complete, --help shows them
+        parsed, extras = original(self, args, namespace)
+        if serve:
+            after_parse(self, args, parsed)
+        return parsed, extras
+
+    FlexibleArgumentParser.parse_known_args = parse_known_args
+    setattr(FlexibleArgumentParser, _MARK, True)
