@@ -12,10 +12,14 @@ from __future__ import annotations
 from typing import Callable, Final
 
 from enginelink.wire.engine import EngineCodec
+from enginelink.wire.sglang import SglangCodec
+from enginelink.wire.tokenspeed import TokenSpeedCodec
 from enginelink.wire.vllm import VllmCodec
 
 _FACTORIES: Final[dict[str, Callable[[], EngineCodec]]] = {
     "vllm": VllmCodec,
+    "sglang": SglangCodec,
+    "tokenspeed": TokenSpeedCodec,
 }
 
 NAMES: Final = tuple(_FACTORIES)

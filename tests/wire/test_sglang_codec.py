@@ -177,6 +177,12 @@ def test_an_appended_defaulted_field_is_compatible_with_a_warning(tmp_path, monk
     assert version == "0.5.24" and "not a release enginelink was tested with (0.5.23)" in warning
 
 
+def test_the_registry_knows_the_sglang_codec():
+    from enginelink.wire import codecs
+
+    assert isinstance(codecs.get("sglang"), g.SglangCodec) and codecs.get("sglang").name == "sglang"
+
+
 def test_greedy_is_sent_normalised_as_sglang_leaves_it():
     sp = g.request_for(SPECS["greedy"]).sampling_params
     assert (sp.temperature, sp.top_k, sp.is_normalized, sp.stop_strs, sp.stop_regex_strs) == (1.0, 1, True, [], [])
