@@ -12,10 +12,14 @@ from __future__ import annotations
 from typing import Callable, Final
 
 from enginelink.wire.engine import EngineCodec, HandshakeWire
+from enginelink.wire.sglang import SglangCodec
+from enginelink.wire.tokenspeed import TokenSpeedCodec
 from enginelink.wire.vllm import VllmCodec, VllmHandshake
 
 _FACTORIES: Final[dict[str, Callable[[], EngineCodec]]] = {
     "vllm": VllmCodec,
+    "sglang": SglangCodec,
+    "tokenspeed": TokenSpeedCodec,
 }
 
 # Each wire's start-up handshake (machines/handshake.py reads it through this object).
@@ -40,5 +44,5 @@ def handshake(name: str) -> HandshakeWire:
     try:
         factory = _HANDSHAKES[name]
     except KeyError:
-        raise KeyError(f"unknown engine wire {name!r}; known: {', '.join(NAMES)}") from None
+        raise KeyError(f"no handshake codec for engine wire {name!r}; known: {', '.join(_HANDSHAKES)}") from None
     return factory()

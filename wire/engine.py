@@ -80,6 +80,11 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     # whether it was resolved from "auto"; each codec carries them as its engine needs.
     grammar_backend: str | None = None
     grammar_backend_auto: bool = False
+    # SGLang / TokenSpeed only (vLLM's front end has no such knobs): keep a matched
+    # stop token in the output, the engine's streaming interval, opaque custom params.
+    no_stop_trim: bool = False
+    stream_interval: int | None = None
+    custom_params: dict | None = None
 
 
 class PoolingSpec(msgspec.Struct, frozen=True, kw_only=True):
