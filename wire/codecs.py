@@ -44,5 +44,5 @@ def handshake(name: str) -> HandshakeWire:
     try:
         factory = _HANDSHAKES[name]
     except KeyError:
-        raise KeyError(f"no handshake codec for engine wire {name!r}; known: {', '.join(_HANDSHAKES)}") from None
+        raise KeyError(f"unknown engine wire {name!r} for a handshake; known: {', '.join(_HANDSHAKES)}") from None
     return factory()
