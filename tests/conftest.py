@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 
 from enginelink.tools.test_model import make_test_model
-from tests.harness import Servicer
+from tests.harness import Servicer, reap_stopped, shared
+
+
+def pytest_sessionfinish(session, exitstatus):
+    reap_stopped()  # servicers a fixture stopped without waiting: wait for them now
 
 
 @pytest.fixture(scope="session")
@@ -16,5 +20,5 @@ def test_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servicer(tmp_path_factory, test_model_dir):
     """One ``enginelink serve`` on the sim engine, shared by a test module."""
-    with Servicer(tmp_path_factory.mktemp("servicer"), model_dir=test_model_dir) as running:
+    with shared(Servicer(tmp_path_factory.mktemp("servicer"), model_dir=test_model_dir)) as running:
         yield running
