@@ -162,19 +162,28 @@ def test_silence_with_requests_in_flight_fails_the_link(tmp_path, test_model_dir
 
 
 def test_supervision_knobs_are_validated(tmp_path, test_model_dir):
-    for knob, value in (("SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS", "0"),
-                        ("SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", "-5"),
-                        ("SMG_VLLM_SERVICER_STARTUP_CEILING_SECS", "soon"),
-                        ("ENGINELINK_ENGINE_STOP_GRACE_SECS", "-1"),
-                        ("ENGINELINK_IDLE_PROBE_SECS", "often"),
-                        ("ENGINELINK_IDLE_PROBE_TIMEOUT_SECS", "0")):
-        done = subprocess.run(
-            [str(VENV_BIN / "enginelink"), "serve", "--model", str(test_model_dir), "--port", str(free_port()),
-             "--journal", str(tmp_path / "j.sqlite")],
-            capture_output=True, text=True, timeout=60, env={**os.environ, knob: value},
-        )
-        assert done.returncode == 2, (knob, done.stderr)
-        assert knob in done.stderr
+    bad = (("SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS", "0"),
+           ("SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", "-5"),
+           ("SMG_VLLM_SERVICER_STARTUP_CEILING_SECS", "soon"),
+           ("ENGINELINK_ENGINE_STOP_GRACE_SECS", "-1"),
+           ("ENGINELINK_IDLE_PROBE_SECS", "often"),
+           ("ENGINELINK_IDLE_PROBE_TIMEOUT_SECS", "0"))
+    # One servicer per bad knob, all at once (each its own port and journal): they only start and refuse.
+    starts = [subprocess.Popen(
+        [str(VENV_BIN / "enginelink"), "serve", "--model", str(test_model_dir), "--port", str(free_port()),
+         "--journal", str(tmp_path / f"j-{number}.sqlite")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, knob: value},
+    ) for number, (knob, value) in enumerate(bad)]
+    try:
+        for (knob, _), start in zip(bad, starts):
+            _, stderr = start.communicate(timeout=60)
+            assert start.returncode == 2, (knob, stderr)
+            assert knob in stderr
+    finally:
+        for start in starts:
+            if start.poll() is None:
+                start.kill()
+                start.wait()
 
 
 def test_sigkill_of_the_servicer_leaves_no_engine_behind(tmp_path, test_model_dir):
