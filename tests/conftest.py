@@ -22,6 +22,9 @@ structured node ids make xdist 3.8's ``loadgroup`` ignore the marks
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 from filelock import FileLock
@@ -77,3 +80,15 @@ def servicer(tmp_path_factory, test_model_dir):
     """One ``enginelink serve`` on the sim engine, shared by a test module."""
     with shared(Servicer(tmp_path_factory.mktemp("servicer"), model_dir=test_model_dir)) as running:
         yield running
+
+
+@pytest.fixture
+def socket_dir():
+    """A private folder for ipc sockets, short wherever pytest's ``tmp_path`` is.
+
+    An ipc path must fit sockaddr_un's 107 bytes, and a test's ``tmp_path`` can
+    be long (xdist adds a ``popen-gwN`` level, the test's name adds 30 bytes).
+    """
+    path = Path(tempfile.mkdtemp(prefix="el-sock-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -53,17 +53,17 @@ class ScriptLauncher:
         return redact_args(argv)
 
 
-def make_link(launcher, tmp_path, monkeypatch, **supervision) -> el.EngineLink:
-    monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(tmp_path / "sockets"))
+def make_link(launcher, socket_dir, monkeypatch, **supervision) -> el.EngineLink:
+    monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(socket_dir))
     # servicer_sched="normal": the link runs inside pytest, whose threads must keep their policy.
     return el.EngineLink(name="vllm-0", launcher=launcher, codec=VllmCodec(), journal=RecordingJournal(),
                          supervision=el.Supervision(**supervision), servicer_sched="normal")
 
 
-async def test_startup_ceiling_bounds_an_engine_that_never_dials(tmp_path, monkeypatch):
+async def test_startup_ceiling_bounds_an_engine_that_never_dials(socket_dir, monkeypatch):
     # The engine lives (so the start-up timeout keeps extending) but never says HELLO.
     launcher = ScriptLauncher("import os, time\nos.fork() or time.sleep(60)\ntime.sleep(60)")
-    link = make_link(launcher, tmp_path, monkeypatch, startup_timeout_s=0.3, startup_ceiling_s=1.2, stop_grace_s=2)
+    link = make_link(launcher, socket_dir, monkeypatch, startup_timeout_s=0.3, startup_ceiling_s=1.2, stop_grace_s=2)
     started = trio.current_time()
     with pytest.raises(el.LinkFailed) as failed:
         await link.run()
@@ -74,11 +74,11 @@ async def test_startup_ceiling_bounds_an_engine_that_never_dials(tmp_path, monke
     assert steps.count("startup_extended") >= 2
     # The engine's whole session (the forked child too) is gone.
     assert ep.session_members(link.process.pid) == []
-    assert not list((tmp_path / "sockets").iterdir()), "socket files left behind"
+    assert not list(socket_dir.iterdir()), "socket files left behind"
 
 
-async def test_an_engine_that_exits_during_startup_fails_at_once(tmp_path, monkeypatch):
-    link = make_link(ScriptLauncher("import sys; sys.exit(3)"), tmp_path, monkeypatch,
+async def test_an_engine_that_exits_during_startup_fails_at_once(socket_dir, monkeypatch):
+    link = make_link(ScriptLauncher("import sys; sys.exit(3)"), socket_dir, monkeypatch,
                      startup_timeout_s=60, startup_ceiling_s=0)
     started = trio.current_time()
     with pytest.raises(el.LinkFailed) as failed:
