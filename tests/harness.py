@@ -106,7 +106,13 @@ class Servicer:
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
         if wait_serving:
-            wait_until(serving, timeout_s, "servicer SERVING")
+            try:
+                wait_until(serving, timeout_s, "servicer SERVING")
+            except BaseException:
+                # Not left running for the rest of the run (``with Servicer(...)`` does not
+                # reach ``__exit__`` when ``start`` raises); its log stays for the report.
+                end_process(self.process, lambda: self.process.send_signal(signal.SIGTERM))
+                raise
         return self
 
     def log(self) -> str:
