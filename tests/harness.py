@@ -19,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -87,6 +88,7 @@ class Servicer:
         self.env = {**os.environ, "SMG_ZMQ_SOCKET_DIR": str(self.socket_dir),
                     "XDG_STATE_HOME": str(self.state_home), **(env or {})}
         self.process: subprocess.Popen | None = None
+        self._told_to_stop = False  # stop_soon sent SIGTERM: stop() only waits
         self.channel: grpc.Channel | None = None
         self.stub: pb_grpc.VllmEngineStub | None = None
 
@@ -104,7 +106,13 @@ class Servicer:
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
         if wait_serving:
-            wait_until(serving, timeout_s, "servicer SERVING")
+            try:
+                wait_until(serving, timeout_s, "servicer SERVING")
+            except BaseException:
+                # Not left running for the rest of the run (``with Servicer(...)`` does not
+                # reach ``__exit__`` when ``start`` raises); its log stays for the report.
+                end_process(self.process, lambda: self.process.send_signal(signal.SIGTERM))
+                raise
         return self
 
     def log(self) -> str:
@@ -126,17 +134,52 @@ class Servicer:
         try:
             if self.process is None:
                 return None
-            end_process(self.process, lambda: self.process.send_signal(signal.SIGTERM))
+            ask = (lambda: None) if self._told_to_stop else (lambda: self.process.send_signal(signal.SIGTERM))
+            end_process(self.process, ask)
             self._log.close()
             return self.process.returncode
         finally:
             shutil.rmtree(self.socket_dir, ignore_errors=True)  # what a SIGKILLed servicer left
+
+    def stop_soon(self) -> None:
+        """SIGTERM it now and ``stop()`` it later (``reap_stopped``, at the latest at the session's end).
+
+        For a shared fixture's teardown: no test looks at this servicer any
+        more, so its drain and its engine's stop need not hold up the next
+        test. A test that checks how a servicer ends calls ``stop()``.
+        """
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self._told_to_stop = True
+        _STOPPING.append(self)
 
     def __enter__(self) -> "Servicer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# Servicers told to stop (``stop_soon``) and not yet waited for.
+_STOPPING: list[Servicer] = []
+
+
+@contextmanager
+def shared(servicer: Servicer, **start_args):
+    """A shared fixture's servicer: started, and at teardown stopped without waiting (``stop_soon``)."""
+    try:
+        yield servicer.start(**start_args)
+    finally:
+        servicer.stop_soon()
+
+
+def reap_stopped() -> None:
+    """Wait for every servicer ``stop_soon`` told to stop (killing any that outlast the usual wait)."""
+    while _STOPPING:
+        _STOPPING.pop().stop()
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -142,9 +142,9 @@ def test_stand_in_front_end_takes_cpu_not_wall_time():
 
 @pytest.fixture(scope="module")
 def servicer(test_model_dir, tmp_path_factory):
-    from tests.harness import Servicer
+    from tests.harness import Servicer, shared
 
-    with Servicer(tmp_path_factory.mktemp("h2client"), model_dir=test_model_dir) as running:
+    with shared(Servicer(tmp_path_factory.mktemp("h2client"), model_dir=test_model_dir)) as running:
         yield running
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,12 +22,17 @@ START_TIMEOUT_S = 60
 
 
 def serve(tmp: Path, *args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``enginelink serve ARGS`` run to its end, with its own state dir and socket dir."""
-    environ = {**os.environ, "XDG_STATE_HOME": str(tmp / "state"), "SMG_ZMQ_SOCKET_DIR": str(tmp / "sock"),
+    """``enginelink serve ARGS`` run to its end, with its own state dir and socket dir.
+
+    The socket dir is a short one of its own, not under ``tmp``: an ipc path must fit 107 bytes."""
+    sockets = tempfile.mkdtemp(prefix="el-sock-")
+    environ = {**os.environ, "XDG_STATE_HOME": str(tmp / "state"), "SMG_ZMQ_SOCKET_DIR": sockets,
                "ENGINELINK_WARMUP": "off", **(env or {})}
-    (tmp / "sock").mkdir(exist_ok=True, mode=0o700)
-    return subprocess.run([str(VENV_BIN / "enginelink"), "serve", *map(str, args)], capture_output=True, text=True,
-                          timeout=START_TIMEOUT_S, env=environ)
+    try:
+        return subprocess.run([str(VENV_BIN / "enginelink"), "serve", *map(str, args)], capture_output=True,
+                              text=True, timeout=START_TIMEOUT_S, env=environ)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def refused_with_one_line(done: subprocess.CompletedProcess) -> str:

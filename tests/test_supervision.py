@@ -53,17 +53,17 @@ class ScriptLauncher:
         return redact_args(argv)
 
 
-def make_link(launcher, tmp_path, monkeypatch, **supervision) -> el.EngineLink:
-    monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(tmp_path / "sockets"))
+def make_link(launcher, socket_dir, monkeypatch, **supervision) -> el.EngineLink:
+    monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(socket_dir))
     # servicer_sched="normal": the link runs inside pytest, whose threads must keep their policy.
     return el.EngineLink(name="vllm-0", launcher=launcher, codec=VllmCodec(), journal=RecordingJournal(),
                          supervision=el.Supervision(**supervision), servicer_sched="normal")
 
 
-async def test_startup_ceiling_bounds_an_engine_that_never_dials(tmp_path, monkeypatch):
+async def test_startup_ceiling_bounds_an_engine_that_never_dials(socket_dir, monkeypatch):
     # The engine lives (so the start-up timeout keeps extending) but never says HELLO.
     launcher = ScriptLauncher("import os, time\nos.fork() or time.sleep(60)\ntime.sleep(60)")
-    link = make_link(launcher, tmp_path, monkeypatch, startup_timeout_s=0.3, startup_ceiling_s=1.2, stop_grace_s=2)
+    link = make_link(launcher, socket_dir, monkeypatch, startup_timeout_s=0.3, startup_ceiling_s=1.2, stop_grace_s=2)
     started = trio.current_time()
     with pytest.raises(el.LinkFailed) as failed:
         await link.run()
@@ -74,11 +74,11 @@ async def test_startup_ceiling_bounds_an_engine_that_never_dials(tmp_path, monke
     assert steps.count("startup_extended") >= 2
     # The engine's whole session (the forked child too) is gone.
     assert ep.session_members(link.process.pid) == []
-    assert not list((tmp_path / "sockets").iterdir()), "socket files left behind"
+    assert not list(socket_dir.iterdir()), "socket files left behind"
 
 
-async def test_an_engine_that_exits_during_startup_fails_at_once(tmp_path, monkeypatch):
-    link = make_link(ScriptLauncher("import sys; sys.exit(3)"), tmp_path, monkeypatch,
+async def test_an_engine_that_exits_during_startup_fails_at_once(socket_dir, monkeypatch):
+    link = make_link(ScriptLauncher("import sys; sys.exit(3)"), socket_dir, monkeypatch,
                      startup_timeout_s=60, startup_ceiling_s=0)
     started = trio.current_time()
     with pytest.raises(el.LinkFailed) as failed:
@@ -162,19 +162,28 @@ def test_silence_with_requests_in_flight_fails_the_link(tmp_path, test_model_dir
 
 
 def test_supervision_knobs_are_validated(tmp_path, test_model_dir):
-    for knob, value in (("SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS", "0"),
-                        ("SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", "-5"),
-                        ("SMG_VLLM_SERVICER_STARTUP_CEILING_SECS", "soon"),
-                        ("ENGINELINK_ENGINE_STOP_GRACE_SECS", "-1"),
-                        ("ENGINELINK_IDLE_PROBE_SECS", "often"),
-                        ("ENGINELINK_IDLE_PROBE_TIMEOUT_SECS", "0")):
-        done = subprocess.run(
-            [str(VENV_BIN / "enginelink"), "serve", "--model", str(test_model_dir), "--port", str(free_port()),
-             "--journal", str(tmp_path / "j.sqlite")],
-            capture_output=True, text=True, timeout=60, env={**os.environ, knob: value},
-        )
-        assert done.returncode == 2, (knob, done.stderr)
-        assert knob in done.stderr
+    bad = (("SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS", "0"),
+           ("SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", "-5"),
+           ("SMG_VLLM_SERVICER_STARTUP_CEILING_SECS", "soon"),
+           ("ENGINELINK_ENGINE_STOP_GRACE_SECS", "-1"),
+           ("ENGINELINK_IDLE_PROBE_SECS", "often"),
+           ("ENGINELINK_IDLE_PROBE_TIMEOUT_SECS", "0"))
+    # One servicer per bad knob, all at once (each its own port and journal): they only start and refuse.
+    starts = [subprocess.Popen(
+        [str(VENV_BIN / "enginelink"), "serve", "--model", str(test_model_dir), "--port", str(free_port()),
+         "--journal", str(tmp_path / f"j-{number}.sqlite")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, knob: value},
+    ) for number, (knob, value) in enumerate(bad)]
+    try:
+        for (knob, _), start in zip(bad, starts):
+            _, stderr = start.communicate(timeout=60)
+            assert start.returncode == 2, (knob, stderr)
+            assert knob in stderr
+    finally:
+        for start in starts:
+            if start.poll() is None:
+                start.kill()
+                start.wait()
 
 
 def test_sigkill_of_the_servicer_leaves_no_engine_behind(tmp_path, test_model_dir):

@@ -29,8 +29,9 @@ CHAT_HELLO = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tm.make_test_model(tmp_path_factory.mktemp("build") / "tiny")
+def model_dir(test_model_dir):
+    """The session's build (tests/conftest.py): one build fewer; the tests here only read it."""
+    return test_model_dir
 
 
 def _digests(directory):

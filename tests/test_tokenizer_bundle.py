@@ -16,7 +16,6 @@ from enginelink.runtime.tokenizer_bundle import (
     build_zip,
     tokenizer_bundle_chunks,
 )
-from enginelink.tools.test_model import make_test_model
 
 
 def _unzip(chunks):
@@ -32,8 +31,8 @@ def _check_chunking(chunks):
     assert chunks[-1][1] == hashlib.sha256(blob).hexdigest()
 
 
-def test_bundle_of_the_test_model(tmp_path):
-    model_dir = make_test_model(tmp_path / "tiny")
+def test_bundle_of_the_test_model(test_model_dir):
+    model_dir = test_model_dir  # the session's build: the bundle only reads it
     chunks = tokenizer_bundle_chunks(model_dir)
     _check_chunking(chunks)
     _, archive = _unzip(chunks)

@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "sim-engine": ("sim_engine", "run the deterministic sim engine (speaks the vLLM headless wire)"),
     "make-test-model": ("test_model", "build the tiny test model directory, offline and deterministically"),
     "bench": ("bench", "measure the servicer's overhead per token"),
+    "bench-journal": ("bench_journal", "measure the hot-path cost of one journal append"),
     "inspect": ("inspect", "a servicer's state (links, requests in flight, journal), read from its journal"),
     "journal": ("journal_cmd", "post-mortem on a journal file: show, replay, verify, export"),
     "worker-probe": ("worker_probe", "liveness of a multi-node engine's worker: attached to its leader's store?"),

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.adversarial.conftest import limited_servicer, metric
 from tests.adversarial.h2_client import HEALTH_CHECK, H2Client, closed_by_peer, grpc_frame, raw_socket
-from tests.harness import VLLM_SERVICE, wait_until
+from tests.harness import VLLM_SERVICE, shared, wait_until
 
 CAP = 8
 HANDSHAKE_S = 1.0
@@ -28,7 +28,7 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 def servicer(tmp_path_factory, test_model_dir):
     env = {"ENGINELINK_GRPC_MAX_CONNECTIONS": str(CAP), "ENGINELINK_GRPC_HANDSHAKE_TIMEOUT_SECS": str(HANDSHAKE_S),
            "ENGINELINK_GRPC_IDLE_TIMEOUT_SECS": str(IDLE_S)}  # fmt: skip
-    with limited_servicer(tmp_path_factory.mktemp("adv-connections"), test_model_dir, env) as running:
+    with shared(limited_servicer(tmp_path_factory.mktemp("adv-connections"), test_model_dir, env)) as running:
         running.channel.close()
         yield running
 

@@ -16,7 +16,7 @@ from smg_grpc_proto.generated import common_pb2
 from enginelink.machines.kv_relay import KvRelay, KvRelayConfig, Wake
 from tests.adversarial.conftest import limited_servicer, metric
 from tests.adversarial.h2_client import SUBSCRIBE_KV, H2Client, grpc_frame
-from tests.harness import wait_until
+from tests.harness import shared, wait_until
 from tests.kv.kv_client import KvSubscription, generate, newest_sequence, prompt, scrape
 from tests.kv.kv_client import metric as labelled
 from tests.machines.kv_pair import Subscriber, msg, stored
@@ -86,7 +86,7 @@ def non_reader(servicer, loads_first: bool = True):
 @pytest.fixture(scope="module")
 def stall_servicer(tmp_path_factory, test_model_dir):
     env = {"ENGINELINK_KV_MAX_SUBSCRIBERS": "4", "ENGINELINK_KV_SEND_STALL_SECS": "2"}
-    with limited_servicer(tmp_path_factory.mktemp("adv-kv-stall"), test_model_dir, env) as running:
+    with shared(limited_servicer(tmp_path_factory.mktemp("adv-kv-stall"), test_model_dir, env)) as running:
         yield running
 
 
@@ -117,7 +117,7 @@ def window_servicer(tmp_path_factory, test_model_dir):
     # A stall bound far beyond the test: only the window can end the slow reader.
     env = {"ENGINELINK_KV_MAX_SUBSCRIBERS": "2", "ENGINELINK_KV_SEND_STALL_SECS": "600",
            "SMG_KV_EVENT_HISTORY_BATCHES": "8"}  # fmt: skip
-    with limited_servicer(tmp_path_factory.mktemp("adv-kv-window"), test_model_dir, env) as running:
+    with shared(limited_servicer(tmp_path_factory.mktemp("adv-kv-window"), test_model_dir, env)) as running:
         yield running
 
 

@@ -16,7 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from tests.adversarial.conftest import limited_servicer, metric, rss_bytes
 from tests.adversarial.h2_client import HEALTH_CHECK, H2Client, grpc_frame
-from tests.harness import generate_request
+from tests.harness import generate_request, shared
 
 LIMIT = 1 << 20
 BUDGET = 3 * LIMIT // 2
@@ -26,7 +26,7 @@ RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 @pytest.fixture(scope="module")
 def servicer(tmp_path_factory, test_model_dir):
     env = {"ENGINELINK_GRPC_MAX_RECV_BYTES": str(LIMIT), "ENGINELINK_GRPC_MAX_CONNECTION_RECV_BYTES": str(BUDGET)}
-    with limited_servicer(tmp_path_factory.mktemp("adv-messages"), test_model_dir, env) as running:
+    with shared(limited_servicer(tmp_path_factory.mktemp("adv-messages"), test_model_dir, env)) as running:
         yield running
 
 

@@ -39,7 +39,7 @@ from tests.contract.helpers import (
     wait_idle,
     wait_journal,
 )
-from tests.harness import Servicer, free_port, generate_request, wait_until
+from tests.harness import Servicer, free_port, generate_request, shared, wait_until
 
 # 20 ms a step: 2000 tokens is 40 s, far longer than any test here waits.
 LONG = 2000
@@ -48,9 +48,9 @@ LONG = 2000
 @pytest.fixture(scope="module")
 def dp_servicer(tmp_path_factory, test_model_dir):
     metrics_port = free_port()
-    with Servicer(tmp_path_factory.mktemp("dp-servicer"), model_dir=test_model_dir,
-                  extra=["--metrics-port", str(metrics_port)],
-                  engine_args=[*SLOW_ENGINE_ARGS, "--data-parallel-size", "2"]) as running:
+    with shared(Servicer(tmp_path_factory.mktemp("dp-servicer"), model_dir=test_model_dir,
+                         extra=["--metrics-port", str(metrics_port)],
+                         engine_args=[*SLOW_ENGINE_ARGS, "--data-parallel-size", "2"])) as running:
         running.metrics_port = metrics_port
         yield running
 

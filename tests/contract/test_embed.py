@@ -30,7 +30,7 @@ from tests.contract.helpers import (
     wait_journal,
 )
 from enginelink.journal.records import request_stream
-from tests.harness import Servicer, generate_request, wait_until
+from tests.harness import Servicer, generate_request, shared, wait_until
 
 DIM = 256  # the test model's hidden_size: the sim's default embedding length
 MAX_MODEL_LEN = 512
@@ -53,7 +53,7 @@ def hold_next_step(stub) -> None:
 
 @pytest.fixture(scope="module")
 def pooling(tmp_path_factory, test_model_dir):
-    with Servicer(tmp_path_factory.mktemp("pooling"), model_dir=test_model_dir, engine_args=POOLING_ARGS) as running:
+    with shared(Servicer(tmp_path_factory.mktemp("pooling"), model_dir=test_model_dir, engine_args=POOLING_ARGS)) as running:
         yield running
 
 

@@ -18,7 +18,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer
 
 from tests.contract.helpers import Outcome, generate, journal_rows, new_id, prompt, refusal, wait_journal
-from tests.harness import Servicer, generate_request
+from tests.harness import Servicer, generate_request, shared
 
 VOCAB = 4096
 PROMPT = prompt(7, 10)
@@ -27,8 +27,8 @@ PROMPT = prompt(7, 10)
 @pytest.fixture(scope="module")
 def servicer(tmp_path_factory, test_model_dir):
     """A sim engine whose ``--max-logprobs`` is -1: the whole vocabulary may be asked for."""
-    with Servicer(tmp_path_factory.mktemp("logprobs"), model_dir=test_model_dir,
-                  engine_args=["--max-logprobs", "-1"]) as running:
+    with shared(Servicer(tmp_path_factory.mktemp("logprobs"), model_dir=test_model_dir,
+                         engine_args=["--max-logprobs", "-1"])) as running:
         yield running
 
 

@@ -29,7 +29,7 @@ from tests.contract.helpers import (
     refusal,
     wait_journal,
 )
-from tests.harness import Servicer, free_port, generate_request, scrape
+from tests.harness import Servicer, free_port, generate_request, scrape, shared
 
 ENGINE_ID = "pd-engine-1"
 KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": ENGINE_ID}
@@ -40,8 +40,9 @@ KV_PORT = 14579  # vLLM's default kv_port, what the sim's prefill leg advertises
 @pytest.fixture(scope="module")
 def pd_servicer(tmp_path_factory, test_model_dir):
     metrics_port = free_port()
-    with Servicer(tmp_path_factory.mktemp("pd"), model_dir=test_model_dir, extra=["--metrics-port", str(metrics_port)],
-                  engine_args=[*SLOW_ENGINE_ARGS, "--kv-transfer-config", json.dumps(KV_CONFIG)]) as running:
+    with shared(Servicer(tmp_path_factory.mktemp("pd"), model_dir=test_model_dir,
+                         extra=["--metrics-port", str(metrics_port)],
+                         engine_args=[*SLOW_ENGINE_ARGS, "--kv-transfer-config", json.dumps(KV_CONFIG)])) as running:
         running.metrics_port = metrics_port
         yield running
 

@@ -8,8 +8,6 @@ result (everything flushed on cancel) is deterministic.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import trio
 
@@ -206,28 +204,3 @@ def test_default_path_is_per_port():
     path = default_journal_path(50051)
     assert path.name == "journal-50051.sqlite"
     assert "enginelink" in path.parts
-
-
-def test_append_cost_benchmark(tmp_path, capsys):
-    """Printed, not asserted: the hot-path cost of append (ring + pending)."""
-    count = 200_000
-    transition = r.Transition("request", "req-0123456789", "admitted", "running", "first_output").payload()
-    payload_frame = bytes(200)
-    results = {}
-    for label, kind, payload in [
-        ("transition dict", r.KIND_TRANSITION, transition),
-        ("engine.frame 200 B", r.KIND_ENGINE_FRAME, payload_frame),
-    ]:
-        # Small budgets so every append also prunes the ring and drops from
-        # the pending buffer: the worst case of the hot path.
-        journal = Journal(
-            tmp_path / f"{len(results)}.sqlite", ring_records_max=50_000, pending_records_max=50_000
-        )
-        append = journal.append
-        start = time.perf_counter()
-        for i in range(count):
-            append(i * 1e-5, "req/req-0123456789", kind, payload)
-        results[label] = (time.perf_counter() - start) / count * 1e6
-        journal.close()
-    with capsys.disabled():
-        print("\n  journal append: " + ", ".join(f"{k} {v:.2f} us" for k, v in results.items()))

@@ -6,7 +6,7 @@ import pytest
 
 from enginelink.journal.records import KIND_KV_INCARNATION
 from enginelink.journal.store import open_reader
-from tests.harness import Servicer, free_port, wait_until
+from tests.harness import Servicer, free_port, shared, wait_until
 
 # The warm-up is fast on the sim and exercises "subscribed before the warm-up";
 # tests that count batches from the first one turn it off.
@@ -34,8 +34,5 @@ def sequence_base(servicer: Servicer, rank: int = 0) -> int:
 @pytest.fixture(scope="module")
 def kv_default(tmp_path_factory, test_model_dir):
     """KV events on by default, the full warm-up, a metrics endpoint."""
-    servicer = kv_servicer(tmp_path_factory.mktemp("kv-default"), test_model_dir, metrics=True).start()
-    try:
+    with shared(kv_servicer(tmp_path_factory.mktemp("kv-default"), test_model_dir, metrics=True)) as servicer:
         yield servicer
-    finally:
-        servicer.stop()
