@@ -123,7 +123,7 @@ class _Personality:
             entries = self._read([message])
         except WireError:
             return [message]  # a fault's garbage stays garbage on any wire
-        return [self._batch(entries)] if entries else []
+        return self._batches(entries) if entries else []
 
     def _read(self, messages: list[list[bytes]]) -> list[tuple[Any, _Totals, Any]]:
         """The core's outputs as (output, totals, logprob rows), totals updated, finished ones forgotten."""
@@ -152,7 +152,8 @@ class _Personality:
                     del self._totals[out.request_id]
         return entries
 
-    def _batch(self, entries: list) -> list[bytes]:
+    def _batches(self, entries: list) -> list[list[bytes]]:
+        """One step's outputs as this wire's messages."""
         raise NotImplementedError
 
     def _dead(self) -> list[bytes]:
@@ -255,17 +256,23 @@ class SglangPersonality(_Personality):
         return [sglang.encode_outputs(sglang.token_batch(rids, [[] for _ in rids], reasons, prompt_tokens=[0] * len(rids),
                                                          completion_tokens=[0] * len(rids)))]
 
-    def _batch(self, entries: list) -> list[bytes]:
+    def _batches(self, entries: list) -> list[list[bytes]]:
+        # A pooling core takes only embedding requests, a generating one none, so a step is one
+        # kind; SGLang's scheduler sends the two kinds as separate batch types all the same.
         pooled = [e for e in entries if e[0].request_id in self._pooling]
-        if pooled:
-            # --runner pooling runs only embedding requests: a step's outputs are all pooled.
-            for out, _, _ in pooled:
-                self._pooling.discard(out.request_id)
-            return sglang.encode_outputs(ss.BatchEmbeddingOutput(
+        tokens = [e for e in entries if e[0].request_id not in self._pooling]
+        return ([self._embeddings(pooled)] if pooled else []) + ([self._tokens(tokens)] if tokens else [])
+
+    def _embeddings(self, pooled: list) -> list[bytes]:
+        for out, _, _ in pooled:
+            self._pooling.discard(out.request_id)
+        return sglang.encode_outputs(ss.BatchEmbeddingOutput(
                 rids=[o.request_id for o, _, _ in pooled], finished_reasons=[sglang.finish_stop(None)] * len(pooled),
                 embeddings=[_vector(o.pooling_output) for o, _, _ in pooled],
                 prompt_tokens=[t.prompt for _, t, _ in pooled], cached_tokens=[t.cached for _, t, _ in pooled],
                 placeholder_tokens_idx=None, placeholder_tokens_val=None))
+
+    def _tokens(self, entries: list) -> list[bytes]:
         reasons = [self._finish(out, totals) for out, totals, _ in entries]
         columns: dict[str, Any] = {}
         if any(rows is not None for _, _, rows in entries):
@@ -332,10 +339,10 @@ class TokenSpeedPersonality(_Personality):
         entries = self._add(spec, now, prefill_only=sp.max_new_tokens == 0)
         return [self._slim([(rid, [], "abort", len(prompt), 0, 0, None)])] if entries else []
 
-    def _batch(self, entries: list) -> list[bytes]:
-        return self._slim([
+    def _batches(self, entries: list) -> list[list[bytes]]:
+        return [self._slim([
             (out.request_id, list(out.new_token_ids), _TS_FINISH[out.finish_reason], totals.prompt,
-             totals.completion, totals.cached, rows) for out, totals, rows in entries])
+             totals.completion, totals.cached, rows) for out, totals, rows in entries])]
 
     def _slim(self, rows: list[tuple]) -> list[bytes]:
         running, waiting, used = self.core.load()

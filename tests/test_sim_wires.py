@@ -104,8 +104,8 @@ class TokenSpeedFront:
         socket.setsockopt(zmq.LINGER, 0)
         return socket, f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"
 
-    def run_handshake(self) -> HandshakeDone:
-        machine = EngineHandshake(codecs.handshake("tokenspeed"), [0], [self.inputs_address], [self.outputs_address],
+    def run_handshake(self, ranks: tuple[int, ...] = (0,)) -> HandshakeDone:
+        machine = EngineHandshake(codecs.handshake("tokenspeed"), ranks, [self.inputs_address], [self.outputs_address],
                                   expected_version=tokenspeed.ready_version())
         poller = zmq.Poller()
         poller.register(self.handshake, zmq.POLLIN)
@@ -159,6 +159,32 @@ def test_tokenspeed_handshake_runs_on_the_servicers_machine(ts_engine):
     assert facts["vllm_version"] == "tokenspeed-0.1.1"
     assert (facts["max_model_len"], facts["block_size"], facts["prefix_granularity"]) == (MAX_LEN, 16, 16)
     assert facts["kv_events_config"]["endpoint"].startswith("ipc://")
+
+
+def test_tokenspeed_dp_ranks_each_run_their_handshake(model_dir):
+    front = TokenSpeedFront()
+    proc = subprocess.Popen(engine_argv(model_dir, "tokenspeed", "--handshake", front.handshake_address, "-dp", "2"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        done = front.run_handshake((0, 1))
+        assert done.incompatible is None
+        assert [done.ready[r]["data_parallel_rank"] for r in done.ranks] == [0, 1]
+    finally:
+        status = stop(proc)
+        front.close()
+    assert status == 0, proc.stderr.read().decode()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--wire", "sglang"), "--wire sglang needs --scheduler-input-ipc and --tokenizer-ipc"),
+    (("--wire", "sglang", "--scheduler-input-ipc", "ipc:///x", "--tokenizer-ipc", "ipc:///y", "-dp", "2"),
+     "--wire sglang runs one scheduler rank"),
+    (("--wire", "tokenspeed"), "--wire tokenspeed needs --handshake"),
+])
+def test_a_wire_without_its_addresses_is_refused(model_dir, argv, says):
+    done = subprocess.run([sys.executable, "-m", "enginelink.tools.sim_engine", "--model", str(model_dir), *argv],
+                          capture_output=True, text=True, timeout=WAIT_MS / 1000)
+    assert done.returncode == 2 and says in done.stderr
 
 
 def test_tokenspeed_generates_the_vllm_personalitys_tokens_with_stop_ids_length_and_loads(ts_engine):
