@@ -97,9 +97,9 @@ class _Personality:
         self._totals[spec.request_id] = _Totals(len(spec.prompt_token_ids), prefill_only)
         return self._read(self.core.handle_input(*_VLLM.encode_add(spec), now))
 
-    def _abort(self, request_ids: Sequence[str]) -> list[str]:
-        """Abort what the core holds; the ids it held (those get an abort entry)."""
-        held = [rid for rid in request_ids if self.core.has_request(rid)]
+    def _abort(self, request_ids: Sequence[str]) -> list[tuple[str, _Totals]]:
+        """Abort what the core holds; (id, totals so far) of those it held (they get an abort entry)."""
+        held = [(rid, self._totals[rid]) for rid in request_ids if self.core.has_request(rid) and rid in self._totals]
         self.core.handle_input(*_VLLM.encode_abort(list(request_ids)), 0.0)
         for rid in request_ids:
             self._totals.pop(rid, None)
@@ -247,14 +247,16 @@ class SglangPersonality(_Personality):
         return [sglang.encode_outputs(sglang.token_batch(
             [out.request_id], [[]], [reason], prompt_tokens=[len(prompt)], completion_tokens=[0]))]
 
-    def _aborted(self, rids: list[str]) -> list[list[bytes]]:
-        if not rids:
+    def _aborted(self, held: list[tuple[str, _Totals]]) -> list[list[bytes]]:
+        if not held:
             return []
+        rids = [rid for rid, _ in held]
         for rid in rids:
             self._pooling.discard(rid)
         reasons = [sglang.finish_abort(None) for _ in rids]  # the scheduler's FINISH_ABORT(): no message, no status
-        return [sglang.encode_outputs(sglang.token_batch(rids, [[] for _ in rids], reasons, prompt_tokens=[0] * len(rids),
-                                                         completion_tokens=[0] * len(rids)))]
+        return [sglang.encode_outputs(sglang.token_batch(
+            rids, [[] for _ in rids], reasons, prompt_tokens=[t.prompt for _, t in held],
+            completion_tokens=[t.completion for _, t in held], cached_tokens=[t.cached for _, t in held]))]
 
     def _batches(self, entries: list) -> list[list[bytes]]:
         # A pooling core takes only embedding requests, a generating one none, so a step is one
@@ -318,7 +320,8 @@ class TokenSpeedPersonality(_Personality):
                 return self._generate(req, now)
             case tokenspeed.AbortRequest(request_ids=ids):
                 held = self._abort(ids)
-                return [self._slim([(rid, [], "abort", 0, 0, 0, None) for rid in held])] if held else []
+                return [self._slim([(rid, [], "abort", t.prompt, t.completion, t.cached, None)
+                                    for rid, t in held])] if held else []
         raise WireError("unreachable")  # pragma: no cover - decode_input's union is closed
 
     def _generate(self, req: tokenspeed.TokenizedGenerateReqInput, now: float) -> list[list[bytes]]:

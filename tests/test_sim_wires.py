@@ -227,7 +227,9 @@ def test_tokenspeed_abort_mid_generation_and_n_refused_on_the_wire(ts_engine):
     assert first.outputs[0].request_id == "long" and first.outputs[0].finish_reason is None
     front.send(front.codec.encode_abort(["long"]))
     tokens, outs = collect(front.next_batch, "long")
-    assert outs[-1].finish_reason == FinishReason.ABORT and len(first.outputs[0].new_token_ids) + len(tokens) < 100
+    generated = len(first.outputs[0].new_token_ids) + len(tokens)
+    assert outs[-1].finish_reason == FinishReason.ABORT and generated < 100
+    assert (outs[-1].prompt_tokens, outs[-1].completion_tokens) == (len(PROMPT), generated)  # the totals so far
 
     # n != 1 on the wire is answered with an abort at once (the front end fans n out as child ids).
     request = tokenspeed.request_for(spec("n2"))
