@@ -295,6 +295,16 @@ class SimEngineCore:
     def num_cached_blocks(self) -> int:
         return len(self._cache)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is queued or running (the wire personalities answer aborts of these)."""
+        return request_id in self._by_id
+
+    def load(self) -> tuple[int, int, int]:
+        """(running, waiting, KV blocks filled): the load a step reports (vLLM's stats, TokenSpeed's tail)."""
+        bs = self.config.block_size
+        used = sum(_blocks(len(r.prompt) + len(r.output), bs) for r in self._running)
+        return len(self._running), len(self._waiting), used
+
     # ---- inputs -----------------------------------------------------------
 
     def handle_input(self, request_type: bytes, payload: bytes, now: float) -> list[list[bytes]]:
@@ -583,8 +593,7 @@ class SimEngineCore:
             self.hooks.blocks_removed(evicted)
 
     def _stats(self) -> vllm.WireSchedulerStats:
-        bs = self.config.block_size
-        used = sum(_blocks(len(r.prompt) + len(r.output), bs) for r in self._running)
+        _, _, used = self.load()
         pcs, self._pcs = self._pcs, vllm.PrefixCacheStats()
         return vllm.WireSchedulerStats(
             num_running_reqs=len(self._running),

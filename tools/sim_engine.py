@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -48,12 +49,17 @@ from enginelink.tools.sim_kv import KvEventHooks, SimKvFaults, SimKvPublisher
 from enginelink.wire import kv_events, vllm
 from enginelink.wire.engine import WireError
 
+if TYPE_CHECKING:
+    from enginelink.machines.sim_wires import SimWire
+
+WIRES = ("vllm", "tokenspeed", "sglang")
 HANDSHAKE_TIMEOUT_S = 300.0  # vLLM's HANDSHAKE_TIMEOUT_MINS
 IDLE_POLL_MS = 100  # how often an idle engine checks for signals and its parent
 
 
 SIM_DESCRIPTION = """\
-Run the deterministic sim engine: one rank of `vllm serve --headless`, on vLLM's wire.
+Run the deterministic sim engine: one rank of `vllm serve --headless`, on vLLM's wire
+(--wire tokenspeed: a `ts serve --headless` rank; --wire sglang: an SGLang scheduler).
 `enginelink serve` launches it (the default --engine sim) and fills in --handshake and
 --model; give it the other flags after serve's `--`, e.g.
   enginelink serve -- --step-us 20000 --max-num-seqs 64
@@ -62,7 +68,18 @@ Settings of the servicer itself: README.md, "Running"."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = SIM_DESCRIPTION
-    parser.add_argument("--handshake", required=True, help="the front end's handshake ROUTER: ipc://PATH or tcp://HOST:PORT")
+    parser.add_argument("--wire", choices=WIRES, default="vllm",
+                        help="the engine wire it speaks: vllm (default, a vllm serve --headless rank), tokenspeed "
+                        "(ts serve --headless), or sglang (an SGLang 0.5.23 scheduler in msgpack mode); "
+                        "docs/simulation.md")
+    parser.add_argument("--handshake", default=None,
+                        help="the front end's handshake ROUTER: ipc://PATH or tcp://HOST:PORT (vllm, tokenspeed)")
+    parser.add_argument("--scheduler-input-ipc", default=None, metavar="ADDR",
+                        help="sglang: PortArgs.scheduler_input_ipc_name, the front end's bound PUSH (we connect PULL)")
+    parser.add_argument("--tokenizer-ipc", default=None, metavar="ADDR",
+                        help="sglang: PortArgs.tokenizer_ipc_name, the front end's bound PULL (we connect PUSH)")
+    parser.add_argument("--ready-fd", type=int, default=None, metavar="FD",
+                        help="sglang: write the scheduler's ready report, one JSON line, to this inherited fd")
     parser.add_argument("--model", required=True, type=Path, help="model directory holding config.json")
     parser.add_argument("--rank", type=int, default=0, help="data-parallel rank (engine index and identity)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
@@ -260,6 +277,10 @@ def _handshake(
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if args.wire != "vllm":
+        from enginelink.tools.sim_wire_shell import run_wire
+
+        return run_wire(args, config)
     if args.kv_transfer_config is not None:
         _write_pd_facts(config, args.kv_transfer_config)
     life = _Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
@@ -294,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         _log(f"ready (rank {args.rank}, vocab {config.vocab_size}, max_model_len {config.max_model_len})")
         if args.fault_stray_child:
             _log(f"stray child {_start_stray_child()} started")
-        reason = _serve(SimEngineCore(config, hooks), inputs, outputs, life, kv_sockets)
+        reason = _serve(_VllmWire(SimEngineCore(config, hooks)), inputs, outputs, life, kv_sockets)
         _log(f"stopping: {reason}")
         return 0
     finally:
@@ -388,9 +409,28 @@ def _kv_publisher(
     return hooks, _KvSockets(hooks, pub, replay), resolved
 
 
-def _serve(core: SimEngineCore, inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime,
+class _VllmWire:
+    """The core on its own wire: ``[type, payload]`` straight in (the personalities' interface)."""
+
+    def __init__(self, core: SimEngineCore) -> None:
+        self.core = core
+
+    @property
+    def has_work(self) -> bool:
+        return self.core.has_work
+
+    def handle(self, frames: list[bytes], now: float) -> list[list[bytes]]:
+        if len(frames) < 2:
+            raise WireError(f"a {len(frames)}-frame input message")
+        return self.core.handle_input(frames[0], frames[1], now)
+
+    def step(self, now: float) -> tuple[list[list[bytes]], float]:
+        return self.core.step(now)
+
+
+def _serve(core: "_VllmWire | SimWire", inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime,
            kv: _KvSockets | None = None) -> str:  # fmt: skip
-    """The engine loop; returns why it stopped."""
+    """The engine loop of any wire (``core``: handle, step, has_work); returns why it stopped."""
     next_step = 0.0  # monotonic time the current step's cost runs out
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
@@ -412,11 +452,8 @@ def _serve(core: SimEngineCore, inputs: zmq.Socket, outputs: zmq.Socket, life: _
                     frames = inputs.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if len(frames) < 2:
-                    _log(f"ignored a {len(frames)}-frame input message")
-                    continue
                 try:
-                    messages = core.handle_input(frames[0], frames[1], time.monotonic())
+                    messages = core.handle(frames, time.monotonic())
                 except WireError as exc:
                     _log(f"ignored input: {exc}")
                     continue
@@ -453,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     report_refused_arguments(parser, os.environ.get(ENGINE_FACTS_ENV))
     args = parser.parse_args(argv)
     _write_facts(os.environ.get(ENGINE_FACTS_ENV), args)
+    if args.wire == "sglang" and (args.scheduler_input_ipc is None or args.tokenizer_ipc is None):
+        parser.error("--wire sglang needs --scheduler-input-ipc and --tokenizer-ipc (the front end binds them)")
+    if args.wire == "sglang" and args.data_parallel_size != 1:
+        parser.error("--wire sglang runs one scheduler rank (SGLang's DP controller is not simulated)")
+    if args.wire != "sglang" and args.handshake is None:
+        parser.error(f"--wire {args.wire} needs --handshake")
     if args.data_parallel_size < 1:
         parser.error(f"--data-parallel-size {args.data_parallel_size}: expected >= 1")
     if args.data_parallel_size > 1 and not args.data_parallel_child:

@@ -13,7 +13,7 @@ from typing import Callable, Final
 
 from enginelink.wire.engine import EngineCodec, HandshakeWire
 from enginelink.wire.sglang import SglangCodec
-from enginelink.wire.tokenspeed import TokenSpeedCodec
+from enginelink.wire.tokenspeed import TokenSpeedCodec, TokenSpeedHandshake
 from enginelink.wire.vllm import VllmCodec, VllmHandshake
 
 _FACTORIES: Final[dict[str, Callable[[], EngineCodec]]] = {
@@ -25,6 +25,8 @@ _FACTORIES: Final[dict[str, Callable[[], EngineCodec]]] = {
 # Each wire's start-up handshake (machines/handshake.py reads it through this object).
 _HANDSHAKES: Final[dict[str, Callable[[], HandshakeWire]]] = {
     "vllm": VllmHandshake,
+    "tokenspeed": TokenSpeedHandshake,
+    # SGLang 0.5.23 has none: its scheduler reports readiness through a spawn pipe (docs/simulation.md).
 }
 
 NAMES: Final = tuple(_FACTORIES)

@@ -45,6 +45,7 @@ from enginelink.wire.engine import (
     EngineDead,
     FinishReason,
     GenerateSpec,
+    HandshakeStep,
     LogprobRows,
     OutputBatch,
     SchedulerStats,
@@ -424,6 +425,66 @@ def encode_ready_response(response: WireEngineCoreReadyResponse) -> bytes:
 
 def decode_ready_response(payload: bytes) -> WireEngineCoreReadyResponse:
     return _decode(_READY, payload, "ready response")
+
+
+ENGINE_VERSION_PREFIX: Final = "tokenspeed-"  # the ready response's vllm_version: "tokenspeed-0.1.1"
+
+
+def ready_version(release: str = TOKENSPEED_VERSION) -> str:
+    """What a TokenSpeed release says in its ready response (what a launch check expects)."""
+    return f"{ENGINE_VERSION_PREFIX}{release}"
+
+
+class TokenSpeedHandshake:
+    """TokenSpeed 0.1.1's handshake as the handshake machine reads it (``wire.engine.HandshakeWire``).
+
+    vLLM's shape (HELLO → INIT → READY and the ready response, in either
+    order; TokenSpeed sends READY first) with TokenSpeed's maps: HELLO/READY
+    carry every key (``parallel_config_hash: None``), the ready response has
+    ``prefix_granularity`` where vLLM has ``block_size``. A rank's identity is
+    ``struct.pack("<H", engine_index + dp_rank)``: the rank, 2 bytes
+    little-endian. ``facts`` gives the runtime vLLM's key names
+    (``block_size`` = ``prefix_granularity``). ``version`` is the whole
+    ``vllm_version`` (``tokenspeed-0.1.1``): a launch check compares it with
+    ``ready_version()``; any other engine's version is ``foreign``.
+    """
+
+    engine: Final = "TokenSpeed"
+
+    @staticmethod
+    def identity(rank: int) -> bytes:
+        return rank.to_bytes(2, "little")
+
+    @staticmethod
+    def decode_status(payload: bytes) -> tuple[HandshakeStep, WireReadyMessage]:
+        status = decode_handshake_status(payload)
+        return HandshakeStep(status.status), status
+
+    @staticmethod
+    def encode_init(inputs: Sequence[str], outputs: Sequence[str]) -> bytes:
+        return encode_handshake_init(HandshakeInit(addresses=HandshakeAddresses(inputs=list(inputs),
+                                                                                outputs=list(outputs))))
+
+    @staticmethod
+    def decode_ready(payload: bytes) -> WireEngineCoreReadyResponse:
+        return decode_ready_response(payload)
+
+    @staticmethod
+    def facts(ready: WireEngineCoreReadyResponse) -> dict:
+        facts = msgspec.to_builtins(ready)
+        facts["block_size"] = ready.prefix_granularity
+        return facts
+
+    @staticmethod
+    def version(ready: WireEngineCoreReadyResponse) -> str:
+        return ready.vllm_version
+
+    @staticmethod
+    def foreign(version: str) -> str | None:
+        if version.startswith(ENGINE_VERSION_PREFIX):
+            return None
+        name, dash, _ = version.partition("-")
+        return name if dash and name.isalpha() else "vLLM"  # a bare release number is vLLM's own
 
 
 # --------------------------------------------------------------------------
