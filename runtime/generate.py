@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import trio
 
-from enginelink.runtime import kv_transfer
+from enginelink.runtime.contract_vllm import VLLM_EDGE
 from enginelink.runtime.embed import check_generation
 from enginelink.runtime.errors import ClientError, ServicerError
 from enginelink.runtime.inputs import check_request_id, input_limits
-from enginelink.runtime.validate import validate_generate
 
 
-async def generate(app, request, *, wake, send, direct=None) -> None:
-    """Serve one ``vllm_engine_pb2.GenerateRequest`` through ``app.hub``; returns when it ended OK.
+async def generate(app, request, *, wake, send, direct=None, edge=VLLM_EDGE) -> None:
+    """Serve one Generate request of ``edge``'s contract through ``app.hub``; returns when it ended OK.
+
+    ``edge`` (``runtime/contract.py``): the contract's validator (its request
+    → the neutral call); the hub was built with the same edge, which encodes
+    what ``send`` gets. vLLM's ``GenerateRequest`` by default.
 
     ``direct`` (gRPC only): the stream's ``grpc_transport.DirectSender``.
     Once a streaming call is admitted its headers go out and its synchronous
@@ -47,11 +50,11 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
         check_request_id("request_id", request.request_id, input_limits())
         limits = app.limits
         check_generation(app.ready)  # a pooling engine generates nothing: UNIMPLEMENTED, before validation
-        spec = validate_generate(request, limits, app.wall_time(now))
+        spec = edge.validate(request, limits, app.wall_time(now))
         call = hub.admit(spec, now, wake=wake)
     except ServicerError as error:
         app.refused(request.request_id, error, now)
-        release_refused_kv(app, request, error, now)
+        release_refused_kv(app, request, error, now, edge)
         raise
     try:
         if direct is not None and spec.stream:
@@ -62,12 +65,11 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
             wake.clear()
             if call.error is not None:
                 raise call.error
-            call.writer_busy = True
             try:
                 for message in hub.take(call, trio.current_time()):
                     await send(message)
             finally:
-                call.writer_busy = False
+                hub.written(call)
             if call.error is not None:
                 # The engine failed the call while we were sending: the caller
                 # must see the failure, not a stream that ends OK without completes.
@@ -82,7 +84,7 @@ async def generate(app, request, *, wake, send, direct=None) -> None:
         hub.release(call)
 
 
-def release_refused_kv(app, request, error: ServicerError, now: float) -> None:
+def release_refused_kv(app, request, error: ServicerError, now: float, edge=VLLM_EDGE) -> None:
     """A refused decode-side PD request: the engine frees the prefill side's KV now (``RequestHub.release_kv``).
 
     Only for a refusal that is final, the client's fault (INVALID_ARGUMENT,
@@ -97,6 +99,6 @@ def release_refused_kv(app, request, error: ServicerError, now: float) -> None:
     """
     if error.whose != "client" or (isinstance(error, ClientError) and error.field == "request_id"):
         return
-    params = kv_transfer.params_for_release(request, input_limits())
+    params = edge.release_params(request, input_limits())
     if params is not None:
         app.hub.release_kv(request.request_id, params, now)

@@ -222,6 +222,7 @@ async def _serve(config: ServeConfig, journal: Journal, grpc_sock: socket.socket
                 codec=codec,
                 send_frames=link.send,
                 journal=journal,
+                edge=VllmEngineService.edge,  # the contract served: its edge encodes the hub's messages
                 ranks=link.ranks,
                 tokenizer=_tokenizer_or_none(config.model),
                 cached_tokens=codec.cached_tokens,

@@ -30,6 +30,7 @@ from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
 from enginelink.machines.link import LinkEvent, LinkState
 from enginelink.machines.warmup import WarmupSetting
 from enginelink.runtime.app import App
+from enginelink.runtime.contract_vllm import VLLM_EDGE
 from enginelink.runtime.engine_link import EngineIncompatible, LinkFailed
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.generate import generate
@@ -123,6 +124,7 @@ class SimServicer:
             send_frames=self.link.send,
             ranks=self.link.ranks,
             journal=self.journal,
+            edge=VLLM_EDGE,
             tokenizer=tokenizer,
             cached_tokens=self.link.codec.cached_tokens,
         )
