@@ -21,6 +21,12 @@ from enginelink.runtime.validate import EngineLimits
 
 class ContractEdge(Protocol):
     name: str
+    # The request's id field, as refusals name it (checked first, whatever the link's state).
+    id_field: str
+
+    def raw_request_id(self, request) -> str:
+        """The request's id as the client sent it (unchecked: the Generate loop checks it)."""
+        ...
 
     def validate(self, request, limits: EngineLimits, now: float) -> GenerateCall:
         """The contract's request → the neutral call; ``ClientError`` naming the field when it is bad."""

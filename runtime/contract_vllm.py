@@ -5,6 +5,8 @@ gRPC contract has one small edge module like this one, chosen when the
 service is built (``runtime/grpc_vllm.py``, ``server.py``). An edge provides
 (``runtime/contract.py``, ``ContractEdge``):
 
+- ``id_field`` / ``raw_request_id``: the request's id, checked before
+  anything else (a bad id is the client's error even while the engine starts);
 - ``validate``: the contract's request → ``GenerateCall``, or a
   ``ClientError`` naming the field (below, one function per field group);
 - ``encode``: the core's ``Chunk`` / ``Complete`` → the contract's messages;
@@ -386,14 +388,20 @@ def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int,
     return b"\x0a" + _varint(len(chunk)) + chunk  # GenerateResponse field 1: chunk
 
 
+def raw_request_id(request: pb.GenerateRequest) -> str:
+    return request.request_id
+
+
 class VllmEdge:
     """The vLLM contract's edge, as the executor and the Generate loop use it (``contract.ContractEdge``)."""
 
     name = NAME
+    id_field = "request_id"
     validate = staticmethod(validate_generate)
     encode = staticmethod(encode)
     chunk_body = staticmethod(stream_chunk_body)
     release_params = staticmethod(release_params)
+    raw_request_id = staticmethod(raw_request_id)
 
 
 VLLM_EDGE = VllmEdge()

@@ -47,13 +47,13 @@ async def generate(app, request, *, wake, send, direct=None, edge=VLLM_EDGE) -> 
     try:
         # The id first, whatever the link's state: a reserved or oversized id is the
         # client's error even while the engine starts (app.limits answers UNAVAILABLE then).
-        check_request_id("request_id", request.request_id, input_limits())
+        check_request_id(edge.id_field, edge.raw_request_id(request), input_limits())
         limits = app.limits
         check_generation(app.ready)  # a pooling engine generates nothing: UNIMPLEMENTED, before validation
         spec = edge.validate(request, limits, app.wall_time(now))
         call = hub.admit(spec, now, wake=wake)
     except ServicerError as error:
-        app.refused(request.request_id, error, now)
+        app.refused(edge.raw_request_id(request), error, now)
         release_refused_kv(app, request, error, now, edge)
         raise
     try:
@@ -97,8 +97,8 @@ def release_refused_kv(app, request, error: ServicerError, now: float, edge=VLLM
     connector's same hook. A request refused for its id is not released:
     the id is not one the servicer takes.
     """
-    if error.whose != "client" or (isinstance(error, ClientError) and error.field == "request_id"):
+    if error.whose != "client" or (isinstance(error, ClientError) and error.field == edge.id_field):
         return
     params = edge.release_params(request, input_limits())
     if params is not None:
-        app.hub.release_kv(request.request_id, params, now)
+        app.hub.release_kv(edge.raw_request_id(request), params, now)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 import trio
 
@@ -109,9 +110,23 @@ class _Readiness:
         self.value = bool(value)
 
 
+@dataclass(frozen=True)
+class ClientContract:
+    """What the simulated clients speak: a contract's edge (``runtime/contract.py``), its request
+    for a plan, and a client's view of its messages as the checks read them (vLLM's GenerateResponse)."""
+
+    edge: object
+    request: Callable[[ClientPlan], object]
+    view: Callable[[object], object]
+
+
+VLLM_CLIENTS = ClientContract(VLLM_EDGE, ClientPlan.request, lambda message: message)
+
+
 class SimServicer:
-    def __init__(self, sc: Scenario, model: ModelFacts, tokenizer) -> None:
+    def __init__(self, sc: Scenario, model: ModelFacts, tokenizer, contract: ClientContract = VLLM_CLIENTS) -> None:
         self.sc = sc
+        self.contract = contract
         self.model = model
         self.journal = Journal(None, ring_records_max=RING_RECORDS_MAX, ring_bytes_max=1 << 30)
         self.link = MemoryLink(
@@ -124,7 +139,7 @@ class SimServicer:
             send_frames=self.link.send,
             ranks=self.link.ranks,
             journal=self.journal,
-            edge=VLLM_EDGE,
+            edge=contract.edge,
             tokenizer=tokenizer,
             cached_tokens=self.link.codec.cached_tokens,
         )
@@ -244,14 +259,15 @@ class SimServicer:
         async def send(message) -> None:
             if plan.slow_s:
                 await trio.sleep(plan.slow_s)
-            obs.messages.append(message)
+            obs.messages.append(self.contract.view(message))
 
         try:
             with trio.CancelScope() as scope:
                 if plan.cancel_after_s is not None:
                     scope.deadline = obs.started_at + plan.cancel_after_s
                 try:
-                    await generate(self.app, plan.request(), wake=wake, send=send)
+                    await generate(self.app, self.contract.request(plan), wake=wake, send=send,
+                                   edge=self.contract.edge)
                     obs.outcome = "ok"
                 except ServicerError as error:
                     obs.outcome = error.status.name
