@@ -109,18 +109,19 @@ def _declare():
             for writer in sources:
                 if (life, writer) in pairs and (life, dest) in pairs:
                     transitions.append((event, state_name(life, writer), state_name(life, dest)))
-    terminal = {state_name(life, W.DONE) for life in REQUEST_TERMINAL}
     table = build_table(
         "call",
         states=[state_name(*pair) for pair in pairs],
         transitions=transitions,
         initial=state_name(REQUEST_INITIAL, WRITER_INITIAL),
-        terminal=set(),  # a done call's writer may still take its backlog and be woken: nothing leaves it
+        # None: a done call's writer may still be woken, take its backlog and report it written
+        # (self-loops), which a terminal state may not have. ``done`` after an ended life is the end.
+        terminal=set(),
     )
-    return table, {state_name(*pair): pair for pair in pairs}, frozenset(terminal)
+    return table, {state_name(*pair): pair for pair in pairs}
 
 
-CALL_TABLE, _SPLIT, FINAL_STATES = _declare()
+CALL_TABLE, _SPLIT = _declare()
 # The journaled half: the life transitions alone (the fold and ``verify`` read these).
 REQUEST_TABLE = build_table(
     MACHINE_REQUEST,
@@ -166,9 +167,4 @@ class RequestMachine:
     @property
     def open(self) -> bool:
         return self.state not in TERMINAL_STATES
-
-    @property
-    def final(self) -> bool:
-        """Life ended and the writer done: nothing more happens to the call."""
-        return self.key in FINAL_STATES
 

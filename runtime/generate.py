@@ -9,7 +9,7 @@ Parametrised by the two things that differ between callers:
 - ``wake``: what the hub sets when the call has something new; an
   ``asyncio.Event`` for grpclib handlers (asyncio under trio-asyncio), a
   ``warmup.TrioWake`` for trio code (the simulation's clients);
-- ``send``: an async callable taking one ``GenerateResponse``.
+- ``send``: an async callable taking one response message of the edge's contract.
 
 Errors: a refusal (validation, admission) is journaled through
 ``app.refused`` and raised as the ``ServicerError`` it is; a call the engine

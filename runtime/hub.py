@@ -38,13 +38,9 @@ from typing import Callable, Sequence
 from enginelink.machines.link import LinkMachine
 from enginelink.machines.ranks import RankTable
 from enginelink.machines.request_api import Actions, GenerateCall, Refusal
-from enginelink.machines.request_core import (  # noqa: F401 - Call, Choice: the hub's calls, as callers see them
-    IN_FLIGHT_MAX,
-    RETIRED_ENGINE_IDS_MAX,
-    Call,
-    Choice,
-    RequestCore,
-)
+from enginelink.machines.request_call import Call, Choice  # noqa: F401 - the hub's calls, as callers see them
+# The core's bounds, where the shell reads them (server.py, grpc_transport.py).
+from enginelink.machines.request_core import IN_FLIGHT_MAX, RETIRED_ENGINE_IDS_MAX, RequestCore  # noqa: F401
 from enginelink.runtime.errors import ConstraintFailed, from_failure, from_refusal
 from enginelink.runtime.metrics import NoMetrics
 from enginelink.wire.engine import EngineCodec, OutputBatch
