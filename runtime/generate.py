@@ -65,11 +65,12 @@ async def generate(app, request, *, wake, send, direct=None, edge=VLLM_EDGE) -> 
             wake.clear()
             if call.error is not None:
                 raise call.error
+            messages = hub.take(call, trio.current_time())
             try:
-                for message in hub.take(call, trio.current_time()):
+                for message in messages:
                     await send(message)
             finally:
-                hub.written(call)
+                hub.written(call)  # the writer is idle again (or leaving): the fan-out may write
             if call.error is not None:
                 # The engine failed the call while we were sending: the caller
                 # must see the failure, not a stream that ends OK without completes.
