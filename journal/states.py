@@ -40,3 +40,23 @@ class RequestState(StrEnum):
 
 REQUEST_INITIAL: Final = RequestState.ADMITTED
 REQUEST_TERMINAL: Final = frozenset({RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED})
+
+
+class WriterState(StrEnum):
+    """Where a call's writer (the client side of a call) stands; the second half of a request's state.
+
+    A call's full state is ``(RequestState, WriterState)``, one table
+    (``machines/request.py``). Only the ``RequestState`` half is journaled
+    (one record per transition, as before): the writer half changes per
+    engine frame and would cost a record per token.
+    """
+
+    IDLE = "idle"  # nothing for the writer; the fan-out may write the call's messages itself
+    WOKEN = "woken"  # the writer was woken and has not taken yet
+    BUSY = "busy"  # the writer holds messages it has not written yet
+    BUSY_WOKEN = "busy_woken"  # ... and more arrived meanwhile: it takes again after
+    BACKLOG = "backlog"  # the fan-out left messages it could not write: the writer's first
+    DONE = "done"  # every complete taken (or the failure handed over), or the writer left: the id is free
+
+
+WRITER_INITIAL: Final = WriterState.IDLE

@@ -117,6 +117,8 @@ class Composition:
     metrics_port: int | None = None
     metrics_listeners: list | None = None
     readiness_sink: StatusSink | None = None  # grpclib's ServiceStatus for the health service
+    # The contract served (runtime/contract.py): its edge encodes the hub's messages; None: the core's own.
+    edge: object | None = None
     # The hub, given the link and RequestHub's keyword arguments (the simulation observes it).
     new_hub: Callable[..., RequestHub] = lambda engine_link, **kwargs: RequestHub(**kwargs)
 
@@ -234,6 +236,7 @@ def compose(plan: Composition) -> Servicer:
         codec=link.codec,
         send_frames=link.send,
         journal=journal,
+        edge=plan.edge,
         ranks=link.ranks,
         tokenizer=plan.tokenizer,
         cached_tokens=link.codec.cached_tokens,

@@ -167,6 +167,20 @@ class CallAborted(ServicerError):
     whose = "client"
 
 
+def from_refusal(refusal) -> ServicerError:
+    """The request core's ``Refusal`` (machines/request_api.py) as the error it is."""
+    if refusal.kind == "duplicate":
+        return DuplicateRequest(refusal.message)
+    return Unavailable(refusal.message, reason=refusal.reason or "unavailable")
+
+
+def from_failure(failure) -> ServicerError:
+    """The request core's ``Failure`` (machines/request_api.py) as the error the call ends with."""
+    if failure.kind == "constraint":
+        return ConstraintFailed(failure.constraint, failure.message)
+    return EngineFailure(failure.message)
+
+
 def to_grpc_error(error: BaseException) -> GRPCError:
     """Map any exception to the status the caller sees (the only such map)."""
     if isinstance(error, GRPCError):

@@ -9,7 +9,7 @@ Parametrised by the two things that differ between callers:
 - ``wake``: what the hub sets when the call has something new; an
   ``asyncio.Event`` for grpclib handlers (asyncio under trio-asyncio), a
   ``warmup.TrioWake`` for trio code (the simulation's clients);
-- ``send``: an async callable taking one ``GenerateResponse``.
+- ``send``: an async callable taking one response message of the edge's contract.
 
 Errors: a refusal (validation, admission) is journaled through
 ``app.refused`` and raised as the ``ServicerError`` it is; a call the engine
@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import trio
 
-from enginelink.runtime import kv_transfer
+from enginelink.runtime.contract_vllm import VLLM_EDGE
 from enginelink.runtime.embed import check_generation
 from enginelink.runtime.errors import ClientError, ServicerError
 from enginelink.runtime.inputs import check_request_id, input_limits
-from enginelink.runtime.validate import validate_generate
 
 
-async def generate(app, request, *, wake, send, direct=None, send_headers=None) -> None:
-    """Serve one ``vllm_engine_pb2.GenerateRequest`` through ``app.hub``; returns when it ended OK.
+async def generate(app, request, *, wake, send, direct=None, send_headers=None, edge=VLLM_EDGE) -> None:
+    """Serve one Generate request of ``edge``'s contract through ``app.hub``; returns when it ended OK.
+
+    ``edge`` (``runtime/contract.py``): the contract's validator (its request
+    → the neutral call); the hub was built with the same edge, which encodes
+    what ``send`` gets. vLLM's ``GenerateRequest`` by default.
 
     ``direct`` (gRPC only): the stream's ``fastpath.DirectSender``.
     Once a streaming call is admitted its headers go out and its synchronous
@@ -45,14 +48,14 @@ async def generate(app, request, *, wake, send, direct=None, send_headers=None) 
     try:
         # The id first, whatever the link's state: a reserved or oversized id is the
         # client's error even while the engine starts (app.limits answers UNAVAILABLE then).
-        check_request_id("request_id", request.request_id, input_limits())
+        check_request_id(edge.id_field, edge.raw_request_id(request), input_limits())
         limits = app.limits
         check_generation(app.ready)  # a pooling engine generates nothing: UNIMPLEMENTED, before validation
-        spec = validate_generate(request, limits, app.wall_time(now))
+        spec = edge.validate(request, limits, app.wall_time(now))
         call = hub.admit(spec, now, wake=wake)
     except ServicerError as error:
-        app.refused(request.request_id, error, now)
-        release_refused_kv(app, request, error, now)
+        app.refused(edge.raw_request_id(request), error, now)
+        release_refused_kv(app, request, error, now, edge)
         raise
     try:
         if direct is not None and spec.stream:
@@ -65,12 +68,12 @@ async def generate(app, request, *, wake, send, direct=None, send_headers=None) 
             wake.clear()
             if call.error is not None:
                 raise call.error
-            call.writer_busy = True
+            messages = hub.take(call, trio.current_time())
             try:
-                for message in hub.take(call, trio.current_time()):
+                for message in messages:
                     await send(message)
             finally:
-                call.writer_busy = False
+                hub.written(call)  # the writer is idle again (or leaving): the fan-out may write
             if call.error is not None:
                 # The engine failed the call while we were sending: the caller
                 # must see the failure, not a stream that ends OK without completes.
@@ -85,7 +88,7 @@ async def generate(app, request, *, wake, send, direct=None, send_headers=None) 
         hub.release(call)
 
 
-def release_refused_kv(app, request, error: ServicerError, now: float) -> None:
+def release_refused_kv(app, request, error: ServicerError, now: float, edge=VLLM_EDGE) -> None:
     """A refused decode-side PD request: the engine frees the prefill side's KV now (``RequestHub.release_kv``).
 
     Only for a refusal that is final, the client's fault (INVALID_ARGUMENT,
@@ -98,8 +101,8 @@ def release_refused_kv(app, request, error: ServicerError, now: float) -> None:
     connector's same hook. A request refused for its id is not released:
     the id is not one the servicer takes.
     """
-    if error.whose != "client" or (isinstance(error, ClientError) and error.field == "request_id"):
+    if error.whose != "client" or (isinstance(error, ClientError) and error.field == edge.id_field):
         return
-    params = kv_transfer.params_for_release(request, input_limits())
+    params = edge.release_params(request, input_limits())
     if params is not None:
-        app.hub.release_kv(request.request_id, params, now)
+        app.hub.release_kv(edge.raw_request_id(request), params, now)

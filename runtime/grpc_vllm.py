@@ -18,6 +18,7 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
+from enginelink.runtime.contract_vllm import VLLM_EDGE
 from enginelink.runtime.embed import embed
 from enginelink.runtime.errors import current_request_id, grpc_errors
 from enginelink.runtime.generate import generate
@@ -28,6 +29,10 @@ from enginelink.runtime.inputs import input_limits, validate_abort_ids
 
 
 class VllmEngineService(VllmEngineBase):
+    # The contract's edge (runtime/contract.py): its requests validated, the hub's messages encoded.
+    # server.py builds the hub with it.
+    edge = VLLM_EDGE
+
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
         self.app = app
         # The direct path's writes of one engine frame; the hub flushes them (server.py wires it).
@@ -53,7 +58,7 @@ class VllmEngineService(VllmEngineBase):
         # ENGINELINK_FAST_PATH off: no DirectSender; grpclib sends the headers once admitted, as the fast path does.
         direct = DirectSender(stream, self.frame_writes) if self.frame_writes.fast_path else None
         await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct,
-                       send_headers=stream.send_initial_metadata)
+                       send_headers=stream.send_initial_metadata, edge=self.edge)
 
     @grpc_errors
     async def Abort(self, stream) -> None:

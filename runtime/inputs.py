@@ -37,7 +37,7 @@ class InputLimits:
 
     Stop strings: OpenAI allows 4, TGI 4 by default, vLLM any number; 64
     strings of at most 1 KiB and 4 KiB together cover chat templates' stop
-    sets many times over, and bound the per-call automaton (runtime/stops.py)
+    sets many times over, and bound the per-call automaton (machines/stops.py)
     to ~0.5 MB and ~10 ms to build. Ids: the router sends ~40-byte uuids.
     """
 

@@ -211,6 +211,7 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
         metrics_port=config.metrics_port,
         metrics_listeners=metrics_listeners,
         readiness_sink=status,
+        edge=VllmEngineService.edge,  # the contract served: its edge encodes the hub's messages
     )
 
 

@@ -267,7 +267,7 @@ def hub_submit(hub, limits: EngineLimits) -> Submit:
             return Outcome.REFUSED
         except ServicerError:
             return Outcome.FAILED
-        messages = []
+        reasons = []
         try:
             while call.error is None and not all(choice.finished for choice in call.choices):
                 await wake.wait()
@@ -278,10 +278,10 @@ def hub_submit(hub, limits: EngineLimits) -> Submit:
             if call.machine.open:
                 hub.abort([request.request_id], "warmup_cancelled", now)
             if call.error is None:
-                messages = hub.take(call, now)
-        if call.error is not None:
-            return Outcome.FAILED
-        reasons = [m.complete.finish_reason for m in messages if m.HasField("complete")]
+                # Journals the choices' ends (client.sent) and frees the id; nothing is sent.
+                taken = [c for c in call.choices if not c.complete_sent]
+                hub.take(call, now)
+                reasons = [c.finish_reason for c in taken if c.complete_sent]
         return Outcome.FAILED if not reasons or any(r in ("abort", "error") for r in reasons) else Outcome.OK
 
     return submit

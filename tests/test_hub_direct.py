@@ -16,7 +16,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.records import KIND_CLIENT_SENT
 from enginelink.machines.link import LinkEvent, LinkMachine
-from enginelink.runtime.hub import RequestHub, stream_chunk_body
+from enginelink.runtime.contract_vllm import VLLM_EDGE, stream_chunk_body
+from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.validate import EngineLimits, validate_generate
 from enginelink.wire.engine import FinishReason, OutputBatch
 from enginelink.wire.vllm import VllmCodec
@@ -59,7 +60,7 @@ def hub_with_call(wire: Wire, n: int = 1):
     link.handle(LinkEvent.HANDSHAKE_DONE, 0.0)
     link.handle(LinkEvent.WARMUP_DONE, 0.0)
     journal = ListJournal()
-    hub = RequestHub(link=link, codec=VllmCodec(), send_frames=lambda frames, rank=0: None, journal=journal)
+    hub = RequestHub(link=link, codec=VllmCodec(), send_frames=lambda frames, rank=0: None, journal=journal, edge=VLLM_EDGE)
     request = generate_request("r1", [5, 6, 7], stream=True, max_tokens=2, n=n, seed=1)
     call = hub.admit(validate_generate(request, LIMITS, 0.0), 0.0, wake=asyncio.Event())
     call.direct = wire

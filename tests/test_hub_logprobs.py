@@ -17,7 +17,8 @@ from grpclib.const import Status
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.machines.link import LinkEvent, LinkMachine
-from enginelink.runtime.hub import RequestHub, stream_chunk_body
+from enginelink.runtime.contract_vllm import VLLM_EDGE, stream_chunk_body
+from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.validate import EngineLimits, validate_generate
 from enginelink.wire import vllm
 from enginelink.wire.engine import OutputBatch
@@ -53,7 +54,7 @@ def make_hub():
     link.handle(LinkEvent.HANDSHAKE_DONE, 0.0)
     link.handle(LinkEvent.WARMUP_DONE, 0.0)
     sent: list[list[bytes]] = []
-    hub = RequestHub(link=link, codec=vllm.VllmCodec(), send_frames=lambda frames, rank=0: sent.append(frames), journal=ListJournal())
+    hub = RequestHub(link=link, codec=vllm.VllmCodec(), send_frames=lambda frames, rank=0: sent.append(frames), journal=ListJournal(), edge=VLLM_EDGE)
     return hub, sent
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import trio
 
-import enginelink.runtime.generate as generate_module
 from enginelink.machines.warmup import warmup_setting
 from enginelink.runtime.app import App
+from enginelink.runtime.contract_vllm import VllmEdge
 from enginelink.runtime.hub import RequestHub
 from enginelink.runtime.launchers import SimLauncher
 from enginelink.runtime.model_dir import read_model_facts
@@ -41,7 +41,7 @@ def install_bugs() -> None:
             raise ZeroDivisionError("injected bug in take")
         return take(self, call, now)
 
-    validate = generate_module.validate_generate
+    validate = VllmEdge.validate  # the vLLM contract's validator, which the Generate loop calls
 
     def broken_validate(request, limits, now):
         if request.request_id.startswith("bug-before"):
@@ -50,7 +50,7 @@ def install_bugs() -> None:
 
     App.model_info = model_info
     RequestHub.take = broken_take
-    generate_module.validate_generate = broken_validate
+    VllmEdge.validate = staticmethod(broken_validate)
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.stops import StopAutomaton, StopMatcher
+from enginelink.machines.stops import StopAutomaton, StopMatcher
 from enginelink.runtime.inputs import InputLimits
 from enginelink.runtime.validate import EngineLimits, validate_generate
 from tests.harness import VLLM_SERVICE, Servicer, free_port, generate_request, scrape, wait_until

@@ -23,7 +23,7 @@ import trio.testing
 from enginelink.journal.fold import FoldState, fold
 from tests.sim.checks import check_live, check_run
 from tests.sim.scenario import Scenario, scenario
-from tests.sim.servicer import Observation, SimServicer
+from tests.sim.servicer import VLLM_CLIENTS, ClientContract, Observation, SimServicer
 
 # Virtual seconds after which a run counts as hung (every scenario ends well before).
 HUNG_AFTER_S = 600.0
@@ -74,14 +74,16 @@ def deterministic_trio(seed: int):
         quiet.setLevel(level)
 
 
-def run_seed(seed: int, model, tokenizer, sc: Scenario | None = None) -> SimRun:
+def run_seed(seed: int, model, tokenizer, sc: Scenario | None = None,
+             contract: ClientContract = VLLM_CLIENTS) -> SimRun:
+    """``contract``: the gRPC contract the clients speak (vLLM's; tests/test_second_contract.py another)."""
     sc = sc if sc is not None else scenario(seed)
     with deterministic_trio(seed):
-        return trio.run(_main, sc, model, tokenizer, clock=trio.testing.MockClock(autojump_threshold=0))
+        return trio.run(_main, sc, model, tokenizer, contract, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-async def _main(sc: Scenario, model, tokenizer) -> SimRun:
-    servicer = SimServicer(sc, model, tokenizer)
+async def _main(sc: Scenario, model, tokenizer, contract: ClientContract = VLLM_CLIENTS) -> SimRun:
+    servicer = SimServicer(sc, model, tokenizer, contract)
     clients = [[Observation(plan, attempt) for attempt in range(1 + plan.retries)] for plan in sc.clients]
     observations = [obs for attempts in clients for obs in attempts]
     run = SimRun(sc, servicer, observations)

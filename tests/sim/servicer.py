@@ -22,11 +22,13 @@ from __future__ import annotations
 import signal
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import trio
 
 from enginelink.machines.warmup import WarmupSetting
 from enginelink.runtime.compose import Composition, JournalPlan, Servicer, compose
+from enginelink.runtime.contract_vllm import VLLM_EDGE
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.generate import generate
 from enginelink.runtime.hub import Call, RequestHub
@@ -90,9 +92,23 @@ class FaultRecord:
     link_state: str
 
 
+@dataclass(frozen=True)
+class ClientContract:
+    """What the simulated clients speak: a contract's edge (``runtime/contract.py``), its request
+    for a plan, and a client's view of its messages as the checks read them (vLLM's GenerateResponse)."""
+
+    edge: object
+    request: Callable[[ClientPlan], object]
+    view: Callable[[object], object]
+
+
+VLLM_CLIENTS = ClientContract(VLLM_EDGE, ClientPlan.request, lambda message: message)
+
+
 class SimServicer:
-    def __init__(self, sc: Scenario, model: ModelFacts, tokenizer) -> None:
+    def __init__(self, sc: Scenario, model: ModelFacts, tokenizer, contract: ClientContract = VLLM_CLIENTS) -> None:
         self.sc = sc
+        self.contract = contract
         self.model = model
         self.parts: Servicer = compose(Composition(
             model=model,
@@ -108,6 +124,7 @@ class SimServicer:
                         "port": 0, "version": "sim"},
             wall_clock=lambda: FAKE_WALL_START,
             snapshot_interval_s=sc.snapshot_interval_s,
+            edge=contract.edge,
         ))  # fmt: skip
         self.parts.on_failed = self._link_failed
         self.journal, self.link, self.hub, self.app = self.parts.journal, self.parts.link, self.parts.hub, self.parts.app
@@ -189,14 +206,15 @@ class SimServicer:
         async def send(message) -> None:
             if plan.slow_s:
                 await trio.sleep(plan.slow_s)
-            obs.messages.append(message)
+            obs.messages.append(self.contract.view(message))
 
         try:
             with trio.CancelScope() as scope:
                 if plan.cancel_after_s is not None:
                     scope.deadline = obs.started_at + plan.cancel_after_s
                 try:
-                    await generate(self.app, plan.request(), wake=wake, send=send)
+                    await generate(self.app, self.contract.request(plan), wake=wake, send=send,
+                                   edge=self.contract.edge)
                     obs.outcome = "ok"
                 except ServicerError as error:
                     obs.outcome = error.status.name

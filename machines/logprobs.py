@@ -1,49 +1,53 @@
-"""One choice's logprobs: the engine's rows in, the contract's messages out.
+"""One choice's logprobs, between the engine's rows and a contract's messages.
 
 The engine (``wire/engine.py`` ``LogprobRows``) gives, per position, its own
-token in column 0 and the top-k in columns 1..k, descending. The contract
-(``vllm_engine.proto``) wants ``OutputLogProbs`` / ``InputLogProbs``: the
-token's logprob and id per position, and, when k > 0, a ``TopLogProbs`` per
-position.
+token in column 0 and the top-k in columns 1..k, descending. This keeps a
+choice's positions, contract-neutral: each contract's edge turns them into
+its messages (vLLM's: ``runtime/contract_vllm.py``, ``OutputLogProbs`` /
+``InputLogProbs``).
 
 **The top-k decision.** The reference servicer's first releases listed "the
 first k entries" of vLLM's per-position dict, which vLLM builds as
 ``{sampled, top1, top2, …}``: when the sampled token is outside the top-k
 that list is the sampled token plus the top k-1, and the true k-th token is
 missing. Later releases sort the dict and take k, which is the true top-k.
-enginelink sends the **true top-k, descending: columns 1..k** (for -1, every
-column: the whole vocabulary). The sampled token's own logprob is always in
-``token_logprobs``, so nothing is lost, and what a client gets as
-``top_logprobs`` is what OpenAI's API promises (the k most likely tokens).
-``docs/architecture.md`` ("Logprobs") records it.
+enginelink keeps the **true top-k, descending: columns 1..k** (for -1, every
+column: the whole vocabulary). The sampled token's own logprob is always
+kept, so nothing is lost. ``docs/architecture.md`` ("Logprobs") records it.
 
-Shape of what goes out (as the reference servicer does):
+What a call's messages carry (as the reference servicer does):
 - streaming: each chunk carries the logprobs of its own tokens (deltas);
-  the prompt's logprobs go with the choice's first chunk only; the stream's
-  ``complete`` repeats the last chunk's logprobs, as it repeats its tokens;
-- non-streaming: the ``complete`` carries all of them and the prompt's;
-- prompt position 0 has no logprob: an unset ``InputTokenLogProb`` and,
-  when k > 0, an empty ``TopLogProbs``;
-- ``logprobs = 0``: the token's logprob, no ``top_logprobs``.
+  the prompt's go with the choice's first chunk only; the stream's
+  complete repeats the last chunk's, as it repeats its tokens;
+- non-streaming: the complete carries all of them and the prompt's;
+- prompt position 0 has no logprob (``PromptLogprobs``: ``positions`` starts
+  at position 1).
 
-Memory: a streaming choice holds only what its writer has not sent yet; a
+Memory: a streaming choice holds only what its writer has not taken yet; a
 non-streaming one holds every position until its complete, compactly
 (``array`` of the wire's own 4-byte values, not Python floats): tokens x
 (k + 1) x 8 bytes, bounded by the context and the engine's ``--max-logprobs``
-(docs/limits.md, "Logprobs").
+(docs/limits.md, "Logprobs"). Sans-io, no contract types.
 """
 
 from __future__ import annotations
 
 import array
-from typing import Sequence
-
-from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from typing import NamedTuple, Sequence
 
 from enginelink.wire.engine import LogprobRows, WireError
 
 # One position: (its token's logprob, its token id, top values, top ids); the tops are None when k = 0.
 Position = tuple[float, int, "array.array | None", "array.array | None"]
+
+
+class PromptLogprobs(NamedTuple):
+    """The prompt's logprobs: ``ids`` are the prompt's first ``len(positions) + 1`` tokens, and
+    ``positions[i]`` is the logprob of ``ids[i + 1]`` (position 0 has none)."""
+
+    top: int
+    ids: list[int]
+    positions: list[Position]
 
 
 def _slice(view, start: int, stop: int) -> array.array:
@@ -71,20 +75,8 @@ def _positions(rows: LogprobRows, first: int, count: int, top: int, expected: Se
     return positions
 
 
-def _fill(message, positions: list[Position], top: int) -> None:
-    """``OutputLogProbs`` (in place) from positions."""
-    message.token_logprobs.extend([p[0] for p in positions])
-    message.token_ids.extend([p[1] for p in positions])
-    if top:
-        add = message.top_logprobs.add
-        for _, _, values, ids in positions:
-            entry = add()
-            entry.values.extend(values)
-            entry.token_ids.extend(ids)
-
-
 class ChoiceLogprobs:
-    """The logprobs of one choice, between the engine's outputs and the client's messages."""
+    """The logprobs of one choice: fed per engine output, taken per message."""
 
     __slots__ = ("top", "prompt_top", "pending", "last_delta", "all", "prompt", "prompt_sent")
 
@@ -94,7 +86,7 @@ class ChoiceLogprobs:
         self.pending: list[Position] = []
         self.last_delta: list[Position] = []
         self.all: list[Position] | None = [] if keep_all else None
-        self.prompt: pb.InputLogProbs | None = None
+        self.prompt: PromptLogprobs | None = None
         self.prompt_sent = False
 
     # -- from the engine -------------------------------------------------------------
@@ -116,48 +108,28 @@ class ChoiceLogprobs:
             if self.all is not None:
                 self.all += positions
         if self.prompt_top is not None and prompt is not None and self.prompt is None:
-            self.prompt = self._prompt(prompt, prompt_ids)
-
-    def _prompt(self, rows: LogprobRows, prompt_ids: Sequence[int]) -> pb.InputLogProbs:
-        # Row r is the logprob of prompt token r + 1; position 0 has none.
-        count = min(rows.rows, len(prompt_ids) - 1)
-        positions = _positions(rows, 0, count, self.prompt_top, prompt_ids[1:1 + count])
-        message = pb.InputLogProbs()
-        message.token_logprobs.add()
-        message.token_logprobs.extend([pb.InputTokenLogProb(value=p[0]) for p in positions])
-        message.token_ids.extend(prompt_ids[:count + 1])
-        if self.prompt_top:
-            message.top_logprobs.add()
-            for _, _, values, ids in positions:
-                entry = message.top_logprobs.add()
-                entry.values.extend(values)
-                entry.token_ids.extend(ids)
-        return message
+            # Row r is the logprob of prompt token r + 1; position 0 has none.
+            count = min(prompt.rows, len(prompt_ids) - 1)
+            positions = _positions(prompt, 0, count, self.prompt_top, prompt_ids[1:1 + count])
+            self.prompt = PromptLogprobs(self.prompt_top, list(prompt_ids[:count + 1]), positions)
 
     # -- to the client ---------------------------------------------------------------
 
-    def fill_chunk(self, chunk: pb.GenerateStreamChunk) -> None:
+    def take_chunk(self) -> tuple[list[Position], PromptLogprobs | None]:
         """A streaming chunk's logprobs: everything pending, and the prompt's on the first."""
         positions = self.pending
         self.pending = []
         self.last_delta = positions
-        if positions:
-            _fill(chunk.output_logprobs, positions, self.top)
-        self._prompt_once(chunk)
+        return positions, self._prompt_once()
 
-    def fill_complete(self, complete: pb.GenerateComplete, stream: bool) -> None:
+    def take_complete(self, stream: bool) -> tuple[list[Position], PromptLogprobs | None]:
         if stream:
-            positions = self.last_delta
-            self._prompt_once(complete)
-        else:
-            positions = self.all or []
-            self.pending = []
-            if self.prompt is not None:
-                complete.input_logprobs.CopyFrom(self.prompt)
-        if positions:
-            _fill(complete.output_logprobs, positions, self.top)
+            return self.last_delta, self._prompt_once()
+        self.pending = []
+        return self.all or [], self.prompt
 
-    def _prompt_once(self, message) -> None:
+    def _prompt_once(self) -> PromptLogprobs | None:
         if self.prompt is not None and not self.prompt_sent:
-            message.input_logprobs.CopyFrom(self.prompt)
             self.prompt_sent = True
+            return self.prompt
+        return None
