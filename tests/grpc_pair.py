@@ -60,7 +60,7 @@ async def grpc_pair(model, tokenizer, *, fast_path: bool, sim: SimConfig | None 
     sim = sim or SimConfig(vocab_size=4096, max_model_len=2048, eos_token_id=2, instance_id="pair")
     link = MemoryLink(name="vllm-0", config=sim, journal=journal)
     hub = RequestHub(link=link.machine, codec=link.codec, send_frames=link.send, ranks=link.ranks, journal=journal,
-                     tokenizer=tokenizer, cached_tokens=link.codec.cached_tokens)  # fmt: skip
+                     edge=VllmEngineService.edge, tokenizer=tokenizer, cached_tokens=link.codec.cached_tokens)  # fmt: skip
     async with trio_asyncio.open_loop() as loop:
         run_ready_callbacks_together(loop)
         async with trio.open_nursery() as nursery:
