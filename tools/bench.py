@@ -39,8 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "shows how much of the ratio a front end's CPU alone costs on this machine")
     p.add_argument("--rounds", type=int, default=2,
                    help="with --engine vllm: (enginelink, raw) pairs per concurrency (default 2)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[128],
-                   help="streaming calls open at once (default 128); --engine vllm takes several")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="streaming calls open at once (default 128; --engine mlx: 8 and 32); --engine vllm "
+                        "and mlx take several")
     p.add_argument("--requests", type=int, default=None, help="total calls (default: run for --duration-s)")
     p.add_argument("--duration-s", type=float, default=None,
                    help=f"start calls for this long, then let open ones finish (default {DEFAULT_DURATION_S:g})")
@@ -124,6 +125,8 @@ class OptionError(BenchError):
 
 
 def check_options(args: argparse.Namespace) -> None:
+    if args.concurrency is None:
+        args.concurrency = [128]
     for name in ("concurrency", "client"):
         if isinstance(getattr(args, name), list):
             if len(getattr(args, name)) != 1:
@@ -168,6 +171,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     engine = getattr(args, "engine", "sim")
+    if args.concurrency is None:
+        # MLX's batch is 32 sequences by default (mlx_lm.server's): measured under and at it.
+        args.concurrency = [8, 32] if engine == "mlx" else [128]
     if engine in ("vllm", "mlx"):
         from enginelink.tools import bench_engine, bench_mlx
 

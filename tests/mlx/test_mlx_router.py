@@ -103,6 +103,7 @@ def test_client_disconnect_frees_the_engine(router, mlx_stack, test_model_dir):
     s = SSEStream(router.url, COMPLETIONS, {"model": test_model_dir.name, "prompt": PROMPT, "max_tokens": 2000,
                                             "ignore_eos": True, "temperature": 0})
     assert s.status == 200
+    router_id = s.headers["x-request-id"]
     got = 0
     for payload in s.data():
         assert payload != DONE, "the long stream ended before the client hung up"
@@ -116,7 +117,13 @@ def test_client_disconnect_frees_the_engine(router, mlx_stack, test_model_dir):
                30, "the engine's stats show no request running")
 
     def aborted():
-        records = open_reader(servicer.journal).records(kinds=["client.abort"])
-        return [r for r in records if r.payload.get("reason") == "client_gone"] or None
+        records = open_reader(servicer.journal).records(kinds=["client.abort", "client.sent"])
+        mine = [r for r in records if r.stream.startswith(f"req/{router_id}")]
+        return mine if any(r.kind == "client.sent" for r in mine) else None
 
-    wait_until(aborted, 10, "the journal records the client's abort")
+    # The router's request id is the call's; it ends aborted (the router's Abort or its hang-up), short.
+    mine = wait_until(aborted, 10, "the journal records the aborted request")
+    (abort,) = [r.payload for r in mine if r.kind == "client.abort"]
+    assert abort["reason"] in ("abort_rpc", "client_gone")
+    (sent,) = [r.payload for r in mine if r.kind == "client.sent"]
+    assert sent["finish_reason"] == "abort" and sent["tokens_sent"] < 2000

@@ -84,3 +84,18 @@ def test_serve_names_a_missing_mlx_python(tmp_path, test_model_dir):
     )
     assert done.returncode == 2, done.stderr
     assert "does not exist: run tools/setup-mlx" in done.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--completion-batch-size", "0"], "--completion-batch-size 0: expected >= 1"),
+    (["--max-logprobs", "-2"], "--max-logprobs -2"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_engine_arguments_it_refuses_reach_the_servicer_with_exit_2(tmp_path, flags, words):
+    # Before any MLX import: this venv has none, the refusal needs none.
+    facts = tmp_path / "facts.json"
+    done = subprocess.run([str(VENV_BIN / "python"), "-m", "enginelink.tools.mlx_engine", "--handshake", "ipc:///x",
+                           "--model", str(tmp_path), *flags], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", ENGINE_FACTS_ENV: str(facts)})  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert words in json.loads(facts.read_text())["refused_arguments"]
