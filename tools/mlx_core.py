@@ -173,7 +173,7 @@ def _processors(params: vllm.SamplingParams, stop_ids: frozenset[int], vocab: in
 
 class _Request:
     __slots__ = ("rid", "uid", "prompt", "max_tokens", "min_tokens", "eos", "stop_ids", "logprobs", "output",
-                 "queued_ts", "scheduled_ts")  # fmt: skip
+                 "queued_ts")  # fmt: skip
 
     def __init__(self, rid: str, prompt: list[int], params: vllm.SamplingParams, room: int, now: float) -> None:
         self.rid = rid
@@ -186,7 +186,6 @@ class _Request:
         self.logprobs = params.logprobs
         self.output: list[int] = []
         self.queued_ts = now
-        self.scheduled_ts: float | None = None
 
 
 class MlxEngineCore:
@@ -357,7 +356,9 @@ class MlxEngineCore:
     def _stats(self) -> vllm.WireSchedulerStats:
         capacity = self.config.completion_batch_size * self.max_model_len
         used = sum(len(r.prompt) + len(r.output) for r in self._by_uid.values())
-        return vllm.WireSchedulerStats(num_running_reqs=len(self._by_uid), num_waiting_reqs=0,
+        # Waiting: inserted, no token yet (queued or prefilling inside the generator).
+        waiting = sum(1 for r in self._by_uid.values() if not r.output)
+        return vllm.WireSchedulerStats(num_running_reqs=len(self._by_uid) - waiting, num_waiting_reqs=waiting,
                                        step_counter=self._step_counter, kv_cache_usage=min(1.0, used / capacity))
 
     def _check_stop(self, r: _Request, token: int) -> tuple[int | None, int | None]:

@@ -99,3 +99,23 @@ def test_engine_arguments_it_refuses_reach_the_servicer_with_exit_2(tmp_path, fl
                           env={"PATH": "/usr/bin:/bin", ENGINE_FACTS_ENV: str(facts)})  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert words in json.loads(facts.read_text())["refused_arguments"]
+
+
+def test_bench_engine_mlx_options(capsys):
+    import argparse
+
+    from enginelink.tools import bench, bench_mlx
+
+    def parse(*argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        return parser.parse_args(list(argv))
+
+    args = parse("--engine", "mlx", "--rounds", "0")
+    assert bench.run(args) == 2  # refused before any engine starts
+    assert "--engine mlx needs" in capsys.readouterr().err
+    assert args.concurrency == [8, 32]  # MLX's default: under and at its 32-sequence batch
+    assert parse("--engine", "sim").concurrency is None  # the sim bench keeps its own default (128)
+    assert bench_mlx.engine_args_for(parse("--engine", "mlx"), 8) == ["--completion-batch-size", "8"]
+    assert bench_mlx.engine_args_for(parse("--engine", "mlx", "--", "--completion-batch-size", "4"), 8) == [
+        "--completion-batch-size", "4"]
