@@ -117,5 +117,5 @@ def test_bench_engine_mlx_options(capsys):
     assert args.concurrency == [8, 32]  # MLX's default: under and at its 32-sequence batch
     assert parse("--engine", "sim").concurrency is None  # the sim bench keeps its own default (128)
     assert bench_mlx.engine_args_for(parse("--engine", "mlx"), 8) == ["--completion-batch-size", "8"]
-    assert bench_mlx.engine_args_for(parse("--engine", "mlx", "--", "--completion-batch-size", "4"), 8) == [
+    assert bench_mlx.engine_args_for(parse("--engine", "mlx", "--engine-args=--completion-batch-size 4"), 8) == [
         "--completion-batch-size", "4"]
