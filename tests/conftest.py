@@ -35,11 +35,16 @@ from tests.harness import Servicer, reap_stopped, shared
 # The modules with real-vLLM tests: one scope, one worker, one engine at a time.
 VLLM_MODULES = ("tests/vllm/", "tests/kv/test_kv_vllm.py", "tests/wire/test_vllm_logprobs.py")
 VLLM_SCOPE = "real vLLM"
+# The real MLX engine's modules likewise run one after another on one worker.
+MLX_MODULES = ("tests/mlx/",)
+MLX_SCOPE = "real MLX"
 
 
 def scope_of(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0]
-    return VLLM_SCOPE if module.startswith(VLLM_MODULES) else module
+    if module.startswith(VLLM_MODULES):
+        return VLLM_SCOPE
+    return MLX_SCOPE if module.startswith(MLX_MODULES) else module
 
 
 def pytest_collection_modifyitems(config, items):

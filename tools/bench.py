@@ -28,9 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drive this running servicer instead of starting one")
     p.add_argument("--servicer-pid", type=int, default=None,
                    help="with --target: the servicer's process id, to read its CPU from /proc")
-    p.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+    p.add_argument("--engine", choices=["sim", "vllm", "mlx"], default="sim",
                    help="sim: the servicer's CPU per token with the sim engine (default); vllm: enginelink + "
-                        "the real vLLM engine vs a bare ZMQ driver of it, alternating (tools/bench_engine.py)")
+                        "the real vLLM engine vs a bare ZMQ driver of it, alternating (tools/bench_engine.py); "
+                        "mlx: enginelink + the MLX engine vs mlx-lm's BatchGenerator driven in-process, "
+                        "alternating (tools/bench_mlx.py)")
     p.add_argument("--raw-front-end-us", type=float, nargs="+", default=[], metavar="US",
                    help="with --engine vllm: also run the raw driver as if it were a front end that spends "
                         "US CPU microseconds per output token (a busy loop in the driver), one side per value; "
@@ -41,10 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "vllm they join the alternation; without it, every arm runs against the zero-cost sim "
                         "engine (the servicer alone), alternating (tools/bench_refs.py)")
     p.add_argument("--rounds", type=int, default=2,
-                   help="with --engine vllm or --against: repetitions per concurrency, the arms alternating "
+                   help="with --engine vllm, mlx or --against: repetitions per concurrency, the arms alternating "
                         "within each (default 2)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[128],
-                   help="streaming calls open at once (default 128); --engine vllm and --against take several")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="streaming calls open at once (default 128; --engine mlx: 8 and 32); --engine vllm, "
+                        "mlx and --against take several")
     p.add_argument("--requests", type=int, default=None, help="total calls (default: run for --duration-s)")
     p.add_argument("--duration-s", type=float, default=None,
                    help=f"start calls for this long, then let open ones finish (default {DEFAULT_DURATION_S:g})")
@@ -136,6 +139,8 @@ class OptionError(BenchError):
 
 
 def check_options(args: argparse.Namespace) -> None:
+    if args.concurrency is None:
+        args.concurrency = [128]
     for name in ("concurrency", "client"):
         if isinstance(getattr(args, name), list):
             if len(getattr(args, name)) != 1:
@@ -179,15 +184,19 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "engine", "sim") == "vllm":
-        from enginelink.tools import bench_engine
+    engine = getattr(args, "engine", "sim")
+    if args.concurrency is None:
+        # MLX's batch is 32 sequences by default (mlx_lm.server's): measured under and at it.
+        args.concurrency = [8, 32] if engine == "mlx" else [128]
+    if engine in ("vllm", "mlx"):
+        from enginelink.tools import bench_engine, bench_mlx
 
         if args.target is not None or any(c < 1 for c in args.concurrency) or args.rounds < 1:
-            print("enginelink bench: --engine vllm needs --concurrency >= 1, --rounds >= 1 and no --target",
+            print(f"enginelink bench: --engine {engine} needs --concurrency >= 1, --rounds >= 1 and no --target",
                   file=sys.stderr)
             return 2
         try:
-            return bench_engine.run(args)
+            return bench_engine.run(args) if engine == "vllm" else bench_mlx.run(args)
         except (RuntimeError, TimeoutError) as error:
             print(f"enginelink bench: {error}", file=sys.stderr)
             return 1

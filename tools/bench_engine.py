@@ -231,7 +231,7 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
 
 
 def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: list[str], concurrency: int,
-                       client: str, tmp: Path) -> dict:
+                       client: str, tmp: Path, engine: str = "vllm") -> dict:
     from enginelink.tools import bench_load
 
     run_args = argparse.Namespace(**vars(args))
@@ -242,7 +242,7 @@ def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: l
     run_args.duration_s = None
     run_args.temperature = 1.0
     run_args.random_prompt = True
-    servicer = bench_load.Servicer(run_args, tmp, engine="vllm", model_dir=model_dir, engine_args=engine_args,
+    servicer = bench_load.Servicer(run_args, tmp, engine=engine, model_dir=model_dir, engine_args=engine_args,
                               env={"ENGINELINK_WARMUP": "off", "ENGINELINK_KV_EVENTS": "off"})
     servicer.start(timeout_s=HANDSHAKE_TIMEOUT_S)
     try:

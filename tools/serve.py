@@ -53,9 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.epilog = ("Every setting, flags and environment variables (ENGINELINK_*, SMG_*), with its default: "
                 "README.md, \"Running\".")
-    p.add_argument("--engine", choices=["sim", "vllm"], default=os.environ.get("ENGINELINK_ENGINE", "sim"),
-                   help="engine to launch headless: sim, the embedded deterministic engine, or vllm, a real "
-                        "vLLM 0.32 from its own venv (default sim; ENGINELINK_ENGINE)")
+    p.add_argument("--engine", choices=["sim", "vllm", "mlx"], default=os.environ.get("ENGINELINK_ENGINE", "sim"),
+                   help="engine to launch headless: sim, the embedded deterministic engine, vllm, a real "
+                        "vLLM 0.32 from its own venv, or mlx, mlx-lm 0.31.3 from its own venv (tools/setup-mlx) "
+                        "behind the same wire (default sim; ENGINELINK_ENGINE)")
     p.add_argument("--model", type=Path, default=None,
                    help="model directory (default: the tiny test model, built on first use under the state dir)")
     p.add_argument("--served-model-name", default=None,
@@ -140,6 +141,20 @@ def _vllm_launcher(model_dir: Path, engine_args: list[str]) -> VllmLauncher:
     if warning:
         logging.getLogger("enginelink").warning("%s", warning)
     return VllmLauncher(python=python, model_dir=model_dir, extra_args=engine_args, checked_version=version)
+
+
+def _mlx_launcher(model_dir: Path, engine_args: list[str]):
+    """The MLX engine, after checking the MLX venv has the mlx-lm API it drives (runtime/mlx_launch.py)."""
+    from enginelink.runtime.mlx_launch import MlxIncompatible, MlxLauncher, check_installed, default_mlx_python
+
+    try:
+        python = default_mlx_python()
+        report = check_installed(python)
+    except (LauncherError, MlxIncompatible) as error:
+        raise ConfigError(str(error)) from None
+    logging.getLogger("enginelink").info("MLX engine: mlx %s, mlx-lm %s (%s)", report.get("mlx"),
+                                         report.get("mlx_lm"), python)  # fmt: skip
+    return MlxLauncher(python=python, model_dir=model_dir, extra_args=engine_args)
 
 
 def default_model_dir() -> Path:
@@ -275,9 +290,14 @@ def build_config(args: argparse.Namespace):
         model = read_model_facts(model_dir)
     except ModelDirError as error:
         raise ConfigError(str(error)) from None
-    engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
-    ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
-    if args.engine == "vllm":
+    if args.engine == "mlx":  # one rank, no KV-event publisher (mlx-lm has neither)
+        engine_args, kv_events, ranks = list(args.engine_args), None, (0,)
+    else:
+        engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
+        ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
+    if args.engine == "mlx":
+        launcher = _mlx_launcher(model_dir, engine_args)
+    elif args.engine == "vllm":
         _node_rank(engine_args)
         engine_args = _capture_cap(engine_args)
         launcher = _vllm_launcher(model_dir, engine_args)

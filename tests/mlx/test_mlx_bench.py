@@ -1,0 +1,31 @@
+"""``enginelink bench --engine mlx`` end to end, tiny: both arms run, the ratio is reported.
+
+A smoke run only (the figures of a shared 2-core machine mean nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.harness import VENV_BIN
+
+pytestmark = [pytest.mark.mlx, pytest.mark.slow]
+
+
+def test_a_tiny_bench_runs_both_arms_and_reports_the_ratio(mlx_python, test_model_dir):
+    done = subprocess.run(
+        [str(VENV_BIN / "enginelink"), "bench", "--engine", "mlx", "--model", str(test_model_dir),
+         "--concurrency", "2", "--rounds", "1", "--requests", "4", "--max-tokens", "4", "--prompt-tokens", "8",
+         "--json"], capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    (result,) = report["results"]
+    assert result["concurrency"] == 2
+    for side in ("enginelink", "raw"):
+        (run,) = result["runs"][side]
+        assert run["tokens"] == 16 and run["short"] == 0, (side, run)
+    assert result["ratio"] == pytest.approx(result["enginelink_tokens_per_s"] / result["raw_tokens_per_s"])
