@@ -1,8 +1,8 @@
 """The engine handshake machine: every DP rank's HELLO → init → ready response and READY.
 
 One ``EngineHandshake`` per engine start, used by the ZMQ link
-(``runtime/engine_link.py``) and the simulation's memory link
-(``runtime/memory_link.py``) alike. Sans-io, h11-style: the shell hands it
+(``runtime/engine/engine_link.py``) and the simulation's memory link
+(``runtime/engine/memory_link.py``) alike. Sans-io, h11-style: the shell hands it
 what arrived — ``on_status`` for a message on the handshake socket,
 ``on_ready_response`` for one on the input socket — with the sender's
 identity, and carries out the actions it returns (journal a step, send the
@@ -30,7 +30,7 @@ table does not allow (READY before HELLO, a second HELLO, a ready response
 twice), a message the codec cannot read, or one from an identity that is no
 rank of this engine raises ``HandshakeRefused`` naming the rank, its state
 and what it sent: the engine's fault, the link fails. The shell's gate
-(``runtime/handshake_gate.py``) has already passed over strangers' frames,
+(``runtime/engine/handshake_gate.py``) has already passed over strangers' frames,
 so whatever reaches this machine is the engine's own.
 """
 

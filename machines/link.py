@@ -22,7 +22,7 @@ from enginelink.journal.states import LINK_INITIAL, LINK_TERMINAL, LinkState
 from enginelink.machines.table import build_table
 
 WARMUP_REQUEST_PREFIX = "smg-warmup-"
-# The engine ids of PD early releases (runtime/hub.py ``release_kv``): added and
+# The engine ids of PD early releases (runtime/requests/hub.py ``release_kv``): added and
 # aborted at once, never a client's call, so no client id may take the prefix.
 KV_RELEASE_REQUEST_PREFIX = "smg-kv-release-"
 

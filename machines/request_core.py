@@ -1,6 +1,6 @@
 """The request core: every Generate in flight, and what each engine frame, abort or writer means for it.
 
-Sans-io, h11-style (as ``kv_relay.py``): the shell (``runtime/hub.py``) hands
+Sans-io, h11-style (as ``kv_relay.py``): the shell (``runtime/requests/hub.py``) hands
 it events — a call admitted, its ADDs sent or not, an engine output batch, an
 abort, the engine gone, a writer taking or leaving, a PD release — and gets
 back ``Actions`` (journal records, ABORT frames per DP rank, calls to write
@@ -145,7 +145,7 @@ class RequestCore:
             "prompt_tokens": call.prompt_tokens,
             "stream": spec.stream,
             "max_tokens": spec.max_tokens,
-            # An Embed call (runtime/embed.py) goes through the same machine; the journal says which.
+            # An Embed call (runtime/requests/embed.py) goes through the same machine; the journal says which.
             **({"task": spec.task} if getattr(spec, "task", None) else {}),
         }))  # fmt: skip
         self.calls[spec.request_id] = call

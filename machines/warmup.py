@@ -9,7 +9,7 @@ Theory of operation. ``parse_warmup_knob`` turns the operator's knob into a
 ``plan_warmup`` turns the engine's facts and the level into an ordered list
 of ``WarmupStep``s: a decode staircase, a prefill ladder, a second pass over
 the bucket grid ("again"), and a final prefix-cache flush. The driver
-(``runtime/warmup.py``) runs the steps in order, the requests of a step
+(``runtime/lifetime/warmup.py``) runs the steps in order, the requests of a step
 concurrently, under a time budget.
 
 Rules:

@@ -1,6 +1,6 @@
 """A real grpclib server in this process, on loopback, in front of the in-memory sim engine.
 
-``grpc_pair(fast_path=...)`` is ``runtime/server.py``'s gRPC side (the same
+``grpc_pair(fast_path=...)`` is ``runtime/lifetime/server.py``'s gRPC side (the same
 ``GrpcServer``, ``VllmEngineService``, ``FrameWrites``, ``RequestHub`` and
 trio-asyncio loop with its ready-callback batching) over a ``MemoryLink``
 (the sim engine's core in a trio task, as ``tests/sim`` runs it), with no
@@ -23,12 +23,12 @@ import trio_asyncio
 from enginelink.journal.journal import Journal
 from enginelink.machines.link import LinkEvent
 from enginelink.machines.sim_core import SimConfig
-from enginelink.runtime.app import App
-from enginelink.runtime.core import connect
-from enginelink.runtime.fastpath import FrameWrites, GrpcServer, flow_states, run_ready_callbacks_together
-from enginelink.runtime.grpc_vllm import VllmEngineService
-from enginelink.runtime.hub import RequestHub
-from enginelink.runtime.memory_link import MemoryLink
+from enginelink.runtime.lifetime.app import App
+from enginelink.runtime.lifetime.core import connect
+from enginelink.runtime.rpc.fastpath import FrameWrites, GrpcServer, flow_states, run_ready_callbacks_together
+from enginelink.runtime.rpc.grpc_vllm import VllmEngineService
+from enginelink.runtime.requests.hub import RequestHub
+from enginelink.runtime.engine.memory_link import MemoryLink
 
 WALL_START = 1_700_000_000.0
 

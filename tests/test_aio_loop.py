@@ -1,4 +1,4 @@
-"""The asyncio loop under grpclib runs its ready callbacks together (runtime/fastpath.py), and stays an asyncio loop."""
+"""The asyncio loop under grpclib runs its ready callbacks together (runtime/rpc/fastpath.py), and stays an asyncio loop."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import trio
 import trio_asyncio
 
-from enginelink.runtime.fastpath import READY_CALLBACKS_MAX, run_ready_callbacks_together
+from enginelink.runtime.rpc.fastpath import READY_CALLBACKS_MAX, run_ready_callbacks_together
 
 
 async def test_callbacks_run_in_order_timers_fire_and_tasks_finish():

@@ -1,4 +1,4 @@
-"""Constraints as vLLM 0.32's front end hands them to its engine (runtime/constraints.py, wire/vllm.py).
+"""Constraints as vLLM 0.32's front end hands them to its engine (runtime/requests/constraints.py, wire/vllm.py).
 
 What the engine receives is checked on the wire bytes (msgpack), as vLLM's
 EngineCore decodes them: the ``_backend`` key its grammar_init reads, the
@@ -13,10 +13,10 @@ import msgspec
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from enginelink.runtime.constraints import choice_as_grammar, constraint_of
+from enginelink.runtime.requests.constraints import choice_as_grammar, constraint_of
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.inputs import InputLimits
-from enginelink.runtime.validate import EngineLimits, validate_generate
+from enginelink.runtime.requests.inputs import InputLimits
+from enginelink.runtime.requests.validate import EngineLimits, validate_generate
 from enginelink.wire.vllm import VllmCodec, sampling_params_for
 from tests.harness import generate_request
 

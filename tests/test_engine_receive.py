@@ -16,8 +16,8 @@ import trio
 import zmq
 
 from enginelink.machines.link import LinkState
-from enginelink.runtime import engine_link as el
-from enginelink.runtime.zmq_trio import LOST_EDGE_RECHECK_S, make_socket
+from enginelink.runtime.engine import engine_link as el
+from enginelink.runtime.engine.zmq_trio import LOST_EDGE_RECHECK_S, make_socket
 from enginelink.wire.vllm import EngineCoreOutput, EngineCoreOutputs, VllmCodec, encode_outputs
 from tests.harness import ListJournal
 

@@ -47,7 +47,7 @@ from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from enginelink.runtime.model_dir import load_tokenizer, read_model_facts
+from enginelink.runtime.engine.model_dir import load_tokenizer, read_model_facts
 from tests.grpc_pair import grpc_pair
 from tests.harness import generate_request
 

@@ -1,10 +1,10 @@
-"""The header blocks the direct path writes without h2's encoder (runtime/fastpath.py)."""
+"""The header blocks the direct path writes without h2's encoder (runtime/rpc/fastpath.py)."""
 
 from __future__ import annotations
 
 import hpack
 
-from enginelink.runtime.fastpath import header_block
+from enginelink.runtime.rpc.fastpath import header_block
 
 
 def test_a_header_block_says_its_headers_and_leaves_the_peers_table_alone():
@@ -23,7 +23,7 @@ def test_a_header_block_says_its_headers_and_leaves_the_peers_table_alone():
 
 
 def test_the_fast_path_knob_reads_on_and_off_words_and_names_itself_otherwise():
-    from enginelink.runtime.fastpath import FAST_PATH_ENV, fast_path_from_env
+    from enginelink.runtime.rpc.fastpath import FAST_PATH_ENV, fast_path_from_env
 
     assert fast_path_from_env({}) is True  # default on
     for word in ("1", "on", "ON", " true ", "yes"):

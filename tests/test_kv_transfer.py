@@ -11,10 +11,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from enginelink.journal.states import LinkState
 from enginelink.machines.link import KV_RELEASE_REQUEST_PREFIX
 from enginelink.machines.sim_core import SimConfig, SimEngineCore
-from enginelink.runtime import kv_transfer
+from enginelink.runtime.requests import kv_transfer
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.hub import RequestHub
-from enginelink.runtime.inputs import InputLimits, check_request_id
+from enginelink.runtime.requests.hub import RequestHub
+from enginelink.runtime.requests.inputs import InputLimits, check_request_id
 from enginelink.wire import vllm
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 from tests.harness import ListJournal
@@ -298,7 +298,7 @@ def test_only_final_refusals_release_the_prefill_sides_kv():
     from types import SimpleNamespace
 
     from enginelink.runtime.errors import DuplicateRequest, Unavailable
-    from enginelink.runtime.generate import release_refused_kv
+    from enginelink.runtime.requests.generate import release_refused_kv
 
     params = {"do_remote_prefill": True, "remote_request_id": "p"}
     request = _request(kv_transfer_params_json=json.dumps(params))

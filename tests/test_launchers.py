@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime import launchers
-from enginelink.runtime.launchers import VllmLauncher, default_vllm_python, flag_value, redact_args
+from enginelink.runtime.engine import launchers
+from enginelink.runtime.engine.launchers import VllmLauncher, default_vllm_python, flag_value, redact_args
 
 
 def test_vllm_command_runs_the_headless_script_with_the_users_args(monkeypatch):

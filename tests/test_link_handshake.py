@@ -1,6 +1,6 @@
 """The handshake machine inside a link: what an operator sees when the engine breaks its handshake.
 
-The memory link (``runtime/memory_link.py``) feeds the same machine as the
+The memory link (``runtime/engine/memory_link.py``) feeds the same machine as the
 ZMQ link; an engine double that says the wrong thing shows the failure the
 servicer would exit with, and the journal's record of it. Runs on trio's
 MockClock: no sockets, no processes, no waiting.
@@ -15,8 +15,8 @@ import pytest
 import trio
 
 from enginelink.machines.sim_core import SimConfig, ready_response
-from enginelink.runtime.engine_link import EngineIncompatible, LinkFailed
-from enginelink.runtime.memory_link import MemoryLink
+from enginelink.runtime.engine.engine_link import EngineIncompatible, LinkFailed
+from enginelink.runtime.engine.memory_link import MemoryLink
 from enginelink.wire import vllm
 from tests.harness import ListJournal
 

@@ -1,4 +1,4 @@
-"""Facts of a model directory (runtime/model_dir.py)."""
+"""Facts of a model directory (runtime/engine/model_dir.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from enginelink.runtime.model_dir import ModelDirError, load_tokenizer, read_model_facts
+from enginelink.runtime.engine.model_dir import ModelDirError, load_tokenizer, read_model_facts
 from enginelink.tools import test_model
 
 

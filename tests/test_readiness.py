@@ -1,12 +1,12 @@
-"""Readiness (``runtime/readiness.py``): one map from the link's state to health, followed, never set by hand."""
+"""Readiness (``runtime/lifetime/readiness.py``): one map from the link's state to health, followed, never set by hand."""
 
 from __future__ import annotations
 
 import pytest
 
 from enginelink.machines.link import LinkEvent, LinkState
-from enginelink.runtime import engine_link as el
-from enginelink.runtime.readiness import Readiness, serving
+from enginelink.runtime.engine import engine_link as el
+from enginelink.runtime.lifetime.readiness import Readiness, serving
 from enginelink.wire.vllm import VllmCodec
 from tests.harness import ListJournal
 

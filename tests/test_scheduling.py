@@ -20,10 +20,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from enginelink.journal.store import open_reader
 from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
-from enginelink.runtime.engine_process import (
+from enginelink.runtime.engine.engine_process import (
     ENGINE_NICE_DEFAULT, autogroup_nice, cpu_list, describe_placement, session_members,
 )
-from enginelink.runtime.fastpath import MAX_CONCURRENT_STREAMS, READY_CALLBACKS_MAX
+from enginelink.runtime.rpc.fastpath import MAX_CONCURRENT_STREAMS, READY_CALLBACKS_MAX
 from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
@@ -209,7 +209,7 @@ def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir)
         assert metrics["smg_servicer_grpc_direct_headers"] + metrics["smg_servicer_grpc_grpclib_headers"] == calls
         assert metrics["smg_servicer_grpc_direct_headers"] > 0
         assert 0 < metrics["smg_servicer_grpc_direct_trailers"] <= calls
-        # ... and the asyncio loop's bound on callbacks per trio round (runtime/fastpath.py).
+        # ... and the asyncio loop's bound on callbacks per trio round (runtime/rpc/fastpath.py).
         assert metrics["smg_servicer_asyncio_ready_callbacks_max"] == READY_CALLBACKS_MAX
         assert "smg_servicer_asyncio_full_passes" in metrics
 
@@ -218,7 +218,7 @@ def test_without_autogroups_only_the_nice_value_is_set(monkeypatch):
     """In a container the kernel prints an empty /proc/PID/autogroup: the launch goes on with nice alone."""
     import subprocess
 
-    from enginelink.runtime import engine_process
+    from enginelink.runtime.engine import engine_process
 
     monkeypatch.setattr(engine_process, "autogroup_nice", lambda pid: None)
     child = subprocess.Popen(["sleep", "30"], start_new_session=True)

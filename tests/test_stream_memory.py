@@ -1,4 +1,4 @@
-"""``runtime/stream_memory.py``: an Event attribute that keeps no Event until waited on, with Event's semantics."""
+"""``runtime/rpc/stream_memory.py``: an Event attribute that keeps no Event until waited on, with Event's semantics."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from enginelink.runtime.stream_memory import DormantEvent
-from enginelink.runtime.fastpath import BoundedStream
+from enginelink.runtime.rpc.stream_memory import DormantEvent
+from enginelink.runtime.rpc.fastpath import BoundedStream
 
 
 class Holder:
@@ -74,7 +74,7 @@ def test_lean_buffer_reads_what_grpclibs_buffer_reads():
     """Same bytes, same acknowledgements, same EOF, whatever the chunking; nothing kept once drained."""
     from grpclib.protocol import Buffer
 
-    from enginelink.runtime.stream_memory import LeanBuffer
+    from enginelink.runtime.rpc.stream_memory import LeanBuffer
 
     async def feed_and_read(cls) -> tuple[list[bytes], list[int], object]:
         acks: list[int] = []
@@ -102,7 +102,7 @@ def test_lean_buffer_reads_what_grpclibs_buffer_reads():
 
 
 def test_lean_queue_has_one_reader_and_survives_a_cancelled_wait():
-    from enginelink.runtime.stream_memory import LeanQueue
+    from enginelink.runtime.rpc.stream_memory import LeanQueue
 
     async def scenario() -> None:
         q = LeanQueue()

@@ -21,9 +21,9 @@ import grpc
 import pytest
 import trio
 
-from enginelink.runtime import engine_link as el
-from enginelink.runtime import engine_process as ep
-from enginelink.runtime.launchers import redact_args
+from enginelink.runtime.engine import engine_link as el
+from enginelink.runtime.engine import engine_process as ep
+from enginelink.runtime.engine.launchers import redact_args
 from enginelink.wire.vllm import VllmCodec
 from tests.harness import VENV_BIN, Servicer, alive, engine_pid, free_port, generate_request
 from tests.test_lifecycle import StreamReader

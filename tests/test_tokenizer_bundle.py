@@ -1,4 +1,4 @@
-"""The GetTokenizer ZIP and its chunks (runtime/tokenizer_bundle.py)."""
+"""The GetTokenizer ZIP and its chunks (runtime/engine/tokenizer_bundle.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from enginelink.runtime.tokenizer_bundle import (
+from enginelink.runtime.engine.tokenizer_bundle import (
     CHUNK_BYTES_MAX,
     TokenizerBundleError,
     build_zip,

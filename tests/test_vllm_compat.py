@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from enginelink.runtime import vllm_compat
+from enginelink.runtime.engine import vllm_compat
 from enginelink.wire.vllm import LAYOUT
 from tests.harness import VENV_BIN, free_port
 

@@ -10,7 +10,7 @@ import argparse
 
 import pytest
 
-from enginelink.runtime.capture_cap import CAPTURE_CAP_ENV
+from enginelink.runtime.engine.capture_cap import CAPTURE_CAP_ENV
 from enginelink.tools import vllm_plugin
 from enginelink.tools.vllm_grpc_launcher import LISTEN_HOST_DEFAULT, serve_namespace, split_engine_args
 

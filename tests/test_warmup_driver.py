@@ -25,9 +25,9 @@ from enginelink.machines.warmup import (
     plan_warmup,
 )
 from enginelink.runtime.errors import Unavailable
-from enginelink.runtime.hub import RequestHub
-from enginelink.runtime.validate import EngineLimits, GenerateCall
-from enginelink.runtime.warmup import FLUSH_TIMEOUT_S, hub_submit, run_warmup, warm_up
+from enginelink.runtime.requests.hub import RequestHub
+from enginelink.runtime.requests.validate import EngineLimits, GenerateCall
+from enginelink.runtime.lifetime.warmup import FLUSH_TIMEOUT_S, hub_submit, run_warmup, warm_up
 from enginelink.machines.sim_core import SimConfig, SimEngineCore, ready_response
 from enginelink.wire import vllm
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
@@ -461,6 +461,6 @@ async def test_engine_failure_mid_warm_up(autojump_clock, dies_at, stopped, step
 
 
 def _flush(link: SimLink):
-    from enginelink.runtime.warmup import engine_flush
+    from enginelink.runtime.lifetime.warmup import engine_flush
 
     return engine_flush(link)

@@ -45,7 +45,7 @@ def engine_args_for(args: argparse.Namespace, concurrency: int) -> list[str]:
 
 
 def _flag(engine_args: list[str], name: str, default: int) -> int:
-    from enginelink.runtime.launchers import flag_value
+    from enginelink.runtime.engine.launchers import flag_value
 
     value = flag_value(engine_args, name)
     return default if value is None else int(value)
@@ -53,7 +53,7 @@ def _flag(engine_args: list[str], name: str, default: int) -> int:
 
 def measure_raw(python: str, model_dir: Path, engine_args: list[str], concurrency: int, requests: int,
                 max_tokens: int, prompt_tokens: int) -> dict:
-    from enginelink.runtime.engine_process import lower_priority
+    from enginelink.runtime.engine.engine_process import lower_priority
     from enginelink.tools.serve import _engine_nice
 
     plan = {"model": str(model_dir), "concurrency": concurrency, "requests": requests, "max_tokens": max_tokens,
@@ -126,8 +126,8 @@ def raw_main(plan: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from enginelink.runtime.launchers import LauncherError
-    from enginelink.runtime.mlx_launch import MlxIncompatible, check_installed, default_mlx_python
+    from enginelink.runtime.engine.launchers import LauncherError
+    from enginelink.runtime.engine.mlx_launch import MlxIncompatible, check_installed, default_mlx_python
     from enginelink.tools.bench_engine import measure_enginelink
     from enginelink.tools.bench_load import bench_model_dir, machine_facts
 

@@ -10,7 +10,7 @@ each repetition, so slow drift of a shared machine lands on every arm alike.
 
 - ``--engine vllm`` (``bench_engine.py``): the arms join enginelink and the raw ZMQ driver in its
   alternation. smg-rust's engine is the very launch enginelink and the raw driver use
-  (``runtime/vllm_headless.py``, its own session, the priority ``ENGINELINK_ENGINE_NICE`` gives);
+  (``runtime/engine/vllm_headless.py``, its own session, the priority ``ENGINELINK_ENGINE_NICE`` gives);
   smg-python's is the one its ``AsyncLLM`` starts itself, as that reference is deployed.
 - the sim engine (no ``--engine``): the servicer alone against a zero-cost engine. Every arm's engine
   is the sim engine with the bench's engine arguments; smg-python's ``AsyncLLM`` starts no engine of
@@ -65,7 +65,7 @@ def refs_python() -> Path:
 
 
 def flag_int(argv: list[str], flag: str) -> int | None:
-    from enginelink.runtime.launchers import flag_value
+    from enginelink.runtime.engine.launchers import flag_value
 
     value = flag_value(argv, flag)
     return int(value) if value is not None else None
@@ -112,7 +112,7 @@ def give_engine_its_priority(servicer: RefServicer, levels: int) -> None:
     """The priority enginelink gives its engine (``ENGINELINK_ENGINE_NICE``), so every arm runs alike."""
     if levels <= 0:
         return
-    from enginelink.runtime.engine_process import NICE_MAX, lower_priority
+    from enginelink.runtime.engine.engine_process import NICE_MAX, lower_priority
 
     for pid in engine_processes(servicer.process.pid):
         try:
@@ -204,7 +204,7 @@ def run_sim(args: argparse.Namespace) -> int:
     import tempfile
     import time
 
-    from enginelink.runtime.launchers import SimLauncher
+    from enginelink.runtime.engine.launchers import SimLauncher
     from enginelink.tools import bench_load
     from enginelink.tools.bench_load import bench_model_dir, engine_args_of, machine_facts
 

@@ -38,7 +38,7 @@ from enginelink.tools.sim_engine import IDLE_POLL_MS, _handshake, _Lifetime
 from enginelink.wire import vllm
 from enginelink.wire.engine import WireError
 
-# runtime/engine_link.py's ENGINE_FACTS_ENV (that module needs trio, which this venv lacks;
+# runtime/engine/engine_link.py's ENGINE_FACTS_ENV (that module needs trio, which this venv lacks;
 # tests/mlx/test_mlx_units.py checks the two agree).
 ENGINE_FACTS_ENV = "ENGINELINK_ENGINE_FACTS"
 
@@ -143,7 +143,7 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from enginelink.runtime.vllm_headless import report_refused_arguments  # standard library only
+    from enginelink.runtime.engine.vllm_headless import report_refused_arguments  # standard library only
 
     parser = argparse.ArgumentParser(prog="python -m enginelink.tools.mlx_engine", description=DESCRIPTION)
     add_arguments(parser)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-model-len {args.max_model_len}: expected >= 2")
     if args.max_logprobs < -1:
         parser.error(f"--max-logprobs {args.max_logprobs}: expected -1 (the vocabulary) or >= 0")
-    # What vLLM's launch script reports beside the ready response (runtime/vllm_headless.py).
+    # What vLLM's launch script reports beside the ready response (runtime/engine/vllm_headless.py).
     _write_facts(facts_path, {"runner_type": "generate", "max_logprobs": args.max_logprobs,
                               "enable_prefix_caching": False, "engine": "mlx"})
     return run(args)

@@ -18,15 +18,15 @@ from pathlib import Path
 import trio
 
 from enginelink.journal.files import default_journal_path, journal_keep
-from enginelink.runtime.launchers import (
+from enginelink.runtime.engine.launchers import (
     LauncherError,
     SimLauncher,
     VllmLauncher,
     default_vllm_python,
     flag_value,
 )
-from enginelink.runtime.model_dir import ModelDirError, read_model_facts
-from enginelink.runtime.inputs import InputKnobError, input_limits
+from enginelink.runtime.engine.model_dir import ModelDirError, read_model_facts
+from enginelink.runtime.requests.inputs import InputKnobError, input_limits
 
 
 class ConfigError(Exception):
@@ -119,7 +119,7 @@ def _env_int(name: str, expected: str) -> int | None:
 
 
 def _engine_nice() -> int:
-    from enginelink.runtime.engine_process import ENGINE_NICE_DEFAULT, NICE_MAX
+    from enginelink.runtime.engine.engine_process import ENGINE_NICE_DEFAULT, NICE_MAX
 
     levels = _env_int("ENGINELINK_ENGINE_NICE", f"a whole number of nice levels, 0 to {NICE_MAX}")
     if levels is None:
@@ -131,7 +131,7 @@ def _engine_nice() -> int:
 
 def _vllm_launcher(model_dir: Path, engine_args: list[str]) -> VllmLauncher:
     """The real vLLM engine, after checking its release speaks our codec's wire."""
-    from enginelink.runtime.vllm_compat import Incompatible, check_installed
+    from enginelink.runtime.engine.vllm_compat import Incompatible, check_installed
 
     try:
         python = default_vllm_python()
@@ -144,8 +144,8 @@ def _vllm_launcher(model_dir: Path, engine_args: list[str]) -> VllmLauncher:
 
 
 def _mlx_launcher(model_dir: Path, engine_args: list[str]):
-    """The MLX engine, after checking the MLX venv has the mlx-lm API it drives (runtime/mlx_launch.py)."""
-    from enginelink.runtime.mlx_launch import MlxIncompatible, MlxLauncher, check_installed, default_mlx_python
+    """The MLX engine, after checking the MLX venv has the mlx-lm API it drives (runtime/engine/mlx_launch.py)."""
+    from enginelink.runtime.engine.mlx_launch import MlxIncompatible, MlxLauncher, check_installed, default_mlx_python
 
     try:
         python = default_mlx_python()
@@ -201,9 +201,9 @@ def _metrics_port(args: argparse.Namespace) -> int | None:
 
 def _kv_events(engine: str, engine_args: list[str]):
     """The engine args with the KV-event publisher turned on (unless off or given), and the relay's plan."""
-    from enginelink.runtime.engine_link import SOCKET_PREFIX, socket_dir
-    from enginelink.runtime.engine_process import SocketDirError
-    from enginelink.runtime.kv_config import KvConfigError, plan_kv_events
+    from enginelink.runtime.engine.engine_link import SOCKET_PREFIX, socket_dir
+    from enginelink.runtime.engine.engine_process import SocketDirError
+    from enginelink.runtime.kv.kv_config import KvConfigError, plan_kv_events
 
     try:
         directory = socket_dir()  # checked here, before anything starts: exit 2 if not private
@@ -218,7 +218,7 @@ def _kv_events(engine: str, engine_args: list[str]):
 
 def _engine_ranks(engine: str, engine_args: list[str]) -> tuple[int, ...]:
     """The DP ranks the engine runs, each a handshake to wait for; a front end fronts ranks 0..N-1."""
-    from enginelink.runtime.kv_config import KvConfigError, engine_ranks
+    from enginelink.runtime.kv.kv_config import KvConfigError, engine_ranks
 
     try:
         ranks = engine_ranks(engine, engine_args)
@@ -238,8 +238,8 @@ def _engine_ranks(engine: str, engine_args: list[str]) -> tuple[int, ...]:
 
 def _capture_cap(engine_args: list[str]) -> list[str]:
     """The engine args with the CUDA-graph capture cap derived from the admission step
-    (SMG_VLLM_CUDAGRAPH_CAPTURE_CAP; runtime/capture_cap.py), the decision logged once."""
-    from enginelink.runtime.capture_cap import apply_to_argv, log_capture_cap
+    (SMG_VLLM_CUDAGRAPH_CAPTURE_CAP; runtime/engine/capture_cap.py), the decision logged once."""
+    from enginelink.runtime.engine.capture_cap import apply_to_argv, log_capture_cap
 
     try:
         engine_args, decision = apply_to_argv(engine_args, os.environ)
@@ -260,7 +260,7 @@ def _node_rank(engine_args: list[str]) -> None:
 
 
 def _grpc_limits():
-    from enginelink.runtime.grpc_limits import GrpcLimits
+    from enginelink.runtime.rpc.grpc_limits import GrpcLimits
 
     try:
         return GrpcLimits.from_env(os.environ)
@@ -269,7 +269,7 @@ def _grpc_limits():
 
 
 def _fast_path() -> bool:
-    from enginelink.runtime.fastpath import fast_path_from_env
+    from enginelink.runtime.rpc.fastpath import fast_path_from_env
 
     try:
         return fast_path_from_env(os.environ)
@@ -278,12 +278,12 @@ def _fast_path() -> bool:
 
 
 def build_config(args: argparse.Namespace):
-    from enginelink.runtime.engine_process import (
+    from enginelink.runtime.engine.engine_process import (
         PLACEMENT_CHOICES, PLACEMENT_DEFAULT, SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT,
     )
     from enginelink.machines.liveness import IDLE_PROBE_INTERVAL_S, IDLE_PROBE_TIMEOUT_S
-    from enginelink.runtime.engine_process import ENGINE_STOP_GRACE_S
-    from enginelink.runtime.server import ServeConfig
+    from enginelink.runtime.engine.engine_process import ENGINE_STOP_GRACE_S
+    from enginelink.runtime.lifetime.server import ServeConfig
 
     model_dir = args.model or default_model_dir()
     try:
@@ -354,8 +354,8 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, InputKnobError) as error:
         print(f"enginelink serve: {error}", file=sys.stderr)
         return 2
-    from enginelink.runtime import core
-    from enginelink.runtime.server import serve
+    from enginelink.runtime.lifetime import core
+    from enginelink.runtime.lifetime.server import serve
 
     try:
         return trio.run(serve, config)

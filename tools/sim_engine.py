@@ -471,7 +471,7 @@ def _serve(core: "_VllmWire | SimWire", inputs: zmq.Socket, outputs: zmq.Socket,
 
 def _write_pd_facts(config: SimConfig, kv_transfer: dict) -> None:
     """Before the handshake, where enginelink reads the engine's facts (as vllm_headless.py does)."""
-    from enginelink.runtime.engine_link import ENGINE_FACTS_ENV
+    from enginelink.runtime.engine.engine_link import ENGINE_FACTS_ENV
 
     path = os.environ.get(ENGINE_FACTS_ENV)
     if path:
@@ -481,8 +481,8 @@ def _write_pd_facts(config: SimConfig, kv_transfer: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from enginelink.runtime.engine_link import ENGINE_FACTS_ENV
-    from enginelink.runtime.vllm_headless import report_refused_arguments
+    from enginelink.runtime.engine.engine_link import ENGINE_FACTS_ENV
+    from enginelink.runtime.engine.vllm_headless import report_refused_arguments
 
     parser = argparse.ArgumentParser(prog="python -m enginelink.tools.sim_engine", description=__doc__.splitlines()[0])
     add_arguments(parser)
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_facts(path: str | None, args: argparse.Namespace) -> None:
-    """What vLLM's launch script reports beside the ready response (runtime/vllm_headless.py):
+    """What vLLM's launch script reports beside the ready response (runtime/engine/vllm_headless.py):
     the runner (whether the servicer offers Generate or Embed) and --max-logprobs."""
     if path:
         tmp = f"{path}.tmp"

@@ -76,7 +76,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     # Structured output: at most one of these, as vLLM's StructuredOutputsParams keys.
     structured_outputs: dict | None = None
-    # The grammar backend the front end resolved for it (runtime/constraints.py), and
+    # The grammar backend the front end resolved for it (runtime/requests/constraints.py), and
     # whether it was resolved from "auto"; each codec carries them as its engine needs.
     grammar_backend: str | None = None
     grammar_backend_auto: bool = False

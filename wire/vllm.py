@@ -213,7 +213,7 @@ def _structured_outputs(sampling: SamplingSpec) -> dict | None:
     vLLM's engine builds its grammar backend from ``_backend``, which only its
     front end sets (msgspec carries a dataclass's underscore fields as plain
     keys); without it every constrained request ends FINISHED_ERROR
-    ("Unsupported structured output backend: None"). runtime/constraints.py
+    ("Unsupported structured output backend: None"). runtime/requests/constraints.py
     resolves the value as vLLM's front end does.
     """
     if sampling.structured_outputs is None:

@@ -22,12 +22,12 @@ from pathlib import Path
 import trio
 
 from enginelink.machines.warmup import warmup_setting
-from enginelink.runtime.app import App
-from enginelink.runtime.contract_vllm import VllmEdge
-from enginelink.runtime.hub import RequestHub
-from enginelink.runtime.launchers import SimLauncher
-from enginelink.runtime.model_dir import read_model_facts
-from enginelink.runtime.server import ServeConfig, serve
+from enginelink.runtime.lifetime.app import App
+from enginelink.runtime.requests.contract_vllm import VllmEdge
+from enginelink.runtime.requests.hub import RequestHub
+from enginelink.runtime.engine.launchers import SimLauncher
+from enginelink.runtime.engine.model_dir import read_model_facts
+from enginelink.runtime.lifetime.server import ServeConfig, serve
 
 
 def install_bugs() -> None:

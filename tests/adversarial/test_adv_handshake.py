@@ -24,9 +24,9 @@ import pytest
 import trio
 import zmq
 
-from enginelink.runtime import engine_link as el
-from enginelink.runtime.handshake_gate import HANDSHAKE_MESSAGE_MAX_BYTES, STRANGER_RECORDS_MAX
-from enginelink.runtime.launchers import SimLauncher
+from enginelink.runtime.engine import engine_link as el
+from enginelink.runtime.engine.handshake_gate import HANDSHAKE_MESSAGE_MAX_BYTES, STRANGER_RECORDS_MAX
+from enginelink.runtime.engine.launchers import SimLauncher
 from enginelink.wire.vllm import VllmCodec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 

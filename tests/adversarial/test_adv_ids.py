@@ -28,10 +28,10 @@ from enginelink.journal.journal import Journal
 from enginelink.journal.store import open_reader
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.hub import IN_FLIGHT_MAX
-from enginelink.runtime.snapshots import run_snapshots
-from enginelink.runtime.inputs import InputKnobError, InputLimits, input_limits_from, validate_abort_ids
-from enginelink.runtime.validate import EngineLimits, validate_generate
+from enginelink.runtime.requests.hub import IN_FLIGHT_MAX
+from enginelink.runtime.lifetime.snapshots import run_snapshots
+from enginelink.runtime.requests.inputs import InputKnobError, InputLimits, input_limits_from, validate_abort_ids
+from enginelink.runtime.requests.validate import EngineLimits, validate_generate
 from tests.harness import Servicer, generate_request, wait_until
 
 LIMITS = InputLimits()

@@ -19,10 +19,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from enginelink.journal.states import LinkState
 from enginelink.machines.link import KV_RELEASE_REQUEST_PREFIX
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.hub import RequestHub
-from enginelink.runtime.inputs import InputLimits, validate_abort_ids
-from enginelink.runtime.kv_transfer import params_for_release
-from enginelink.runtime.validate import EngineLimits, validate_generate
+from enginelink.runtime.requests.hub import RequestHub
+from enginelink.runtime.requests.inputs import InputLimits, validate_abort_ids
+from enginelink.runtime.requests.kv_transfer import params_for_release
+from enginelink.runtime.requests.validate import EngineLimits, validate_generate
 from enginelink.wire import vllm
 from tests.harness import ListJournal, generate_request
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.engine_process import SocketDirError, socket_dir
+from enginelink.runtime.engine.engine_process import SocketDirError, socket_dir
 from tests.harness import VENV_BIN, free_port
 
 OTHER_UID = 54321

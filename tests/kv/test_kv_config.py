@@ -1,4 +1,4 @@
-"""Where the engine's KV publisher and the relay meet (``runtime/kv_config.py``): pure planning."""
+"""Where the engine's KV publisher and the relay meet (``runtime/kv/kv_config.py``): pure planning."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.kv_config import KvConfigError, RankEndpoints, engine_ranks, plan_kv_events
+from enginelink.runtime.kv.kv_config import KvConfigError, RankEndpoints, engine_ranks, plan_kv_events
 from enginelink.wire import kv_events as kv
 
 DIR = Path("/tmp/smg-zmq-test")

@@ -1,14 +1,14 @@
-"""Load records and ``load_only`` timing (``runtime/kv_loads.py``): pure, time as an argument."""
+"""Load records and ``load_only`` timing (``runtime/kv/kv_loads.py``): pure, time as an argument."""
 
 from __future__ import annotations
 
 import asyncio
 
 from enginelink.machines.link import LinkEvent, LinkMachine
-from enginelink.runtime.hub import RequestHub
-from enginelink.runtime.kv_loads import Beat, LoadSource, LoadView, changed
-from enginelink.runtime.loads import Loads
-from enginelink.runtime.validate import EngineLimits, validate_generate
+from enginelink.runtime.requests.hub import RequestHub
+from enginelink.runtime.kv.kv_loads import Beat, LoadSource, LoadView, changed
+from enginelink.runtime.lifetime.loads import Loads
+from enginelink.runtime.requests.validate import EngineLimits, validate_generate
 from enginelink.wire.engine import SchedulerStats
 from enginelink.wire.vllm import VllmCodec
 from tests.harness import ListJournal, generate_request

@@ -10,11 +10,11 @@ from __future__ import annotations
 import trio
 
 from enginelink.machines.kv_relay_api import KvRelayConfig
-from enginelink.runtime.kv_config import KvPlan, RankEndpoints
-from enginelink.runtime.kv_loads import CHECK_S, LoadSource
-from enginelink.runtime.kv_relay import KvRelayShell
-from enginelink.runtime.loads import Loads
-from enginelink.runtime.warmup import TrioWake
+from enginelink.runtime.kv.kv_config import KvPlan, RankEndpoints
+from enginelink.runtime.kv.kv_loads import CHECK_S, LoadSource
+from enginelink.runtime.kv.kv_relay import KvRelayShell
+from enginelink.runtime.lifetime.loads import Loads
+from enginelink.runtime.lifetime.warmup import TrioWake
 from enginelink.wire import kv_events as kv
 from enginelink.wire.engine import SchedulerStats
 from tests.machines.kv_pair import msg, stored

@@ -7,7 +7,7 @@ import trio
 
 from enginelink.machines.link import LinkEvent
 from enginelink.machines.liveness import IdleProbe, ProbeFailed, ProbeSend, ProbeTiming, ProbeWait
-from enginelink.runtime import engine_link as el
+from enginelink.runtime.engine import engine_link as el
 from enginelink.wire.vllm import VllmCodec
 
 TIMING = ProbeTiming(interval_s=5.0, timeout_s=10.0)

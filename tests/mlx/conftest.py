@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.launchers import LauncherError
-from enginelink.runtime.mlx_launch import default_mlx_python
+from enginelink.runtime.engine.launchers import LauncherError
+from enginelink.runtime.engine.mlx_launch import default_mlx_python
 from tests.harness import Servicer, end_process
 
 START_TIMEOUT_S = 300.0

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.engine_link import ENGINE_FACTS_ENV
-from enginelink.runtime.mlx_launch import CHECKOUT, MlxIncompatible, MlxLauncher, check_installed
+from enginelink.runtime.engine.engine_link import ENGINE_FACTS_ENV
+from enginelink.runtime.engine.mlx_launch import CHECKOUT, MlxIncompatible, MlxLauncher, check_installed
 from enginelink.tools import mlx_engine
 from tests.harness import VENV_BIN, free_port
 

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.router, pytest.mark.slow]
 COMPLETIONS = "/v1/completions"
 # smg 1.13.0's default ``worker_wedge_secs``: engine silence (with work) past it vetoes a worker.
 ROUTER_WEDGE_S = 3.0
-# enginelink's heartbeats back off to one per 5 s (runtime/kv_loads.py HEARTBEAT_BACKOFF_S).
+# enginelink's heartbeats back off to one per 5 s (runtime/kv/kv_loads.py HEARTBEAT_BACKOFF_S).
 HEARTBEAT_WAIT_S = 15.0
 VETO = re.compile(r"vetoed by liveness|Veto fallback")
 LOAD_RECORD = "update_dp_loads"

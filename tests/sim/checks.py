@@ -26,7 +26,7 @@ from enginelink.journal.fold import FoldState, fold
 from enginelink.journal.verify import verify
 from enginelink.machines.link import LINK_TABLE
 from enginelink.machines.request import REQUEST_TABLE, RequestState
-from enginelink.runtime.engine_link import DISCONNECT_GRACE_S
+from enginelink.runtime.engine.engine_link import DISCONNECT_GRACE_S
 from tests.sim.scenario import EOS_TOKEN_ID, FATAL_FAULTS
 from tests.sim.servicer import LINK_NAME, Admission, Observation, SimServicer
 

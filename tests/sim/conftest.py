@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from enginelink.runtime.model_dir import load_tokenizer, read_model_facts
+from enginelink.runtime.engine.model_dir import load_tokenizer, read_model_facts
 
 DEFAULT_SEEDS = 400
 

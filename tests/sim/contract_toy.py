@@ -1,6 +1,6 @@
 """A second gRPC contract, as small as one can be: its own request and response shapes, and its edge.
 
-It exists to show the seam (``runtime/contract.py``): the request core and
+It exists to show the seam (``runtime/requests/contract.py``): the request core and
 the hub serve it unchanged, and ``test_second_contract.py`` runs the
 simulation's seeds through it. Nothing here is vLLM's: the request is a
 msgspec Struct with its own field names, the responses are two Structs with
@@ -21,8 +21,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, choice_engine_id
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.inputs import check_request_id, stop_strings
-from enginelink.runtime.validate import EngineLimits
+from enginelink.runtime.requests.inputs import check_request_id, stop_strings
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 from tests.sim.scenario import ClientPlan
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.machines.warmup import WarmupLevel
-from enginelink.runtime.engine_link import Supervision
-from enginelink.runtime.memory_link import MemoryEngineOptions
+from enginelink.runtime.engine.engine_link import Supervision
+from enginelink.runtime.engine.memory_link import MemoryEngineOptions
 from enginelink.machines.sim_core import SimConfig
 
 VOCAB_SIZE = 4096  # the test model's

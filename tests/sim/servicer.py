@@ -1,6 +1,6 @@
 """The servicer core in memory: journal, link, hub, app, warm-up, drain and failure, on trio's clock.
 
-``SimServicer.serve`` is ``runtime/server.py``'s ``serve`` without the
+``SimServicer.serve`` is ``runtime/lifetime/server.py``'s ``serve`` without the
 sockets: the servicer is built by the same ``runtime/compose.compose`` and
 runs the same lifetime (``Servicer.run``: run.start → link up → warm-up →
 serving, then a signal → drain, exit 0, or the link failing → every open
@@ -27,14 +27,14 @@ from typing import Callable
 import trio
 
 from enginelink.machines.warmup import WarmupSetting
-from enginelink.runtime.compose import Composition, JournalPlan, Servicer, compose
-from enginelink.runtime.contract_vllm import VLLM_EDGE
+from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
+from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
 from enginelink.runtime.errors import ServicerError
-from enginelink.runtime.generate import generate
-from enginelink.runtime.hub import Call, RequestHub
-from enginelink.runtime.memory_link import MemoryLink
-from enginelink.runtime.model_dir import ModelFacts
-from enginelink.runtime.warmup import TrioWake
+from enginelink.runtime.requests.generate import generate
+from enginelink.runtime.requests.hub import Call, RequestHub
+from enginelink.runtime.engine.memory_link import MemoryLink
+from enginelink.runtime.engine.model_dir import ModelFacts
+from enginelink.runtime.lifetime.warmup import TrioWake
 from tests.sim.scenario import ClientPlan, Scenario
 
 FAKE_WALL_START = 1_700_000_000.0  # the run's "wall clock" at trio time 0
@@ -94,7 +94,7 @@ class FaultRecord:
 
 @dataclass(frozen=True)
 class ClientContract:
-    """What the simulated clients speak: a contract's edge (``runtime/contract.py``), its request
+    """What the simulated clients speak: a contract's edge (``runtime/requests/contract.py``), its request
     for a plan, and a client's view of its messages as the checks read them (vLLM's GenerateResponse)."""
 
     edge: object

@@ -1,7 +1,7 @@
 """Simulation seeds' traffic through the real gRPC layer, with the fast path on and off.
 
 ``tests/sim`` drives ``runtime.generate.generate`` in memory on trio's
-MockClock: it never runs grpclib, h2 or ``runtime/fastpath.py``. Here the
+MockClock: it never runs grpclib, h2 or ``runtime/rpc/fastpath.py``. Here the
 client plans of ``GRPC_SEEDS`` (seeds of the sweep with the most traffic)
 run three ways against the same in-memory sim engine (``tests/grpc_pair.py``),
 each on a fresh servicer:
@@ -36,8 +36,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineStub
 from enginelink.runtime.errors import ServicerError
-from enginelink.runtime.generate import generate
-from enginelink.runtime.warmup import TrioWake
+from enginelink.runtime.requests.generate import generate
+from enginelink.runtime.lifetime.warmup import TrioWake
 from tests.grpc_pair import grpc_pair
 from tests.sim.scenario import scenario
 

@@ -29,9 +29,9 @@ def test_seed_406_an_id_reused_while_the_last_call_with_it_still_writes(sim_mode
     # retry with the same id was admitted, and the old writer's later
     # client.sent records landed in the journal after the new call's
     # admission: verify saw "choice completed twice" and the fold counted the
-    # old call's tokens for the new one. Fixed in runtime/hub.py: an ended
+    # old call's tokens for the new one. Fixed in runtime/requests/hub.py: an ended
     # call's id stays taken (``RequestHub.writing``) until its writer took
-    # every complete or went away (``release``, called by runtime/generate.py).
+    # every complete or went away (``release``, called by runtime/requests/generate.py).
     run = _run(406, sim_model)
     obs = run.observations
     reached = [
@@ -50,7 +50,7 @@ def test_seed_901_engine_dies_while_a_slow_client_is_written_to(sim_model):
     # sending to a slow client; the failure set call.error, which also makes
     # ``call.done`` true, so the loop returned normally after its sends: the
     # stream ended OK with no complete for any choice. Fixed in
-    # runtime/generate.py: a failure noticed after the sends is raised
+    # runtime/requests/generate.py: a failure noticed after the sends is raised
     # (UNAVAILABLE) before ``done`` is looked at.
     run = _run(901, sim_model)
     reached = [
@@ -68,7 +68,7 @@ def test_seed_163_admission_while_the_engine_core_is_gone_but_not_yet_noticed(si
     # and the call stayed open until the link failed; the same error from an
     # ABORT (abort, client gone, stop string in the receive loop) would have
     # escaped the handler's cleanup or the link's receive loop. Fixed in
-    # runtime/hub.py: frames go through ``_send``, which reports instead of
+    # runtime/requests/hub.py: frames go through ``_send``, which reports instead of
     # raising; an ADD that cannot be sent fails its call at once (UNAVAILABLE,
     # "engine is not reachable"), a lost ABORT needs nothing (the link fails).
     run = _run(163, sim_model)
@@ -84,7 +84,7 @@ def test_seed_357_stale_outputs_of_a_cut_request_taken_by_its_retry(sim_model):
     # the ABORT reached it were still on the wire. The client retried at once
     # with the same request id, so the same engine id, and the hub took those
     # stale outputs for the new call: wrong tokens (here 14 for max_tokens 9),
-    # and a finish reason from the old request. Fixed in runtime/hub.py: engine ids the hub stopped
+    # and a finish reason from the old request. Fixed in runtime/requests/hub.py: engine ids the hub stopped
     # listening to are remembered (``retired``, bounded), and a new call that
     # would reuse one gets fresh engine ids (``<id>~<n>``).
     run = _run(357, sim_model)

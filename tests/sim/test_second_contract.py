@@ -1,6 +1,6 @@
 """A second contract through the same core: the simulation's seeds, served for the toy contract.
 
-The request core and the hub are contract-neutral (``runtime/contract.py``):
+The request core and the hub are contract-neutral (``runtime/requests/contract.py``):
 a contract adds an edge and nothing else. ``contract_toy.py`` is a minimal
 one with its own request and response shapes; every seed of the sweep (the
 same ``sim_seed`` parametrization as ``test_sim.py``) runs through it with

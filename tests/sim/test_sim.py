@@ -94,7 +94,7 @@ def test_same_seed_same_journal_in_another_process(sim_model, test_model_dir, re
     here = {seed: journal_digest(run_seed(seed, model, tokenizer).journal_rows) for seed in seeds}
     code = (
         "import sys, json\n"
-        "from enginelink.runtime.model_dir import read_model_facts, load_tokenizer\n"
+        "from enginelink.runtime.engine.model_dir import read_model_facts, load_tokenizer\n"
         "from tests.sim.runner import run_seed\n"
         "from tests.sim.test_sim import journal_digest\n"
         "model = read_model_facts(sys.argv[1]); tokenizer = load_tokenizer(model.tokenizer_path)\n"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.launchers import LauncherError, default_vllm_python
+from enginelink.runtime.engine.launchers import LauncherError, default_vllm_python
 from tests.harness import Servicer, end_process
 
 # --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).

@@ -8,7 +8,7 @@ import struct
 import msgspec
 import pytest
 
-from enginelink.runtime.vllm_compat import compare
+from enginelink.runtime.engine.vllm_compat import compare
 from enginelink.wire import vllm, vllm_arrays
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec, WireError
 from enginelink.wire.vllm_arrays import ArrayWriter, Tensor, decode_tensor

@@ -1,0 +1,1 @@
+"""KV events and loads: the relay's shell, its config, the load window, its metrics."""

@@ -1,0 +1,1 @@
+"""Lifetime: composition, serve, warm-up, drain, readiness, metrics, snapshots."""

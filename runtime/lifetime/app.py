@@ -1,0 +1,143 @@
+"""What the gRPC handlers share: the link, the hub, the loads and the engine's facts.
+
+Facts come from two places: the model directory (vocab, EOS ids, architecture,
+sampling defaults, tokenizer) and the engine's ready response (context length,
+block size, dtype, DP size, scheduler limits). Both are known once the link is
+up; before that, handlers that need them answer UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from enginelink.journal.records import KIND_ERROR, request_stream
+from enginelink.runtime.requests import kv_transfer
+from enginelink.runtime.requests.embed import RUNNER_POOLING, runner_type
+from enginelink.runtime.requests.constraints import DEFAULT_BACKEND
+from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
+from enginelink.runtime.lifetime.loads import Loads
+from enginelink.runtime.engine.model_dir import ModelFacts
+from enginelink.runtime.engine.tokenizer_bundle import tokenizer_bundle_chunks
+from enginelink.runtime.requests.validate import LOGPROBS_MAX, EngineLimits
+
+# The journal stream and id prefix kept for a call refused for its request id.
+REFUSED_ID_STREAM = "<refused id>"
+REFUSED_ID_CHARS_KEPT = 64
+
+
+@dataclass
+class App:
+    link: object  # EngineLink
+    hub: object  # RequestHub
+    journal: object
+    model: ModelFacts
+    served_model_name: str
+    run_start_wall: float
+    run_start_trio: float
+    server_type: str = "vllm-grpc"
+    loads: Loads = field(default_factory=Loads)
+
+    # -- time ------------------------------------------------------------------------
+
+    def wall_time(self, now: float) -> float:
+        return self.run_start_wall + (now - self.run_start_trio)
+
+    # -- engine facts ----------------------------------------------------------------
+
+    @property
+    def ready(self) -> dict:
+        return self.link.ready
+
+    @property
+    def limits(self) -> EngineLimits:
+        ready = self.ready
+        if not ready:
+            raise Unavailable("engine is starting; retry on another worker or later")
+        return EngineLimits(
+            max_model_len=int(ready["max_model_len"]),
+            vocab_size=self.model.vocab_size,
+            eos_token_ids=tuple(self.model.eos_token_ids),
+            data_parallel_size=self.link.ranks.size,  # the ranks this servicer fronts: a pin's [0, N)
+            # The engine's --max-logprobs (its facts; vLLM's default when it does not say).
+            max_logprobs=int(ready.get("max_logprobs", LOGPROBS_MAX)),
+            grammar_backend=str(ready.get("structured_outputs_backend") or DEFAULT_BACKEND),
+        )
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.ready.get("max_num_seqs") or 0)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        ready = self.ready
+        return int(ready.get("num_gpu_blocks") or 0) * int(ready.get("block_size") or 0)
+
+    def model_info(self) -> pb.GetModelInfoResponse:
+        model = self.model
+        max_len = int(self.ready.get("max_model_len") or model.max_position_embeddings or 0)
+        return pb.GetModelInfoResponse(
+            model_path=str(model.model_path),
+            # False on a pooling engine (runtime/requests/embed.py): it serves Embed, not Generate.
+            is_generation=runner_type(self.ready) != RUNNER_POOLING,
+            max_context_length=max_len,
+            vocab_size=model.vocab_size,
+            supports_vision=False,
+            served_model_name=self.served_model_name,
+            tokenizer_path=model.tokenizer_path,
+            model_type=model.model_type or "",
+            architectures=list(model.architectures),
+            eos_token_ids=list(model.eos_token_ids),
+            pad_token_id=model.pad_token_id or 0,
+            bos_token_id=model.bos_token_id or 0,
+            max_req_input_len=max_len,
+            default_sampling_params_json=model.default_sampling_params_json,
+        )
+
+    def server_info(self) -> pb.GetServerInfoResponse:
+        ready = self.ready
+        return pb.GetServerInfoResponse(
+            active_requests=self.hub.active_requests,
+            is_paused=False,
+            last_receive_timestamp=self.hub.last_receive_wall,
+            uptime_seconds=self.uptime_s(),
+            server_type=self.server_type,
+            data_parallel_size=self.link.ranks.size,
+            kv_cache_dtype=str(ready.get("kv_cache_dtype") or "auto"),
+            block_size=int(ready.get("block_size") or 0),
+            model_dtype=str(ready.get("dtype") or self.model.dtype or ""),
+            max_num_seqs=self.max_num_seqs,
+            # PD: the connector, role and engine id the router pairs legs by, from the
+            # engine's resolved --kv-transfer-config (its facts), and SMG_PAIRING_PROTOCOL.
+            **kv_transfer.server_fields(ready),
+        )
+
+    def uptime_s(self) -> float:
+        return trio.current_time() - self.run_start_trio
+
+    def tokenizer_chunks(self) -> list[tuple[bytes, str]]:
+        if not self.model.tokenizer_path:
+            raise Precondition("this worker has no tokenizer directory to send")
+        return tokenizer_bundle_chunks(self.model.tokenizer_path)
+
+    # -- refusals --------------------------------------------------------------------
+
+    def refused(self, request_id: str, error: ServicerError, now: float) -> None:
+        """A Generate refused before admission: journal it (whose fault, what)."""
+        code = error.status.name
+        self.hub.metrics.refused(error.reason, code)
+        stream = request_stream(request_id or "<empty>")
+        if isinstance(error, ClientError) and error.field == "request_id":
+            # An id refused for itself (too long, reserved, control characters) lands
+            # in the journal clipped and apart from every admitted request's stream.
+            stream = request_stream(REFUSED_ID_STREAM)
+            request_id = request_id[:REFUSED_ID_CHARS_KEPT]
+        self.journal.append(
+            now,
+            stream,
+            KIND_ERROR,
+            {"whose": error.whose, "code": code, "message": str(error), "id": request_id},
+        )

@@ -1,0 +1,48 @@
+"""The engine link's and the hub's counters and bounds, as ``/metrics`` shows them (``smg_servicer_link_*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from enginelink.runtime.engine.engine_link import EngineLink
+from enginelink.runtime.rpc.fastpath import MAX_CONCURRENT_STREAMS
+from enginelink.runtime.requests.hub import RETIRED_ENGINE_IDS_MAX, RequestHub
+
+
+@dataclass
+class LinkStats:
+    frames_received: int
+    late_outputs: int
+    in_flight_max: int
+    # The hub's other bounds and what they caught (runtime/requests/hub.py).
+    retired_engine_ids: int
+    retired_engine_ids_max: int
+    renamed_calls: int
+    send_errors: int
+    # The gRPC side: streams one connection may carry, and the direct write path.
+    max_concurrent_streams: int
+    direct_writes: int
+    direct_handovers: int
+    # Supervision: liveness probes sent to the idle engine, their bounds, the stop's grace.
+    idle_probes: int
+    idle_probe_interval_seconds: float
+    idle_probe_timeout_seconds: float
+    engine_stop_grace_seconds: float
+    # Stop strings of the calls that ended: text matched, automaton steps (<= 2 per character).
+    stop_chars: int = 0
+    stop_steps: int = 0
+    # Calls failed because the engine's logprob arrays could not be read (the engine's fault).
+    logprob_errors: int = 0
+    # PD: refused decode legs sent to the engine pre-aborted, so the prefill side frees its KV.
+    kv_releases: int = 0
+
+
+def link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
+    sup = link.supervision
+    return LinkStats(
+        link.frames_received, hub.late_outputs, hub.in_flight_max,
+        len(hub.retired), RETIRED_ENGINE_IDS_MAX, hub.renamed, hub.send_errors,
+        MAX_CONCURRENT_STREAMS, hub.direct_writes, hub.direct_handovers,
+        link.idle_probe.probes_sent, sup.idle_probe.interval_s, sup.idle_probe.timeout_s, sup.stop_grace_s,
+        hub.stop_chars, hub.stop_steps, hub.logprob_errors, hub.kv_releases,
+    )

@@ -1,0 +1,288 @@
+"""The servicer's lifetime on sockets: ports, the journal's files, a grpclib server.
+
+Order (DESIGN "Start"): the journal's lock → the gRPC and metrics ports bound →
+the journal (the last run's file set aside, a new one opened) → gRPC serving
+(health NOT_SERVING, HealthCheck "Engine is starting") → engine launched and
+handshaken → warm-up → serving. The lock and the binds come first so that a
+start that cannot work (a journal another servicer owns, a port in use)
+exits 2 (``core.Exit``) having touched no journal file.
+Then the servicer waits for one of: a signal (SIGTERM/SIGINT → drain, exit 0)
+or the link failing (every open call ends UNAVAILABLE, exit 1 so the
+supervisor restarts the pair).
+
+Everything after the binds is ``runtime/lifetime/compose.py``'s, shared with the
+simulation: this file adds what only a real server has — the ports and the
+run file (``_claim``), an ``EngineLink`` launching a real engine
+(``_new_link``), the grpclib server with its health service (``GrpcFront``),
+the OS's signals and the wall clock.
+
+grpclib runs on asyncio inside trio via trio-asyncio; the only trio↔asyncio
+crossings are start/stop of the server and rare utility calls, never per token.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+import trio_asyncio
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import Health
+
+from enginelink.journal.files import (
+    JOURNAL_KEEP_DEFAULT, JournalBusy, JournalLock, read_run_file, remove_run_file, write_run_file,
+)
+from enginelink.machines.liveness import ProbeTiming
+from enginelink.machines.warmup import WarmupLevel, WarmupSetting
+from enginelink.runtime.lifetime import core
+from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
+from enginelink.runtime.engine.engine_process import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
+from enginelink.runtime.engine.engine_link import EngineLink, Supervision
+from enginelink.runtime.rpc.grpc_limits import GrpcLimits
+from enginelink.runtime.rpc.fastpath import FrameWrites, GrpcServer, run_ready_callbacks_together
+from enginelink.runtime.rpc.grpc_vllm import VllmEngineService
+from enginelink.runtime.kv.kv_config import KvPlan
+from enginelink.runtime.engine.launchers import EngineLauncher
+from enginelink.runtime.engine.model_dir import ModelFacts, load_tokenizer
+from enginelink.wire import codecs
+
+log = logging.getLogger("enginelink")
+
+
+@dataclass
+class ServeConfig:
+    launcher: EngineLauncher
+    model: ModelFacts
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    journal_path: Path | None = None
+    journal_keep: int = JOURNAL_KEEP_DEFAULT  # previous runs' journals kept (ENGINELINK_JOURNAL_KEEP)
+    startup_timeout_s: float = 1800.0
+    startup_ceiling_s: float = 14400.0  # 0 = no ceiling
+    silence_timeout_s: float = 300.0
+    prefill_tokens_per_s: float = 2000.0
+    drain_s: float = 5.0
+    engine_stop_grace_s: float = 5.0  # after SIGTERM, before SIGKILL to the engine's session
+    idle_probe_s: float = 5.0  # an idle engine quiet this long gets a liveness probe; 0 = none
+    idle_probe_timeout_s: float = 30.0  # an unanswered probe fails the link after this
+    engine_nice: int = ENGINE_NICE_DEFAULT  # nice levels below the servicer
+    servicer_sched: str = SERVICER_SCHED_DEFAULT  # the servicer's policy once the engine runs
+    placement: str = PLACEMENT_DEFAULT  # keep off the CPUs the engine binds (engine_process.place_front_end)
+    warmup: WarmupSetting = field(default_factory=lambda: WarmupSetting(WarmupLevel.FULL, 300.0))
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # no endpoint unless asked
+    kv_events: KvPlan | None = None  # None: KV events off (SubscribeKvEvents is UNIMPLEMENTED)
+    grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)  # message size, connections (grpc_limits.py)
+    fast_path: bool = True  # ENGINELINK_FAST_PATH: off, grpclib's own send path only (runtime/rpc/fastpath.py)
+    argv: list[str] = field(default_factory=list)
+
+
+async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> int:
+    """Run until drained (0) or failed (1); ``task_status.started(app)`` once serving.
+
+    Raises ``core.Exit(2, reason)`` before touching any journal file when the
+    journal is another live process's or a port cannot be bound.
+    """
+    lock = _lock_journal(config)
+    try:
+        grpc_sock = _bind_grpc(config.host, config.port)
+        try:
+            metrics_listeners = await _bind_metrics(config)
+            if config.journal_path is None:
+                return await _serve(config, JournalPlan(None, lock, config.journal_keep), grpc_sock,
+                                    metrics_listeners, task_status)  # fmt: skip
+            write_run_file(config.port, config.journal_path, host=config.host)
+            try:
+                return await _serve(config, JournalPlan(config.journal_path, lock, config.journal_keep), grpc_sock,
+                                    metrics_listeners, task_status)  # fmt: skip
+            finally:
+                remove_run_file(config.port)  # only a killed servicer's stays, for the post-mortem
+        finally:
+            grpc_sock.close()  # the server closed it as it stopped; not if it never started
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_journal(config: ServeConfig) -> JournalLock | None:
+    """The journal's lock, or ``core.Exit(2)`` when another live servicer holds it."""
+    if config.journal_path is None:
+        return None
+    try:
+        return JournalLock(config.journal_path).acquire()
+    except JournalBusy as error:
+        raise core.Exit(2, str(error)) from None
+
+
+async def _bind_metrics(config: ServeConfig) -> list | None:
+    """The metrics port's listeners (None: no endpoint), or ``core.Exit(2)``."""
+    if config.metrics_port is None:
+        return None
+    try:
+        return await trio.open_tcp_listeners(config.metrics_port, host=config.metrics_host)
+    except OSError as error:
+        raise core.Exit(2, _bind_refused("metrics", config.metrics_host, config.metrics_port, error)) from None
+
+
+def _bind_grpc(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (the first address ``host`` resolves to), or ``core.Exit(2)``."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as error:
+        raise core.Exit(2, f"gRPC address {host}:{port}: {error.strerror or error}") from None
+    try:
+        # What asyncio's create_server sets: reuse a port in TIME_WAIT, v6 means v6 only.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.setblocking(False)
+    except OSError as error:
+        sock.close()
+        raise core.Exit(2, _bind_refused("gRPC", host, port, error)) from None
+    return sock
+
+
+def _bind_refused(what: str, host: str, port: int, error: OSError) -> str:
+    """One line: which port, why, and (when enginelink knows it) which process holds it."""
+    if error.errno == errno.EADDRINUSE:
+        holder = ""
+        recorded = read_run_file(port)
+        if recorded and isinstance(recorded.get("pid"), int) and _alive(recorded["pid"]):
+            holder = f" by process {recorded['pid']} (an enginelink servicer, journal {recorded['journal']})"
+        return (f"{what} port {host}:{port} is in use{holder}; stop that one first, "
+                f"or pick another --{'metrics-' if what == 'metrics' else ''}port")
+    return f"cannot bind the {what} port {host}:{port}: {error.strerror or error}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()
+
+
+async def _serve(config: ServeConfig, journal: JournalPlan, grpc_sock: socket.socket, metrics_listeners,
+                 task_status) -> int:
+    status = ServiceStatus()  # the health service's; readiness (runtime/lifetime/readiness.py) sets it
+    servicer = compose(_composition(config, journal, metrics_listeners, status))
+    async with trio_asyncio.open_loop() as loop:
+        loop_stats = run_ready_callbacks_together(loop)  # runtime/rpc/fastpath.py: less trio per gRPC call
+        if servicer.metrics is not None:
+            servicer.metrics.add_gauges("asyncio", lambda: loop_stats)
+        front = GrpcFront(config, grpc_sock, status)
+        signals = lambda: trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)  # noqa: E731
+        return await servicer.run(front, signals, task_status)
+
+
+def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, status: ServiceStatus) -> Composition:
+    """The parts of a servicer on sockets, from its configuration."""
+    return Composition(
+        model=config.model,
+        served_model_name=config.served_model_name,
+        new_link=lambda journal: _new_link(config, journal),
+        warmup=config.warmup,
+        drain_s=config.drain_s,
+        journal=journal,
+        tokenizer=_tokenizer_or_none(config.model),
+        run_record={
+            "pid": os.getpid(),
+            "argv": config.launcher.redacted(config.argv),
+            "engine": config.launcher.engine,
+            "port": config.port,
+            "version": _version(),
+        },
+        where=f"{config.host}:{config.port}",
+        kv_events=config.kv_events,
+        metrics_host=config.metrics_host,
+        metrics_port=config.metrics_port,
+        metrics_listeners=metrics_listeners,
+        readiness_sink=status,
+        edge=VllmEngineService.edge,  # the contract served: its edge encodes the hub's messages
+    )
+
+
+def _new_link(config: ServeConfig, journal) -> EngineLink:
+    """The engine link: ZMQ sockets and the engine's process, supervised."""
+    return EngineLink(
+        name=f"{config.launcher.engine}-0",
+        launcher=config.launcher,
+        codec=codecs.get(config.launcher.engine),
+        journal=journal,
+        supervision=Supervision(
+            startup_timeout_s=config.startup_timeout_s,
+            startup_ceiling_s=config.startup_ceiling_s,
+            silence_timeout_s=config.silence_timeout_s,
+            prefill_tokens_per_s=config.prefill_tokens_per_s,
+            stop_grace_s=config.engine_stop_grace_s,
+            idle_probe=ProbeTiming(config.idle_probe_s, config.idle_probe_timeout_s),
+        ),
+        engine_nice=config.engine_nice,
+        servicer_sched=config.servicer_sched,
+        placement=config.placement,
+    )
+
+
+class GrpcFront:
+    """The grpclib server: the engine service and grpc.health.v1, on the bound socket."""
+
+    def __init__(self, config: ServeConfig, sock: socket.socket, status: ServiceStatus) -> None:
+        self.config = config
+        self.sock = sock
+        self.status = status
+        self.server: GrpcServer | None = None
+
+    async def start(self, servicer: Servicer, nursery: trio.Nursery) -> None:
+        config, metrics = self.config, servicer.metrics
+        frame_writes = FrameWrites(config.fast_path)
+        servicer.hub.end_of_batch = frame_writes.flush  # the direct path's writes go out once per engine frame
+        engine_service = VllmEngineService(servicer.app, frame_writes, servicer.kv_relay)
+        # grpclib names the service by the servicer object; "" (overall) gets
+        # the same check, so liveness and readiness agree.
+        health = Health({engine_service: [self.status]})
+        self.server = server = GrpcServer([engine_service, health], limits=config.grpc_limits, fast_path=config.fast_path)
+        if metrics is not None:
+            metrics.add_gauges("grpc", frame_writes.stats)
+            metrics.add_gauges("grpc", server.guard.read)
+        await trio_asyncio.aio_as_trio(server.start)(sock=self.sock)
+        log.info("gRPC bound on %s:%d (health NOT_SERVING until the engine is up)", config.host, config.port)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def wait_closed(self) -> None:
+        if self.server is not None:
+            await trio_asyncio.aio_as_trio(self.server.wait_closed)()
+
+
+def _tokenizer_or_none(model: ModelFacts):
+    if not model.tokenizer_path:
+        return None
+    try:
+        return load_tokenizer(model.tokenizer_path)
+    except Exception as error:  # a broken tokenizer only disables stop strings
+        print(f"enginelink: cannot load the tokenizer ({error}); stop strings will be refused", file=sys.stderr)
+        return None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("enginelink")
+    except PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,407 @@
+"""The ``vllm.grpc.engine.VllmEngine`` contract's edge: its GenerateRequest in, its GenerateResponses out.
+
+The request core (``machines/request_core.py``) is contract-neutral; each
+gRPC contract has one small edge module like this one, chosen when the
+service is built (``runtime/rpc/grpc_vllm.py``, ``server.py``). An edge provides
+(``runtime/requests/contract.py``, ``ContractEdge``):
+
+- ``id_field`` / ``raw_request_id``: the request's id, checked before
+  anything else (a bad id is the client's error even while the engine starts);
+- ``validate``: the contract's request → ``GenerateCall``, or a
+  ``ClientError`` naming the field (below, one function per field group);
+- ``encode``: the core's ``Chunk`` / ``Complete`` → the contract's messages;
+- ``chunk_body``: a one-choice chunk (tokens and counts only) straight to
+  the bytes of its serialized message, for the fast path, or None;
+- ``release_params``: the PD params of a refused request whose prefill side
+  holds KV for it (``kv_transfer.py``), or None.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from enginelink.machines.logprobs import Position, PromptLogprobs
+from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message, choice_engine_id
+from enginelink.runtime.requests import kv_transfer
+from enginelink.runtime.requests.constraints import Constraint, constraint_of
+from enginelink.runtime.errors import ClientError
+from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings as _stop_strings
+from enginelink.runtime.requests.validate import N_MAX, EngineLimits
+from enginelink.wire.engine import GenerateSpec, SamplingSpec
+
+NAME = "vllm"
+
+
+# -- the request: GenerateRequest → GenerateCall ------------------------------------------
+
+
+def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: float) -> GenerateCall:
+    """Check a ``vllm_engine_pb2.GenerateRequest``; raise ClientError or return the call.
+
+    The field groups are checked in this order, so a request with several
+    faults is refused for the first of them.
+    """
+    inputs = limits.inputs
+    check_request_id("request_id", request.request_id, inputs)
+    sp = request.sampling_params
+    prompt = _prompt(request, limits)
+    max_tokens = _max_tokens(sp, prompt, limits)
+    numbers = _sampling_numbers(sp, max_tokens)
+    n = sp.n or 1
+    if n > N_MAX:
+        raise ClientError("sampling_params.n", f"must be at most {N_MAX}, got {n}")
+    stop_token_ids = tuple(_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size))
+    stop_strings = _stop_strings(sp.stop, inputs)
+    logprobs = _logprobs(sp, "logprobs", "sample", limits)
+    prompt_logprobs = _logprobs(sp, "prompt_logprobs", "prompt", limits)
+    logit_bias = _logit_bias(sp, limits)
+    constraint = constraint_of(sp, inputs, limits.grammar_backend)
+    # PD: the JSON field or the legacy message, checked as the reference does (runtime/requests/kv_transfer.py).
+    kv_transfer_params = kv_transfer.params_from_request(request, inputs)
+    dp_rank = _dp_rank(request, limits)
+
+    sampling = SamplingSpec(
+        max_tokens=max_tokens,
+        **numbers,
+        stop_token_ids=stop_token_ids,
+        eos_token_ids=limits.eos_token_ids,
+        ignore_eos=sp.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logit_bias=logit_bias,
+        skip_special_tokens=sp.skip_special_tokens,
+        spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        structured_outputs=constraint.params if constraint else None,
+        grammar_backend=constraint.backend if constraint else None,
+        grammar_backend_auto=constraint.backend_was_auto if constraint else False,
+    )
+    seed = sp.seed if sp.HasField("seed") else None
+    engine_ids = [choice_engine_id(request.request_id, index, n) for index in range(n)]
+    specs = [
+        GenerateSpec(
+            request_id=engine_id,
+            prompt_token_ids=prompt,
+            # Seeds as vLLM's parallel sampling: seed + index per choice.
+            sampling=sampling if seed is None else _with_seed(sampling, seed + index),
+            arrival_time=now,
+            data_parallel_rank=dp_rank,
+            kv_transfer_params=kv_transfer_params,
+            # The gateway shaped the constraint to start at the first generated token.
+            reasoning_ended=True if constraint and sp.grammar_from_first_token else None,
+        )
+        for index, engine_id in enumerate(engine_ids)
+    ]
+    return _call(request, sp, prompt, specs, engine_ids, stop_strings, max_tokens, constraint)
+
+
+def _call(request, sp, prompt, specs, engine_ids, stop_strings, max_tokens, constraint: Constraint | None):
+    return GenerateCall(
+        request_id=request.request_id,
+        stream=request.stream,
+        prompt_token_ids=prompt,
+        specs=specs,
+        stop_strings=stop_strings,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=sp.skip_special_tokens,
+        max_tokens=max_tokens,
+        engine_ids=engine_ids,
+        constraint=constraint.field if constraint else None,
+        grammar_backend=constraint.backend if constraint else None,
+    )
+
+
+def _with_seed(sampling: SamplingSpec, seed: int) -> SamplingSpec:
+    return msgspec.structs.replace(sampling, seed=seed)
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ClientError(name, f"must be a finite number, got {value}")
+    return value
+
+
+def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
+    ids = list(ids)
+    for position, token in enumerate(ids):
+        if token >= vocab_size:
+            raise ClientError(
+                name, f"token id {token} at position {position} is outside the vocabulary (size {vocab_size})"
+            )
+    return ids
+
+
+def _prompt(request, limits: EngineLimits) -> list[int]:
+    """The prompt's token ids: tokenized input only, in the vocabulary, truncated as asked, with room to generate."""
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        raise ClientError("text", "text input is not supported; send tokenized.input_ids (the router tokenizes)")
+    if kind != "tokenized":
+        raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
+    prompt = _token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
+    if request.HasField("mm_inputs") or len(request.extra_mm_inputs) or request.HasField("media_refs"):
+        raise ClientError("mm_inputs", "multimodal input is not supported by this worker (text-only)")
+    sp = request.sampling_params
+    if sp.HasField("truncate_prompt_tokens") and sp.truncate_prompt_tokens != 0:
+        keep = sp.truncate_prompt_tokens
+        if keep == -1:
+            keep = limits.max_model_len - 1
+        if keep < -1:
+            raise ClientError("sampling_params.truncate_prompt_tokens", f"must be -1 or positive, got {keep}")
+        if keep > limits.max_model_len:
+            # vLLM's TokenizeParams refuses it in these words (renderers/params.py).
+            raise ClientError(
+                "sampling_params.truncate_prompt_tokens",
+                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = {limits.max_model_len}. "
+                "Please request a smaller truncation size.",
+            )
+        # The last N, as vLLM's OpenAI server truncates (left side): the end of a
+        # prompt is what the answer continues.
+        prompt = prompt[-keep:]
+    if not prompt:
+        raise ClientError("tokenized.input_ids", "must not be empty")
+    if len(prompt) >= limits.max_model_len:
+        raise ClientError(
+            "tokenized.input_ids",
+            f"prompt has {len(prompt)} tokens; the context is {limits.max_model_len}, "
+            "which leaves no room for output",
+        )
+    return prompt
+
+
+def _max_tokens(sp, prompt: list[int], limits: EngineLimits) -> int:
+    """``max_tokens``, or the rest of the context when unset."""
+    room = limits.max_model_len - len(prompt)
+    if not sp.HasField("max_tokens"):
+        return room
+    max_tokens = sp.max_tokens
+    if max_tokens < 1:
+        raise ClientError("sampling_params.max_tokens", "must be at least 1")
+    if max_tokens > room:
+        raise ClientError(
+            "sampling_params.max_tokens",
+            f"{max_tokens} does not fit: the prompt has {len(prompt)} tokens and the context is "
+            f"{limits.max_model_len}, so at most {room}",
+        )
+    return max_tokens
+
+
+def _sampling_numbers(sp, max_tokens: int) -> dict:
+    """Temperature, nucleus, top-k, min-p, penalties and min_tokens, defaulted as the reference does."""
+    temperature = _finite("sampling_params.temperature", sp.temperature) if sp.HasField("temperature") else 1.0
+    if temperature < 0:
+        raise ClientError("sampling_params.temperature", f"must be >= 0, got {temperature}")
+    top_p = _finite("sampling_params.top_p", sp.top_p) or 1.0
+    if not 0 < top_p <= 1:
+        raise ClientError("sampling_params.top_p", f"must be in (0, 1], got {top_p}")
+    top_k = sp.top_k
+    if top_k >= 2**31:
+        raise ClientError("sampling_params.top_k", f"must be 0 (off) or a positive count, got {top_k - 2**32}")
+    min_p = _finite("sampling_params.min_p", sp.min_p)
+    if not 0 <= min_p <= 1:
+        raise ClientError("sampling_params.min_p", f"must be in [0, 1], got {min_p}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = _finite(f"sampling_params.{name}", getattr(sp, name))
+        if not -2 <= value <= 2:
+            raise ClientError(f"sampling_params.{name}", f"must be in [-2, 2], got {value}")
+    repetition_penalty = _finite("sampling_params.repetition_penalty", sp.repetition_penalty) or 1.0
+    if repetition_penalty < 0:
+        raise ClientError("sampling_params.repetition_penalty", f"must be > 0, got {repetition_penalty}")
+    if sp.min_tokens > max_tokens:
+        raise ClientError("sampling_params.min_tokens", f"{sp.min_tokens} exceeds max_tokens {max_tokens}")
+    return {
+        "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+        "frequency_penalty": sp.frequency_penalty, "presence_penalty": sp.presence_penalty,
+        "repetition_penalty": repetition_penalty, "min_tokens": sp.min_tokens,
+    }  # fmt: skip
+
+
+def _logprobs(sp, name: str, what: str, limits: EngineLimits) -> int | None:
+    """A logprobs count as vLLM's front end checks it (``SamplingParams._validate_logprobs``).
+
+    The EngineCore does not check: a count it cannot serve (above the
+    vocabulary) would fail inside the engine's top-k. So: unset → None;
+    -1 (the whole vocabulary) or k >= 0, within the engine's ``--max-logprobs``
+    (-1 there: the vocabulary), in vLLM's words.
+    """
+    if not sp.HasField(name):
+        return None
+    value = getattr(sp, name)
+    if value < -1:
+        raise ClientError(f"sampling_params.{name}", f"must be non-negative or -1, got {value}")
+    asked = limits.vocab_size if value == -1 else value
+    cap = limits.vocab_size if limits.max_logprobs == -1 else min(limits.max_logprobs, limits.vocab_size)
+    if asked > cap:
+        raise ClientError(
+            f"sampling_params.{name}",
+            f"Requested {what} logprobs of {asked}, which is greater than max allowed: {cap}",
+        )
+    return value
+
+
+def _logit_bias(sp, limits: EngineLimits) -> dict[int, float] | None:
+    if not sp.logit_bias:
+        return None
+    logit_bias = {}
+    for token, bias in sp.logit_bias.items():
+        if not 0 <= token < limits.vocab_size:
+            # vLLM's front end (_validate_logit_bias) refuses it; its engine would index out of range.
+            raise ClientError("sampling_params.logit_bias",
+                              f"token id {token} is outside the vocabulary (size {limits.vocab_size})")
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise ClientError("sampling_params.logit_bias", f"bias for {token} must be in [-100, 100]")
+        logit_bias[token] = bias
+    return logit_bias
+
+
+def _dp_rank(request, limits: EngineLimits) -> int | None:
+    if not request.HasField("data_parallel_rank"):
+        return None
+    dp_rank = request.data_parallel_rank
+    if not 0 <= dp_rank < limits.data_parallel_size:
+        # vLLM's words (input_processor.py), N = the ranks this servicer fronts.
+        raise ClientError("data_parallel_rank", "out of range", words=(
+            f"data_parallel_rank {dp_rank} is out of range [0, {limits.data_parallel_size})."))
+    return dp_rank
+
+
+def release_params(request: pb.GenerateRequest, limits: InputLimits) -> dict | None:
+    """The PD params of a refused request whose prefill side holds KV for it (``kv_transfer.py``)."""
+    return kv_transfer.params_for_release(request, limits)
+
+
+# -- the responses: Chunk / Complete → GenerateResponse -----------------------------------
+
+
+def encode(messages: list[Message]) -> list[pb.GenerateResponse]:
+    """The core's messages as ``GenerateResponse``s, in order."""
+    return [encode_chunk(m) if type(m) is Chunk else encode_complete(m) for m in messages]
+
+
+def encode_chunk(m: Chunk) -> pb.GenerateResponse:
+    # Filled in place: building the chunk apart and passing it to the response's
+    # constructor copies it (~2x the cost, upb).
+    message = pb.GenerateResponse()
+    chunk = message.chunk
+    chunk.token_ids.extend(m.token_ids)
+    chunk.prompt_tokens = m.prompt_tokens
+    chunk.completion_tokens = len(m.token_ids)
+    chunk.cached_tokens = m.cached_tokens
+    chunk.index = m.index
+    if m.logprobs:
+        _fill_output(chunk.output_logprobs, m.logprobs, m.logprobs_top)
+    if m.prompt_logprobs is not None:
+        _fill_prompt(chunk.input_logprobs, m.prompt_logprobs)
+    return message
+
+
+def encode_complete(m: Complete) -> pb.GenerateResponse:
+    complete = pb.GenerateComplete(
+        output_ids=m.output_ids,
+        finish_reason=m.finish_reason,
+        prompt_tokens=m.prompt_tokens,
+        completion_tokens=len(m.output_ids),
+        cached_tokens=m.cached_tokens,
+        index=m.index,
+    )
+    if m.prompt_logprobs is not None:
+        _fill_prompt(complete.input_logprobs, m.prompt_logprobs)
+    if m.logprobs:
+        _fill_output(complete.output_logprobs, m.logprobs, m.logprobs_top)
+    if m.matched_stop_str is not None:
+        complete.matched_stop_str = m.matched_stop_str
+    elif m.matched_token_id is not None:
+        complete.matched_token_id = m.matched_token_id
+    if m.kv_transfer_params is not None:
+        kv_transfer.fill_complete(complete, m.kv_transfer_params)
+    return pb.GenerateResponse(complete=complete)
+
+
+def _fill_output(message, positions: list[Position], top: int) -> None:
+    """``OutputLogProbs`` (in place): each position's logprob and id, and its top-k when k != 0."""
+    message.token_logprobs.extend([p[0] for p in positions])
+    message.token_ids.extend([p[1] for p in positions])
+    if top:
+        add = message.top_logprobs.add
+        for _, _, values, ids in positions:
+            entry = add()
+            entry.values.extend(values)
+            entry.token_ids.extend(ids)
+
+
+def _fill_prompt(message, prompt: PromptLogprobs) -> None:
+    """``InputLogProbs`` (in place); position 0 has no logprob: an unset value, and an empty top list."""
+    message.token_logprobs.add()
+    message.token_logprobs.extend([pb.InputTokenLogProb(value=p[0]) for p in prompt.positions])
+    message.token_ids.extend(prompt.ids)
+    if prompt.top:
+        message.top_logprobs.add()
+        for _, _, values, ids in prompt.positions:
+            entry = message.top_logprobs.add()
+            entry.values.extend(values)
+            entry.token_ids.extend(ids)
+
+
+# -- a stream chunk's bytes ----------------------------------------------------------
+
+
+_VARINTS = [bytes((value,)) for value in range(0x80)]
+
+
+def _varint(value: int) -> bytes:
+    """A protobuf varint (non-negative values: every field here is uint32)."""
+    if value < 0x80:
+        return _VARINTS[value]
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int, index: int) -> bytes:
+    """``GenerateResponse(chunk=GenerateStreamChunk(...))`` serialized, without protobuf objects.
+
+    Why: the direct path writes one chunk per call per engine frame, and
+    building it as upb messages (two messages, their arena, five field sets,
+    then ``SerializeToString``) was the largest single cost of a streamed
+    token between engine steps (docs/benchmarks.md). This writes the same
+    bytes (fields in number order, zeros left out, token ids packed, as upb
+    does; ``tests/test_hub_direct.py`` compares them with upb's). Layout:
+    vllm_engine.proto, ``GenerateResponse.chunk`` = 1; ``GenerateStreamChunk``:
+    token_ids = 1, prompt_tokens = 2, completion_tokens = 3, cached_tokens = 4,
+    index = 7 (logprobs, 5 and 6, are not written here: a call that asked for
+    them takes the protobuf path, ``Call.plain_one``).
+    """
+    packed = _varint(tokens[0]) if len(tokens) == 1 else b"".join(map(_varint, tokens))
+    chunk = b"\x0a" + _varint(len(packed)) + packed  # field 1, length-delimited
+    if prompt_tokens:
+        chunk += b"\x10" + _varint(prompt_tokens)  # field 2, varint
+    chunk += b"\x18" + _varint(len(tokens))  # field 3: completion_tokens, never 0 here
+    if cached_tokens:
+        chunk += b"\x20" + _varint(cached_tokens)  # field 4
+    if index:
+        chunk += b"\x38" + _varint(index)  # field 7
+    return b"\x0a" + _varint(len(chunk)) + chunk  # GenerateResponse field 1: chunk
+
+
+def raw_request_id(request: pb.GenerateRequest) -> str:
+    return request.request_id
+
+
+class VllmEdge:
+    """The vLLM contract's edge, as the executor and the Generate loop use it (``contract.ContractEdge``)."""
+
+    name = NAME
+    id_field = "request_id"
+    validate = staticmethod(validate_generate)
+    encode = staticmethod(encode)
+    chunk_body = staticmethod(stream_chunk_body)
+    release_params = staticmethod(release_params)
+    raw_request_id = staticmethod(raw_request_id)
+
+
+VLLM_EDGE = VllmEdge()

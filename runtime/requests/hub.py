@@ -1,0 +1,281 @@
+"""The request hub: the executor of the request core's actions.
+
+The decisions of a request — admission, fan-out, stop strings, ending,
+retiring engine ids, what a writer takes — are the sans-io request core's
+(``machines/request_core.py``, one table per call in ``machines/request.py``).
+This module does what they ask, and nothing else: it journals the records,
+encodes and sends the engine frames through the link (``send_frames``, per
+DP rank), sets the wake of each call with news, and writes a streaming call's
+messages itself from the engine frame's fan-out when the core says its writer
+is idle (the direct path, below). Contract-neutral: the messages are encoded
+by the contract's edge it was built with (``runtime/requests/contract.py``; vLLM's is
+``runtime/requests/contract_vllm.py``); without an edge, ``take`` returns the core's
+own ``Chunk`` / ``Complete`` (warm-up, Embed: they send nothing).
+
+Theory of operation. A handler validates a call (through its edge) and
+``admit``s it; the link's receive task (trio) decodes each engine frame once
+and hands the batch to ``on_batch``. Each call the frame touched is written
+at once where its writer is idle (``_write_now``) or woken: one write or
+``set`` per call per frame, no hop between event loops per token, and a woken
+writer coalesces what piled up into one message per choice.
+
+The direct path (``grpc_transport.DirectSender``: ``send``, ``send_bodies``,
+``end_ok``): a one-choice call's chunk goes as the edge's hand-encoded bytes
+(``chunk_body``); anything else through ``encode``. What cannot go now (a
+full flow-control window: a slow client) is the writer's backlog. A call
+whose every complete went out gets its OK trailers from here too.
+
+Rules: a frame the link cannot send never escapes as an exception
+(``_send``); a call's failure becomes its error through ``errors.py`` (the
+one status map).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+from enginelink.machines.link import LinkMachine
+from enginelink.machines.ranks import RankTable
+from enginelink.machines.request_api import Actions, GenerateCall, Refusal
+from enginelink.machines.request_call import Call, Choice  # noqa: F401 - the hub's calls, as callers see them
+# The core's bounds, where the shell reads them (server.py, grpc_transport.py).
+from enginelink.machines.request_core import IN_FLIGHT_MAX, RETIRED_ENGINE_IDS_MAX, RequestCore  # noqa: F401
+from enginelink.runtime.errors import ConstraintFailed, from_failure, from_refusal
+from enginelink.runtime.lifetime.metrics import NoMetrics
+from enginelink.wire.engine import EngineCodec, OutputBatch
+
+log = logging.getLogger("enginelink.hub")
+
+
+class Flag:
+    """A wake for a call nobody waits on (a caller that polls ``call``): ``set`` and ``is_set`` only."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def set(self) -> None:
+        self.value = True
+
+    def is_set(self) -> bool:
+        return self.value
+
+    def clear(self) -> None:
+        self.value = False
+
+
+class RequestHub:
+    def __init__(
+        self,
+        *,
+        link: LinkMachine,
+        codec: EngineCodec,
+        send_frames: Callable[[list[bytes], int], None],
+        journal,
+        edge=None,
+        ranks: RankTable | None = None,
+        tokenizer=None,
+        cached_tokens: Callable[[object], int | None] | None = None,
+        in_flight_max: int = IN_FLIGHT_MAX,
+        metrics=None,
+    ) -> None:
+        self.link = link
+        self.codec = codec
+        self.send_frames = send_frames  # (frames, DP rank): the link sends to that rank's identity
+        self.journal = journal
+        self.edge = edge  # the contract's (runtime/requests/contract.py); None: take returns the core's messages
+        self.metrics = metrics if metrics is not None else NoMetrics()
+        self.core = RequestCore(
+            link=link, ranks=ranks, tokenizer=tokenizer, cached_tokens=cached_tokens, logprobs=codec.logprobs,
+            in_flight_max=in_flight_max, metrics=self.metrics,
+        )
+        self.send_errors = 0  # frames the link could not hand to the engine
+        # The direct write path (_write_now): chunks it wrote, and times it had to
+        # hand the rest to the call's writer (a full flow-control window: a slow client).
+        self.direct_writes = 0
+        self.direct_handovers = 0
+        # Called once at the end of every on_batch: the direct path's writes go
+        # out there, one per connection (grpc_transport.FrameWrites.flush).
+        self.end_of_batch: Callable[[], None] | None = None
+        self.last_receive_wall = 0.0
+
+    # -- the core's state, as the shell, metrics and tests read it ----------------------
+
+    calls = property(lambda self: self.core.calls)
+    writing = property(lambda self: self.core.writing)
+    by_engine_id = property(lambda self: self.core.by_engine_id)
+    retired = property(lambda self: self.core.retired)
+    ranks = property(lambda self: self.core.ranks)
+    tokenizer = property(lambda self: self.core.tokenizer)
+    in_flight_max = property(lambda self: self.core.in_flight_max)
+    renamed = property(lambda self: self.core.renamed)
+    kv_releases = property(lambda self: self.core.kv_releases)
+    late_outputs = property(lambda self: self.core.late_outputs)
+    logprob_errors = property(lambda self: self.core.logprob_errors)
+    stop_chars = property(lambda self: self.core.stop_chars)
+    stop_steps = property(lambda self: self.core.stop_steps)
+
+    @property
+    def active_requests(self) -> int:
+        return self.core.active_requests
+
+    def oldest_admitted_at(self) -> float | None:
+        return self.core.oldest_admitted_at()
+
+    # -- events in --------------------------------------------------------------------
+
+    def admit(self, spec: GenerateCall, now: float, *, wake=None) -> Call:
+        """Admit a validated call and send its ADDs; raises the refusal (``errors.from_refusal``)."""
+        actions = Actions()
+        call = self.core.admit(spec, now, actions)
+        if isinstance(call, Refusal):
+            raise from_refusal(call)
+        # The handler's event (grpclib's loop for gRPC handlers); trio code (warm-up, the simulation) passes a trio-side one.
+        call.wake = wake if wake is not None else Flag()
+        self._apply(actions, now)
+        for index, (choice, engine_spec) in enumerate(zip(call.choices, call.spec.specs, strict=True)):
+            error = self._send(self.codec.encode_add(engine_spec), choice.rank)
+            if error is not None:
+                actions = Actions()
+                self.core.unreachable(call, index, f"{type(error).__name__}: {error}", now, actions)
+                self._apply(actions, now)
+                return call
+        actions = Actions()
+        self.core.added(call, now, actions)
+        self._apply(actions, now)
+        return call
+
+    def on_batch(self, batch: OutputBatch, now: float) -> int:
+        """Fan one decoded frame out to its calls; returns the tokens it carried."""
+        try:
+            actions = Actions()
+            generated = self.core.on_batch(batch, now, actions)
+            self._apply(actions, now)
+            return generated
+        finally:
+            if self.end_of_batch is not None:
+                self.end_of_batch()
+
+    def abort(self, request_ids: Sequence[str], reason: str, now: float) -> int:
+        """Abort calls by id (unknown ids are a no-op); returns how many were open."""
+        actions = Actions()
+        aborted = self.core.abort(request_ids, reason, now, actions)
+        self._apply(actions, now)
+        return aborted
+
+    def fail_all(self, message: str, now: float) -> int:
+        """The engine is gone: every open call ends with UNAVAILABLE."""
+        actions = Actions()
+        failed = self.core.fail_all(message, now, actions)
+        self._apply(actions, now)
+        return failed
+
+    def release_kv(self, request_id: str, params: dict, now: float) -> bool:
+        """Tell the engine about a decode-side PD request the servicer refused (``RequestCore.release_kv``);
+        True when the ADD went out."""
+        release = self.core.release_kv(request_id, params, now)
+        if release is None:
+            return False
+        error = self._send(self.codec.encode_add(release.spec), release.rank)
+        actions = Actions()
+        self.core.kv_released(release, error is None, now, actions)
+        self._apply(actions, now)
+        return error is None
+
+    # -- the writer -------------------------------------------------------------------
+
+    def take(self, call: Call, now: float) -> list:
+        """The messages a call's writer should send now, its backlog first; journals completed choices.
+        The writer reports ``written`` once it sent them."""
+        messages = self._take(call, now, writer=True)
+        if call.backlog:
+            messages = call.backlog + messages
+            call.backlog = []
+        return messages
+
+    def written(self, call: Call) -> None:
+        self.core.written(call)
+
+    def release(self, call: Call) -> None:
+        """The call's writer is gone (done, failed or cancelled): its id is free again."""
+        self.core.release(call)
+
+    # -- actions out ------------------------------------------------------------------
+
+    def _apply(self, actions: Actions, now: float) -> None:
+        append = self.journal.append
+        for record in actions.records:
+            append(*record)
+        for rank, engine_ids in actions.aborts:
+            self._send(self.codec.encode_abort(engine_ids), rank)
+        for call in actions.wake:
+            self._wake(call)
+        for call in actions.touched:
+            if not self._write_now(call, now):
+                self._wake(call)
+
+    def _wake(self, call: Call) -> None:
+        if call.failure is not None and call.error is None:
+            call.error = from_failure(call.failure)
+            if isinstance(call.error, ConstraintFailed):
+                log.info("request %r: %s", call.spec.request_id, call.error)
+        self.core.woken(call)
+        call.wake.set()
+
+    def _take(self, call: Call, now: float, *, writer: bool) -> list:
+        actions = Actions()
+        messages = self.core.take(call, now, actions, writer=writer)
+        self._apply(actions, now)
+        return messages if self.edge is None else self.edge.encode(messages)
+
+    def _write_now(self, call: Call, now: float) -> bool:
+        """Write a streaming call's new messages from here, without waking its writer.
+
+        Only where the core says the writer is idle with nothing queued, so
+        the order on the wire is the order taken (``take``, which journals
+        completes); what cannot go now becomes the writer's backlog. True when
+        nothing is left for the writer; a call that is done always wakes its
+        writer, which returns.
+        """
+        direct = call.direct
+        if direct is None or not call.writable:
+            return False
+        chunk_body = self.edge.chunk_body
+        if call.plain_one and call.open_choices == 1 and chunk_body is not None:
+            # The common call (one choice, streaming): its chunk encoded straight to bytes.
+            choice = call.choices[0]
+            tokens = choice.pending
+            if not tokens:
+                return True
+            if direct.send_bodies((chunk_body(tokens, call.prompt_tokens, choice.cached_tokens, choice.index),)):
+                self.core.take_direct(call)
+                self.direct_writes += 1
+                return True
+        messages = self._take(call, now, writer=False)
+        written = direct.send(messages)
+        self.direct_writes += written
+        if written < len(messages):
+            self.direct_handovers += 1
+            call.backlog = messages[written:]
+            self.core.left_behind(call)
+            return False
+        if not call.done:
+            return True
+        direct.end_ok()  # if it could not, the writer's return sends them (grpclib)
+        return False
+
+    def _send(self, frames: list[bytes], rank: int) -> Exception | None:
+        """Hand frames to the link; the error if it could not (the engine is gone or going).
+
+        The link's supervision fails the link when the engine is gone, so a
+        lost ABORT needs nothing more; a lost ADD fails its call (``RequestCore.unreachable``).
+        """
+        try:
+            self.send_frames(frames, rank)
+        except Exception as error:  # LinkFailed, zmq errors: whatever the transport says
+            self.send_errors += 1
+            log.warning("could not send a frame to the engine: %s: %s", type(error).__name__, error)
+            return error
+        return None

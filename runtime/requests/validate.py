@@ -1,0 +1,57 @@
+"""What every contract's request validator shares: the engine's limits, and the neutral call it builds.
+
+Each gRPC contract's edge validates its own request message into a
+``GenerateCall`` (``machines/request_api.py``) against ``EngineLimits``:
+vLLM's in ``runtime/requests/contract_vllm.py``. The rules every edge keeps:
+
+- every refusal is a ``ClientError`` naming the field and what is wrong with
+  it (INVALID_ARGUMENT); nothing refused ever reaches the engine;
+- defaults follow the smg contract's mapping (reference servicer): unset
+  temperature → 1.0, top_p 0 → 1.0, repetition_penalty 0 → 1.0, n 0 → 1,
+  unset max_tokens → the rest of the context;
+- ``n > 1`` becomes n independent engine requests (``<id>#<index>``; a seed
+  becomes ``seed + index`` per choice, as vLLM's parallel sampling does);
+- every client string is bounded (``runtime/requests/inputs.py``, ``ENGINELINK_MAX_*``)
+  before anything else looks at it. Ids may not take the servicer's
+  reserved prefixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from enginelink.machines.request_api import GenerateCall, choice_engine_id
+from enginelink.runtime.requests.constraints import DEFAULT_BACKEND
+from enginelink.runtime.requests.inputs import InputLimits, input_limits
+
+__all__ = ["EngineLimits", "GenerateCall", "LOGPROBS_MAX", "N_MAX", "choice_engine_id", "validate_generate"]
+
+# The most parallel samples one call may ask for; each is a full engine request.
+N_MAX = 64
+# vLLM's default --max-logprobs (the engine's own value comes with its facts).
+LOGPROBS_MAX = 20
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What validation needs to know about the engine behind the link."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    data_parallel_size: int = 1
+    # The engine's --max-logprobs; -1: the whole vocabulary.
+    max_logprobs: int = LOGPROBS_MAX
+    # The engine's structured-output backend (its --structured-outputs-config), "auto" by default.
+    grammar_backend: str = DEFAULT_BACKEND
+    inputs: InputLimits = field(default_factory=input_limits)
+
+
+def __getattr__(name: str):
+    """``validate_generate``: vLLM's validator (``runtime/requests/contract_vllm.py``), where the modules
+    that predate the contract edges look for it; resolved on use, since that module imports this one."""
+    if name == "validate_generate":
+        from enginelink.runtime.requests.contract_vllm import validate_generate
+
+        return validate_generate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
