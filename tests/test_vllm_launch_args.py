@@ -37,11 +37,9 @@ print(json.dumps(command[command.index("--"):]))
 
 
 @pytest.fixture
-def vllm_argv(monkeypatch, tmp_path, test_model_dir):
+def vllm_argv(monkeypatch, socket_dir, test_model_dir):
     """The headless engine's argv for ``serve --engine vllm -- ARGS``, without a vLLM installation."""
-    sockets = tmp_path / "sock"
-    sockets.mkdir(mode=0o700)
-    monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(sockets))
+    monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(socket_dir))
 
     def argv(*engine_args: str) -> list[str]:
         done = subprocess.run([sys.executable, "-c", ENGINE_ARGV, str(test_model_dir), *engine_args],

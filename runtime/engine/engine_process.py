@@ -50,6 +50,14 @@ NICE_MAX = 19
 STALE_SOCKET_MIN_AGE_S = 2.0
 
 
+# sockaddr_un holds 107 bytes of path. The longest name enginelink puts in the
+# socket directory ("enginelink-<pid>-<engine>-<rank>-kv-replay.sock" and its
+# kin) takes at most SOCKET_NAME_MAX of them, so a longer directory is refused
+# at start, with the knob to change, not met later as a bind error.
+IPC_PATH_MAX = 107
+SOCKET_NAME_MAX = 48
+
+
 class SocketDirError(Exception):
     """The ipc socket directory is not private to us (operator's fault: exit 2)."""
 
@@ -83,6 +91,12 @@ def socket_dir() -> Path:
     problem = socket_dir_problem(info)
     if problem:
         raise SocketDirError(_socket_dir_advice(path, problem))
+    room = IPC_PATH_MAX - 1 - SOCKET_NAME_MAX
+    if len(os.fsencode(path)) > room:
+        raise SocketDirError(
+            f"ipc socket directory {path} is {len(os.fsencode(path))} bytes long: an ipc socket path must fit "
+            f"{IPC_PATH_MAX} bytes (sockaddr_un), so the directory may be at most {room} bytes. Set "
+            "SMG_ZMQ_SOCKET_DIR (or TMPDIR) to a shorter directory")
     return path
 
 

@@ -11,6 +11,7 @@ another user" is made with ``os.chown``.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.engine.engine_process import SocketDirError, socket_dir
+from enginelink.runtime.engine.engine_process import IPC_PATH_MAX, SOCKET_NAME_MAX, SocketDirError, socket_dir
 from tests.harness import VENV_BIN, free_port
 
 OTHER_UID = 54321
@@ -82,9 +83,10 @@ def test_a_file_in_its_place_is_refused(tmp_path, monkeypatch):
     assert "not a directory" in _refused(monkeypatch, squat)
 
 
-def test_a_directory_it_creates_is_private_whatever_the_umask(tmp_path, monkeypatch):
+def test_a_directory_it_creates_is_private_whatever_the_umask(monkeypatch):
+    short = Path(tempfile.mkdtemp(prefix="el-"))  # pytest's tmp_path can be too long for an ipc path
     for umask in (0o022, 0o077, 0o000):
-        fresh = tmp_path / f"fresh-{umask:o}" / "sockets"
+        fresh = short / f"fresh-{umask:o}" / "sockets"
         monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(fresh))
         old = os.umask(umask)
         try:
@@ -95,6 +97,30 @@ def test_a_directory_it_creates_is_private_whatever_the_umask(tmp_path, monkeypa
         assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
         assert stat.S_IMODE(info.st_mode) == 0o700
         assert socket_dir() == fresh  # and it is accepted the next time
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_directory_too_long_for_an_ipc_path_is_refused_before_any_bind(monkeypatch, test_model_dir):
+    """sockaddr_un holds 107 bytes: a directory that leaves no room for the socket names is the
+    operator's to change (exit 2, one line naming the knob), not a bind error and a traceback."""
+    short = Path(tempfile.mkdtemp(prefix="el-"))
+    long_dir = short / ("d" * (IPC_PATH_MAX - SOCKET_NAME_MAX - len(str(short))))
+    at_limit = short / ("d" * (IPC_PATH_MAX - SOCKET_NAME_MAX - 2 - len(str(short))))
+    try:
+        assert len(str(at_limit)) == IPC_PATH_MAX - 1 - SOCKET_NAME_MAX
+        monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(at_limit))
+        assert socket_dir() == at_limit  # the longest accepted
+        message = _refused(monkeypatch, long_dir)
+        assert f"{IPC_PATH_MAX} bytes" in message
+        done = subprocess.run(
+            [str(VENV_BIN / "enginelink"), "serve", "--model", str(test_model_dir), "--port", str(free_port())],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "SMG_ZMQ_SOCKET_DIR": str(long_dir), "XDG_STATE_HOME": str(short / "state")},
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "SMG_ZMQ_SOCKET_DIR" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.mark.parametrize("attack", ["other-owner", "symlink", "mode-0755"])

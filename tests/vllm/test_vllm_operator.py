@@ -13,10 +13,9 @@ from tests.harness import VENV_BIN, free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_vllm_refusing_an_unknown_argument_exits_2_with_its_reason(tmp_path, test_model_dir, vllm_python):
+def test_vllm_refusing_an_unknown_argument_exits_2_with_its_reason(tmp_path, test_model_dir, vllm_python, socket_dir):
     journal = tmp_path / "j.sqlite"
-    (tmp_path / "sock").mkdir(mode=0o700)
-    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "SMG_ZMQ_SOCKET_DIR": str(tmp_path / "sock"),
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "SMG_ZMQ_SOCKET_DIR": str(socket_dir),
            "ENGINELINK_VLLM_PYTHON": vllm_python, "SMG_VLLM_SERVICER_WARMUP": "off"}
     done = subprocess.run(
         [str(VENV_BIN / "enginelink"), "serve", "--engine", "vllm", "--model", str(test_model_dir),
