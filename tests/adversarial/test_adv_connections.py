@@ -96,7 +96,10 @@ def test_connections_beyond_the_cap_are_refused_at_once_and_the_others_kept(quie
             client.wait(lambda c=client: c.pings_acked, 5, "a PING ACK")
         assert metric(servicer, "smg_servicer_grpc_connections") == CAP
         extra = H2Client(servicer.port)
-        extra.ping()
+        try:
+            extra.ping()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused and closed before the PING was written: what is checked below
         started = time.monotonic()
         extra.wait(lambda: extra.closed, 2, "the connection over the cap closed")
         assert time.monotonic() - started < 2

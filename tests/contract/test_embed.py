@@ -38,7 +38,7 @@ MAX_MODEL_LEN = 512
 # costs about two seconds (4 ms per prompt token), so a call sent right after it waits that
 # long in flight (``hold_next_step``), long enough to abort it or collide with it.
 POOLING_ARGS = ["--runner", "pooling", "--max-model-len", str(MAX_MODEL_LEN), "--step-us", "5000",
-                "--prefill-us-per-token", "4000"]
+                "--prefill-us-per-token", "10000"]
 
 
 def in_flight(stub) -> int:
@@ -46,7 +46,7 @@ def in_flight(stub) -> int:
 
 
 def hold_next_step(stub) -> None:
-    """Make the engine's next step wait about two seconds: one full-context Embed, answered at once."""
+    """Make the engine's next step wait about five seconds (long enough on a loaded machine): one full-context Embed, answered at once."""
     wait_idle(stub)
     stub.Embed(embed_request(new_id("hold"), prompt(99, MAX_MODEL_LEN)), timeout=CALL_TIMEOUT_S)
 

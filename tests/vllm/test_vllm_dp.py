@@ -40,6 +40,20 @@ def _ranks_of(journal, rid: str) -> list[int]:
     return rows[0].payload["ranks"]
 
 
+def _end_of(stream):
+    """How a streamed call ended: its status code, or (finish reason, tokens) if it completed."""
+    tokens, complete = 0, None
+    try:
+        for message in stream:
+            if message.WhichOneof("response") == "chunk":
+                tokens += len(message.chunk.token_ids)
+            else:
+                complete = message.complete
+    except grpc.RpcError as error:
+        return error.code()
+    return (complete.finish_reason if complete is not None else None, tokens)
+
+
 def test_two_ranks_on_the_real_engine(tmp_path, test_model_dir, vllm_python):
     servicer = vllm_servicer(tmp_path, test_model_dir, [*ENGINE_ARGS, "--data-parallel-size", "2"])
     try:
@@ -77,11 +91,14 @@ def test_two_ranks_on_the_real_engine(tmp_path, test_model_dir, vllm_python):
         for stream in streams:
             assert next(stream).WhichOneof("response") == "chunk"
         os.kill(cores[1], signal.SIGKILL)
-        for stream in streams:
-            with pytest.raises(grpc.RpcError) as ended:
-                for _ in stream:
-                    pass
-            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        ends = [_end_of(stream) for stream in streams]
+        # The killed rank's stream was open at its death: UNAVAILABLE. The other rank's ends
+        # UNAVAILABLE too unless the tiny model finished all its tokens before the death was seen
+        # (on a loaded machine the kill can come seconds after its first chunk; a stream that
+        # completed was not open). Every stream open at a rank's death, on either rank, ending
+        # UNAVAILABLE is pinned down deterministically by tests/contract/test_dp_death.py.
+        assert ends[1] == grpc.StatusCode.UNAVAILABLE, ends
+        assert ends[0] in (grpc.StatusCode.UNAVAILABLE, ("length", 900)), ends
         assert servicer.wait(timeout_s=60) == 1
         wait_until(lambda: not alive(cores[0]), 10, "the other EngineCore gone")
     finally:
