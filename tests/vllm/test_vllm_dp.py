@@ -40,9 +40,10 @@ def _ranks_of(journal, rid: str) -> list[int]:
     return rows[0].payload["ranks"]
 
 
-def _end_of(stream):
-    """How a streamed call ended: its status code, or (finish reason, tokens) if it completed."""
-    tokens, complete = 0, None
+def _end_of(stream, tokens: int):
+    """How a streamed call ended: its status code, or (finish reason, tokens) if it completed
+    (``tokens``: those already read from it)."""
+    complete = None
     try:
         for message in stream:
             if message.WhichOneof("response") == "chunk":
@@ -88,10 +89,10 @@ def test_two_ranks_on_the_real_engine(tmp_path, test_model_dir, vllm_python):
         assert sorted(cores) == [0, 1]
         streams = [stub.Generate(_request(f"long{rank}", rank, max_tokens=900, stream=True), timeout=300)
                    for rank in (0, 1)]
-        for stream in streams:
-            assert next(stream).WhichOneof("response") == "chunk"
+        firsts = [next(stream) for stream in streams]
+        assert [first.WhichOneof("response") for first in firsts] == ["chunk", "chunk"]
         os.kill(cores[1], signal.SIGKILL)
-        ends = [_end_of(stream) for stream in streams]
+        ends = [_end_of(stream, len(first.chunk.token_ids)) for stream, first in zip(streams, firsts)]
         # The killed rank's stream was open at its death: UNAVAILABLE. The other rank's ends
         # UNAVAILABLE too unless the tiny model finished all its tokens before the death was seen
         # (on a loaded machine the kill can come seconds after its first chunk; a stream that
