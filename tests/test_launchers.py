@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.engine import launchers
+from enginelink.runtime.engine import launchers, side_venv
 from enginelink.runtime.engine.launchers import VllmLauncher, default_vllm_python, flag_value, redact_args
 
 
@@ -43,7 +43,7 @@ def test_finding_vllm(monkeypatch, tmp_path):
     monkeypatch.delenv("ENGINELINK_VLLM_PYTHON")
     assert default_vllm_python() == "/v/bin/python"
     monkeypatch.delenv("ENGINELINK_VLLM_VENV")
-    monkeypatch.setattr(launchers, "__file__", str(tmp_path / "runtime" / "launchers.py"))
+    monkeypatch.setattr(side_venv, "CHECKOUT", tmp_path)  # a checkout without .venv-vllm
     monkeypatch.setattr(launchers.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(launchers.LauncherError, match="tools/setup-vllm"):
         default_vllm_python()

@@ -26,20 +26,18 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
 
-from enginelink.runtime.engine.vllm_compat import Incompatible
+from enginelink.runtime.engine.side_venv import Incompatible, ask, interpreter
 from enginelink.wire import sglang, struct_layout, tokenspeed
 
 log = logging.getLogger("enginelink")
 
 LAYOUT_SCRIPT = Path(struct_layout.__file__)
 LAYOUT_TIMEOUT_S = 300.0
-_CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -71,11 +69,7 @@ def default_python(engine: str) -> str:
     """The interpreter that has the engine: ``ENGINELINK_<ENGINE>_PYTHON``, then the venv
     ``ENGINELINK_<ENGINE>_VENV``, then the checkout's ``.venv-<engine>`` (its setup script)."""
     spec = ENGINES[engine]
-    explicit = os.environ.get(f"{spec.env}_PYTHON")
-    if explicit:
-        return explicit
-    venv = os.environ.get(f"{spec.env}_VENV")
-    return str(Path(venv or _CHECKOUT / spec.venv_dir) / "bin" / "python")
+    return interpreter(spec.env, spec.venv_dir, must_exist=False)
 
 
 def check(engine: str, theirs: dict, python: str) -> str | None:
@@ -129,16 +123,7 @@ def check_installed(engine: str, python: str | None = None) -> tuple[str, str | 
 
 
 def _run(spec: Engine, argv: list[str]) -> str:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=LAYOUT_TIMEOUT_S)
-    except FileNotFoundError:
-        raise Incompatible(f"{argv[0]}: no such interpreter (run {spec.setup}, or set {spec.env}_PYTHON)") from None
-    except subprocess.TimeoutExpired:
-        raise Incompatible(f"{argv[0]} did not answer within {LAYOUT_TIMEOUT_S:g} s") from None
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-        raise Incompatible(f"{argv[0]} cannot import {spec.title}'s structs:\n{tail}")
-    return done.stdout
+    return ask(argv, timeout_s=LAYOUT_TIMEOUT_S, setup=spec.setup, env_prefix=spec.env, what=f"{spec.title}'s structs")
 
 
 _FIND = "import importlib.util as u, sys; s = u.find_spec(sys.argv[1]); print(s.origin if s else '')"

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from enginelink.runtime.engine.side_venv import interpreter
+
 # The script the vLLM venv's python runs, by path (enginelink is not installed there).
 VLLM_HEADLESS_SCRIPT = Path(__file__).with_name("vllm_headless.py")
 # vLLM on CPU sizes its KV cache from the NUMA node, which VMs under-report
@@ -239,16 +241,9 @@ def default_vllm_python() -> str:
     """The interpreter that has vLLM: ``ENGINELINK_VLLM_PYTHON``, then the venv
     ``ENGINELINK_VLLM_VENV``, then the checkout's ``.venv-vllm`` (tools/setup-vllm),
     then this interpreter when it has vLLM itself (``enginelink[vllm]``)."""
-    explicit = os.environ.get("ENGINELINK_VLLM_PYTHON")
-    if explicit:
-        return explicit
-    venv = os.environ.get("ENGINELINK_VLLM_VENV")
-    if venv:
-        return str(Path(venv) / "bin" / "python")
-    checkout = Path(__file__).resolve().parents[2]
-    candidate = checkout / ".venv-vllm" / "bin" / "python"
-    if candidate.exists():
-        return str(candidate)
+    found = interpreter("ENGINELINK_VLLM", ".venv-vllm")
+    if found:
+        return found
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     raise LauncherError(

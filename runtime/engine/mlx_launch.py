@@ -15,18 +15,17 @@ link, request machines and journal treat it as one vLLM rank.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from enginelink.runtime.engine.launchers import LauncherError, move_secrets, redact_args
+from enginelink.runtime.engine.side_venv import CHECKOUT, interpreter
 
 MLX_ENGINE_MODULE = "enginelink.tools.mlx_engine"
 MLX_CHECK_MODULE = "enginelink.tools.mlx_check"
 # Importing mlx-lm takes 2-3 s on a loaded 2-core machine; a hung import is not waited for forever.
 MLX_CHECK_TIMEOUT_S = 120.0
-CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 class MlxIncompatible(Exception):
@@ -35,15 +34,9 @@ class MlxIncompatible(Exception):
 
 def default_mlx_python() -> str:
     """``ENGINELINK_MLX_PYTHON``, then ``ENGINELINK_MLX_VENV``'s, then the checkout's ``.venv-mlx``."""
-    explicit = os.environ.get("ENGINELINK_MLX_PYTHON")
-    if explicit:
-        return explicit
-    venv = os.environ.get("ENGINELINK_MLX_VENV")
-    if venv:
-        return str(Path(venv) / "bin" / "python")
-    candidate = CHECKOUT / ".venv-mlx" / "bin" / "python"
-    if candidate.exists():
-        return str(candidate)
+    found = interpreter("ENGINELINK_MLX", ".venv-mlx")
+    if found:
+        return found
     raise LauncherError("no MLX installation found: run tools/setup-mlx, or set ENGINELINK_MLX_PYTHON "
                         "(or ENGINELINK_MLX_VENV) to one with mlx[cpu]==0.32.4, mlx-lm==0.31.3 and this "
                         "checkout installed --no-deps")

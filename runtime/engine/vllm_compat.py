@@ -25,12 +25,12 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import platformdirs
 
 from enginelink.machines.handshake import version_refusal
+from enginelink.runtime.engine.side_venv import Incompatible, ask  # noqa: F401 - Incompatible: this module's error
 from enginelink.wire.vllm import LAYOUT
 
 log = logging.getLogger("enginelink")
@@ -45,10 +45,6 @@ _STRUCT_FILES = ("vllm/_version.py", "vllm/v1/engine/__init__.py", "vllm/samplin
                  "vllm/pooling_params.py")
 
 _FIND_VLLM = "import importlib.util as u, sys; s = u.find_spec('vllm'); print(s.origin if s else '')"
-
-
-class Incompatible(Exception):
-    """The installed vLLM does not speak the wire this codec encodes (operator's fault)."""
 
 
 def compare(ours: dict, theirs: dict) -> list[str]:
@@ -153,16 +149,8 @@ def check_installed(python: str) -> tuple[str, str | None]:
 
 
 def _run(argv: list[str]) -> str:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=LAYOUT_TIMEOUT_S)
-    except FileNotFoundError:
-        raise Incompatible(f"{argv[0]}: no such interpreter (run tools/setup-vllm, or set ENGINELINK_VLLM_PYTHON)") from None
-    except subprocess.TimeoutExpired:
-        raise Incompatible(f"{argv[0]} did not answer within {LAYOUT_TIMEOUT_S:g} s") from None
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-        raise Incompatible(f"{argv[0]} cannot import vLLM's engine structs:\n{tail}")
-    return done.stdout
+    return ask(argv, timeout_s=LAYOUT_TIMEOUT_S, setup="tools/setup-vllm", env_prefix="ENGINELINK_VLLM",
+               what="vLLM's engine structs")
 
 
 def _ask_vllm(python: str) -> dict:
