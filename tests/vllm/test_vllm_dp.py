@@ -87,12 +87,17 @@ def test_two_ranks_on_the_real_engine(tmp_path, test_model_dir, vllm_python):
         # One EngineCore dies: every stream, on either rank, ends UNAVAILABLE; the servicer exits 1.
         cores = {int(rank): int(pid) for rank, pid in re.findall(r"\(EngineCore_DP(\d) pid=(\d+)\)", servicer.log())}
         assert sorted(cores) == [0, 1]
+        # Rank 1's core is frozen before its request arrives, so that request is still open when
+        # the core dies (the tiny model otherwise finishes 900 tokens before a kill lands).
+        os.kill(cores[1], signal.SIGSTOP)
         streams = [stub.Generate(_request(f"long{rank}", rank, max_tokens=900, stream=True), timeout=300)
                    for rank in (0, 1)]
-        firsts = [next(stream) for stream in streams]
-        assert [first.WhichOneof("response") for first in firsts] == ["chunk", "chunk"]
+        first = next(streams[0])
+        assert first.WhichOneof("response") == "chunk"
+        wait_journal(servicer.journal, lambda rs: [r for r in rs if r.kind == "engine.request" and r.stream == "req/long1"],
+                     "long1 sent to rank 1")
         os.kill(cores[1], signal.SIGKILL)
-        ends = [_end_of(stream, len(first.chunk.token_ids)) for stream, first in zip(streams, firsts)]
+        ends = [_end_of(streams[0], len(first.chunk.token_ids)), _end_of(streams[1], 0)]
         # The killed rank's stream was open at its death: UNAVAILABLE. The other rank's ends
         # UNAVAILABLE too unless the tiny model finished all its tokens before the death was seen
         # (on a loaded machine the kill can come seconds after its first chunk; a stream that
