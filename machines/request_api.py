@@ -63,6 +63,9 @@ class Chunk(NamedTuple):
     logprobs: list[Position] | None = None  # the call asked for them: this chunk's positions
     logprobs_top: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # on the choice's first chunk only
+    # The choice's tokens sent so far, this chunk's included: a contract whose chunks carry running
+    # counts (MLX's ``completion_tokens``) reads it; vLLM's carry the delta's length.
+    completion_tokens: int = 0
 
 
 class Complete(NamedTuple):
@@ -79,6 +82,10 @@ class Complete(NamedTuple):
     logprobs: list[Position] | None = None
     logprobs_top: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    # The call streamed: a contract whose streamed complete carries no tokens (MLX's) needs to know.
+    stream: bool = False
+    # The choice's tokens in all (streamed: every chunk's; else ``len(output_ids)``).
+    completion_tokens: int = 0
 
 
 Message = Chunk | Complete
