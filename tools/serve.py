@@ -306,6 +306,7 @@ def build_config(args: argparse.Namespace):
     launcher.ranks = ranks
     return ServeConfig(
         launcher=launcher,
+        contract="mlx" if args.engine == "mlx" else "vllm",  # mlx: the MlxEngine contract, not VllmEngine
         model=model,
         served_model_name=args.served_model_name or flag_value(engine_args, "--served-model-name") or model_dir.name,
         host=args.host,

@@ -47,6 +47,7 @@ from enginelink.runtime.engine.engine_process import ENGINE_NICE_DEFAULT, PLACEM
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
 from enginelink.runtime.rpc.grpc_limits import GrpcLimits
 from enginelink.runtime.rpc.fastpath import FrameWrites, GrpcServer, run_ready_callbacks_together
+from enginelink.runtime.rpc.grpc_mlx import MlxEngineService
 from enginelink.runtime.rpc.grpc_vllm import VllmEngineService
 from enginelink.runtime.kv.kv_config import KvPlan
 from enginelink.runtime.engine.launchers import EngineLauncher
@@ -54,6 +55,10 @@ from enginelink.runtime.engine.model_dir import ModelFacts, load_tokenizer
 from enginelink.wire import codecs
 
 log = logging.getLogger("enginelink")
+
+# The gRPC contract served, by name (ServeConfig.contract): its service class, whose ``edge``
+# the hub is built with. ``serve --engine mlx`` serves MLX's; the sim and vLLM engines vLLM's.
+SERVICES = {"vllm": VllmEngineService, "mlx": MlxEngineService}
 
 
 @dataclass
@@ -82,6 +87,7 @@ class ServeConfig:
     kv_events: KvPlan | None = None  # None: KV events off (SubscribeKvEvents is UNIMPLEMENTED)
     grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)  # message size, connections (grpc_limits.py)
     fast_path: bool = True  # ENGINELINK_FAST_PATH: off, grpclib's own send path only (runtime/rpc/fastpath.py)
+    contract: str = "vllm"  # the gRPC contract served: a key of SERVICES
     argv: list[str] = field(default_factory=list)
 
 
@@ -211,7 +217,7 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
         metrics_port=config.metrics_port,
         metrics_listeners=metrics_listeners,
         readiness_sink=status,
-        edge=VllmEngineService.edge,  # the contract served: its edge encodes the hub's messages
+        edge=SERVICES[config.contract].edge,  # the contract served: its edge encodes the hub's messages
     )
 
 
@@ -249,7 +255,7 @@ class GrpcFront:
         config, metrics = self.config, servicer.metrics
         frame_writes = FrameWrites(config.fast_path)
         servicer.hub.end_of_batch = frame_writes.flush  # the direct path's writes go out once per engine frame
-        engine_service = VllmEngineService(servicer.app, frame_writes, servicer.kv_relay)
+        engine_service = SERVICES[config.contract](servicer.app, frame_writes, servicer.kv_relay)
         # grpclib names the service by the servicer object; "" (overall) gets
         # the same check, so liveness and readiness agree.
         health = Health({engine_service: [self.status]})

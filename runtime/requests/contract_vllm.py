@@ -256,6 +256,12 @@ def _logit_bias(sp, limits: EngineLimits) -> dict[int, float] | None:
     return logit_bias
 
 
+# The field checks every contract's request shares (MLX's edge, ``contract_mlx.py``, uses them too).
+finite = _finite
+check_token_ids = _token_ids
+check_logit_bias = _logit_bias
+
+
 def _dp_rank(request, limits: EngineLimits) -> int | None:
     if not request.HasField("data_parallel_rank"):
         return None

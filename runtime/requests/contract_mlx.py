@@ -1,0 +1,232 @@
+"""The ``mlx.grpc.engine.MlxEngine`` contract's edge: its GenerateRequest in, its GenerateResponses out.
+
+The same seam as vLLM's (``runtime/requests/contract.py``, ``ContractEdge``);
+the request core, the hub and the MLX engine process (which speaks vLLM's
+headless wire, ``tools/mlx_engine.py``) do not know which contract a call
+came in by. What differs is only here (reference/mlx.md §2-3):
+
+- the request has no stop strings, constraints, ``n``, ``min_tokens``,
+  prompt logprobs, truncation, DP pin, media or PD fields, and only
+  ``tokenized`` input (``text`` is refused, as the reference does);
+- ``logprobs`` unset or <= 0 means none (vLLM's 0 means "the sampled
+  token's"); k > 0 is the sampled token's and the top k, per position;
+- the responses keep the reference servicer's observable shapes, which the
+  router 1.13.0 reads: **one chunk per token** (a writer that fell behind
+  gets one core chunk of several tokens: it goes out as several messages),
+  cumulative ``completion_tokens`` in each chunk, that token's logprobs in
+  its chunk; a streamed ``complete`` with empty ``output_ids`` and no
+  logprobs (the router accumulates the chunks), a non-streamed one with
+  every token and every position's logprobs; ``matched_stop_token_id`` for
+  a stop id or EOS, whose token stays in the output.
+
+Where enginelink does better than the reference (each refusal a
+``ClientError`` naming the field, INVALID_ARGUMENT, before the engine): an
+empty prompt (the reference spun forever), ids outside the vocabulary (the
+reference segfaulted), a prompt that fills the context, ``max_tokens`` past
+the context (the reference ran past it), ``logprobs`` above what the engine
+serves. A duplicate id in flight is the hub's ALREADY_EXISTS; an aborted call
+ends with ``complete{finish_reason: "abort"}`` (the core's), not a bare OK.
+"""
+
+from __future__ import annotations
+
+from smg_grpc_proto.generated import mlx_engine_pb2 as pb
+
+from enginelink.machines.logprobs import Position
+from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message
+from enginelink.runtime.errors import ClientError
+from enginelink.runtime.requests.contract_vllm import check_logit_bias, check_token_ids, finite
+from enginelink.runtime.requests.inputs import check_request_id
+from enginelink.runtime.requests.validate import EngineLimits
+from enginelink.wire.engine import GenerateSpec, SamplingSpec
+
+NAME = "mlx"
+SERVICE = "mlx.grpc.engine.MlxEngine"
+SERVER_TYPE = "mlx-grpc"  # GetServerInfo.server_type, as the reference servicer answers
+
+
+# -- the request: GenerateRequest → GenerateCall ------------------------------------------
+
+
+def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: float) -> GenerateCall:
+    """Check an ``mlx_engine_pb2.GenerateRequest``; raise ClientError or return the call.
+
+    Checked in this order, so a request with several faults is refused for the first.
+    """
+    check_request_id("request_id", request.request_id, limits.inputs)
+    sp = request.sampling_params
+    prompt = _prompt(request, limits)
+    max_tokens = _max_tokens(sp, prompt, limits)
+    sampling = SamplingSpec(
+        max_tokens=max_tokens,
+        **_sampling_numbers(sp),
+        stop_token_ids=tuple(check_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids,
+                                             limits.vocab_size)),
+        eos_token_ids=limits.eos_token_ids,
+        ignore_eos=sp.ignore_eos,
+        logprobs=_logprobs(sp, limits),
+        logit_bias=check_logit_bias(sp, limits),
+        # A per-request key in the engine (tools/mlx_core.py), not mlx's process-global seed.
+        seed=sp.seed if sp.HasField("seed") else None,
+    )
+    spec = GenerateSpec(request_id=request.request_id, prompt_token_ids=prompt, sampling=sampling, arrival_time=now)
+    return GenerateCall(
+        request_id=request.request_id,
+        stream=request.stream,
+        prompt_token_ids=prompt,
+        specs=[spec],
+        max_tokens=max_tokens,
+        engine_ids=[request.request_id],
+    )
+
+
+def _prompt(request: pb.GenerateRequest, limits: EngineLimits) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        raise ClientError("text", "text input is not supported; send tokenized.input_ids (the router tokenizes)")
+    if kind != "tokenized":
+        raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
+    prompt = check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
+    if not prompt:
+        raise ClientError("tokenized.input_ids", "must not be empty")
+    if len(prompt) >= limits.max_model_len:
+        raise ClientError("tokenized.input_ids", f"prompt has {len(prompt)} tokens; the context is "
+                                                 f"{limits.max_model_len}, which leaves no room for output")
+    return prompt
+
+
+def _max_tokens(sp: pb.SamplingParams, prompt: list[int], limits: EngineLimits) -> int:
+    """``max_tokens``, or the rest of the context when unset (the reference's default)."""
+    room = limits.max_model_len - len(prompt)
+    if not sp.HasField("max_tokens"):
+        return room
+    if sp.max_tokens < 1:
+        raise ClientError("sampling_params.max_tokens", "must be at least 1")
+    if sp.max_tokens > room:
+        raise ClientError("sampling_params.max_tokens", f"{sp.max_tokens} does not fit: the prompt has "
+                          f"{len(prompt)} tokens and the context is {limits.max_model_len}, so at most {room}")
+    return sp.max_tokens
+
+
+def _sampling_numbers(sp: pb.SamplingParams) -> dict:
+    """Temperature (unset → 1.0, as the reference), nucleus, top-k, min-p and the penalties; 0 = off."""
+    temperature = finite("sampling_params.temperature", sp.temperature) if sp.HasField("temperature") else 1.0
+    if temperature < 0:
+        raise ClientError("sampling_params.temperature", f"must be >= 0, got {temperature}")
+    top_p = finite("sampling_params.top_p", sp.top_p) or 1.0
+    if not 0 < top_p <= 1:
+        raise ClientError("sampling_params.top_p", f"must be in (0, 1], got {top_p}")
+    if sp.top_k >= 2**31:
+        raise ClientError("sampling_params.top_k", f"must be 0 (off) or a positive count, got {sp.top_k - 2**32}")
+    min_p = finite("sampling_params.min_p", sp.min_p)
+    if not 0 <= min_p <= 1:
+        raise ClientError("sampling_params.min_p", f"must be in [0, 1], got {min_p}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = finite(f"sampling_params.{name}", getattr(sp, name))
+        if not -2 <= value <= 2:
+            raise ClientError(f"sampling_params.{name}", f"must be in [-2, 2], got {value}")
+    repetition_penalty = finite("sampling_params.repetition_penalty", sp.repetition_penalty) or 1.0
+    if repetition_penalty < 0:
+        raise ClientError("sampling_params.repetition_penalty", f"must be > 0, got {repetition_penalty}")
+    return {
+        "temperature": temperature, "top_p": top_p, "top_k": sp.top_k, "min_p": min_p,
+        "frequency_penalty": sp.frequency_penalty, "presence_penalty": sp.presence_penalty,
+        "repetition_penalty": repetition_penalty,
+    }  # fmt: skip
+
+
+def _logprobs(sp: pb.SamplingParams, limits: EngineLimits) -> int | None:
+    """Unset or <= 0: none (MLX's meaning, the reference's); k: the top k, at most what the engine serves."""
+    if not sp.HasField("logprobs") or sp.logprobs <= 0:
+        return None
+    cap = limits.vocab_size if limits.max_logprobs == -1 else min(limits.max_logprobs, limits.vocab_size)
+    if sp.logprobs > cap:
+        raise ClientError("sampling_params.logprobs", f"requested {sp.logprobs} logprobs, which is greater than "
+                          f"max allowed: {cap}")  # fmt: skip
+    return sp.logprobs
+
+
+# -- the responses: Chunk / Complete → GenerateResponse -----------------------------------
+
+
+def encode(messages: list[Message]) -> list[pb.GenerateResponse]:
+    """The core's messages as MLX ``GenerateResponse``s, in order; a chunk of n tokens becomes n messages."""
+    out: list[pb.GenerateResponse] = []
+    for m in messages:
+        if type(m) is Chunk:
+            out.extend(encode_chunk(m))
+        else:
+            out.append(encode_complete(m))
+    return out
+
+
+def encode_chunk(m: Chunk) -> list[pb.GenerateResponse]:
+    count = len(m.token_ids)
+    first = m.completion_tokens - count  # the running count before this chunk
+    replies = []
+    for i, token in enumerate(m.token_ids):
+        message = pb.GenerateResponse()
+        chunk = message.chunk
+        chunk.token_ids.append(token)
+        chunk.prompt_tokens = m.prompt_tokens
+        chunk.completion_tokens = first + i + 1
+        chunk.cached_tokens = m.cached_tokens
+        chunk.index = m.index
+        if m.logprobs:
+            _fill(chunk.output_logprobs, m.logprobs[i : i + 1], m.logprobs_top)
+        replies.append(message)
+    return replies
+
+
+def encode_complete(m: Complete) -> pb.GenerateResponse:
+    complete = pb.GenerateComplete(
+        # Streamed, the chunks carried every token: the router accumulates them (the reference's shape).
+        output_ids=[] if m.stream else m.output_ids,
+        finish_reason=m.finish_reason,
+        prompt_tokens=m.prompt_tokens,
+        completion_tokens=m.completion_tokens,
+        cached_tokens=m.cached_tokens,
+        index=m.index,
+    )
+    if m.logprobs and not m.stream:
+        _fill(complete.output_logprobs, m.logprobs, m.logprobs_top)
+    if m.matched_token_id is not None:
+        complete.matched_stop_token_id = m.matched_token_id
+    return pb.GenerateResponse(complete=complete)
+
+
+def _fill(message: pb.OutputLogProbs, positions: list[Position], top: int) -> None:
+    """``OutputLogProbs`` in place: each position's own logprob and id, and one ``TopLogProbs`` (top k, descending)."""
+    message.token_logprobs.extend([p[0] for p in positions])
+    message.token_ids.extend([p[1] for p in positions])
+    add = message.top_logprobs.add
+    for _, _, values, ids in positions:
+        entry = add()
+        if top and values is not None:
+            entry.values.extend(values)
+            entry.token_ids.extend(ids)
+
+
+def raw_request_id(request: pb.GenerateRequest) -> str:
+    return request.request_id
+
+
+class MlxEdge:
+    """The MLX contract's edge (``contract.ContractEdge``)."""
+
+    name = NAME
+    id_field = "request_id"
+    validate = staticmethod(validate_generate)
+    encode = staticmethod(encode)
+    # No hand-encoded chunk bytes: MLX's chunk carries a running count, which the fast
+    # path's chunk signature has not; its chunks go through ``encode`` (protobuf).
+    chunk_body = None
+    raw_request_id = staticmethod(raw_request_id)
+
+    @staticmethod
+    def release_params(request, limits) -> None:
+        return None  # MLX has no prefill/decode disaggregation
+
+
+MLX_EDGE = MlxEdge()
+
