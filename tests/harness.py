@@ -68,6 +68,10 @@ def end_process(process: subprocess.Popen, ask_to_stop, timeout_s: float = 20.0)
 class Servicer:
     """``enginelink serve`` in a subprocess, with a grpcio channel to it."""
 
+    # The contract it serves: health is checked for this service, ``stub`` is its stub (MLX's: tests/mlx).
+    health_service = VLLM_SERVICE
+    stub_class = pb_grpc.VllmEngineStub
+
     def __init__(self, tmp: Path, model_dir: Path | None = None, extra: list[str] | None = None,
                  engine_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
@@ -96,13 +100,13 @@ class Servicer:
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = pb_grpc.VllmEngineStub(self.channel)
+        self.stub = self.stub_class(self.channel)
         health = health_pb2_grpc.HealthStub(self.channel)
 
         def serving() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"servicer exited with {self.process.returncode}:\n{self.log()}")
-            reply = health.Check(health_pb2.HealthCheckRequest(service=VLLM_SERVICE), timeout=1)
+            reply = health.Check(health_pb2.HealthCheckRequest(service=self.health_service), timeout=1)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
         if wait_serving:

@@ -16,13 +16,17 @@ import json
 import os
 import subprocess
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
+from smg_grpc_proto.generated import mlx_engine_pb2 as mlx_pb, mlx_engine_pb2_grpc as mlx_grpc
 
 from enginelink.runtime.engine.launchers import LauncherError
 from enginelink.runtime.engine.mlx_launch import default_mlx_python
-from tests.harness import Servicer, end_process
+from tests.harness import Servicer, end_process, free_port
+
+MLX_SERVICE = "mlx.grpc.engine.MlxEngine"
 
 START_TIMEOUT_S = 300.0
 OFFLINE_SCRIPT = Path(__file__).with_name("offline_mlx.py")
@@ -47,10 +51,36 @@ def mlx_python_or_skip() -> str:
     return python
 
 
+class MlxServicer(Servicer):
+    """``enginelink serve --engine mlx``: it serves ``MlxEngine`` (health and ``stub`` are MLX's)."""
+
+    health_service = MLX_SERVICE
+    stub_class = mlx_grpc.MlxEngineStub
+
+    def __init__(self, tmp: Path, **kwargs) -> None:
+        super().__init__(tmp, **kwargs)
+        # MlxEngine has no GetLoads: the engine's own stats are read from /metrics.
+        self.metrics_port = free_port()
+        self.argv[2:2] = ["--metrics-port", str(self.metrics_port)]
+
+    def engine_running(self) -> int:
+        """Requests the engine's scheduler runs, from its last stats (``smg_servicer_dp_rank_running_requests``)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        (line,) = [x for x in text.splitlines() if x.startswith("smg_servicer_dp_rank_running_requests{")]
+        return int(float(line.rsplit(" ", 1)[1]))
+
+
 def mlx_servicer(tmp: Path, model_dir: Path, engine_args: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> Servicer:
-    return Servicer(tmp, model_dir=model_dir, extra=["--engine", "mlx"],
-                    engine_args=ENGINE_ARGS if engine_args is None else engine_args, env={**ENV, **(env or {})})
+                 env: dict[str, str] | None = None) -> MlxServicer:
+    return MlxServicer(tmp, model_dir=model_dir, extra=["--engine", "mlx"],
+                       engine_args=ENGINE_ARGS if engine_args is None else engine_args, env={**ENV, **(env or {})})
+
+
+def mlx_request(request_id: str, input_ids: list[int], *, stream: bool = False, **sampling) -> mlx_pb.GenerateRequest:
+    """An MLX ``GenerateRequest``: tokenized input, the sampling fields as given."""
+    return mlx_pb.GenerateRequest(request_id=request_id, tokenized=mlx_pb.TokenizedInput(input_ids=input_ids),
+                                  sampling_params=mlx_pb.SamplingParams(**sampling), stream=stream)
 
 
 class OfflineMlx:

@@ -1,4 +1,4 @@
-"""Generate through enginelink against a real mlx-lm engine, compared with mlx-lm on its own.
+"""Generate over the ``MlxEngine`` contract against a real mlx-lm engine, compared with mlx-lm on its own.
 
 The reference is mlx-lm's own ``generate_step`` (what ``mlx_lm.generate``
 runs) on the same model, in a subprocess of the MLX venv (``offline_mlx.py``).
@@ -16,12 +16,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 from tokenizers import Tokenizer
 
 from enginelink.journal.records import KIND_CLIENT_ABORT, KIND_CLIENT_SENT
 from enginelink.journal.store import open_reader
-from tests.harness import generate_request, wait_until
+from tests.harness import wait_until
+from tests.mlx.conftest import mlx_request as generate_request
 
 pytestmark = pytest.mark.mlx
 
@@ -51,22 +52,31 @@ def greedy(mlx_stack, prompts):
 
 
 def generate(servicer, request_id: str, prompt_ids: list[int], *, stream: bool, **sampling) -> dict:
-    """{"token_ids", "finish_reason", "matched", "logprobs"} of one single-choice Generate."""
+    """{"token_ids", "finish_reason", "matched", "logprobs"} of one Generate, read as the router reads MLX.
+
+    Checks the contract's shapes on the way (reference/mlx.md §3.4): streamed, one chunk per token
+    with running counts, then a complete with no tokens and the total; unary, one complete.
+    """
     replies = list(servicer.stub.Generate(generate_request(request_id, prompt_ids, stream=stream, **sampling),
                                           timeout=120))
+    *chunks, last = replies
+    assert last.WhichOneof("response") == "complete" and all(r.WhichOneof("response") == "chunk" for r in chunks)
+    c = last.complete
     choice: dict = {"token_ids": [], "logprobs": []}
-    for reply in replies:
-        if reply.WhichOneof("response") == "chunk":
+    if stream:
+        for count, reply in enumerate(chunks, 1):
+            assert len(reply.chunk.token_ids) == 1 and reply.chunk.completion_tokens == count
+            assert reply.chunk.prompt_tokens == len(prompt_ids)
             choice["token_ids"] += list(reply.chunk.token_ids)
             choice["logprobs"] += _rows(reply.chunk.output_logprobs)
-        else:
-            c = reply.complete
-            if not stream:
-                choice["token_ids"] = list(c.output_ids)
-                choice["logprobs"] = _rows(c.output_logprobs)
-            choice["finish_reason"] = c.finish_reason
-            which = c.WhichOneof("matched_stop")
-            choice["matched"] = getattr(c, which) if which else None
+        assert list(c.output_ids) == [] and not c.output_logprobs.token_ids
+    else:
+        assert chunks == []
+        choice["token_ids"] = list(c.output_ids)
+        choice["logprobs"] = _rows(c.output_logprobs)
+    assert c.completion_tokens == len(choice["token_ids"]) and c.prompt_tokens == len(prompt_ids)
+    choice["finish_reason"] = c.finish_reason
+    choice["matched"] = c.matched_stop_token_id if c.HasField("matched_stop_token_id") else None
     return choice
 
 
@@ -76,7 +86,7 @@ def _rows(lp) -> list:
 
 
 def running_requests(servicer) -> int:
-    return servicer.stub.GetLoads(pb.GetLoadsRequest(), timeout=5).loads[0].num_running_reqs
+    return servicer.engine_running()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])

@@ -1,19 +1,22 @@
 """The real SMG router 1.13.0 in front of enginelink in front of a real MLX engine.
 
 HTTP client -> ``smg launch`` -> ``enginelink serve --engine mlx`` -> mlx-lm on
-CPU. This round enginelink serves MLX through the ``VllmEngine`` contract, so
-the router sees a vLLM worker. Greedy requests make comparisons exact: streamed
-== whole == the servicer's own tokens decoded == mlx-lm's own tokens decoded.
+CPU. enginelink serves the ``MlxEngine`` contract, so the router detects an MLX
+worker ("gRPC client (mlx)") and takes its MLX paths: chunk logprobs per token,
+a streamed complete with no tokens, MLX's refusals of what the contract lacks.
+Greedy requests make comparisons exact: streamed == whole == the servicer's own
+tokens decoded == mlx-lm's own tokens decoded.
 """
 
 from __future__ import annotations
 
 import pytest
-from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 from tokenizers import Tokenizer
 
 from enginelink.journal.store import open_reader
-from tests.harness import Router, generate_request, wait_until
+from tests.harness import Router, wait_until
+from tests.mlx.conftest import mlx_request as generate_request
 from tests.router.openai_http import DONE, SSEStream, post, stream
 
 pytestmark = [pytest.mark.mlx, pytest.mark.router]
@@ -65,7 +68,7 @@ def test_completions_streaming_and_not_equal_mlx_lm(router, mlx_stack, test_mode
     prompt_ids = tokenizer.encode(PROMPT).ids
     replies = list(servicer.stub.Generate(generate_request("router-direct", prompt_ids, temperature=0.0,
                                                            max_tokens=TOKENS, ignore_eos=True), timeout=60))
-    direct_ids = list(replies[-1].complete.output_ids)
+    direct_ids = list(replies[-1].complete.output_ids)  # unary: the complete has every token
     theirs = offline.run([{"id": "r", "prompt_token_ids": prompt_ids, "max_tokens": TOKENS}])["r"]
     assert direct_ids[: len(theirs["token_ids"])] == theirs["token_ids"]  # mlx-lm stops at EOS; ignore_eos here
     assert tokenizer.decode(direct_ids) == choice["text"]
@@ -113,8 +116,7 @@ def test_client_disconnect_frees_the_engine(router, mlx_stack, test_model_dir):
     s.hang_up()
     wait_until(lambda: servicer.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=2).active_requests == 0,
                30, "active_requests == 0 after the client hung up")
-    wait_until(lambda: servicer.stub.GetLoads(pb.GetLoadsRequest(), timeout=5).loads[0].num_running_reqs == 0,
-               30, "the engine's stats show no request running")
+    wait_until(lambda: servicer.engine_running() == 0, 30, "the engine's stats show no request running")
 
     def aborted():
         records = open_reader(servicer.journal).records(kinds=["client.abort", "client.sent"])
@@ -127,3 +129,19 @@ def test_client_disconnect_frees_the_engine(router, mlx_stack, test_model_dir):
     assert abort["reason"] in ("abort_rpc", "client_gone")
     (sent,) = [r.payload for r in mine if r.kind == "client.sent"]
     assert sent["finish_reason"] == "abort" and sent["tokens_sent"] < 2000
+
+
+def test_the_router_sees_an_mlx_worker(router):
+    # Detected by its HealthCheck fan-out: only MlxEngine answers (VllmEngine is UNIMPLEMENTED here).
+    wait_until(lambda: "gRPC client (mlx)" in router.log() or None, 10, "the router's MLX detection in its log")
+    assert "Detected backend: vllm" not in router.log()
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"stop": ["\n"]}, "string stop sequences"),
+    ({"n": 2}, "n > 1"),
+], ids=["stop strings", "n=2"])
+def test_what_the_mlx_contract_lacks_is_refused_by_the_router(router, test_model_dir, extra, words):
+    status, body = post(router.url, COMPLETIONS, {"model": test_model_dir.name, "prompt": PROMPT, "max_tokens": 4,
+                                                  **extra})
+    assert status == 400 and words in str(body), body
