@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--against", type=_against, default=[], metavar="ARMS",
                    help="also run the reference servicers, comma-separated: smg-rust (smg 1.13.0's Rust servicer), "
                         "smg-python (smg-grpc-servicer 0.14.1); installed by tools/setup-bench-refs. With --engine "
-                        "vllm they join the alternation; without it, every arm runs against the zero-cost sim "
+                        "vllm they join the alternation; with --engine mlx, smg-python is the reference MLX servicer "
+                        "(tools/setup-mlx --with-reference), a third arm; without either, every arm runs against "
+                        "the zero-cost sim "
                         "engine (the servicer alone), alternating (tools/bench_refs.py)")
     p.add_argument("--rounds", type=int, default=2,
                    help="with --engine vllm, mlx or --against: repetitions per concurrency, the arms alternating "

@@ -242,6 +242,7 @@ def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: l
     run_args.duration_s = None
     run_args.temperature = 1.0
     run_args.random_prompt = True
+    run_args.contract = "mlx" if engine == "mlx" else "vllm"  # serve --engine mlx serves MlxEngine
     servicer = bench_load.Servicer(run_args, tmp, engine=engine, model_dir=model_dir, engine_args=engine_args,
                               env={"ENGINELINK_WARMUP": "off", "ENGINELINK_KV_EVENTS": "off"})
     servicer.start(timeout_s=HANDSHAKE_TIMEOUT_S)

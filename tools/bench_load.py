@@ -164,7 +164,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+# The gRPC contract a target serves, by name (``args.contract``; ``serve --engine mlx`` serves MLX's):
+# its service and the generated modules of its messages and stub. The load is the same on either.
+CONTRACTS = {
+    "vllm": (VLLM_SERVICE, "vllm_engine_pb2", "vllm_engine_pb2_grpc", "VllmEngineStub"),
+    "mlx": ("mlx.grpc.engine.MlxEngine", "mlx_engine_pb2", "mlx_engine_pb2_grpc", "MlxEngineStub"),
+}
+
+
+def contract_modules(contract: str):
+    """(service name, messages module, stub class) of a contract in ``CONTRACTS``."""
+    import importlib
+
+    service, messages, stubs, stub = CONTRACTS[contract]
+    pb = importlib.import_module(f"smg_grpc_proto.generated.{messages}")
+    return service, pb, getattr(importlib.import_module(f"smg_grpc_proto.generated.{stubs}"), stub)
+
+
+def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None = None,
+                 contract: str = "vllm") -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -176,7 +194,7 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
             if process is not None and process.poll() is not None:
                 raise RuntimeError(f"servicer exited with status {process.returncode} before SERVING")
             try:
-                reply = health.Check(health_pb2.HealthCheckRequest(service=VLLM_SERVICE), timeout=1)
+                reply = health.Check(health_pb2.HealthCheckRequest(service=CONTRACTS[contract][0]), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError as error:
@@ -185,18 +203,18 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
     raise TimeoutError(f"{target} not SERVING within {timeout_s:g} s (last error: {last!r})")
 
 
-def server_facts(target: str) -> dict:
+def server_facts(target: str, contract: str = "vllm") -> dict:
     """What the servicer says about itself (GetServerInfo, GetModelInfo)."""
     import grpc
-    from smg_grpc_proto.generated import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
 
+    _, pb, stub_class = contract_modules(contract)
     with grpc.insecure_channel(target) as channel:
-        stub = pb_grpc.VllmEngineStub(channel)
+        stub = stub_class(channel)
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
         model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     return {
         "server_type": info.server_type,
-        "max_num_seqs": info.max_num_seqs,
+        "max_num_seqs": getattr(info, "max_num_seqs", 0),  # MLX's has none
         "served_model_name": model.served_model_name,
         "vocab_size": model.vocab_size,
         "max_context_length": model.max_context_length,
@@ -234,6 +252,7 @@ class Servicer:
             "--model", str(model_dir or args.model or bench_model_dir()), "--", *engine_args,
         ]
         self.env = {**os.environ, **(env or {})}
+        self.contract = "mlx" if engine == "mlx" else "vllm"  # what serve serves for that engine
         self.process: subprocess.Popen | None = None
         self._log = None
 
@@ -245,7 +264,7 @@ class Servicer:
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         try:
-            wait_serving(self.target, timeout_s, self.process)
+            wait_serving(self.target, timeout_s, self.process, self.contract)
         except Exception as error:
             self.stop()
             raise RuntimeError(f"servicer did not start: {error}") from None
@@ -319,7 +338,7 @@ def _request_factory(plan: dict, index: int):
     """``request(n, tokens)``: call number ``n`` of this client process, the same for either client."""
     import random
 
-    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+    _, pb, _ = contract_modules(plan.get("contract", "vllm"))
 
     # Ids 0-2 are special in the test model; stay inside any vocabulary.
     span = max(1, min(61, plan["vocab_size"] - 3))
@@ -328,7 +347,7 @@ def _request_factory(plan: dict, index: int):
     rng = random.Random() if plan.get("random_prompt") else None
     tag = f"bench-{plan['tag']}-{index}"
 
-    def request(n: int, tokens: int) -> pb.GenerateRequest:
+    def request(n: int, tokens: int):
         return pb.GenerateRequest(
             request_id=f"{tag}-{n}",
             tokenized=pb.TokenizedInput(
@@ -400,10 +419,10 @@ class CallRecorder:
 def _h2_client(conn, index: int, plan: dict) -> dict:
     """A client process's load over the lean HTTP/2 client (``tools/bench_h2client.py``), one connection."""
     import grpc
-    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
     from enginelink.tools.bench_h2client import Connection, run_calls
 
+    service, pb, _ = contract_modules(plan.get("contract", "vllm"))
     status_names = {code.value[0]: code.name for code in grpc.StatusCode}
     request = _request_factory(plan, index)
     parse = pb.GenerateResponse.FromString
@@ -418,7 +437,7 @@ def _h2_client(conn, index: int, plan: dict) -> dict:
 
         return make_request, lambda n, body: record.on_response(n, parse(body)), on_end
 
-    connection = Connection(plan["target"], f"/{VLLM_SERVICE}/Generate")
+    connection = Connection(plan["target"], f"/{service}/Generate")
     try:
         # Warm-up: one short call, so the connection and the server's call path are up before "go".
         warm, warm_ids = CallRecorder(2), iter([-1])
@@ -444,13 +463,13 @@ async def _client(conn, index: int, plan: dict) -> dict:
     import asyncio
 
     import grpc
-    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+    _, _, stub_class = contract_modules(plan.get("contract", "vllm"))
     channels = [
         grpc.aio.insecure_channel(plan["target"], options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(plan["channels"])
     ]
-    stubs = [pb_grpc.VllmEngineStub(c) for c in channels]
+    stubs = [stub_class(c) for c in channels]
     max_tokens = plan["max_tokens"]
     request = _request_factory(plan, index)
 
@@ -497,7 +516,8 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
     duration_s = args.duration_s if args.duration_s is not None else (
         None if args.requests is not None else DEFAULT_DURATION_S)
     tag = uuid.uuid4().hex[:8]
-    server = server_facts(target)
+    contract = getattr(args, "contract", "vllm")
+    server = server_facts(target, contract)
     if args.prompt_tokens + args.max_tokens > server["max_context_length"]:
         raise RuntimeError(f"--prompt-tokens + --max-tokens exceed the model's context ({server['max_context_length']})")
     conc = _shares(args.concurrency, procs)
@@ -509,7 +529,7 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
         for i in range(procs):
             parent, child = ctx.Pipe()
             plan = {
-                "target": target, "tag": tag, "channels": args.channels, "concurrency": conc[i],
+                "target": target, "tag": tag, "channels": args.channels, "concurrency": conc[i], "contract": contract,
                 "client": args.client,
                 "requests": reqs[i], "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "vocab_size": server["vocab_size"],

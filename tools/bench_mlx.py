@@ -14,9 +14,19 @@ in flight, each with ``--prompt-tokens`` random prompt tokens, temperature 1,
   wire, no servicer. It runs in a session of its own at the priority
   enginelink gives its engine (``ENGINELINK_ENGINE_NICE``), as the engine runs.
 
+- reference (``--against smg-python``): the reference MLX servicer,
+  ``python -m smg_grpc_servicer.mlx.server`` (smg-grpc-servicer 0.14.1, which
+  runs mlx-lm in its gRPC process), from the MLX venv with the reference on
+  ``PYTHONPATH`` (``tools/setup-mlx --with-reference`` puts it in
+  ``<MLX venv>/reference``; ``ENGINELINK_MLX_REFERENCE`` names another
+  folder), with the same batch sizes, in a session of its own at the
+  engine's priority, driven by the same load client over the same
+  ``MlxEngine`` contract. It joins the alternation.
+
 Each side's figure is output tokens / load window (first request to last
 finished; a short warm-up request before). The ratio is enginelink / raw of
-the per-concurrency medians. Numbers measured on a shared machine mean little.
+the per-concurrency medians (and reference / raw when that arm ran).
+Numbers measured on a shared machine mean little.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +44,8 @@ import time
 from pathlib import Path
 
 RAW_TIMEOUT_S = 1800.0
+REFERENCE_ENV = "ENGINELINK_MLX_REFERENCE"  # the folder holding smg_grpc_servicer (default <MLX venv>/reference)
+REFERENCE_START_TIMEOUT_S = 300.0
 
 
 def engine_args_for(args: argparse.Namespace, concurrency: int) -> list[str]:
@@ -76,6 +89,86 @@ def measure_raw(python: str, model_dir: Path, engine_args: list[str], concurrenc
     if process.returncode != 0:
         raise RuntimeError(f"the raw MLX driver failed (status {process.returncode}): {err.strip()[-2000:]}")
     return json.loads(out.strip().splitlines()[-1])
+
+
+def reference_dir(python: str) -> Path:
+    """Where the reference MLX servicer is installed, or RuntimeError saying how to install it."""
+    folder = Path(os.environ.get(REFERENCE_ENV) or Path(python).parent.parent / "reference")
+    if not (folder / "smg_grpc_servicer" / "mlx" / "server.py").exists():
+        raise RuntimeError(f"no reference MLX servicer at {folder}: run tools/setup-mlx --with-reference "
+                           f"(or set {REFERENCE_ENV} to a folder with smg-grpc-servicer 0.14.1)")
+    return folder
+
+
+class ReferenceServicer:
+    """``python -m smg_grpc_servicer.mlx.server`` in its own session at the engine's priority, stopped by SIGTERM."""
+
+    def __init__(self, python: str, reference: Path, model_dir: Path, engine_args: list[str], tmp: Path) -> None:
+        from enginelink.tools.bench_load import free_port
+
+        self.port = free_port()
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.log_path = tmp / "reference.log"
+        self.argv = [python, "-m", "smg_grpc_servicer.mlx.server", "--model", str(model_dir), "--host", "127.0.0.1",
+                     "--port", str(self.port),
+                     "--completion-batch-size", str(_flag(engine_args, "--completion-batch-size", 32)),
+                     "--prefill-batch-size", str(_flag(engine_args, "--prefill-batch-size", 8))]  # fmt: skip
+        # Its own prefill step as the engine's (the reference reads it from the environment).
+        self.env = {**os.environ, "PYTHONPATH": str(reference),
+                    "MLX_PREFILL_STEP": str(_flag(engine_args, "--prefill-step-size", 2048))}  # fmt: skip
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        from enginelink.runtime.engine.engine_process import lower_priority
+        from enginelink.tools.bench_load import wait_serving
+        from enginelink.tools.serve import _engine_nice
+
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                        start_new_session=True)  # fmt: skip
+        lower_priority(self.process.pid, _engine_nice())  # its engine is in-process: it runs where an engine runs
+        try:
+            wait_serving(self.target, REFERENCE_START_TIMEOUT_S, self.process, "mlx")
+        except Exception as error:
+            self.stop()
+            raise RuntimeError(f"the reference MLX servicer did not start: {error}\n{self.log()}") from None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # it stops its server (5 s grace) and its generation thread
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+
+def measure_reference(args: argparse.Namespace, python: str, reference: Path, model_dir: Path,
+                      engine_args: list[str], concurrency: int, client: str, tmp: Path) -> dict:
+    from enginelink.tools import bench_load
+    from enginelink.tools.bench_engine import load_result
+
+    run_args = argparse.Namespace(**vars(args))
+    run_args.concurrency, run_args.client, run_args.contract = concurrency, client, "mlx"
+    run_args.target = run_args.servicer_pid = run_args.duration_s = None
+    run_args.temperature, run_args.random_prompt = 1.0, True
+    server = ReferenceServicer(python, reference, model_dir, engine_args, tmp)
+    server.start()
+    try:
+        report = bench_load.run_load(run_args, server.target, server.process.pid)
+    except Exception as error:
+        raise RuntimeError(f"{error}\nreference servicer log ends:\n{server.log()}") from None
+    finally:
+        server.stop()
+    return load_result(report)
 
 
 def raw_main(plan: dict) -> dict:
@@ -136,6 +229,12 @@ def run(args: argparse.Namespace) -> int:
         check_installed(python)
     except (LauncherError, MlxIncompatible) as error:
         raise RuntimeError(str(error)) from None
+    against = list(getattr(args, "against", []) or [])
+    if "smg-rust" in against:
+        raise RuntimeError("smg 1.13.0 has no Rust MLX servicer: with --engine mlx, --against takes smg-python "
+                           "(the reference MLX servicer)")
+    sides = ["enginelink", "raw"] + (["reference"] if "smg-python" in against else [])
+    reference = reference_dir(python) if "reference" in sides else None
     model_dir = Path(args.model) if args.model else bench_model_dir()
     args.requests = requests = args.requests or 256
     client = args.client[0] if isinstance(args.client, list) else args.client
@@ -144,12 +243,15 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(tmp_name)
         for concurrency in args.concurrency:
             engine_args = engine_args_for(args, concurrency)
-            runs: dict[str, list[dict]] = {"enginelink": [], "raw": []}
+            runs: dict[str, list[dict]] = {side: [] for side in sides}
             for r in range(args.rounds):
-                for side in ("enginelink", "raw"):
+                for side in sides:
                     if side == "enginelink":
                         res = measure_enginelink(args, model_dir, engine_args, concurrency, client,
                                                  tmp / f"el-{concurrency}-{r}", engine="mlx")
+                    elif side == "reference":
+                        res = measure_reference(args, python, reference, model_dir, engine_args, concurrency,
+                                                client, tmp / f"ref-{concurrency}-{r}")
                     else:
                         res = measure_raw(python, model_dir, engine_args, concurrency, requests, args.max_tokens,
                                           args.prompt_tokens)
@@ -159,8 +261,12 @@ def run(args: argparse.Namespace) -> int:
                           file=sys.stderr, flush=True)
             el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
             raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])
-            results.append({"concurrency": concurrency, "engine_args": engine_args, "runs": runs,
-                            "enginelink_tokens_per_s": el, "raw_tokens_per_s": raw, "ratio": el / raw})
+            result = {"concurrency": concurrency, "engine_args": engine_args, "runs": runs,
+                      "enginelink_tokens_per_s": el, "raw_tokens_per_s": raw, "ratio": el / raw}
+            if "reference" in runs:
+                ref = statistics.median(x["tokens_per_s"] for x in runs["reference"])
+                result.update(reference_tokens_per_s=ref, reference_ratio=ref / raw)
+            results.append(result)
     report = {"machine": machine_facts(), "engine": "mlx", "requests": requests, "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "model": str(model_dir), "results": results}
     if args.json:
@@ -169,8 +275,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"enginelink bench --engine mlx: {requests} requests x {args.max_tokens} tokens, "
               f"prompt {args.prompt_tokens} random tokens, temperature 1, ignore_eos")
         for r in results:
-            print(f"  concurrency {r['concurrency']:4d}: enginelink {r['enginelink_tokens_per_s']:7.0f} tokens/s  "
-                  f"raw BatchGenerator {r['raw_tokens_per_s']:7.0f} tokens/s  ratio {r['ratio']:.3f}")
+            line = (f"  concurrency {r['concurrency']:4d}: enginelink {r['enginelink_tokens_per_s']:7.0f} tokens/s  "
+                    f"raw BatchGenerator {r['raw_tokens_per_s']:7.0f} tokens/s  ratio {r['ratio']:.3f}")
+            if "reference_tokens_per_s" in r:
+                line += (f"  reference servicer {r['reference_tokens_per_s']:7.0f} tokens/s  "
+                         f"ratio {r['reference_ratio']:.3f}")
+            print(line)
     bad = any(x["short"] for r in results for side in r["runs"].values() for x in side)
     return 1 if bad else 0
 
