@@ -2,8 +2,8 @@
 
 The core (``machines/request_core.py``) speaks ``GenerateCall`` in and
 ``Chunk`` / ``Complete`` out (``machines/request_api.py``); the executor
-(``runtime/requests/hub.py``) runs it. A contract (vLLM's ``VllmEngine`` today;
-SGLang's, TokenSpeed's and MLX's next) adds one edge module providing the
+(``runtime/requests/hub.py``) runs it. A contract (vLLM's ``VllmEngine``, MLX's
+``MlxEngine``; SGLang's and TokenSpeed's next) adds one edge module providing the
 four members below, and its service passes the edge to the hub when it is
 built. Nothing in ``machines/`` or the hub changes for a new contract
 (``tests/test_second_contract.py`` runs the simulation seeds through a
@@ -33,7 +33,8 @@ class ContractEdge(Protocol):
         ...
 
     def encode(self, messages: list[Message]) -> list:
-        """The core's messages → the contract's response messages, in order, one for one."""
+        """The core's messages → the contract's response messages, in order (one core message may become
+        several: MLX's edge sends a chunk of n tokens as n messages)."""
         ...
 
     # A one-choice chunk (tokens, prompt_tokens, cached_tokens, index) straight to its serialized
