@@ -67,7 +67,9 @@ class MlxEngineService(MlxEngineBase):
         await stream.recv_message()
         # The link's view (starting, serving, draining, failed), not the reference's "the thread is alive".
         link = self.app.link.machine
-        await stream.send_message(pb.HealthCheckResponse(healthy=link.healthy, message=link.health_message))
+        # "OK" once serving, as the reference MLX servicer says; otherwise the state (warming up, draining, ...).
+        message = "OK" if link.ready else link.health_message
+        await stream.send_message(pb.HealthCheckResponse(healthy=link.healthy, message=message))
 
     @grpc_errors
     async def GetModelInfo(self, stream) -> None:

@@ -58,7 +58,8 @@ def test_every_other_engine_service_is_unimplemented(mlx_stack):
 def test_health_check_server_info_and_model_info(mlx_stack, test_model_dir):
     servicer, _ = mlx_stack
     stub = servicer.stub
-    assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
+    health = stub.HealthCheck(pb.HealthCheckRequest(), timeout=10)
+    assert health.healthy and health.message == "OK"
     info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     assert info.server_type == "mlx-grpc" and info.uptime_seconds > 0
     config = json.loads((test_model_dir / "config.json").read_text())
