@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["sim", "vllm", "mlx"], default=os.environ.get("ENGINELINK_ENGINE", "sim"),
                    help="engine to launch headless: sim, the embedded deterministic engine, vllm, a real "
                         "vLLM 0.32 from its own venv, or mlx, mlx-lm 0.31.3 from its own venv (tools/setup-mlx) "
-                        "behind the same wire (default sim; ENGINELINK_ENGINE)")
+                        "behind the same wire, served as the mlx.grpc.engine.MlxEngine contract; sim and vllm serve "
+                        "vllm.grpc.engine.VllmEngine (default sim; ENGINELINK_ENGINE)")
     p.add_argument("--model", type=Path, default=None,
                    help="model directory (default: the tiny test model, built on first use under the state dir)")
     p.add_argument("--served-model-name", default=None,
