@@ -63,6 +63,7 @@ class Chunk(NamedTuple):
     logprobs: list[Position] | None = None  # the call asked for them: this chunk's positions
     logprobs_top: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # on the choice's first chunk only
+    completion_tokens: int = 0  # the choice's tokens sent so far, this chunk's included (SGLang's running count)
 
 
 class Complete(NamedTuple):
@@ -79,6 +80,7 @@ class Complete(NamedTuple):
     logprobs: list[Position] | None = None
     logprobs_top: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    completion_tokens: int = 0  # the choice's tokens in all (SGLang's running count)
 
 
 Message = Chunk | Complete

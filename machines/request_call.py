@@ -134,11 +134,13 @@ class Call:
                 tokens = choice.take_pending()
                 lp = choice.logprobs
                 if lp is None:
-                    messages.append(Chunk(choice.index, tokens, self.prompt_tokens, choice.cached_tokens))
+                    messages.append(Chunk(choice.index, tokens, self.prompt_tokens, choice.cached_tokens,
+                                          completion_tokens=choice.tokens_sent))
                 else:
                     positions, prompt = lp.take_chunk()
                     messages.append(Chunk(choice.index, tokens, self.prompt_tokens, choice.cached_tokens,
-                                          positions if lp.top is not None else None, lp.top or 0, prompt))
+                                          positions if lp.top is not None else None, lp.top or 0, prompt,
+                                          choice.tokens_sent))
             if choice.finished and not choice.complete_sent:
                 messages.append(self._complete(choice))
         return messages
@@ -162,5 +164,5 @@ class Call:
             matched_stop_str=choice.matched_str,
             matched_token_id=choice.matched_token if choice.matched_str is None else None,
             kv_transfer_params=choice.kv_transfer_params,
-            logprobs=positions, logprobs_top=top, prompt_logprobs=prompt,
+            logprobs=positions, logprobs_top=top, prompt_logprobs=prompt, completion_tokens=choice.tokens_sent,
         )
