@@ -96,12 +96,15 @@ class Refusal(NamedTuple):
 
 
 class Failure(NamedTuple):
-    """Why a call ended badly. ``kind``: ``engine`` (UNAVAILABLE: the engine's fault, retryable) or
-    ``constraint`` (FAILED_PRECONDITION: the engine refused the call's constraint, ``constraint``)."""
+    """Why a call ended badly. ``kind``: ``engine`` (UNAVAILABLE: the engine's fault, retryable),
+    ``constraint`` (FAILED_PRECONDITION: the engine refused the call's constraint, ``constraint``) or
+    ``status`` (the engine ended it with a status of its own, ``code``: a gRPC status name; SGLang's
+    aborts carry an HTTP status, ``wire/sglang.py`` ``abort_outcome``)."""
 
     kind: str
     message: str
     constraint: str | None = None
+    code: str | None = None
 
 
 class Actions:

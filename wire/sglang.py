@@ -269,6 +269,11 @@ class SglangOutput:
         self._batch = batch
         self._index = index
 
+    @property
+    def engine_outcome(self) -> AbortOutcome | None:
+        """How the call ends when the scheduler aborted this request: its gRPC status, or None."""
+        return abort_outcome(self.abort) if self.abort is not None else None
+
     def __repr__(self) -> str:
         return (f"SglangOutput({self.request_id!r}, {self.new_token_ids!r}, finish={self.finish_reason}, "
                 f"stop={self.stop_reason!r}, abort={self.abort!r})")

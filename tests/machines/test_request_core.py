@@ -147,7 +147,9 @@ def test_a_frame_touches_each_call_once_and_a_finished_call_is_taken_whole():
     assert [r[3]["dest"] for r in actions.records if r[2] == KIND_TRANSITION] == ["running"]
     taken = Actions()
     messages = core.take(call, 1.5, taken)
-    assert messages == [Chunk(0, [11, 12], 2, 0), Complete(0, [11, 12], "length", 2, 0), Chunk(1, [21], 2, 0)]
+    assert messages == [Chunk(0, [11, 12], 2, 0, completion_tokens=2),
+                        Complete(0, [11, 12], "length", 2, 0, completion_tokens=2),
+                        Chunk(1, [21], 2, 0, completion_tokens=1)]  # running counts: SGLang's chunks carry them
     assert [r[3]["index"] for r in taken.records if r[2] == KIND_CLIENT_SENT] == [0]
     assert call.machine.key == "running:busy"
     core.written(call)
