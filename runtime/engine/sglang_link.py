@@ -54,6 +54,22 @@ log = logging.getLogger("enginelink.link")
 
 # The ready report is a small dict (a few numbers); anything longer is not one.
 READY_LINE_MAX_BYTES = 64 * 1024
+# SGLang 0.5.23's report (Scheduler.get_init_info) has no batch cap; without --max-running-requests
+# the warm-up plan and GetLoads assume this many.
+MAX_RUNNING_REQUESTS_ASSUMED = 256
+
+
+def launch_facts(extra_args: list[str]) -> dict:
+    """What the engine's arguments say that its ready report does not: its batch cap, a pooling model."""
+    from enginelink.runtime.engine.launchers import flag_value
+
+    facts: dict = {}
+    cap = flag_value(extra_args, "--max-running-requests")
+    if cap and cap.isdigit():
+        facts["max_running_requests"] = int(cap)
+    if "--is-embedding" in extra_args or flag_value(extra_args, "--runner") == "pooling":
+        facts["is_generation"] = False
+    return facts
 
 
 def ready_facts(report: dict, max_model_len: int | None) -> dict:
@@ -69,7 +85,9 @@ def ready_facts(report: dict, max_model_len: int | None) -> dict:
     if max_model_len:
         context = min(context, max_model_len)
     facts.setdefault("max_model_len", context)
-    facts.setdefault("max_num_seqs", int(report.get("max_running_requests") or 0))
+    facts.setdefault("max_num_seqs", int(report.get("max_running_requests") or MAX_RUNNING_REQUESTS_ASSUMED))
+    if report.get("is_generation") is False:
+        facts.setdefault("runner_type", "pooling")  # an embedding model: Embed, not Generate
     # The prefill step (the warm-up plan's): SGLang's chunked-prefill size when it says, else a whole prompt.
     facts.setdefault("max_num_batched_tokens", int(report.get("chunked_prefill_size") or 0) or context)
     facts.setdefault("engine_version", f"sglang-{SGLANG_VERSION}")
@@ -183,6 +201,7 @@ class SglangLink(EngineLink):
         if not isinstance(report, dict) or report.get("status") != "ready":
             raise LinkFailed(f"the engine reported {str(report)[:300]} instead of ready")
         self._journal_handshake("ready", report)
-        self.ready = ready_facts(report, self.max_model_len)
+        self.ready = ready_facts({**launch_facts(getattr(self.launcher, "extra_args", [])), **report},
+                                 self.max_model_len)
         self.rank_ready = {0: self.ready}
         self.ranks.set_ranks((0,))

@@ -37,9 +37,11 @@ from enginelink.machines.warmup import WarmupRequest
 from enginelink.proto.sglang_scheduler_grpc import SglangSchedulerBase
 from enginelink.runtime.errors import ClientError, current_request_id, grpc_errors
 from enginelink.runtime.kv.grpc_kv import subscribe_kv_events
-from enginelink.runtime.lifetime.warmup import Outcome, hub_submit
+from enginelink.runtime.errors import ServicerError
+from enginelink.runtime.lifetime.warmup import Outcome, TrioWake, hub_submit
 from enginelink.runtime.requests.contract_sglang import SGLANG_EDGE
-from enginelink.runtime.requests.embed import embed
+from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, runner_type
+from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
 from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
@@ -125,12 +127,40 @@ class SglangSchedulerService(SglangSchedulerBase):
                                 max_tokens=1, vocab=app.model.vocab_size)
         outcome = None
         with trio.move_on_after(self.health_timeout_s):
-            outcome = await hub_submit(app.hub, app.limits)(request, self.health_timeout_s)
+            if runner_type(app.ready) == RUNNER_POOLING:  # an embedding model: the probe is an embedding
+                outcome = await self._embed_probe(request)
+            else:
+                outcome = await hub_submit(app.hub, app.limits)(request, self.health_timeout_s)
         if outcome is None:
             return False, f"the engine did not generate a token within {self.health_timeout_s:g} s"
         if outcome == Outcome.OK:
             return True, "OK"
         return False, f"the engine did not serve the health probe ({outcome}); {app.link.machine.health_message}"
+
+    async def _embed_probe(self, request: WarmupRequest) -> str:
+        """One embedding of the probe's prompt through the hub (trio); an ``Outcome``."""
+        hub, now = self.app.hub, trio.current_time()
+        prompt = request.prompt_token_ids
+        spec = GenerateSpec(request_id=request.request_id, prompt_token_ids=prompt,
+                            sampling=SamplingSpec(max_tokens=1), arrival_time=now, pooling=PoolingSpec(task="embed"))
+        wake = TrioWake()
+        try:
+            call = hub.admit(EmbedCall(request.request_id, False, prompt, [spec], max_tokens=0,
+                                       engine_ids=[request.request_id]), now, wake=wake)
+        except ServicerError:
+            return Outcome.REFUSED
+        choice = call.choices[0]
+        try:
+            while call.error is None and not choice.finished:
+                await wake.wait()
+                wake.clear()
+            if call.error is None:
+                hub.take(call, trio.current_time())
+        finally:
+            if call.machine.open:
+                hub.abort([request.request_id], "warmup_cancelled", trio.current_time())
+            hub.release(call)
+        return Outcome.OK if call.error is None and choice.pooled is not None else Outcome.FAILED
 
     # -- facts ----------------------------------------------------------------------
 
@@ -142,7 +172,7 @@ class SglangSchedulerService(SglangSchedulerBase):
         max_len = int(ready.get("max_model_len") or model.max_position_embeddings or 0)
         await stream.send_message(pb.GetModelInfoResponse(
             model_path=str(model.model_path), tokenizer_path=model.tokenizer_path,
-            is_generation=True, served_model_name=app.served_model_name, max_context_length=max_len,
+            is_generation=ready.get("runner_type") != "pooling", served_model_name=app.served_model_name, max_context_length=max_len,
             vocab_size=model.vocab_size, supports_vision=False, model_type=model.model_type or "",
             eos_token_ids=list(model.eos_token_ids), pad_token_id=model.pad_token_id or 0,
             bos_token_id=model.bos_token_id or 0,

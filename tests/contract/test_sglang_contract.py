@@ -280,3 +280,23 @@ def test_kv_events_of_the_sglang_run_are_relayed(sgl):
     batch = next(call)
     assert batch.events or batch.HasField("snapshot")
     call.cancel()
+
+
+def test_a_pooling_engine_embeds_and_its_health_probe_is_an_embedding(tmp_path, test_model_dir):
+    servicer = Servicer(tmp_path, model_dir=test_model_dir, extra=["--engine", "sim", "--wire", "sglang"],
+                        engine_args=["--runner", "pooling"], health_service=SERVICE).start()
+    try:
+        stub = pb_grpc.SglangSchedulerStub(servicer.channel)
+        reply = stub.Embed(pb.EmbedRequest(request_id=new_id("e"), tokenized=pb.TokenizedInput(input_ids=[5, 6, 7])),
+                           timeout=TIMEOUT_S)
+        assert reply.prompt_tokens == 3 and reply.embedding_dim == len(reply.embedding) > 0
+        assert not stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).is_generation
+        assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=TIMEOUT_S).healthy
+        with pytest.raises(grpc.RpcError) as generate:
+            list(stub.Generate(request(), timeout=TIMEOUT_S))
+        assert generate.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as texts:
+            stub.Embed(pb.EmbedRequest(request_id=new_id("e"), texts=["a"], is_cross_encoder=True), timeout=5)
+        assert texts.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "is_cross_encoder" in texts.value.details()
+    finally:
+        servicer.stop()
