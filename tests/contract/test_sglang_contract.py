@@ -300,3 +300,26 @@ def test_a_pooling_engine_embeds_and_its_health_probe_is_an_embedding(tmp_path, 
         assert texts.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "is_cross_encoder" in texts.value.details()
     finally:
         servicer.stop()
+
+
+def test_the_journal_tools_read_an_sglang_run(sgl):
+    """``journal verify``/``show``/``replay`` and ``inspect`` on this servicer's journal: SGLang frames decode."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run(sgl, request(stream=True, max_new_tokens=4, ignore_eos=True))
+    enginelink = str(Path(sys.executable).parent / "enginelink")
+
+    def tool(*args: str) -> str:
+        done = subprocess.run([enginelink, *args, "--journal", str(sgl.journal)], capture_output=True, text=True,
+                              timeout=120, env={**__import__("os").environ, "XDG_STATE_HOME": str(sgl.state_home)})
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    verified = tool("journal", "verify")
+    assert "all invariants hold" in verified and "tokens" in verified
+    shown = tool("journal", "show", "--kind", "engine.frame")
+    assert "outputs" in shown and "undecodable" not in shown
+    assert "sglang-0" in tool("journal", "replay")
+    assert "engine wire sglang" in tool("inspect")
