@@ -220,6 +220,10 @@ def test_bad_input_is_refused_before_the_engine_naming_the_field(sgl, mutation, 
         run(sgl, req)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in refused.value.details()
+    # Refused before the engine: journaled as the client's error, and no engine request for it.
+    mine = wait_until(lambda: [(kind, p) for st, kind, p in _journal(sgl) if st == f"req/{req.request_id}"] or None,
+                      10, "the refusal journaled")
+    assert [kind for kind, _ in mine] == ["error"] and mine[0][1]["whose"] == "client"
 
 
 # -- Abort, control ----------------------------------------------------------------------------
