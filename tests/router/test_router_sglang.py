@@ -261,3 +261,49 @@ def test_unary_rpcs_the_router_uses(stack):
     servicer_log = stack.servicer.log()
     for bad_word in ("Traceback", "ERROR", "CRITICAL"):
         assert bad_word not in servicer_log, servicer_log[-3000:]
+
+
+# -- cache_aware routing by KV events across two SGLang workers --------------------------------
+
+
+def test_cache_aware_routing_follows_two_sglang_workers_kv_events(tmp_path, test_model_dir):
+    """Each prefix is generated directly on one worker (the router never sees it); requests sharing it
+    then land on that worker, which only its KV events (SGLang's contract's SubscribeKvEvents) can tell."""
+    from tests.kv.kv_client import prompt
+    from tests.kv.test_kv_router import PREFIX, PRIMED, prompt_lengths, router_metric
+
+    workers = [Servicer(tmp_path, model_dir=test_model_dir, extra=["--engine", "sim", "--wire", "sglang"],
+                        health_service=SGLANG_SERVICE, env={"ENGINELINK_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "0.2"})
+               for _ in range(2)]
+    router = None
+    try:
+        for w in workers:
+            w.start()
+        router = Router(tmp_path, workers[0].port, test_model_dir, extra=["--policy", "cache_aware"])
+        router.argv.insert(router.argv.index(router.worker_url) + 1, f"grpc://127.0.0.1:{workers[1].port}")
+        router.start()
+        stubs = [pb_grpc.SglangSchedulerStub(w.channel) for w in workers]
+        prefixes = [prompt(300 + i, PREFIX) for i in range(PRIMED)]
+        for i, p in enumerate(prefixes):
+            list(stubs[i % 2].Generate(pb.GenerateRequest(
+                request_id=f"prime-{i}", tokenized=pb.TokenizedInput(input_ids=p),
+                sampling_params=pb.SamplingParams(temperature=0, max_new_tokens=1)), timeout=30))
+        for w in workers:
+            wait_until(lambda: router_metric(router, "smg_kv_event_batches_total", w.port, disposition="applied") >= 3,
+                       15, f"the router applying {w.port}'s batches")  # fmt: skip
+        for i, p in enumerate(prefixes):
+            body = {"model": test_model_dir.name, "input_ids": p + prompt(400 + i, 8 + i),
+                    "sampling_params": {"max_new_tokens": 1}}  # fmt: skip
+            status, reply = post(router.url, "/generate", body)
+            assert status == 200, reply
+        for i in range(PRIMED):
+            length = PREFIX + 8 + i
+            holder, other = workers[i % 2], workers[1 - i % 2]
+            assert wait_until(lambda: length in prompt_lengths(holder), 5, f"request {i} on its prefix's worker")
+            assert length not in prompt_lengths(other)
+        assert "Detected backend: sglang" in router.log()
+    finally:
+        if router is not None:
+            router.stop()
+        for w in workers:
+            w.stop()
