@@ -83,6 +83,10 @@ def test_serve_refuses_a_wire_the_engine_does_not_speak_and_sglang_dp(tmp_path, 
     assert done.returncode == 2 and "--engine vllm does not speak --wire sglang; it speaks: vllm" in done.stderr
     done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sim", "--wire", "sglang", "--", "-dp", "2")
     assert done.returncode == 2 and "--wire sglang: one scheduler rank" in done.stderr
+    for value in ("soon", "0", "-3"):
+        done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sim", "--wire", "sglang",
+                      env={"SGLANG_HEALTH_CHECK_TIMEOUT": value})
+        assert done.returncode == 2 and f"SGLANG_HEALTH_CHECK_TIMEOUT={value!r}" in done.stderr, done.stderr
 
 
 def test_serve_engine_sglang_refuses_before_any_engine_starts(tmp_path, socket_dir, test_model_dir):

@@ -325,6 +325,13 @@ def build_config(args: argparse.Namespace):
     else:
         engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
         ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
+    if choice.contract == "sglang":
+        from enginelink.runtime.rpc.grpc_sglang import health_check_timeout_s
+
+        try:
+            health_check_timeout_s(os.environ)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if choice.codec == "sglang" and len(ranks) != 1:
         raise ConfigError(f"--wire sglang: one scheduler rank (got DP ranks {list(ranks)}); SGLang's DP "
                           "controller is not driven: run one enginelink per rank")

@@ -55,13 +55,23 @@ LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 CONTROL_TIMEOUT_S_MIN = 30.0
 
 
+HEALTH_CHECK_TIMEOUT_KNOBS = ("SGLANG_HEALTH_CHECK_TIMEOUT", "ENGINELINK_HEALTH_CHECK_TIMEOUT_SECS")
+
+
 def health_check_timeout_s(environ=os.environ) -> float:
-    value = environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") or environ.get("ENGINELINK_HEALTH_CHECK_TIMEOUT_SECS")
-    try:
-        seconds = float(value) if value else HEALTH_CHECK_TIMEOUT_S_DEFAULT
-    except ValueError:
-        return HEALTH_CHECK_TIMEOUT_S_DEFAULT
-    return seconds if seconds > 0 else HEALTH_CHECK_TIMEOUT_S_DEFAULT
+    """The probe's bound; ``ValueError`` naming the knob for a value that is not a positive number
+    (``serve`` checks it before anything starts: exit 2)."""
+    for name in HEALTH_CHECK_TIMEOUT_KNOBS:
+        value = environ.get(name)
+        if value:
+            try:
+                seconds = float(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r}: expected a number of seconds") from None
+            if not (seconds > 0 and seconds != float("inf")):
+                raise ValueError(f"{name}={value!r}: must be a positive number of seconds")
+            return seconds
+    return HEALTH_CHECK_TIMEOUT_S_DEFAULT
 
 
 class SglangSchedulerService(SglangSchedulerBase):
