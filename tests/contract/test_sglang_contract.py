@@ -327,3 +327,15 @@ def test_the_journal_tools_read_an_sglang_run(sgl):
     assert "outputs" in shown and "undecodable" not in shown
     assert "sglang-0" in tool("journal", "replay")
     assert "engine wire sglang" in tool("inspect")
+
+
+def test_the_health_probes_ids_are_the_servicers(sgl):
+    with pytest.raises(grpc.RpcError) as taken:
+        run(sgl, request(request_id="smg-warmup-health-7", max_new_tokens=2))
+    assert taken.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in taken.value.details()
+    futures = [sgl.sgl.HealthCheck.future(pb.HealthCheckRequest(), timeout=TIMEOUT_S) for _ in range(4)]
+    assert all(f.result().healthy for f in futures)  # concurrent checks: each answered, none refused
+    probes = wait_until(lambda: [p for st, kind, p in _journal(sgl)
+                                 if kind == "client.sent" and st.startswith("req/smg-warmup-health-")] or None,
+                        10, "the health probes journaled")  # the journal flushes every 50 ms
+    assert all(p["finish_reason"] == "length" and p["tokens_sent"] == 1 for p in probes)
