@@ -64,7 +64,7 @@ class Chunk(NamedTuple):
     logprobs_top: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # on the choice's first chunk only
     # The choice's tokens sent so far, this chunk's included: a contract whose chunks carry running
-    # counts (MLX's ``completion_tokens``) reads it; vLLM's carry the delta's length.
+    # counts (MLX's and SGLang's ``completion_tokens``) reads it; vLLM's carry the delta's length.
     completion_tokens: int = 0
 
 
@@ -101,12 +101,15 @@ class Refusal(NamedTuple):
 
 
 class Failure(NamedTuple):
-    """Why a call ended badly. ``kind``: ``engine`` (UNAVAILABLE: the engine's fault, retryable) or
-    ``constraint`` (FAILED_PRECONDITION: the engine refused the call's constraint, ``constraint``)."""
+    """Why a call ended badly. ``kind``: ``engine`` (UNAVAILABLE: the engine's fault, retryable),
+    ``constraint`` (FAILED_PRECONDITION: the engine refused the call's constraint, ``constraint``) or
+    ``status`` (the engine ended it with a status of its own, ``code``: a gRPC status name; SGLang's
+    aborts carry an HTTP status, ``wire/sglang.py`` ``abort_outcome``)."""
 
     kind: str
     message: str
     constraint: str | None = None
+    code: str | None = None
 
 
 class Actions:

@@ -299,6 +299,15 @@ class RequestCore:
                 if reason is FinishReason.ERROR and call.spec.constraint is not None:
                     self._constraint_failed(call, choice, now, actions)
                     continue
+                outcome = getattr(out, "engine_outcome", None)  # a wire that says why it aborted (SGLang)
+                if reason is FinishReason.ABORT and outcome is not None and outcome.code is not None:
+                    self._release_rank(choice)  # over on the engine: not aborted again
+                    if outcome.trailer is not None:  # a grammar the engine refused or could not follow
+                        failure = Failure("constraint", outcome.message, call.spec.constraint or "sampling_params")
+                    else:
+                        failure = Failure("status", outcome.message, code=outcome.code)
+                    self._fail_call(call, outcome.message, now, actions, failure)
+                    continue
                 if reason is FinishReason.ABORT:
                     # Our own aborts are never heard of again (their ids are retired): the engine gave
                     # this request up by itself, which vLLM does when it is stopping (a shutdown in
@@ -334,14 +343,16 @@ class RequestCore:
             return False
         return True
 
-    def _fail_call(self, call: Call, message: str, now: float, actions: Actions) -> None:
+    def _fail_call(self, call: Call, message: str, now: float, actions: Actions,
+                   failure: Failure | None = None) -> None:
         """One call fails on the engine's account (the rest of the batch goes on): its open engine requests are aborted."""
         self._abort_choices([c for c in call.choices if not c.finished], actions)
-        self._end_failed(call, message, now, actions)
+        self._end_failed(call, message, now, actions, failure)
 
-    def _end_failed(self, call: Call, message: str, now: float, actions: Actions) -> None:
-        """End an open call with UNAVAILABLE (the engine's fault): its ids leave the routing table."""
-        call.failure = Failure("engine", message)
+    def _end_failed(self, call: Call, message: str, now: float, actions: Actions,
+                    failure: Failure | None = None) -> None:
+        """End an open call with UNAVAILABLE (the engine's fault), or ``failure``: its ids leave the routing table."""
+        call.failure = failure or Failure("engine", message)
         for choice in call.choices:
             self._release_rank(choice)
             self.by_engine_id.pop(choice.engine_id, None)
@@ -493,4 +504,6 @@ def _status_name(failure: Failure | None) -> str | None:
     """The status a failure ends with, for metrics (``runtime/errors.py`` maps the same way)."""
     if failure is None:
         return None
+    if failure.kind == "status":
+        return failure.code
     return "FAILED_PRECONDITION" if failure.kind == "constraint" else "UNAVAILABLE"

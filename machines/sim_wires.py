@@ -78,6 +78,8 @@ class _Personality:
         self.core = core
         self._totals: dict[str, _Totals] = {}
         self._call_id = 0
+        # Prompt logprob rows of a request's first output, for a wire that sends them (SGLang's input columns).
+        self._prompt_rows: dict[str, Any] = {}
 
     @property
     def has_work(self) -> bool:
@@ -146,7 +148,9 @@ class _Personality:
                 totals.completion += len(out.new_token_ids)
                 if out.new_token_ids:
                     totals.last = out.new_token_ids[-1]
-                rows, _ = _VLLM.logprobs(out, frames) if out.new_logprobs is not None else (None, None)
+                rows, prompt_rows = _VLLM.logprobs(out, frames)
+                if prompt_rows is not None:
+                    self._prompt_rows[out.request_id] = prompt_rows
                 entries.append((out, totals, rows))
                 if out.finish_reason is not None:
                     del self._totals[out.request_id]
@@ -185,6 +189,7 @@ class SglangPersonality(_Personality):
         super().__init__(core)
         self._profiling = False
         self._pooling: set[str] = set()
+        self._prompt_ids: dict[str, list[int]] = {}
 
     def handle(self, frames: Sequence[bytes], now: float) -> list[list[bytes]]:
         """One message from the front end's PUSH; the messages to push back now."""
@@ -226,9 +231,13 @@ class SglangPersonality(_Personality):
             min_tokens=sp.min_new_tokens, stop_token_ids=tuple(sp.stop_token_ids or ()), eos_token_ids=self._eos(),
             ignore_eos=sp.ignore_eos, seed=sp.sampling_seed,
             logprobs=req.top_logprobs_num if req.return_logprob else None,
+            # SGLang's logprob_start_len 0: every prompt position (the first has no value).
+            prompt_logprobs=req.top_logprobs_num if req.return_logprob and req.logprob_start_len == 0 else None,
         )
         spec = GenerateSpec(request_id=req.rid or "", prompt_token_ids=prompt, sampling=sampling,
                             cache_salt=req.cache_salt)
+        if sampling.prompt_logprobs is not None:
+            self._prompt_ids[spec.request_id] = list(prompt[:1])  # position 0's id (it has no logprob row)
         return self._now(self._add(spec, now, prefill_only=max_new == 0), prompt, pooling=False)
 
     def _embed(self, req: ss.TokenizedEmbeddingReqInput, now: float) -> list[list[bytes]]:
@@ -253,6 +262,8 @@ class SglangPersonality(_Personality):
         rids = [rid for rid, _ in held]
         for rid in rids:
             self._pooling.discard(rid)
+            self._prompt_ids.pop(rid, None)
+            self._prompt_rows.pop(rid, None)
         reasons = [sglang.finish_abort(None) for _ in rids]  # the scheduler's FINISH_ABORT(): no message, no status
         return [sglang.encode_outputs(sglang.token_batch(
             rids, [[] for _ in rids], reasons, prompt_tokens=[t.prompt for _, t in held],
@@ -288,11 +299,30 @@ class SglangPersonality(_Personality):
                 top_idx.append([list(rows.token_ids[i * c + 1:(i + 1) * c]) for i in range(r)] if c > 1 else [])
             columns = dict(output_token_logprobs_val=val, output_token_logprobs_idx=idx,
                            output_top_logprobs_val=top_val, output_top_logprobs_idx=top_idx)
+        prompts = [self._prompt_rows.pop(out.request_id, None) for out, _, _ in entries]
+        if any(p is not None for p in prompts):
+            columns.update(self._input_columns(prompts, [self._prompt_ids.pop(o.request_id, []) for o, _, _ in entries]))
         batch = sglang.token_batch(
             [o.request_id for o, _, _ in entries], [list(o.new_token_ids) for o, _, _ in entries], reasons,
             prompt_tokens=[t.prompt for _, t, _ in entries], completion_tokens=[t.completion for _, t, _ in entries],
             cached_tokens=[t.cached for _, t, _ in entries], **columns)
         return sglang.encode_outputs(batch)
+
+    @staticmethod
+    def _input_columns(prompts: list, prompt_ids: list[list[int]]) -> dict[str, list]:
+        """SGLang's input logprob columns, sent once with a request's first output: position 0 has no value."""
+        val, idx, top_val, top_idx = [], [], [], []
+        for rows, ids in zip(prompts, prompt_ids):
+            if rows is None:
+                val.append([]), idx.append([]), top_val.append([]), top_idx.append([])
+                continue
+            c = rows.cols
+            val.append([None, *(rows.logprobs[i * c] for i in range(rows.rows))])
+            idx.append([ids[0], *(rows.token_ids[i * c] for i in range(rows.rows))])
+            top_val.append([[], *([list(rows.logprobs[i * c + 1:(i + 1) * c]) for i in range(rows.rows)])])
+            top_idx.append([[], *([list(rows.token_ids[i * c + 1:(i + 1) * c]) for i in range(rows.rows)])])
+        return dict(input_token_logprobs_val=val, input_token_logprobs_idx=idx,
+                    input_top_logprobs_val=top_val, input_top_logprobs_idx=top_idx)
 
     @staticmethod
     def _finish(out: Any, totals: _Totals) -> dict | None:

@@ -174,10 +174,23 @@ def from_refusal(refusal) -> ServicerError:
     return Unavailable(refusal.message, reason=refusal.reason or "unavailable")
 
 
+class EngineStatus(ServicerError):
+    """The engine ended a request with a status of its own (SGLang's abort with an HTTP status: 400 bad
+    input → INVALID_ARGUMENT, 503 queue full → UNAVAILABLE, …; ``wire/sglang.py``'s table) → that status."""
+
+    whose = "engine"
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = Status[code]
+
+
 def from_failure(failure) -> ServicerError:
     """The request core's ``Failure`` (machines/request_api.py) as the error the call ends with."""
     if failure.kind == "constraint":
         return ConstraintFailed(failure.constraint, failure.message)
+    if failure.kind == "status":
+        return EngineStatus(failure.code, failure.message)
     return EngineFailure(failure.message)
 
 

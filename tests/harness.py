@@ -73,8 +73,10 @@ class Servicer:
     stub_class = pb_grpc.VllmEngineStub
 
     def __init__(self, tmp: Path, model_dir: Path | None = None, extra: list[str] | None = None,
-                 engine_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 engine_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 health_service: str = VLLM_SERVICE) -> None:
         self.port = free_port()
+        self.health_service = health_service  # the contract's service name (serve --wire)
         self.journal = tmp / f"journal-{self.port}.sqlite"
         self.log_path = tmp / f"servicer-{self.port}.log"
         argv = [str(VENV_BIN / "enginelink"), "serve", "--port", str(self.port), "--journal", str(self.journal)]

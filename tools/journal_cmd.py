@@ -127,6 +127,8 @@ class Origin(msgspec.Struct, frozen=True):
 
 def origin_of(reader: Reader) -> Origin:
     start = reader.records(kinds=[r.KIND_RUN_START], limit=1)
+    # Engine frames are decoded with the wire the run spoke (run.start's engine: vllm, sglang, ...).
+    use_codec(start[0].payload.get("engine") if start else None)
     if start:
         return Origin(start[0].time, start[0].payload.get("wall_time"))
     snap = reader.last_snapshot()  # pruned at the start: a snapshot remembers the run
@@ -198,6 +200,12 @@ def _request_records(reader: Reader, rid: str, filters: dict[str, Any]) -> Itera
 # -- engine frames ---------------------------------------------------------------
 
 _codec = codecs.get("vllm")
+
+
+def use_codec(engine: str | None) -> None:
+    """Decode frames as engine wire ``engine`` from now on (vLLM's when unknown, as ``journal/fold.py``)."""
+    global _codec
+    _codec = codecs.get(engine if engine in codecs.NAMES else "vllm")
 
 
 def decode_frame(payload: bytes) -> dict[str, Any]:

@@ -53,11 +53,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.epilog = ("Every setting, flags and environment variables (ENGINELINK_*, SMG_*), with its default: "
                 "README.md, \"Running\".")
-    p.add_argument("--engine", choices=["sim", "vllm", "mlx"], default=os.environ.get("ENGINELINK_ENGINE", "sim"),
+    from enginelink.runtime.lifetime.engines import ENGINES, WIRES
+
+    p.add_argument("--engine", choices=list(ENGINES), default=os.environ.get("ENGINELINK_ENGINE", "sim"),
                    help="engine to launch headless: sim, the embedded deterministic engine, vllm, a real "
-                        "vLLM 0.32 from its own venv, or mlx, mlx-lm 0.31.3 from its own venv (tools/setup-mlx) "
-                        "behind the same wire, served as the mlx.grpc.engine.MlxEngine contract; sim and vllm serve "
-                        "vllm.grpc.engine.VllmEngine (default sim; ENGINELINK_ENGINE)")
+                        "vLLM 0.32 from its own venv, mlx, mlx-lm 0.31.3 from its own venv (tools/setup-mlx) "
+                        "behind the same wire (served as mlx.grpc.engine.MlxEngine), or sglang, an SGLang 0.5.23 scheduler from its own venv "
+                        "(tools/setup-sglang; needs a GPU) (default sim; ENGINELINK_ENGINE)")
+    p.add_argument("--wire", choices=list(WIRES), default=os.environ.get("ENGINELINK_WIRE") or None,
+                   help="the engine wire, and with it the gRPC contract served: vllm (VllmEngine) or sglang "
+                        "(SglangScheduler); default: the engine's own (sim: vllm; ENGINELINK_WIRE). "
+                        "The sim engine speaks every wire")
     p.add_argument("--model", type=Path, default=None,
                    help="model directory (default: the tiny test model, built on first use under the state dir)")
     p.add_argument("--served-model-name", default=None,
@@ -156,6 +162,23 @@ def _mlx_launcher(model_dir: Path, engine_args: list[str]):
     logging.getLogger("enginelink").info("MLX engine: mlx %s, mlx-lm %s (%s)", report.get("mlx"),
                                          report.get("mlx_lm"), python)  # fmt: skip
     return MlxLauncher(python=python, model_dir=model_dir, extra_args=engine_args)
+
+
+def _sglang_launcher(model_dir: Path, engine_args: list[str]):
+    """A real SGLang scheduler, after the release check (its structs against our codec)."""
+    from enginelink.runtime.engine.engine_compat import Incompatible
+    from enginelink.runtime.engine.sglang_launch import SglangLauncher, check_sglang
+
+    try:
+        python, version, warning = check_sglang()
+        launcher = SglangLauncher(python=python, model_dir=model_dir, extra_args=engine_args,
+                                  checked_version=version)
+        launcher.check_args()
+    except (LauncherError, Incompatible) as error:
+        raise ConfigError(str(error)) from None
+    if warning:
+        logging.getLogger("enginelink").warning("%s", warning)
+    return launcher
 
 
 def default_model_dir() -> Path:
@@ -286,6 +309,12 @@ def build_config(args: argparse.Namespace):
     from enginelink.runtime.engine.engine_process import ENGINE_STOP_GRACE_S
     from enginelink.runtime.lifetime.server import ServeConfig
 
+    from enginelink.runtime.lifetime.engines import choose
+
+    try:
+        choice = choose(args.engine, getattr(args, "wire", None))
+    except KeyError as error:
+        raise ConfigError(error.args[0]) from None
     model_dir = args.model or default_model_dir()
     try:
         model = read_model_facts(model_dir)
@@ -296,18 +325,29 @@ def build_config(args: argparse.Namespace):
     else:
         engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
         ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
+    if choice.contract == "sglang":
+        from enginelink.runtime.rpc.grpc_sglang import health_check_timeout_s
+
+        try:
+            health_check_timeout_s(os.environ)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    if choice.codec == "sglang" and len(ranks) != 1:
+        raise ConfigError(f"--wire sglang: one scheduler rank (got DP ranks {list(ranks)}); SGLang's DP "
+                          "controller is not driven: run one enginelink per rank")
     if args.engine == "mlx":
         launcher = _mlx_launcher(model_dir, engine_args)
+    elif args.engine == "sglang":
+        launcher = _sglang_launcher(model_dir, engine_args)
     elif args.engine == "vllm":
         _node_rank(engine_args)
         engine_args = _capture_cap(engine_args)
         launcher = _vllm_launcher(model_dir, engine_args)
     else:
-        launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args)
+        launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args, engine=choice.codec)
     launcher.ranks = ranks
     return ServeConfig(
         launcher=launcher,
-        contract="mlx" if args.engine == "mlx" else "vllm",  # mlx: the MlxEngine contract, not VllmEngine
         model=model,
         served_model_name=args.served_model_name or flag_value(engine_args, "--served-model-name") or model_dir.name,
         host=args.host,
@@ -340,6 +380,8 @@ def build_config(args: argparse.Namespace):
         grpc_limits=_grpc_limits(),
         fast_path=_fast_path(),
         argv=list(sys.argv),
+        codec=choice.codec,
+        contract=choice.contract,
     )
 
 

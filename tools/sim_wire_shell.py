@@ -110,7 +110,8 @@ def sglang_ready_report(config: SimConfig, started: float) -> dict:
     tokens = config.num_gpu_blocks * config.block_size
     return {"status": "ready", "max_total_num_tokens": tokens,
             "max_req_input_len": min(config.max_model_len - 1, tokens - 1),
-            "startup_time": started, "max_running_requests": config.max_num_seqs}
+            "startup_time": started, "max_running_requests": config.max_num_seqs,
+            "is_generation": config.runner != "pooling"}
 
 
 def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime) -> int:

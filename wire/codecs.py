@@ -31,6 +31,11 @@ _HANDSHAKES: Final[dict[str, Callable[[], HandshakeWire]]] = {
 
 NAMES: Final = tuple(_FACTORIES)
 
+# How each wire's engine says it is up: "handshake" (HELLO / INIT / READY, ``machines/handshake.py``)
+# or "ready_fd" (SGLang: the front end binds, the scheduler reports one JSON line on an inherited fd,
+# ``runtime/engine/sglang_link.py``).
+READINESS: Final[dict[str, str]] = {"vllm": "handshake", "tokenspeed": "handshake", "sglang": "ready_fd"}
+
 
 def get(name: str) -> EngineCodec:
     """The codec of engine wire ``name`` (one of ``NAMES``)."""
@@ -39,6 +44,14 @@ def get(name: str) -> EngineCodec:
     except KeyError:
         raise KeyError(f"unknown engine codec {name!r}; known: {', '.join(NAMES)}") from None
     return factory()
+
+
+def readiness(name: str) -> str:
+    """How engine wire ``name`` reports readiness: ``"handshake"`` or ``"ready_fd"``."""
+    try:
+        return READINESS[name]
+    except KeyError:
+        raise KeyError(f"unknown engine wire {name!r}; known: {', '.join(NAMES)}") from None
 
 
 def handshake(name: str) -> HandshakeWire:

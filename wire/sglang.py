@@ -209,9 +209,19 @@ def request_for(spec: GenerateSpec) -> s.TokenizedGenerateReqInput | s.Tokenized
     )
 
 
+# The engine-neutral utility names the runtime calls (vLLM's), as SGLang's control calls.
+UTILITY_ALIASES: Final = {"reset_prefix_cache": "flush_cache"}
+
+
 def control_request(call_id: int, method: str, args: Sequence[object]) -> s.FlushCacheReqInput | s.ProfileReq:
-    """A control call: ``flush_cache [timeout_s]``, ``start_profile [{ProfileReq fields}]``, ``stop_profile``."""
+    """A control call: ``flush_cache [timeout_s]``, ``start_profile [{ProfileReq fields}]``, ``stop_profile``;
+    vLLM's ``reset_prefix_cache [...]`` (the warm-up's flush) is a flush, and its ``profile [start, ...]``
+    a start or a stop; a flush refused while requests run is a failure reply (the caller retries)."""
     tag = f"{CONTROL_PREFIX}{call_id}"
+    if method in UTILITY_ALIASES:
+        method, args = UTILITY_ALIASES[method], ()
+    elif method == "profile":
+        method, args = ("start_profile" if args and args[0] else "stop_profile"), ()
     if method == "flush_cache":
         timeout = args[0] if args else None
         return s.FlushCacheReqInput(rid=tag, http_worker_ipc=tag, timeout_s=None if timeout is None else float(timeout))
@@ -258,6 +268,11 @@ class SglangOutput:
         self.spec_draft_tokens = spec_draft_tokens
         self._batch = batch
         self._index = index
+
+    @property
+    def engine_outcome(self) -> AbortOutcome | None:
+        """How the call ends when the scheduler aborted this request: its gRPC status, or None."""
+        return abort_outcome(self.abort) if self.abort is not None else None
 
     def __repr__(self) -> str:
         return (f"SglangOutput({self.request_id!r}, {self.new_token_ids!r}, finish={self.finish_reason}, "
@@ -429,7 +444,11 @@ def _rows(batch: s.BatchTokenIDOutput, side: str, i: int, *, skip_first: bool) -
         if not row_ids and k:
             raise WireError(f"SGLang {side} top logprobs at {pos} of {batch.rids[i]!r} are missing")
     rows = len(values) - start
-    return LogprobRows(rows=rows, cols=k + 1, token_ids=flat_ids, logprobs=flat_values) if rows else None
+    if not rows:
+        return None
+    # Typed views, as vLLM's zero-copy columns are: the core slices top-k rows by buffer (machines/logprobs.py).
+    return LogprobRows(rows=rows, cols=k + 1, token_ids=memoryview(array("q", flat_ids)),
+                       logprobs=memoryview(array("d", flat_values)))
 
 
 # --------------------------------------------------------------------------

@@ -179,7 +179,9 @@ class EngineLink:
         self.launcher = launcher
         self.codec = codec
         # How this wire's handshake reads (machines/handshake.py); the codec's own by default.
-        self.handshake_wire = handshake_wire or codecs.handshake(codec.name)
+        # None on a wire with no handshake (SGLang's: runtime/engine/sglang_link.py).
+        self.handshake_wire = handshake_wire or (
+            codecs.handshake(codec.name) if codecs.readiness(codec.name) == "handshake" else None)
         self.journal = journal
         supervision = supervision or Supervision()
         if startup_timeout_s is not None:

@@ -52,6 +52,19 @@ class EngineLauncher(Protocol):
     def redacted(self, argv: list[str]) -> list[str]: ...
 
 
+class SchedulerLauncher(Protocol):
+    """A launcher for a wire with no handshake (SGLang's): the front end binds the scheduler's
+    input and output addresses, and the engine reports readiness as one JSON line on ``ready_fd``
+    (``runtime/engine/sglang_link.py``)."""
+
+    engine: str
+
+    def scheduler_command(self, input_address: str, output_address: str,
+                          ready_fd: int) -> tuple[list[str], dict[str, str]]: ...
+
+    def redacted(self, argv: list[str]) -> list[str]: ...
+
+
 class LauncherError(Exception):
     """The launcher cannot be set up as configured (operator's fault)."""
 
@@ -205,20 +218,24 @@ class SimLauncher:
 
     model_dir: Path
     extra_args: list[str] = field(default_factory=list)
-    engine: str = "vllm"  # it speaks the vLLM wire
+    engine: str = "vllm"  # the wire it speaks (codecs.NAMES): vllm by default, `serve --wire` picks another
     warnings: list[str] = field(default_factory=list)  # from the last ``command``
     ranks: tuple[int, ...] = (0,)  # the DP ranks it runs (kv_config.engine_ranks of its arguments)
 
+    def _base(self) -> list[str]:
+        argv = [sys.executable, "-m", "enginelink.tools.sim_engine", "--model", str(self.model_dir)]
+        return argv if self.engine == "vllm" else [*argv, "--wire", self.engine]
+
     def command(self, handshake_address: str) -> tuple[list[str], dict[str, str]]:
-        argv = [
-            sys.executable,
-            "-m",
-            "enginelink.tools.sim_engine",
-            "--handshake",
-            handshake_address,
-            "--model",
-            str(self.model_dir),
-        ]
+        argv = [*self._base(), "--handshake", handshake_address]
+        extra, env, self.warnings = move_secrets(self.extra_args)
+        return argv + extra, env
+
+    def scheduler_command(self, input_address: str, output_address: str,
+                          ready_fd: int) -> tuple[list[str], dict[str, str]]:
+        """The SGLang personality: it connects to the addresses we bound and reports on ``ready_fd``."""
+        argv = [*self._base(), "--scheduler-input-ipc", input_address, "--tokenizer-ipc", output_address,
+                "--ready-fd", str(ready_fd)]
         extra, env, self.warnings = move_secrets(self.extra_args)
         return argv + extra, env
 

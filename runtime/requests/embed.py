@@ -149,6 +149,9 @@ def _response(request_id: str, choice, prompt_tokens: int) -> pb.EmbedResponse:
         raise EngineRequestFailed(
             f"Embed request {request_id!r} did not produce a result (the engine ended it: {choice.finish_reason})"
         )
+    if isinstance(choice.pooled, list):  # SGLang's BatchEmbeddingOutput: the vector itself (wire/sglang.py)
+        return pb.EmbedResponse(embedding=choice.pooled, prompt_tokens=prompt_tokens,
+                                embedding_dim=len(choice.pooled))
     try:
         embedding = choice.pooled.floats()
     except WireError as error:

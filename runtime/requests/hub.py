@@ -209,7 +209,11 @@ class RequestHub:
         for record in actions.records:
             append(*record)
         for rank, engine_ids in actions.aborts:
-            self._send(self.codec.encode_abort(engine_ids), rank)
+            if len(engine_ids) > 1 and hasattr(self.codec, "encode_aborts"):
+                for frames in self.codec.encode_aborts(engine_ids):  # SGLang: one AbortReq per request
+                    self._send(frames, rank)
+            else:
+                self._send(self.codec.encode_abort(engine_ids), rank)
         for call in actions.wake:
             self._wake(call)
         for call in actions.touched:

@@ -147,7 +147,7 @@ def test_a_frame_touches_each_call_once_and_a_finished_call_is_taken_whole():
     assert [r[3]["dest"] for r in actions.records if r[2] == KIND_TRANSITION] == ["running"]
     taken = Actions()
     messages = core.take(call, 1.5, taken)
-    # The counts are running ones (what MLX's chunks carry): two tokens of choice 0, one of choice 1.
+    # The counts are running ones (what MLX's and SGLang's chunks carry): two tokens of choice 0, one of choice 1.
     assert messages == [Chunk(0, [11, 12], 2, 0, completion_tokens=2),
                         Complete(0, [11, 12], "length", 2, 0, stream=True, completion_tokens=2),
                         Chunk(1, [21], 2, 0, completion_tokens=1)]

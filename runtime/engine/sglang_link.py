@@ -1,0 +1,207 @@
+"""The engine link on SGLang's scheduler wire: no handshake, a ready report on an inherited fd.
+
+SGLang 0.5.23's scheduler (``--skip-tokenizer-init``, msgpack IPC) has no
+start-up handshake (``reference/sglang-contract.md`` §5.1): the front end
+binds a PUSH at ``scheduler_input_ipc_name`` and a PULL at
+``tokenizer_ipc_name``; the scheduler connects to both and reports
+``{"status": "ready", ...}`` on the pipe it was spawned with. Here that report
+arrives as one JSON line on a pipe whose write end the engine process
+inherits (the sim's ``--ready-fd``; the real launcher forwards its
+``multiprocessing`` pipe the same way, ``runtime/engine/sglang_headless.py``).
+
+Everything else is ``EngineLink``'s (this class only replaces ``run`` and
+``send``): the process in its own session, its output relayed with secrets
+hidden, the start-up bound (silence extended while the process lives, the
+ceiling), the process watch, the dropped-connection watch, the silence
+limit, the receive loop and the bounded stop. Readiness is the line with
+``status == "ready"``; the pipe closing first, a line that is not JSON, a
+line over ``READY_LINE_MAX_BYTES`` or another status fail the start-up.
+
+Not on this wire: the idle liveness probe (SGLang has no side-effect-free
+control call to ask: flush and profile change the engine; ``HealthCheck``
+runs a real one-token request instead), DP ranks (one scheduler rank; the
+DP controller is not driven), the engine's facts file (its ready report is
+its facts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import trio
+import zmq
+
+from enginelink.runtime.engine.engine_link import _MONITOR_EVENTS, EngineLink, LinkFailed, log as link_log
+from enginelink.runtime.engine.engine_output import EngineOutputRelay, Redactor
+from enginelink.runtime.engine.engine_process import (
+    SOCKET_PREFIX,
+    describe_priority,
+    lower_priority,
+    remove_stale_files,
+    run_threads_as_batch,
+    socket_dir,
+)
+from enginelink.runtime.engine.launchers import launch_secrets
+from enginelink.runtime.engine.zmq_trio import make_socket
+from enginelink.machines.link import LinkEvent
+from enginelink.wire.sglang import SGLANG_VERSION
+
+log = logging.getLogger("enginelink.link")
+
+# The ready report is a small dict (a few numbers); anything longer is not one.
+READY_LINE_MAX_BYTES = 64 * 1024
+# SGLang 0.5.23's report (Scheduler.get_init_info) has no batch cap; without --max-running-requests
+# the warm-up plan and GetLoads assume this many.
+MAX_RUNNING_REQUESTS_ASSUMED = 256
+
+
+def launch_facts(extra_args: list[str]) -> dict:
+    """What the engine's arguments say that its ready report does not: its batch cap, a pooling model."""
+    from enginelink.runtime.engine.launchers import flag_value
+
+    facts: dict = {}
+    cap = flag_value(extra_args, "--max-running-requests")
+    if cap and cap.isdigit():
+        facts["max_running_requests"] = int(cap)
+    if "--is-embedding" in extra_args or flag_value(extra_args, "--runner") == "pooling":
+        facts["is_generation"] = False
+    return facts
+
+
+def ready_facts(report: dict, max_model_len: int | None) -> dict:
+    """SGLang's ready report with the facts the rest of the servicer reads under vLLM's names.
+
+    ``max_req_input_len`` is the longest prompt the scheduler takes, so the
+    context is one more; ``max_running_requests`` is its batch cap;
+    ``chunked_prefill_size`` (when the report has it) its prefill step.
+    """
+    facts = dict(report)
+    input_len = int(report.get("max_req_input_len") or 0)
+    context = input_len + 1 if input_len else (max_model_len or 0)
+    if max_model_len:
+        context = min(context, max_model_len)
+    facts.setdefault("max_model_len", context)
+    facts.setdefault("max_num_seqs", int(report.get("max_running_requests") or MAX_RUNNING_REQUESTS_ASSUMED))
+    if report.get("is_generation") is False:
+        facts.setdefault("runner_type", "pooling")  # an embedding model: Embed, not Generate
+    # The prefill step (the warm-up plan's): SGLang's chunked-prefill size when it says, else a whole prompt.
+    facts.setdefault("max_num_batched_tokens", int(report.get("chunked_prefill_size") or 0) or context)
+    facts.setdefault("engine_version", f"sglang-{SGLANG_VERSION}")
+    facts.setdefault("data_parallel_size", 1)
+    return facts
+
+
+class SglangLink(EngineLink):
+    """``EngineLink`` for a wire whose engine connects to us and reports readiness on a pipe."""
+
+    def __init__(self, *, max_model_len: int | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.max_model_len = max_model_len  # the model directory's, a cap on what the report implies
+        self._push: zmq.Socket | None = None
+
+    def send(self, frames: list[bytes], rank: int = 0) -> None:
+        """One message to the scheduler (its single rank); never blocks."""
+        if self._push is None:
+            raise LinkFailed("engine link is not connected")
+        if rank != 0:
+            raise LinkFailed(f"the engine has no DP rank {rank}")
+        self._push.send_multipart(frames, zmq.NOBLOCK)
+
+    async def _probe_while_idle(self) -> None:
+        return  # no side-effect-free control call on this wire (module docstring)
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Bind, launch, wait for the ready report (then ``started``), receive until the engine goes."""
+        push = make_socket(self._context, zmq.PUSH)
+        outputs = make_socket(self._context, zmq.PULL)
+        monitor = None
+        read_fd = write_fd = -1
+        try:
+            directory = socket_dir()
+            for path in remove_stale_files(directory):
+                log.info("removed stale %s (nothing was bound to it)", path)
+            base = directory / f"{SOCKET_PREFIX}{os.getpid()}-{self.name}"
+            in_path, out_path = Path(f"{base}-in.sock"), Path(f"{base}-out.sock")
+            self._paths = [in_path, out_path]
+            push.bind(f"ipc://{in_path}")
+            outputs.bind(f"ipc://{out_path}")
+            monitor = outputs.get_monitor_socket(_MONITOR_EVENTS)
+            read_fd, write_fd = os.pipe()
+            argv, env = self.launcher.scheduler_command(f"ipc://{in_path}", f"ipc://{out_path}", write_fd)
+            engine_env = {**os.environ, **env}
+            self._redactor = redactor = Redactor(launch_secrets(argv, engine_env))
+            shown_argv = [redactor.line(arg) for arg in self.launcher.redacted(argv)]
+            self._journal_handshake("launch", {"argv": shown_argv, "inputs": f"ipc://{in_path}",
+                                               "outputs": f"ipc://{out_path}", "readiness": "ready_fd"})
+            failure: LinkFailed | None = None
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for warning in getattr(self.launcher, "warnings", ()):
+                    log.warning("%s", warning)
+                self.process = await trio.lowlevel.open_process(
+                    argv, env=engine_env, start_new_session=True, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, pass_fds=(write_fd,))
+                os.close(write_fd)  # the engine's now: EOF on our end means it is gone
+                write_fd = -1
+                self._relay = EngineOutputRelay(self.process.stdout, redactor)
+                nursery.start_soon(self._relay.pump)
+                priority = lower_priority(self.process.pid, self.engine_nice)
+                if self.servicer_sched == "batch":
+                    priority["servicer"] = run_threads_as_batch()
+                self._journal_handshake("priority", priority)
+                link_log.info("engine process %d started, %s", self.process.pid, describe_priority(priority))
+                nursery.start_soon(self._watch_process)
+                nursery.start_soon(self._supervise_startup)
+                pipe = trio.lowlevel.FdStream(read_fd)
+                read_fd = -1  # the stream owns it
+                async with pipe:
+                    failure = await self._run_handshake(lambda: self._await_ready(pipe))
+                if failure is None:
+                    self._read_facts(Path(os.devnull))  # journals the facts (the report is all of them)
+                    self._push = push
+                    self.step(LinkEvent.HANDSHAKE_DONE)
+                    task_status.started()
+                    nursery.start_soon(self._watch_disconnect, monitor)
+                    nursery.start_soon(self._watch_silence)
+                    await self._receive_loop(outputs)
+                nursery.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
+        finally:
+            self._push = None
+            for fd in (read_fd, write_fd):
+                if fd >= 0:
+                    os.close(fd)
+            for sock in (push, outputs, monitor):
+                if sock is not None:
+                    sock.close(linger=0)
+            await self._stop_engine_relaying()
+            for path in self._paths:
+                path.unlink(missing_ok=True)
+
+    async def _await_ready(self, pipe: trio.lowlevel.FdStream) -> None:
+        """Read the ready report's line; ``LinkFailed`` when it is not a ready report."""
+        buffer = b""
+        while b"\n" not in buffer:
+            data = await pipe.receive_some(READY_LINE_MAX_BYTES)
+            if not data:
+                raise LinkFailed("the engine closed its ready pipe without reporting ready")
+            buffer += data
+            if len(buffer) > READY_LINE_MAX_BYTES:
+                raise LinkFailed(f"the engine's ready report is over {READY_LINE_MAX_BYTES} bytes")
+        line = buffer.split(b"\n", 1)[0]
+        try:
+            report = json.loads(line)
+        except ValueError:
+            raise LinkFailed(f"the engine's ready report is not JSON: {line[:200]!r}") from None
+        if not isinstance(report, dict) or report.get("status") != "ready":
+            raise LinkFailed(f"the engine reported {str(report)[:300]} instead of ready")
+        self._journal_handshake("ready", report)
+        self.ready = ready_facts({**launch_facts(getattr(self.launcher, "extra_args", [])), **report},
+                                 self.max_model_len)
+        self.rank_ready = {0: self.ready}
+        self.ranks.set_ranks((0,))

@@ -1,0 +1,131 @@
+"""``serve --engine sglang``: the launch a real SGLang scheduler gets, and the refusals before it.
+
+The scheduler cannot run on a CPU-only machine (``reference/sglang-wire.md`` §7),
+so these check what can be checked here: the argv and environment the link
+starts it with, every refusal (exit 2, naming the cause) that comes before the
+engine, the release check against a drifted layout, and, with the struct-only
+SGLang venv (``tools/setup-sglang``), that SGLang's own parser takes our
+arguments and that the names the headless script calls exist in the release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from enginelink.runtime.engine.launchers import LauncherError
+from enginelink.runtime.engine.sglang_launch import SGLANG_HEADLESS_SCRIPT, SglangLauncher
+from enginelink.wire import sglang
+from tests.wire.engine_venvs import side_python_or_skip
+
+ENGINELINK = Path(sys.executable).parent / "enginelink"
+
+
+def _launcher(tmp_path, *extra: str) -> SglangLauncher:
+    return SglangLauncher(python="/opt/sgl/bin/python", model_dir=tmp_path / "model", extra_args=list(extra),
+                          checked_version="0.5.23")
+
+
+def test_the_scheduler_command_names_our_addresses_the_model_and_msgpack_ipc(tmp_path):
+    launcher = _launcher(tmp_path, "--tp-size", "2", "--hf-token", "s3cret")
+    argv, env = launcher.scheduler_command("ipc:///d/in.sock", "ipc:///d/out.sock", 7)
+    assert argv[:2] == ["/opt/sgl/bin/python", str(SGLANG_HEADLESS_SCRIPT)]
+    ours, theirs = argv[2:argv.index("--")], argv[argv.index("--") + 1:]
+    assert ours == ["--scheduler-input-ipc", "ipc:///d/in.sock", "--tokenizer-ipc", "ipc:///d/out.sock",
+                    "--ready-fd", "7"]
+    assert theirs == ["--model-path", str(tmp_path / "model"), "--skip-tokenizer-init", "--tp-size", "2"]
+    assert env == {"HF_TOKEN": "s3cret", "SGLANG_USE_PICKLE_IPC": "0"}  # the token never on a command line
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model-path", "/elsewhere"], "--model-path: enginelink sets it itself"),
+    (["--skip-tokenizer-init"], "--skip-tokenizer-init: enginelink sets it itself"),
+    (["--dp-size", "2"], "--dp-size 2: enginelink drives one SGLang scheduler DP rank"),
+    (["--data-parallel-size=4"], "--data-parallel-size 4"),
+])
+def test_arguments_enginelink_owns_or_cannot_drive_are_refused(tmp_path, args, words):
+    with pytest.raises(LauncherError, match=re.escape(words)):
+        _launcher(tmp_path, *args).check_args({"ENGINELINK_SGLANG_GPU_GLOB": str(tmp_path)})
+
+
+def test_no_cuda_device_is_refused_in_words_and_one_passes(tmp_path):
+    with pytest.raises(LauncherError, match="needs a CUDA GPU .* --engine sim --wire sglang"):
+        _launcher(tmp_path).check_args({"ENGINELINK_SGLANG_GPU_GLOB": str(tmp_path / "nvidia[0-9]*")})
+    (tmp_path / "nvidia0").touch()
+    _launcher(tmp_path, "--tp-size", "1").check_args({"ENGINELINK_SGLANG_GPU_GLOB": str(tmp_path / "nvidia[0-9]*")})
+
+
+def _serve(tmp_path, socket_dir, test_model_dir, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ENGINELINK), "serve", "--port", "0", "--model", str(test_model_dir), *args],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SMG_ZMQ_SOCKET_DIR": str(socket_dir),
+                               "XDG_STATE_HOME": str(tmp_path / "state"), **(env or {})})
+
+
+def _layout_file(tmp_path, drift: bool) -> str:
+    layout = json.loads(json.dumps(sglang.LAYOUT))
+    if drift:
+        fields = layout["structs"]["AbortReq"]["fields"]
+        fields[0], fields[1] = fields[1], fields[0]  # a release that swapped two positions
+    path = tmp_path / f"layout-{drift}.json"
+    path.write_text(json.dumps(layout))
+    return str(path)
+
+
+def test_serve_refuses_a_wire_the_engine_does_not_speak_and_sglang_dp(tmp_path, socket_dir, test_model_dir):
+    done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "vllm", "--wire", "sglang")
+    assert done.returncode == 2 and "--engine vllm does not speak --wire sglang; it speaks: vllm" in done.stderr
+    done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sim", "--wire", "sglang", "--", "-dp", "2")
+    assert done.returncode == 2 and "--wire sglang: one scheduler rank" in done.stderr
+    for value in ("soon", "0", "-3"):
+        done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sim", "--wire", "sglang",
+                      env={"SGLANG_HEALTH_CHECK_TIMEOUT": value})
+        assert done.returncode == 2 and f"SGLANG_HEALTH_CHECK_TIMEOUT={value!r}" in done.stderr, done.stderr
+
+
+def test_serve_engine_sglang_refuses_before_any_engine_starts(tmp_path, socket_dir, test_model_dir):
+    python = tmp_path / "sgl" / "bin" / "python"
+    done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sglang", env={"ENGINELINK_SGLANG_PYTHON": str(python)})
+    assert done.returncode == 2 and "no SGLang installation" in done.stderr and "tools/setup-sglang" in done.stderr
+    python.parent.mkdir(parents=True)
+    python.symlink_to(sys.executable)  # an interpreter is there; its layout comes from the test hook
+    drifted = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sglang", env={
+        "ENGINELINK_SGLANG_PYTHON": str(python), "ENGINELINK_SGLANG_LAYOUT_FILE": _layout_file(tmp_path, True)})
+    assert drifted.returncode == 2 and "AbortReq" in drifted.stderr and "0.5.23" in drifted.stderr, drifted.stderr
+    no_gpu = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sglang", env={
+        "ENGINELINK_SGLANG_PYTHON": str(python), "ENGINELINK_SGLANG_LAYOUT_FILE": _layout_file(tmp_path, False),
+        "ENGINELINK_SGLANG_GPU_GLOB": str(tmp_path / "nvidia[0-9]*")})
+    assert no_gpu.returncode == 2 and "needs a CUDA GPU" in no_gpu.stderr, no_gpu.stderr
+
+
+def test_sglangs_own_parser_takes_our_arguments_and_the_script_calls_names_the_release_has(tmp_path,
+                                                                                          test_model_dir):
+    python = side_python_or_skip("sglang")
+    argv, _ = SglangLauncher(python=python, model_dir=test_model_dir, extra_args=["--tp-size", "1"]) \
+        .scheduler_command("ipc:///x/in", "ipc:///x/out", 3)
+    theirs = argv[argv.index("--") + 1:]
+    probe = ("import json, sys\nfrom sglang.srt.server_args import prepare_server_args\n"
+             "a = prepare_server_args(json.loads(sys.argv[1]))\n"
+             "print(json.dumps([a.skip_tokenizer_init, a.model_path]))\n")
+    done = subprocess.run([python, "-c", probe, json.dumps(theirs)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, str(test_model_dir)]
+    # The engine module imports the server's whole stack (uvloop, ...), which the struct-only venv lacks:
+    # its source is read instead, for every name the headless script calls.
+    find = "import importlib.util as u; print(u.find_spec('sglang').submodule_search_locations[0])"
+    root = Path(subprocess.run([python, "-c", find], capture_output=True, text=True, timeout=60).stdout.strip())
+    engine_src = (root / "srt" / "entrypoints" / "engine.py").read_text()
+    for name in ("configure_logger", "_set_envs_and_config", "load_plugins", "resolve_auto_parsers", "publish"):
+        assert re.search(rf"\b{name}\b", engine_src), name
+    assert "def _launch_scheduler_processes(" in engine_src and "def wait_for_ready" in engine_src
+    scheduler_src = (root / "srt" / "managers" / "scheduler.py").read_text()
+    assert "def run_scheduler_process(" in scheduler_src
+    server_args_src = (root / "srt" / "server_args.py").read_text()
+    for field in ("scheduler_input_ipc_name", "tokenizer_ipc_name", "detokenizer_ipc_name"):
+        assert f"    {field}: str" in server_args_src, field
