@@ -47,6 +47,7 @@ from enginelink.runtime.engine.engine_process import ENGINE_NICE_DEFAULT, PLACEM
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
 from enginelink.runtime.rpc.grpc_limits import GrpcLimits
 from enginelink.runtime.rpc.fastpath import FrameWrites, GrpcServer, run_ready_callbacks_together
+from enginelink.runtime.rpc.grpc_tokenspeed import TokenSpeedSchedulerService
 from enginelink.runtime.rpc.grpc_vllm import VllmEngineService
 from enginelink.runtime.kv.kv_config import KvPlan
 from enginelink.runtime.engine.launchers import EngineLauncher
@@ -54,6 +55,13 @@ from enginelink.runtime.engine.model_dir import ModelFacts, load_tokenizer
 from enginelink.wire import codecs
 
 log = logging.getLogger("enginelink")
+
+# The gRPC contract served in front of each engine wire (the launcher's codec name); every
+# other engine service answers UNIMPLEMENTED, which the router's backend detection relies on.
+CONTRACTS = {
+    "vllm": VllmEngineService,
+    "tokenspeed": TokenSpeedSchedulerService,
+}
 
 
 @dataclass
@@ -211,7 +219,7 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
         metrics_port=config.metrics_port,
         metrics_listeners=metrics_listeners,
         readiness_sink=status,
-        edge=VllmEngineService.edge,  # the contract served: its edge encodes the hub's messages
+        edge=CONTRACTS[config.launcher.engine].edge,  # the contract served: its edge encodes the hub's messages
     )
 
 
@@ -249,7 +257,9 @@ class GrpcFront:
         config, metrics = self.config, servicer.metrics
         frame_writes = FrameWrites(config.fast_path)
         servicer.hub.end_of_batch = frame_writes.flush  # the direct path's writes go out once per engine frame
-        engine_service = VllmEngineService(servicer.app, frame_writes, servicer.kv_relay)
+        engine_service = CONTRACTS[config.launcher.engine](servicer.app, frame_writes, servicer.kv_relay)
+        if hasattr(engine_service, "server_args"):  # GetServerInfo's server_args: the engine's arguments, redacted
+            engine_service.server_args = {"engine_args": config.launcher.redacted(list(config.launcher.extra_args))}
         # grpclib names the service by the servicer object; "" (overall) gets
         # the same check, so liveness and readiness agree.
         health = Health({engine_service: [self.status]})
