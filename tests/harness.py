@@ -69,8 +69,10 @@ class Servicer:
     """``enginelink serve`` in a subprocess, with a grpcio channel to it."""
 
     def __init__(self, tmp: Path, model_dir: Path | None = None, extra: list[str] | None = None,
-                 engine_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 engine_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 health_service: str = VLLM_SERVICE) -> None:
         self.port = free_port()
+        self.health_service = health_service  # the engine service whose grpc.health.v1 status says SERVING
         self.journal = tmp / f"journal-{self.port}.sqlite"
         self.log_path = tmp / f"servicer-{self.port}.log"
         argv = [str(VENV_BIN / "enginelink"), "serve", "--port", str(self.port), "--journal", str(self.journal)]
@@ -102,7 +104,7 @@ class Servicer:
         def serving() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"servicer exited with {self.process.returncode}:\n{self.log()}")
-            reply = health.Check(health_pb2.HealthCheckRequest(service=VLLM_SERVICE), timeout=1)
+            reply = health.Check(health_pb2.HealthCheckRequest(service=self.health_service), timeout=1)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
         if wait_serving:

@@ -29,6 +29,13 @@ from enginelink.runtime.engine.model_dir import ModelDirError, read_model_facts
 from enginelink.runtime.requests.inputs import InputKnobError, input_limits
 
 
+# --engine sim --wire W: the sim's personality W, served with W's gRPC contract (server.CONTRACTS).
+SIM_WIRES = {
+    "vllm": "vllm.grpc.engine.VllmEngine",
+    "tokenspeed": "tokenspeed.grpc.scheduler.TokenSpeedScheduler",
+}
+
+
 class ConfigError(Exception):
     """The operator's configuration cannot work; the message says what to change."""
 
@@ -53,10 +60,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.epilog = ("Every setting, flags and environment variables (ENGINELINK_*, SMG_*), with its default: "
                 "README.md, \"Running\".")
-    p.add_argument("--engine", choices=["sim", "vllm", "mlx"], default=os.environ.get("ENGINELINK_ENGINE", "sim"),
+    p.add_argument("--engine", choices=["sim", "vllm", "mlx", "tokenspeed"],
+                   default=os.environ.get("ENGINELINK_ENGINE", "sim"),
                    help="engine to launch headless: sim, the embedded deterministic engine, vllm, a real "
                         "vLLM 0.32 from its own venv, or mlx, mlx-lm 0.31.3 from its own venv (tools/setup-mlx) "
-                        "behind the same wire (default sim; ENGINELINK_ENGINE)")
+                        "behind the same wire, tokenspeed, TokenSpeed 0.1.1 (`ts serve --headless`) from its own "
+                        "venv (tools/setup-tokenspeed; needs a GPU) (default sim; ENGINELINK_ENGINE)")
+    p.add_argument("--wire", choices=list(SIM_WIRES), default=os.environ.get("ENGINELINK_WIRE", "vllm"),
+                   help="--engine sim only: the engine wire (and so the gRPC contract) it speaks: "
+                        + ", ".join(f"{wire} ({contract})" for wire, contract in SIM_WIRES.items())
+                        + " (default vllm; ENGINELINK_WIRE)")
     p.add_argument("--model", type=Path, default=None,
                    help="model directory (default: the tiny test model, built on first use under the state dir)")
     p.add_argument("--served-model-name", default=None,
@@ -155,6 +168,28 @@ def _mlx_launcher(model_dir: Path, engine_args: list[str]):
     logging.getLogger("enginelink").info("MLX engine: mlx %s, mlx-lm %s (%s)", report.get("mlx"),
                                          report.get("mlx_lm"), python)  # fmt: skip
     return MlxLauncher(python=python, model_dir=model_dir, extra_args=engine_args)
+
+
+def _tokenspeed_launcher(model_dir: Path, engine_args: list[str]):
+    """The real TokenSpeed engine, after checking its release's structs match our codec (engine_compat)."""
+    from enginelink.runtime.engine.engine_compat import Incompatible, check_installed
+    from enginelink.runtime.engine.tokenspeed_launch import TokenSpeedLauncher, check_engine_args
+
+    try:
+        check_engine_args(engine_args)
+        python = _engine_python("tokenspeed")
+        version, warning = check_installed("tokenspeed", python)
+    except (LauncherError, Incompatible) as error:
+        raise ConfigError(str(error)) from None
+    if warning:
+        logging.getLogger("enginelink").warning("%s", warning)
+    return TokenSpeedLauncher(python=python, model_dir=model_dir, extra_args=engine_args, release=version)
+
+
+def _engine_python(engine: str) -> str:
+    from enginelink.runtime.engine.engine_compat import default_python
+
+    return default_python(engine)
 
 
 def default_model_dir() -> Path:
@@ -292,6 +327,9 @@ def build_config(args: argparse.Namespace):
         raise ConfigError(str(error)) from None
     if args.engine == "mlx":  # one rank, no KV-event publisher (mlx-lm has neither)
         engine_args, kv_events, ranks = list(args.engine_args), None, (0,)
+    elif args.engine == "tokenspeed":  # its --kv-events-config is its own: relayed only when that is verified
+        engine_args, kv_events = list(args.engine_args), None
+        ranks = _engine_ranks(args.engine, engine_args)
     else:
         engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
         ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
@@ -301,8 +339,12 @@ def build_config(args: argparse.Namespace):
         _node_rank(engine_args)
         engine_args = _capture_cap(engine_args)
         launcher = _vllm_launcher(model_dir, engine_args)
+    elif args.engine == "tokenspeed":
+        launcher = _tokenspeed_launcher(model_dir, engine_args)
     else:
-        launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args)
+        launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args, engine=args.wire)
+    if args.engine != "sim" and args.wire != "vllm":
+        raise ConfigError(f"--wire {args.wire} is for --engine sim; --engine {args.engine} speaks its own wire")
     launcher.ranks = ranks
     return ServeConfig(
         launcher=launcher,

@@ -301,16 +301,23 @@ class EngineLink:
             self._facts_path = facts_path
             facts_path.unlink(missing_ok=True)
             bound_handshake_socket(handshake)
-            handshake.bind(f"ipc://{hs_path}")
+            hs_address = f"ipc://{hs_path}"
+            if getattr(self.launcher, "handshake_transport", "ipc") == "tcp":
+                # An engine that dials only TCP (TokenSpeed: --data-parallel-address/-rpc-port):
+                # a free loopback port; its INIT still names the ipc data sockets.
+                handshake.bind("tcp://127.0.0.1:*")
+                hs_address = handshake.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                handshake.bind(hs_address)
             inputs.bind(f"ipc://{in_path}")
             outputs.bind(f"ipc://{out_path}")
             monitor = outputs.get_monitor_socket(_MONITOR_EVENTS)
-            argv, env = self.launcher.command(f"ipc://{hs_path}")
+            argv, env = self.launcher.command(hs_address)
             engine_env = {**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}
             # Secrets of the launch (argv's and the environment's), hidden wherever they appear.
             self._redactor = redactor = Redactor(launch_secrets(argv, engine_env))
             shown_argv = [redactor.line(arg) for arg in self.launcher.redacted(argv)]
-            self._journal_handshake("launch", {"argv": shown_argv, "handshake": f"ipc://{hs_path}",
+            self._journal_handshake("launch", {"argv": shown_argv, "handshake": hs_address,
                                                "handshake_message_max_bytes": HANDSHAKE_MESSAGE_MAX_BYTES})
             failure: LinkFailed | None = None
             async with trio.open_nursery() as nursery:

@@ -205,7 +205,7 @@ class SimLauncher:
 
     model_dir: Path
     extra_args: list[str] = field(default_factory=list)
-    engine: str = "vllm"  # it speaks the vLLM wire
+    engine: str = "vllm"  # the wire it speaks (its --wire): vllm, or another engine's personality
     warnings: list[str] = field(default_factory=list)  # from the last ``command``
     ranks: tuple[int, ...] = (0,)  # the DP ranks it runs (kv_config.engine_ranks of its arguments)
 
@@ -219,6 +219,8 @@ class SimLauncher:
             "--model",
             str(self.model_dir),
         ]
+        if self.engine != "vllm":
+            argv += ["--wire", self.engine]
         extra, env, self.warnings = move_secrets(self.extra_args)
         return argv + extra, env
 
