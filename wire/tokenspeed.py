@@ -373,6 +373,8 @@ class TokenSpeedCodec:
     """
 
     name: str = "tokenspeed"
+    # No utility calls on this wire (encode_utility refuses): the link sends no idle liveness probes.
+    control_calls: bool = False
 
     def __init__(self) -> None:
         self._keep_stop: set[str] = set()

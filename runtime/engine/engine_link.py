@@ -676,6 +676,12 @@ class EngineLink:
         timing = self.supervision.idle_probe
         if timing.interval_s <= 0:
             return  # ENGINELINK_IDLE_PROBE_SECS=0: no probes
+        if not getattr(self.codec, "control_calls", True):
+            # A wire with no utility calls (TokenSpeed 0.1.1) has no probe to send: its engine's death
+            # shows as its process exiting or ENGINE_CORE_DEAD; a frozen idle engine goes unseen until
+            # a request meets the silence timeout.
+            log.info("idle liveness probes off: the %s wire has no control calls to probe with", self.codec.name)
+            return
         # Woken this often besides the machine's own times, to see answers and new requests.
         check_s = max(0.05, min(1.0, timing.interval_s / 4, timing.timeout_s / 4))
         while self.machine.live:

@@ -31,7 +31,9 @@ SERVICE = "tokenspeed.grpc.scheduler.TokenSpeedScheduler"
 def ts(tmp_path_factory, test_model_dir):
     servicer = Servicer(tmp_path_factory.mktemp("ts-contract"), model_dir=test_model_dir,
                         extra=["--engine", "sim", "--wire", "tokenspeed"], engine_args=SLOW_ENGINE_ARGS,
-                        health_service=SERVICE, env={"ENGINELINK_WARMUP": "fast"})
+                        health_service=SERVICE,
+                        # Idle probes due within 0.2 s: a link that tried one on this wire would fail at once.
+                        env={"ENGINELINK_WARMUP": "fast", "ENGINELINK_IDLE_PROBE_SECS": "0.2"})
     with shared(servicer) as running:
         running.ts = pb_grpc.TokenSpeedSchedulerStub(running.channel)
         yield running
@@ -270,3 +272,15 @@ def test_control_calls_have_no_path_on_tokenspeed_0_1_1(ts):
 def test_get_tokenizer_sends_the_bundle(ts):
     chunks = list(ts.ts.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=10))
     assert chunks and sum(len(c.data) for c in chunks) > 0
+
+
+def test_an_idle_link_sends_no_probe_the_wire_cannot_carry(ts):
+    """TokenSpeed 0.1.1 has no utility calls, so no idle liveness probe: the servicer stays up while idle."""
+    wait_until(lambda: "idle liveness probes off: the tokenspeed wire" in ts.log(), 10, "the probes-off log line")
+    health = health_pb2_grpc.HealthStub(ts.channel)
+    for _ in range(5):  # the module ran a minute with idle gaps past the 0.2 s interval: still serving
+        assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        assert ts.ts.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy
+    assert ts.process.poll() is None
+    assert "Traceback" not in ts.log()
