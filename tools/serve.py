@@ -320,6 +320,8 @@ def build_config(args: argparse.Namespace):
     from enginelink.runtime.engine.engine_process import ENGINE_STOP_GRACE_S
     from enginelink.runtime.lifetime.server import ServeConfig
 
+    if args.engine != "sim" and args.wire != "vllm":
+        raise ConfigError(f"--wire {args.wire} is for --engine sim; --engine {args.engine} speaks its own wire")
     model_dir = args.model or default_model_dir()
     try:
         model = read_model_facts(model_dir)
@@ -343,8 +345,6 @@ def build_config(args: argparse.Namespace):
         launcher = _tokenspeed_launcher(model_dir, engine_args)
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args, engine=args.wire)
-    if args.engine != "sim" and args.wire != "vllm":
-        raise ConfigError(f"--wire {args.wire} is for --engine sim; --engine {args.engine} speaks its own wire")
     launcher.ranks = ranks
     return ServeConfig(
         launcher=launcher,
