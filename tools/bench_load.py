@@ -55,6 +55,23 @@ STRAGGLER_GRACE_S = 120.0
 # Without --requests or --duration-s, the load lasts this long.
 DEFAULT_DURATION_S = 10.0
 VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
+# The gRPC contract a servicer speaks, by its engine wire (``serve --wire``): service, stub modules and class,
+# and the SamplingParams field of the output length. The load is the same calls in either contract.
+CONTRACTS = {
+    "vllm": (VLLM_SERVICE, "vllm_engine_pb2", "VllmEngineStub", "max_tokens"),
+    "tokenspeed": ("tokenspeed.grpc.scheduler.TokenSpeedScheduler", "tokenspeed_scheduler_pb2",
+                   "TokenSpeedSchedulerStub", "max_new_tokens"),
+}
+
+
+def contract(wire: str):
+    """(service name, its messages module, its grpcio stub class, the max-tokens field) of ``wire``."""
+    import importlib
+
+    service, messages, stub, max_field = CONTRACTS[wire]
+    pb = importlib.import_module(f"smg_grpc_proto.generated.{messages}")
+    pb_grpc = importlib.import_module(f"smg_grpc_proto.generated.{messages}_grpc")
+    return service, pb, getattr(pb_grpc, stub), max_field
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -164,7 +181,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None = None, wire: str = "vllm") -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -176,7 +193,7 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
             if process is not None and process.poll() is not None:
                 raise RuntimeError(f"servicer exited with status {process.returncode} before SERVING")
             try:
-                reply = health.Check(health_pb2.HealthCheckRequest(service=VLLM_SERVICE), timeout=1)
+                reply = health.Check(health_pb2.HealthCheckRequest(service=CONTRACTS[wire][0]), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError as error:
@@ -185,18 +202,23 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
     raise TimeoutError(f"{target} not SERVING within {timeout_s:g} s (last error: {last!r})")
 
 
-def server_facts(target: str) -> dict:
+def server_facts(target: str, wire: str = "vllm") -> dict:
     """What the servicer says about itself (GetServerInfo, GetModelInfo)."""
     import grpc
-    from smg_grpc_proto.generated import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
 
+    _, pb, stub_class, _ = contract(wire)
     with grpc.insecure_channel(target) as channel:
-        stub = pb_grpc.VllmEngineStub(channel)
+        stub = stub_class(channel)
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
         model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    if wire == "tokenspeed":  # TokenSpeed's GetServerInfo: its own message (Structs, the release)
+        kind, seqs = f"tokenspeed-{info.tokenspeed_version}", int(info.scheduler_info["max_running_requests"])
+    else:
+        kind, seqs = info.server_type, info.max_num_seqs
     return {
-        "server_type": info.server_type,
-        "max_num_seqs": info.max_num_seqs,
+        "wire": wire,
+        "server_type": kind,
+        "max_num_seqs": seqs,
         "served_model_name": model.served_model_name,
         "vocab_size": model.vocab_size,
         "max_context_length": model.max_context_length,
@@ -225,12 +247,14 @@ class Servicer:
     def __init__(self, args: argparse.Namespace, tmp: Path, engine: str = "sim", model_dir: Path | None = None,
                  engine_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
+        self.wire = getattr(args, "wire", "vllm")  # the sim's wire, and so the contract served
         tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = tmp / "servicer.log"
         engine_args = engine_args_of(args) if engine_args is None else engine_args
         self.argv = [
             sys.executable, "-m", "enginelink.tools.cli", "serve", "--port", str(self.port),
             "--journal", str(tmp / "journal.sqlite"), "--log-level", "WARNING", *(["--engine", engine]),
+            *(["--wire", self.wire] if self.wire != "vllm" else []),
             "--model", str(model_dir or args.model or bench_model_dir()), "--", *engine_args,
         ]
         self.env = {**os.environ, **(env or {})}
@@ -245,7 +269,7 @@ class Servicer:
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         try:
-            wait_serving(self.target, timeout_s, self.process)
+            wait_serving(self.target, timeout_s, self.process, self.wire)
         except Exception as error:
             self.stop()
             raise RuntimeError(f"servicer did not start: {error}") from None
@@ -319,7 +343,7 @@ def _request_factory(plan: dict, index: int):
     """``request(n, tokens)``: call number ``n`` of this client process, the same for either client."""
     import random
 
-    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+    _, pb, _, max_field = contract(plan.get("wire", "vllm"))
 
     # Ids 0-2 are special in the test model; stay inside any vocabulary.
     span = max(1, min(61, plan["vocab_size"] - 3))
@@ -333,7 +357,7 @@ def _request_factory(plan: dict, index: int):
             request_id=f"{tag}-{n}",
             tokenized=pb.TokenizedInput(
                 input_ids=prompt if rng is None else [3 + rng.randrange(max(1, plan["vocab_size"] - 3)) for _ in prompt]),
-            sampling_params=pb.SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True),
+            sampling_params=pb.SamplingParams(temperature=temperature, ignore_eos=True, **{max_field: tokens}),
             stream=True,
         )
 
@@ -400,10 +424,10 @@ class CallRecorder:
 def _h2_client(conn, index: int, plan: dict) -> dict:
     """A client process's load over the lean HTTP/2 client (``tools/bench_h2client.py``), one connection."""
     import grpc
-    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
     from enginelink.tools.bench_h2client import Connection, run_calls
 
+    service, pb, _, _ = contract(plan.get("wire", "vllm"))
     status_names = {code.value[0]: code.name for code in grpc.StatusCode}
     request = _request_factory(plan, index)
     parse = pb.GenerateResponse.FromString
@@ -418,7 +442,7 @@ def _h2_client(conn, index: int, plan: dict) -> dict:
 
         return make_request, lambda n, body: record.on_response(n, parse(body)), on_end
 
-    connection = Connection(plan["target"], f"/{VLLM_SERVICE}/Generate")
+    connection = Connection(plan["target"], f"/{service}/Generate")
     try:
         # Warm-up: one short call, so the connection and the server's call path are up before "go".
         warm, warm_ids = CallRecorder(2), iter([-1])
@@ -444,13 +468,13 @@ async def _client(conn, index: int, plan: dict) -> dict:
     import asyncio
 
     import grpc
-    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+    stub_class = contract(plan.get("wire", "vllm"))[2]
     channels = [
         grpc.aio.insecure_channel(plan["target"], options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(plan["channels"])
     ]
-    stubs = [pb_grpc.VllmEngineStub(c) for c in channels]
+    stubs = [stub_class(c) for c in channels]
     max_tokens = plan["max_tokens"]
     request = _request_factory(plan, index)
 
@@ -497,7 +521,8 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
     duration_s = args.duration_s if args.duration_s is not None else (
         None if args.requests is not None else DEFAULT_DURATION_S)
     tag = uuid.uuid4().hex[:8]
-    server = server_facts(target)
+    wire = getattr(args, "wire", "vllm")
+    server = server_facts(target, wire)
     if args.prompt_tokens + args.max_tokens > server["max_context_length"]:
         raise RuntimeError(f"--prompt-tokens + --max-tokens exceed the model's context ({server['max_context_length']})")
     conc = _shares(args.concurrency, procs)
@@ -509,7 +534,7 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
         for i in range(procs):
             parent, child = ctx.Pipe()
             plan = {
-                "target": target, "tag": tag, "channels": args.channels, "concurrency": conc[i],
+                "target": target, "tag": tag, "channels": args.channels, "concurrency": conc[i], "wire": wire,
                 "client": args.client,
                 "requests": reqs[i], "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "vocab_size": server["vocab_size"],
