@@ -96,6 +96,14 @@ def test_serve_refuses_an_owned_flag_and_a_drifted_release_in_one_line(tmp_path,
                                        test_model_dir))
     assert "--wire tokenspeed is for --engine sim" in line
 
+    long_dir = tmp_path / ("d" * 80)
+    long_dir.mkdir(mode=0o700)
+    line = refused_with_one_line(serve(tmp_path, "--engine", "tokenspeed", "--model", test_model_dir,
+                                       env={"ENGINELINK_TOKENSPEED_LAYOUT_FILE": str(LAYOUT_FILE),
+                                            "ENGINELINK_TOKENSPEED_PYTHON": "/opt/ts/bin/python",
+                                            "SMG_ZMQ_SOCKET_DIR": str(long_dir)}))
+    assert "ipc socket directory" in line and "SMG_ZMQ_SOCKET_DIR" in line
+
 
 def test_the_launch_path_end_to_end_through_a_stand_in_interpreter(tmp_path, test_model_dir):
     stand_in = tmp_path / "ts-python"

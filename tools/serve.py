@@ -234,6 +234,16 @@ def _metrics_port(args: argparse.Namespace) -> int | None:
     return port
 
 
+def _check_socket_dir() -> None:
+    from enginelink.runtime.engine.engine_link import socket_dir
+    from enginelink.runtime.engine.engine_process import SocketDirError
+
+    try:
+        socket_dir()
+    except SocketDirError as error:
+        raise ConfigError(str(error)) from None
+
+
 def _kv_events(engine: str, engine_args: list[str]):
     """The engine args with the KV-event publisher turned on (unless off or given), and the relay's plan."""
     from enginelink.runtime.engine.engine_link import SOCKET_PREFIX, socket_dir
@@ -331,6 +341,7 @@ def build_config(args: argparse.Namespace):
         engine_args, kv_events, ranks = list(args.engine_args), None, (0,)
     elif args.engine == "tokenspeed":  # its --kv-events-config is its own: relayed only when that is verified
         engine_args, kv_events = list(args.engine_args), None
+        _check_socket_dir()  # as _kv_events does for the others: exit 2 before anything starts
         ranks = _engine_ranks(args.engine, engine_args)
     else:
         engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
