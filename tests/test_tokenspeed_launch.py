@@ -140,3 +140,26 @@ def test_the_installed_0_1_1_release_passes_the_launch_check(tmp_path):
     assert (version, warning) == ("0.1.1", None)
     assert TokenSpeedLauncher(python=python, model_dir=tmp_path, release=version).checked_version == \
         "tokenspeed-0.1.1"
+
+
+def test_without_enable_output_logprobs_a_logprob_request_is_refused_before_the_engine():
+    from enginelink.runtime.errors import ClientError
+    from enginelink.runtime.requests.validate import EngineLimits
+    from enginelink.runtime.rpc.grpc_tokenspeed import TokenSpeedSchedulerService
+
+    limits = EngineLimits(max_model_len=64, vocab_size=100, eos_token_ids=(2,))
+    asks = pb.GenerateRequest(request_id="lp", tokenized=pb.TokenizedInput(input_ids=[5, 6]), return_logprob=True,
+                              sampling_params=pb.SamplingParams(max_new_tokens=2))
+    for engine_args, served in ((["--tp-size", "1"], False), (["--enable-output-logprobs"], True)):
+        launcher = TokenSpeedLauncher(python="/ts/bin/python", model_dir=Path("/m"), extra_args=engine_args)
+        assert launcher.output_logprobs is served
+        service = TokenSpeedSchedulerService(app=None, frame_writes=None)
+        service.configure(launcher)
+        assert service.server_args == {"engine_args": engine_args}
+        if served:
+            assert service.edge.validate(asks, limits, 0.0).specs[0].sampling.logprobs == 0
+        else:
+            with pytest.raises(ClientError) as refused:
+                service.edge.validate(asks, limits, 0.0)
+            assert refused.value.field == "return_logprob"
+            assert "started without --enable-output-logprobs" in str(refused.value)

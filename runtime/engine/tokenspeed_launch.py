@@ -66,6 +66,11 @@ class TokenSpeedLauncher:
     ranks: tuple[int, ...] = (0,)
 
     @property
+    def output_logprobs(self) -> bool:
+        """Started with ``--enable-output-logprobs``: without it TokenSpeed answers logprob requests pre-aborted."""
+        return "--enable-output-logprobs" in self.extra_args
+
+    @property
     def checked_version(self) -> str:
         return ready_version(self.release) if self.release else ""
 

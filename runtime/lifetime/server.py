@@ -258,8 +258,8 @@ class GrpcFront:
         frame_writes = FrameWrites(config.fast_path)
         servicer.hub.end_of_batch = frame_writes.flush  # the direct path's writes go out once per engine frame
         engine_service = CONTRACTS[config.launcher.engine](servicer.app, frame_writes, servicer.kv_relay)
-        if hasattr(engine_service, "server_args"):  # GetServerInfo's server_args: the engine's arguments, redacted
-            engine_service.server_args = {"engine_args": config.launcher.redacted(list(config.launcher.extra_args))}
+        if hasattr(engine_service, "configure"):  # a contract that reads the launch (its server_args, ...)
+            engine_service.configure(config.launcher)
         # grpclib names the service by the servicer object; "" (overall) gets
         # the same check, so liveness and readiness agree.
         health = Health({engine_service: [self.status]})

@@ -46,8 +46,13 @@ def child_id(request_id: str, index: int, n: int) -> str:
 # -- the request: GenerateRequest → GenerateCall ------------------------------------------
 
 
-def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: float) -> GenerateCall:
-    """Check a ``tokenspeed_scheduler_pb2.GenerateRequest``; raise ClientError or return the call."""
+def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: float, *,
+                      output_logprobs: bool = True) -> GenerateCall:
+    """Check a ``tokenspeed_scheduler_pb2.GenerateRequest``; raise ClientError or return the call.
+
+    ``output_logprobs``: the engine was started with ``--enable-output-logprobs`` (the sim
+    always serves them); without it TokenSpeed pre-aborts any request for logprobs.
+    """
     inputs = limits.inputs
     check_request_id("request_id", request.request_id, inputs)
     sp = request.sampling_params
@@ -79,7 +84,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     dp_rank = _dp_rank(request, limits)
     specs = [GenerateSpec(request_id=engine_id, prompt_token_ids=prompt, sampling=sampling, arrival_time=now,
                           data_parallel_rank=dp_rank) for engine_id in engine_ids]
-    refused = preabort_reason(specs[0])  # each child goes to the engine with n = 1
+    refused = preabort_reason(specs[0], output_logprobs_enabled=output_logprobs)  # each child is sent with n = 1
     if refused is not None:
         raise ClientError(refused[0], refused[1], words=refused[1])
     return GenerateCall(
@@ -299,12 +304,18 @@ def raw_request_id(request: pb.GenerateRequest) -> str:
 
 
 class TokenSpeedEdge:
-    """The TokenSpeed contract's edge (``contract.ContractEdge``)."""
+    """The TokenSpeed contract's edge (``contract.ContractEdge``); ``output_logprobs`` as ``validate_generate``'s."""
 
     name = NAME
     id_field = "request_id"
-    validate = staticmethod(validate_generate)
     encode = staticmethod(encode)
+
+    def __init__(self, output_logprobs: bool = True) -> None:
+        self.output_logprobs = output_logprobs
+
+    def validate(self, request: pb.GenerateRequest, limits: EngineLimits, now: float) -> GenerateCall:
+        return validate_generate(request, limits, now, output_logprobs=self.output_logprobs)
+
     chunk_body = None  # responses need CallStamp: the protobuf path only
     release_params = staticmethod(release_params)
     raw_request_id = staticmethod(raw_request_id)

@@ -33,7 +33,7 @@ from smg_grpc_proto.generated import common_pb2, tokenspeed_scheduler_pb2 as pb
 from enginelink.proto.tokenspeed_scheduler_grpc import TokenSpeedSchedulerBase
 from enginelink.runtime.errors import Unavailable, current_request_id, grpc_errors
 from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT, subscribe_kv_events
-from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, CallStamp
+from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, CallStamp, TokenSpeedEdge
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
 from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
@@ -68,8 +68,14 @@ class TokenSpeedSchedulerService(TokenSpeedSchedulerBase):
         self.app = app
         self.frame_writes = frame_writes
         self.kv_relay = kv_relay
-        # GetServerInfo's launch facts (the engine's arguments), credentials already redacted: server.py sets them.
+        # GetServerInfo's launch facts (the engine's arguments, redacted); ``configure`` sets them.
         self.server_args: dict = {}
+
+    def configure(self, launcher) -> None:
+        """What this service learns from the engine's launch (server.py calls it once, before serving)."""
+        self.server_args = {"engine_args": launcher.redacted(list(launcher.extra_args))}
+        # Without --enable-output-logprobs TokenSpeed pre-aborts a request for logprobs: refused here instead.
+        self.edge = TokenSpeedEdge(output_logprobs=getattr(launcher, "output_logprobs", True))
 
     @property
     def journal(self):
