@@ -43,7 +43,8 @@ class ConfigError(Exception):
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 DESCRIPTION = """\
-Run the servicer (the smg VllmEngine gRPC contract) in front of one engine.
+Run the servicer in front of one engine: the smg VllmEngine gRPC contract, or
+TokenSpeedScheduler for a TokenSpeed engine (--engine tokenspeed, or --engine sim --wire tokenspeed).
 With no flags: the embedded sim engine and the tiny test model (built on first use;
 `enginelink make-test-model --print-path` says where), on 127.0.0.1:50051.
 
