@@ -63,6 +63,11 @@ def test_router_detects_tokenspeed(stack):
     (worker,) = workers["workers"]
     assert worker["runtime_type"] == "tokenspeed"
     assert worker["is_healthy"] is True
+    # SubscribeKvEvents serves TokenSpeed's contract through the same relay.
+    wait_until(lambda: "KV event stream connected" in stack.router.log(), 10, "the router's KV event stream")
+    # The other services' probes got UNIMPLEMENTED and nothing else went wrong.
+    for bad in ("Traceback", "ERROR", "CRITICAL"):
+        assert bad not in stack.servicer.log(), stack.servicer.log()[-3000:]
 
 
 def test_chat_whole_and_streamed_agree(stack):
