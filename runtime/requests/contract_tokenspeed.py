@@ -185,7 +185,8 @@ def _logit_bias(sp, limits: EngineLimits) -> dict[int, float] | None:
 
 
 # The constraint oneof's fields → the codec's keys (vLLM's StructuredOutputsParams names).
-_CONSTRAINT_KEYS = {"regex": "regex", "json_schema": "json", "ebnf_grammar": "grammar", "structural_tag": "structural_tag"}
+_CONSTRAINT_KEYS = {"regex": "regex", "json_schema": "json", "ebnf_grammar": "grammar",
+                    "structural_tag": "structural_tag"}
 
 
 def _constraint(sp, inputs: InputLimits) -> dict | None:

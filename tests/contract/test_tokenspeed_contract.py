@@ -170,7 +170,8 @@ def test_abort_ends_every_child_and_a_second_abort_finds_nothing(ts):
     reply = ts.ts.Abort(pb.AbortRequest(request_id=rid, reason="test"), timeout=CALL_TIMEOUT_S)
     assert reply.success, reply.message
     rest = list(call)
-    finishes = {r.complete.index: r.complete.finish_reason for r in [first, *rest] if r.WhichOneof("response") == "complete"}
+    finishes = {r.complete.index: r.complete.finish_reason for r in [first, *rest]
+                if r.WhichOneof("response") == "complete"}
     assert finishes == {0: "abort", 1: "abort"}
     children = {f"{rid}-n0", f"{rid}-n1"}
     wait_until(lambda: _engine_aborted(ts, children) == children, 10, "the engine's abort entries for both children")
