@@ -81,12 +81,27 @@ def test_engine_args_reach_the_engine(test_model_dir):
     assert report["server"]["max_num_seqs"] == 2  # as the engine reported it
 
 
+@pytest.mark.slow
+def test_the_tokenspeed_contract_is_measured_the_same_way(test_model_dir):
+    """``--wire tokenspeed``: the sim speaks TokenSpeed's wire and the load speaks its contract; counts hold."""
+    args = _args("--model", str(test_model_dir), "--wire", "tokenspeed", "--requests", "8", "--max-tokens", "16",
+                 "--concurrency", "4", "--engine-args=--max-num-seqs 3")
+    report = bench.measure(args)
+    _check_counts(report, 8, 16)
+    assert report["server"]["wire"] == "tokenspeed"
+    assert report["server"]["server_type"] == "tokenspeed-0.1.1"
+    assert report["server"]["max_num_seqs"] == 3  # from TokenSpeed's scheduler_info, as the engine reported it
+    assert "tokenspeed contract" in bench.format_report(report).splitlines()[0]
+
+
 def test_refused_options_exit_2(capsys):
     assert bench.run(_args("--concurrency", "0")) == 2
     assert "--concurrency must be >= 1" in capsys.readouterr().err
     assert bench.run(_args("--servicer-pid", "1")) == 2
     assert bench.run(_args("--channels", "2")) == 2
     assert "--channels goes with --client grpcio" in capsys.readouterr().err
+    assert bench.run(_args("--wire", "tokenspeed", "--engine", "vllm")) == 2
+    assert "--wire goes with the sim engine" in capsys.readouterr().err
 
 
 def test_percentile_is_nearest_rank():

@@ -198,13 +198,16 @@ def test_tokenspeed_generates_the_vllm_personalitys_tokens_with_stop_ids_length_
     assert outs[-1].finish_reason == FinishReason.LENGTH
     assert (outs[-1].prompt_tokens, outs[-1].completion_tokens) == (len(PROMPT), 8)  # running totals
 
-    # A stop id: generation ends on it, and TokenSpeed's wire keeps it (the contract trims).
+    # A stop id: generation ends on it, and TokenSpeed's wire keeps it (the front end's codec trims it
+    # and names it as the matched stop).
     stop_id = expected[3]
     stopped = spec("s", max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_id,))
     front.send(front.codec.encode_add(stopped))
     tokens, outs = collect(front.next_batch, "s")
-    assert tokens == expected[: expected.index(stop_id) + 1]
-    assert outs[-1].finish_reason == FinishReason.STOP
+    assert tokens == expected[: expected.index(stop_id)]
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == stop_id
+    (last_on_wire,) = [ids for rid, ids in zip(outs[-1]._batch.rids, outs[-1]._batch.output_ids) if rid == "s"]
+    assert last_on_wire[-1] == stop_id
     # The second request found the first's prompt blocks cached.
     assert outs[0].cached_tokens == 32
 

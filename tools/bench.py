@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the real vLLM engine vs a bare ZMQ driver of it, alternating (tools/bench_engine.py); "
                         "mlx: enginelink + the MLX engine vs mlx-lm's BatchGenerator driven in-process, "
                         "alternating (tools/bench_mlx.py)")
+    p.add_argument("--wire", choices=["vllm", "tokenspeed"], default="vllm",
+                   help="with the sim engine: the engine wire it speaks, and so the gRPC contract measured "
+                        "(vllm: VllmEngine, default; tokenspeed: TokenSpeedScheduler over TokenSpeed's wire); "
+                        "with --target: the contract that servicer speaks")
     p.add_argument("--raw-front-end-us", type=float, nargs="+", default=[], metavar="US",
                    help="with --engine vllm: also run the raw driver as if it were a front end that spends "
                         "US CPU microseconds per output token (a busy loop in the driver), one side per value; "
@@ -90,7 +94,7 @@ def format_report(report: dict) -> str:
     lines = [
         f"enginelink bench: concurrency {c['concurrency']}, max_tokens {c['max_tokens']}, "
         f"prompt {c['prompt_tokens']}, {c['client']} client, {c['client_procs']} process(es) x "
-        f"{c['channels']} connection(s)",
+        f"{c['channels']} connection(s), {report.get('server', {}).get('wire', 'vllm')} contract",
         f"  machine            {report['machine']['nproc']} cpu, {report['machine']['cpu_model']}, "
         f"Python {report['machine']['python']}",
         f"  load window        {report['wall_s']:.2f} s",
@@ -173,7 +177,7 @@ def measure(args: argparse.Namespace) -> dict:
                 servicer = Servicer(args, tmp)
                 servicer.start()
                 return run_load(args, servicer.target, servicer.process.pid)
-            wait_serving(args.target, SERVING_TIMEOUT_S)
+            wait_serving(args.target, SERVING_TIMEOUT_S, wire=args.wire)
             return run_load(args, args.target, args.servicer_pid)
         except (RuntimeError, TimeoutError) as error:
             message = str(error)
@@ -187,6 +191,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     engine = getattr(args, "engine", "sim")
+    if getattr(args, "wire", "vllm") != "vllm" and (engine != "sim" or args.against):
+        print("enginelink bench: --wire goes with the sim engine (no --engine vllm/mlx, no --against)", file=sys.stderr)
+        return 2
     if args.concurrency is None:
         # MLX's batch is 32 sequences by default (mlx_lm.server's): measured under and at it.
         args.concurrency = [8, 32] if engine == "mlx" else [128]

@@ -55,6 +55,24 @@ STRAGGLER_GRACE_S = 120.0
 # Without --requests or --duration-s, the load lasts this long.
 DEFAULT_DURATION_S = 10.0
 VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
+# The gRPC contract a servicer speaks (the sim's ``serve --wire``, or ``--engine mlx``'s MlxEngine): service,
+# stub modules and class, and the SamplingParams field of the output length. The load is the same calls in each.
+CONTRACTS = {
+    "vllm": (VLLM_SERVICE, "vllm_engine_pb2", "VllmEngineStub", "max_tokens"),
+    "mlx": ("mlx.grpc.engine.MlxEngine", "mlx_engine_pb2", "MlxEngineStub", "max_tokens"),
+    "tokenspeed": ("tokenspeed.grpc.scheduler.TokenSpeedScheduler", "tokenspeed_scheduler_pb2",
+                   "TokenSpeedSchedulerStub", "max_new_tokens"),
+}
+
+
+def contract(wire: str):
+    """(service name, its messages module, its grpcio stub class, the max-tokens field) of the contract ``wire``."""
+    import importlib
+
+    service, messages, stub, max_field = CONTRACTS[wire]
+    pb = importlib.import_module(f"smg_grpc_proto.generated.{messages}")
+    pb_grpc = importlib.import_module(f"smg_grpc_proto.generated.{messages}_grpc")
+    return service, pb, getattr(pb_grpc, stub), max_field
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -164,25 +182,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# The gRPC contract a target serves, by name (``args.contract``; ``serve --engine mlx`` serves MLX's):
-# its service and the generated modules of its messages and stub. The load is the same on either.
-CONTRACTS = {
-    "vllm": (VLLM_SERVICE, "vllm_engine_pb2", "vllm_engine_pb2_grpc", "VllmEngineStub"),
-    "mlx": ("mlx.grpc.engine.MlxEngine", "mlx_engine_pb2", "mlx_engine_pb2_grpc", "MlxEngineStub"),
-}
-
-
-def contract_modules(contract: str):
-    """(service name, messages module, stub class) of a contract in ``CONTRACTS``."""
-    import importlib
-
-    service, messages, stubs, stub = CONTRACTS[contract]
-    pb = importlib.import_module(f"smg_grpc_proto.generated.{messages}")
-    return service, pb, getattr(importlib.import_module(f"smg_grpc_proto.generated.{stubs}"), stub)
-
-
-def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None = None,
-                 contract: str = "vllm") -> None:
+def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None = None, wire: str = "vllm") -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -194,7 +194,7 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
             if process is not None and process.poll() is not None:
                 raise RuntimeError(f"servicer exited with status {process.returncode} before SERVING")
             try:
-                reply = health.Check(health_pb2.HealthCheckRequest(service=CONTRACTS[contract][0]), timeout=1)
+                reply = health.Check(health_pb2.HealthCheckRequest(service=CONTRACTS[wire][0]), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError as error:
@@ -203,18 +203,23 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
     raise TimeoutError(f"{target} not SERVING within {timeout_s:g} s (last error: {last!r})")
 
 
-def server_facts(target: str, contract: str = "vllm") -> dict:
+def server_facts(target: str, wire: str = "vllm") -> dict:
     """What the servicer says about itself (GetServerInfo, GetModelInfo)."""
     import grpc
 
-    _, pb, stub_class = contract_modules(contract)
+    _, pb, stub_class, _ = contract(wire)
     with grpc.insecure_channel(target) as channel:
         stub = stub_class(channel)
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
         model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    if wire == "tokenspeed":  # TokenSpeed's GetServerInfo: its own message (Structs, the release)
+        kind, seqs = f"tokenspeed-{info.tokenspeed_version}", int(info.scheduler_info["max_running_requests"])
+    else:
+        kind, seqs = info.server_type, getattr(info, "max_num_seqs", 0)  # MLX's has none
     return {
-        "server_type": info.server_type,
-        "max_num_seqs": getattr(info, "max_num_seqs", 0),  # MLX's has none
+        "wire": wire,
+        "server_type": kind,
+        "max_num_seqs": seqs,
         "served_model_name": model.served_model_name,
         "vocab_size": model.vocab_size,
         "max_context_length": model.max_context_length,
@@ -243,16 +248,18 @@ class Servicer:
     def __init__(self, args: argparse.Namespace, tmp: Path, engine: str = "sim", model_dir: Path | None = None,
                  engine_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
+        self.wire = getattr(args, "wire", "vllm")  # the sim's wire, and so the contract served
+        self.contract = "mlx" if engine == "mlx" else self.wire  # MLX's engine speaks vLLM's wire, serves MlxEngine
         tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = tmp / "servicer.log"
         engine_args = engine_args_of(args) if engine_args is None else engine_args
         self.argv = [
             sys.executable, "-m", "enginelink.tools.cli", "serve", "--port", str(self.port),
             "--journal", str(tmp / "journal.sqlite"), "--log-level", "WARNING", *(["--engine", engine]),
+            *(["--wire", self.wire] if self.wire != "vllm" else []),
             "--model", str(model_dir or args.model or bench_model_dir()), "--", *engine_args,
         ]
         self.env = {**os.environ, **(env or {})}
-        self.contract = "mlx" if engine == "mlx" else "vllm"  # what serve serves for that engine
         self.process: subprocess.Popen | None = None
         self._log = None
 
@@ -338,7 +345,7 @@ def _request_factory(plan: dict, index: int):
     """``request(n, tokens)``: call number ``n`` of this client process, the same for either client."""
     import random
 
-    _, pb, _ = contract_modules(plan.get("contract", "vllm"))
+    _, pb, _, max_field = contract(plan.get("wire", "vllm"))
 
     # Ids 0-2 are special in the test model; stay inside any vocabulary.
     span = max(1, min(61, plan["vocab_size"] - 3))
@@ -347,12 +354,12 @@ def _request_factory(plan: dict, index: int):
     rng = random.Random() if plan.get("random_prompt") else None
     tag = f"bench-{plan['tag']}-{index}"
 
-    def request(n: int, tokens: int):
+    def request(n: int, tokens: int) -> pb.GenerateRequest:
         return pb.GenerateRequest(
             request_id=f"{tag}-{n}",
             tokenized=pb.TokenizedInput(
                 input_ids=prompt if rng is None else [3 + rng.randrange(max(1, plan["vocab_size"] - 3)) for _ in prompt]),
-            sampling_params=pb.SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True),
+            sampling_params=pb.SamplingParams(temperature=temperature, ignore_eos=True, **{max_field: tokens}),
             stream=True,
         )
 
@@ -422,7 +429,7 @@ def _h2_client(conn, index: int, plan: dict) -> dict:
 
     from enginelink.tools.bench_h2client import Connection, run_calls
 
-    service, pb, _ = contract_modules(plan.get("contract", "vllm"))
+    service, pb, _, _ = contract(plan.get("wire", "vllm"))
     status_names = {code.value[0]: code.name for code in grpc.StatusCode}
     request = _request_factory(plan, index)
     parse = pb.GenerateResponse.FromString
@@ -464,7 +471,7 @@ async def _client(conn, index: int, plan: dict) -> dict:
 
     import grpc
 
-    _, _, stub_class = contract_modules(plan.get("contract", "vllm"))
+    stub_class = contract(plan.get("wire", "vllm"))[2]
     channels = [
         grpc.aio.insecure_channel(plan["target"], options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(plan["channels"])
@@ -516,8 +523,8 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
     duration_s = args.duration_s if args.duration_s is not None else (
         None if args.requests is not None else DEFAULT_DURATION_S)
     tag = uuid.uuid4().hex[:8]
-    contract = getattr(args, "contract", "vllm")
-    server = server_facts(target, contract)
+    wire = getattr(args, "contract", None) or getattr(args, "wire", "vllm")  # the contract's CONTRACTS key
+    server = server_facts(target, wire)
     if args.prompt_tokens + args.max_tokens > server["max_context_length"]:
         raise RuntimeError(f"--prompt-tokens + --max-tokens exceed the model's context ({server['max_context_length']})")
     conc = _shares(args.concurrency, procs)
@@ -529,7 +536,7 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
         for i in range(procs):
             parent, child = ctx.Pipe()
             plan = {
-                "target": target, "tag": tag, "channels": args.channels, "concurrency": conc[i], "contract": contract,
+                "target": target, "tag": tag, "channels": args.channels, "concurrency": conc[i], "wire": wire,
                 "client": args.client,
                 "requests": reqs[i], "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "vocab_size": server["vocab_size"],

@@ -36,7 +36,9 @@ class ConfigError(Exception):
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 DESCRIPTION = """\
-Run the servicer (the smg VllmEngine gRPC contract) in front of one engine.
+Run the servicer in front of one engine, serving the engine's smg gRPC contract: VllmEngine
+(sim, vllm), MlxEngine (mlx), SglangScheduler (sglang, or sim --wire sglang), TokenSpeedScheduler
+(tokenspeed, or sim --wire tokenspeed); runtime/lifetime/engines.py is the table.
 With no flags: the embedded sim engine and the tiny test model (built on first use;
 `enginelink make-test-model --print-path` says where), on 127.0.0.1:50051.
 
@@ -58,11 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=list(ENGINES), default=os.environ.get("ENGINELINK_ENGINE", "sim"),
                    help="engine to launch headless: sim, the embedded deterministic engine, vllm, a real "
                         "vLLM 0.32 from its own venv, mlx, mlx-lm 0.31.3 from its own venv (tools/setup-mlx) "
-                        "behind the same wire (served as mlx.grpc.engine.MlxEngine), or sglang, an SGLang 0.5.23 scheduler from its own venv "
-                        "(tools/setup-sglang; needs a GPU) (default sim; ENGINELINK_ENGINE)")
+                        "behind the same wire (served as mlx.grpc.engine.MlxEngine), sglang, an SGLang 0.5.23 scheduler from its own venv "
+                        "(tools/setup-sglang; needs a GPU), or tokenspeed, TokenSpeed 0.1.1 (`ts serve --headless`) "
+                        "from its own venv (tools/setup-tokenspeed; needs a GPU) (default sim; ENGINELINK_ENGINE)")
     p.add_argument("--wire", choices=list(WIRES), default=os.environ.get("ENGINELINK_WIRE") or None,
-                   help="the engine wire, and with it the gRPC contract served: vllm (VllmEngine) or sglang "
-                        "(SglangScheduler); default: the engine's own (sim: vllm; ENGINELINK_WIRE). "
+                   help="the engine wire, and with it the gRPC contract served: vllm (VllmEngine), sglang "
+                        "(SglangScheduler) or tokenspeed (TokenSpeedScheduler); default: the engine's own (sim: vllm; ENGINELINK_WIRE). "
                         "The sim engine speaks every wire")
     p.add_argument("--model", type=Path, default=None,
                    help="model directory (default: the tiny test model, built on first use under the state dir)")
@@ -181,6 +184,22 @@ def _sglang_launcher(model_dir: Path, engine_args: list[str]):
     return launcher
 
 
+def _tokenspeed_launcher(model_dir: Path, engine_args: list[str]):
+    """The real TokenSpeed engine, after checking its release's structs match our codec (engine_compat)."""
+    from enginelink.runtime.engine.engine_compat import Incompatible, check_installed, default_python
+    from enginelink.runtime.engine.tokenspeed_launch import TokenSpeedLauncher, check_engine_args
+
+    try:
+        check_engine_args(engine_args)
+        python = default_python("tokenspeed")
+        version, warning = check_installed("tokenspeed", python)
+    except (LauncherError, Incompatible) as error:
+        raise ConfigError(str(error)) from None
+    if warning:
+        logging.getLogger("enginelink").warning("%s", warning)
+    return TokenSpeedLauncher(python=python, model_dir=model_dir, extra_args=engine_args, release=version)
+
+
 def default_model_dir() -> Path:
     from enginelink.tools.test_model import default_test_model_path, is_complete, make_test_model
 
@@ -221,6 +240,16 @@ def _metrics_port(args: argparse.Namespace) -> int | None:
     if port == args.port:
         raise ConfigError(f"metrics port {port} is the gRPC port; pick another --metrics-port")
     return port
+
+
+def _check_socket_dir() -> None:
+    from enginelink.runtime.engine.engine_link import socket_dir
+    from enginelink.runtime.engine.engine_process import SocketDirError
+
+    try:
+        socket_dir()
+    except SocketDirError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _kv_events(engine: str, engine_args: list[str]):
@@ -322,6 +351,10 @@ def build_config(args: argparse.Namespace):
         raise ConfigError(str(error)) from None
     if args.engine == "mlx":  # one rank, no KV-event publisher (mlx-lm has neither)
         engine_args, kv_events, ranks = list(args.engine_args), None, (0,)
+    elif args.engine == "tokenspeed":  # its --kv-events-config is its own: relayed only when that is verified
+        engine_args, kv_events = list(args.engine_args), None
+        _check_socket_dir()  # as _kv_events does for the others: exit 2 before anything starts
+        ranks = _engine_ranks(args.engine, engine_args)
     else:
         engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
         ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
@@ -343,6 +376,8 @@ def build_config(args: argparse.Namespace):
         _node_rank(engine_args)
         engine_args = _capture_cap(engine_args)
         launcher = _vllm_launcher(model_dir, engine_args)
+    elif args.engine == "tokenspeed":
+        launcher = _tokenspeed_launcher(model_dir, engine_args)
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args, engine=choice.codec)
     launcher.ranks = ranks

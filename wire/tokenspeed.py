@@ -312,8 +312,10 @@ def preabort_reason(spec: GenerateSpec, *, n: int = 1, output_logprobs_enabled: 
 class TokenSpeedOutput:
     """One request's entry of a ``BatchTokenIDOutSlim``: an ``EngineOutput``.
 
-    TokenSpeed names no matched stop token (``stop_reason`` is None); the
-    contract trims a trailing stop id itself. Counts are running totals.
+    TokenSpeed 0.1.1 names no matched stop token on this wire: a ``stop``
+    finish means its last token matched (EOS or a stop id; enginelink sends
+    no stop strings to it), so ``decode_output`` names that token as
+    ``stop_reason`` and trims it (``TokenSpeedCodec``). Counts are running totals.
     """
 
     __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_reason", "kv_transfer_params",
@@ -359,14 +361,31 @@ def decode_batch(frames: Sequence[bytes]) -> BatchTokenIDOutSlim | EngineDead:
 
 
 class TokenSpeedCodec:
-    """``EngineCodec`` for TokenSpeed 0.1.1 headless engines (front-end side)."""
+    """``EngineCodec`` for TokenSpeed 0.1.1 headless engines (front-end side).
+
+    Stop trimming: TokenSpeed's outputs keep the stop token that ended a
+    request, and the reference servicer drops it from ``output_ids`` (and
+    its logprob) unless the request set ``no_stop_trim``. The output columns
+    do not say which requests set it, so this codec remembers the ids of
+    those that did, from their ADD until their finish or ABORT: a set
+    bounded by the requests open on the link, empty in the common case.
+    (A fresh codec, as journal replay uses, trims them all.)
+    """
 
     name: str = "tokenspeed"
+    # No utility calls on this wire (encode_utility refuses): the link sends no idle liveness probes.
+    control_calls: bool = False
+
+    def __init__(self) -> None:
+        self._keep_stop: set[str] = set()
 
     def encode_add(self, spec: GenerateSpec) -> list[bytes]:
+        if spec.sampling.no_stop_trim:
+            self._keep_stop.add(spec.request_id)
         return [REQ_ADD, _ENCODER.encode(request_for(spec))]
 
     def encode_abort(self, request_ids: Sequence[str]) -> list[bytes]:
+        self._keep_stop.difference_update(request_ids)
         return [REQ_ABORT, _ENCODER.encode(list(request_ids))]
 
     def encode_utility(self, call_id: int, method: str, args: Sequence[object]) -> list[bytes]:
@@ -381,10 +400,18 @@ class TokenSpeedCodec:
             reason = batch.finished_reasons[i]
             if reason not in _FINISH:
                 raise WireError(f"TokenSpeed finish reason {reason!r} for {rid!r} is none of {sorted(_FINISH)}")
-            outputs.append(TokenSpeedOutput(rid, batch.output_ids[i], _FINISH[reason],
-                                            prompt_tokens=batch.prompt_tokens[i],
-                                            completion_tokens=batch.completion_tokens[i],
-                                            cached_tokens=batch.cached_tokens[i], batch=batch, index=i))
+            tokens, finish = batch.output_ids[i], _FINISH[reason]
+            out = TokenSpeedOutput(rid, tokens, finish, prompt_tokens=batch.prompt_tokens[i],
+                                   completion_tokens=batch.completion_tokens[i],
+                                   cached_tokens=batch.cached_tokens[i], batch=batch, index=i)
+            if finish is not None:
+                keep = rid in self._keep_stop
+                self._keep_stop.discard(rid)
+                if finish is FinishReason.STOP and tokens:
+                    out.stop_reason = tokens[-1]
+                    if not keep:
+                        out.new_token_ids = tokens[:-1]
+            outputs.append(out)
         return OutputBatch(batch.engine_index, outputs, load_stats(batch), frames=frames)
 
     @staticmethod
@@ -400,6 +427,9 @@ class TokenSpeedCodec:
         values, ids = batch.output_token_logprobs_val[i], batch.output_token_logprobs_idx[i]
         if len(values) != len(ids):
             raise WireError(f"TokenSpeed logprob values and ids disagree for {output.request_id!r}")
+        kept = len(output.new_token_ids)
+        if kept < len(values):  # a trimmed stop token's logprob goes with it
+            values, ids = values[:kept], ids[:kept]
         return LogprobRows(rows=len(values), cols=1, token_ids=ids, logprobs=values), None
 
 

@@ -303,16 +303,23 @@ class EngineLink:
             self._facts_path = facts_path
             facts_path.unlink(missing_ok=True)
             bound_handshake_socket(handshake)
-            handshake.bind(f"ipc://{hs_path}")
+            hs_address = f"ipc://{hs_path}"
+            if getattr(self.launcher, "handshake_transport", "ipc") == "tcp":
+                # An engine that dials only TCP (TokenSpeed: --data-parallel-address/-rpc-port):
+                # a free loopback port; its INIT still names the ipc data sockets.
+                handshake.bind("tcp://127.0.0.1:*")
+                hs_address = handshake.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                handshake.bind(hs_address)
             inputs.bind(f"ipc://{in_path}")
             outputs.bind(f"ipc://{out_path}")
             monitor = outputs.get_monitor_socket(_MONITOR_EVENTS)
-            argv, env = self.launcher.command(f"ipc://{hs_path}")
+            argv, env = self.launcher.command(hs_address)
             engine_env = {**os.environ, **env, ENGINE_FACTS_ENV: str(facts_path)}
             # Secrets of the launch (argv's and the environment's), hidden wherever they appear.
             self._redactor = redactor = Redactor(launch_secrets(argv, engine_env))
             shown_argv = [redactor.line(arg) for arg in self.launcher.redacted(argv)]
-            self._journal_handshake("launch", {"argv": shown_argv, "handshake": f"ipc://{hs_path}",
+            self._journal_handshake("launch", {"argv": shown_argv, "handshake": hs_address,
                                                "handshake_message_max_bytes": HANDSHAKE_MESSAGE_MAX_BYTES})
             failure: LinkFailed | None = None
             async with trio.open_nursery() as nursery:
@@ -671,6 +678,12 @@ class EngineLink:
         timing = self.supervision.idle_probe
         if timing.interval_s <= 0:
             return  # ENGINELINK_IDLE_PROBE_SECS=0: no probes
+        if not getattr(self.codec, "control_calls", True):
+            # A wire with no utility calls (TokenSpeed 0.1.1) has no probe to send: its engine's death
+            # shows as its process exiting or ENGINE_CORE_DEAD; a frozen idle engine goes unseen until
+            # a request meets the silence timeout.
+            log.info("idle liveness probes off: the %s wire has no control calls to probe with", self.codec.name)
+            return
         # Woken this often besides the machine's own times, to see answers and new requests.
         check_s = max(0.05, min(1.0, timing.interval_s / 4, timing.timeout_s / 4))
         while self.machine.live:

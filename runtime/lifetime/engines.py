@@ -18,6 +18,7 @@ from enginelink.runtime.engine.engine_link import EngineLink
 from enginelink.runtime.engine.sglang_link import SglangLink
 from enginelink.runtime.rpc.grpc_mlx import MlxEngineService
 from enginelink.runtime.rpc.grpc_sglang import SglangSchedulerService
+from enginelink.runtime.rpc.grpc_tokenspeed import TokenSpeedSchedulerService
 from enginelink.runtime.rpc.grpc_vllm import VllmEngineService
 
 
@@ -38,14 +39,17 @@ CONTRACTS: Final[dict[str, Contract]] = {
     "vllm": Contract(VllmEngineService, EngineLink, "vllm.grpc.engine.VllmEngine"),
     "mlx": Contract(MlxEngineService, EngineLink, "mlx.grpc.engine.MlxEngine"),
     "sglang": Contract(SglangSchedulerService, SglangLink, "sglang.grpc.scheduler.SglangScheduler"),
+    "tokenspeed": Contract(TokenSpeedSchedulerService, EngineLink, "tokenspeed.grpc.scheduler.TokenSpeedScheduler"),
 }
 
 CHOICES: Final[dict[tuple[str, str], Choice]] = {
     ("sim", "vllm"): Choice("vllm", "vllm"),
     ("sim", "sglang"): Choice("sglang", "sglang"),
+    ("sim", "tokenspeed"): Choice("tokenspeed", "tokenspeed"),
     ("vllm", "vllm"): Choice("vllm", "vllm"),
     ("mlx", "vllm"): Choice("vllm", "mlx"),  # the MLX engine process speaks vLLM's wire; the router sees MlxEngine
     ("sglang", "sglang"): Choice("sglang", "sglang"),
+    ("tokenspeed", "tokenspeed"): Choice("tokenspeed", "tokenspeed"),
 }
 
 ENGINES: Final = tuple(dict.fromkeys(engine for engine, _ in CHOICES))
@@ -53,7 +57,7 @@ WIRES: Final = tuple(dict.fromkeys(wire for _, wire in CHOICES))
 
 
 def default_wire(engine: str) -> str:
-    """An engine's own wire (the first it speaks): vllm for sim, vllm and mlx, sglang for sglang."""
+    """An engine's own wire (the first it speaks): vllm for sim, vllm and mlx; each other engine its own."""
     return next(wire for e, wire in CHOICES if e == engine)
 
 

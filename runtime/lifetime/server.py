@@ -255,6 +255,8 @@ class GrpcFront:
         frame_writes = FrameWrites(config.fast_path)
         servicer.hub.end_of_batch = frame_writes.flush  # the direct path's writes go out once per engine frame
         engine_service = CONTRACTS[config.contract].service(servicer.app, frame_writes, servicer.kv_relay)
+        if hasattr(engine_service, "configure"):  # a contract that reads the launch (its server_args, ...)
+            engine_service.configure(config.launcher)
         # grpclib names the service by the servicer object; "" (overall) gets
         # the same check, so liveness and readiness agree.
         health = Health({engine_service: [self.status]})

@@ -182,13 +182,44 @@ def test_outputs_decode_with_load_tail_and_logprobs():
     assert (batch.stats.num_running_reqs, batch.stats.num_waiting_reqs, batch.stats.kv_cache_usage) == (3, 2, 0.25)
     assert [o.finish_reason for o in batch.outputs] == [None, FinishReason.STOP, FinishReason.LENGTH,
                                                         FinishReason.ABORT]
-    assert [o.new_token_ids for o in batch.outputs] == [[5, 6], [7], [], [8]]
+    # "b" stopped: its last token (7) is the matched stop, named and trimmed (no_stop_trim unset).
+    assert [o.new_token_ids for o in batch.outputs] == [[5, 6], [], [], [8]]
+    assert [o.stop_reason for o in batch.outputs] == [None, 7, None, None]
     sample, prompt = t.TokenSpeedCodec.logprobs(batch.outputs[0], ())
     assert (sample.rows, sample.cols, list(sample.token_ids), list(sample.logprobs), prompt) == \
         (2, 1, [5, 6], [-0.5, -1.0], None)
     # An older 9-element prefix (before the load tail) still decodes, load zero.
     short = msgspec.msgpack.encode(["BatchTokenIDOutSlim", ["a"], [[1]], ["stop"], [1], [1], [0], [[]], [[]]])
     assert t.TokenSpeedCodec().decode_output([short]).stats.kv_cache_usage == 0.0
+
+
+def test_the_matched_stop_token_and_its_logprob_are_trimmed_unless_the_add_kept_it():
+    def stopped(rid: str) -> t.BatchTokenIDOutSlim:
+        return t.BatchTokenIDOutSlim(
+            rids=[rid], output_ids=[[4, 9]], finished_reasons=["stop"], prompt_tokens=[3], completion_tokens=[5],
+            cached_tokens=[0], output_token_logprobs_val=[[-0.1, -0.2]], output_token_logprobs_idx=[[4, 9]])
+
+    codec = t.TokenSpeedCodec()
+    codec.encode_add(msgspec.structs.replace(SPECS["bias"], request_id="keep"))  # no_stop_trim=True
+    codec.encode_add(msgspec.structs.replace(SPECS["greedy"], request_id="trim"))
+    (kept,) = codec.decode_output(t.encode_outputs(stopped("keep"))).outputs
+    (trimmed,) = codec.decode_output(t.encode_outputs(stopped("trim"))).outputs
+    assert (kept.new_token_ids, kept.stop_reason) == ([4, 9], 9)
+    assert (trimmed.new_token_ids, trimmed.stop_reason) == ([4], 9)
+    assert list(codec.logprobs(kept, ())[0].logprobs) == [-0.1, -0.2]
+    assert list(codec.logprobs(trimmed, ())[0].token_ids) == [4]
+    # Remembered only until the finish (or an ABORT): a later "keep" is trimmed; the set stays bounded.
+    (again,) = codec.decode_output(t.encode_outputs(stopped("keep"))).outputs
+    assert again.new_token_ids == [4]
+    codec.encode_add(msgspec.structs.replace(SPECS["bias"], request_id="gone"))
+    codec.encode_abort(["gone"])
+    assert codec._keep_stop == set()
+    # A length or abort finish keeps its tokens: nothing matched.
+    length = t.BatchTokenIDOutSlim(rids=["x"], output_ids=[[4, 9]], finished_reasons=["length"], prompt_tokens=[3],
+                                   completion_tokens=[2], cached_tokens=[0], output_token_logprobs_val=[[]],
+                                   output_token_logprobs_idx=[[]])
+    (out,) = codec.decode_output(t.encode_outputs(length)).outputs
+    assert (out.new_token_ids, out.stop_reason) == ([4, 9], None)
 
 
 @pytest.mark.parametrize("frame", [b"\x93", msgspec.msgpack.encode(["BatchTokenIDOutSlim", ["a", "b"], [[1]], ["stop"],
@@ -255,6 +286,9 @@ def test_property_outputs_round_trip(rows, active, total):
         output_token_logprobs_val=[[]] * len(rows), output_token_logprobs_idx=[[]] * len(rows),
         kv_active_pages=active, kv_total_pages=total)
     out = t.TokenSpeedCodec().decode_output(t.encode_outputs(batch))
-    assert [(o.request_id, o.new_token_ids) for o in out.outputs] == [(r[0], r[1]) for r in rows]
+    # A stop finish's last token is the matched stop, trimmed (no request here kept it).
+    assert [(o.request_id, o.new_token_ids) for o in out.outputs] == \
+        [(r[0], r[1][:-1] if r[2] == "stop" else r[1]) for r in rows]
+    assert [o.stop_reason for o in out.outputs] == [r[1][-1] if r[2] == "stop" and r[1] else None for r in rows]
     assert 0.0 <= out.stats.kv_cache_usage <= 1.0
     assert canon(t.decode_batch(t.encode_outputs(batch))) == canon(batch)

@@ -1,0 +1,270 @@
+"""``tokenspeed.grpc.scheduler.TokenSpeedScheduler`` served with grpclib, beside vLLM's (``grpc_vllm.py``).
+
+The same shape as the vLLM service: thin handlers, every exception through
+``errors.grpc_errors``, the one Generate loop (``runtime/requests/generate.py``)
+with this contract's edge (``runtime/requests/contract_tokenspeed.py``). What
+is TokenSpeed's own (``reference/tokenspeed.md`` §1, §4):
+
+- Abort is ``{request_id, reason}`` → ``{success, message}``; aborting an id
+  ends the call and with it every child ``<id>-n<i>``; nothing open →
+  ``success=false``, "Request X not found";
+- GetModelInfo / GetServerInfo / GetLoads have TokenSpeed's messages
+  (``server_args`` a Struct, credentials redacted; ``tokenspeed_version``;
+  per-rank loads plus an aggregate; UNAVAILABLE until the engine's KV
+  geometry is known);
+- FlushCache / StartProfile / StopProfile: TokenSpeed 0.1.1's handshake
+  declares no control replies (its wire drops them), so they answer
+  UNIMPLEMENTED after checking the request, as the reference's Rust path does;
+- no Embed (the contract has none), no LoRA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import math
+
+import trio
+from google.protobuf import struct_pb2, timestamp_pb2
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from smg_grpc_proto.generated import common_pb2, tokenspeed_scheduler_pb2 as pb
+
+from enginelink.proto.tokenspeed_scheduler_grpc import TokenSpeedSchedulerBase
+from enginelink.runtime.errors import Unavailable, current_request_id, grpc_errors
+from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT, subscribe_kv_events
+from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, CallStamp, TokenSpeedEdge
+from enginelink.runtime.requests.generate import generate
+from enginelink.runtime.requests.inputs import check_request_id, input_limits
+from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
+from enginelink.wire.tokenspeed import ENGINE_VERSION_PREFIX, TOKENSPEED_VERSION
+
+SERVICE = "tokenspeed.grpc.scheduler.TokenSpeedScheduler"
+NO_CONTROL = (f"TokenSpeed {TOKENSPEED_VERSION}'s headless wire carries no control replies "
+              "(its handshake declares none), so {rpc} has no path to the engine")
+# The reference always advertises this for TokenSpeed: a grammar applies from the first generated token.
+CONSTRAINED_DECODING_START = "first_token"
+
+
+class StampedSender(DirectSender):
+    """The fast path's sender, stamping each message with its call's id and running counts first."""
+
+    __slots__ = ("_stamp",)
+
+    def __init__(self, stream, writes: FrameWrites, stamp: CallStamp) -> None:
+        super().__init__(stream, writes)
+        self._stamp = stamp
+
+    def send(self, messages) -> int:
+        stamp = self._stamp.stamp
+        return self.send_bodies([stamp(message).SerializeToString() for message in messages])
+
+
+class TokenSpeedSchedulerService(TokenSpeedSchedulerBase):
+    edge = TOKENSPEED_EDGE
+    name = SERVICE
+
+    def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
+        self.app = app
+        self.frame_writes = frame_writes
+        self.kv_relay = kv_relay
+        # GetServerInfo's launch facts (the engine's arguments, redacted); ``configure`` sets them.
+        self.server_args: dict = {}
+
+    def configure(self, launcher) -> None:
+        """What this service learns from the engine's launch (server.py calls it once, before serving)."""
+        self.server_args = {"engine_args": launcher.redacted(list(launcher.extra_args))}
+        # Without --enable-output-logprobs TokenSpeed pre-aborts a request for logprobs: refused here instead.
+        self.edge = TokenSpeedEdge(output_logprobs=getattr(launcher, "output_logprobs", True))
+
+    @property
+    def journal(self):
+        return self.app.journal
+
+    @property
+    def metrics(self):
+        return self.app.hub.metrics
+
+    # -- Generate / Abort -----------------------------------------------------------
+
+    @grpc_errors
+    async def Generate(self, stream) -> None:
+        request = await stream.recv_message()
+        current_request_id.set(request.request_id[: input_limits().request_id_bytes])
+        stamp = CallStamp(request.request_id, request.stream)
+
+        async def send(message) -> None:
+            await stream.send_message(stamp.stamp(message))
+
+        direct = StampedSender(stream, self.frame_writes, stamp) if self.frame_writes.fast_path else None
+        await generate(self.app, request, wake=asyncio.Event(), send=send, direct=direct,
+                       send_headers=stream.send_initial_metadata, edge=self.edge)
+
+    @grpc_errors
+    async def Abort(self, stream) -> None:
+        request = await stream.recv_message()
+        # The same id rules as Generate: no client may abort the servicer's own (warm-up) requests.
+        check_request_id("request_id", request.request_id, input_limits())
+        # The call is the unit: its children <id>-n<i> end with it (RequestCore.abort).
+        aborted = self.app.hub.abort([request.request_id], "abort_rpc", trio.current_time())
+        if aborted:
+            reply = pb.AbortResponse(success=True, message=f"Aborted request {request.request_id}")
+        else:
+            reply = pb.AbortResponse(success=False, message=f"Request {request.request_id} not found")
+        await stream.send_message(reply)
+
+    # -- health and facts -----------------------------------------------------------
+
+    @grpc_errors
+    async def HealthCheck(self, stream) -> None:
+        await stream.recv_message()
+        link = self.app.link.machine
+        await stream.send_message(pb.HealthCheckResponse(healthy=link.healthy, message=link.health_message))
+
+    @grpc_errors
+    async def GetModelInfo(self, stream) -> None:
+        await stream.recv_message()
+        await stream.send_message(model_info(self.app))
+
+    @grpc_errors
+    async def GetServerInfo(self, stream) -> None:
+        await stream.recv_message()
+        await stream.send_message(server_info(self.app, self.server_args))
+
+    @grpc_errors
+    async def GetLoads(self, stream) -> None:
+        request = await stream.recv_message()
+        await stream.send_message(loads(self.app, request))
+
+    @grpc_errors
+    async def GetTokenizer(self, stream) -> None:
+        await stream.recv_message()
+        for data, sha256 in self.app.tokenizer_chunks():
+            await stream.send_message(common_pb2.GetTokenizerChunk(data=data, sha256=sha256))
+
+    @grpc_errors
+    async def SubscribeKvEvents(self, stream) -> None:
+        await subscribe_kv_events(self.kv_relay, stream)
+
+    # -- control calls: none on TokenSpeed 0.1.1's wire -----------------------------
+
+    @grpc_errors
+    async def FlushCache(self, stream) -> None:
+        request = await stream.recv_message()
+        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
+            raise GRPCError(Status.INVALID_ARGUMENT, FLUSH_BAD_TIMEOUT)
+        raise GRPCError(Status.UNIMPLEMENTED, NO_CONTROL.format(rpc="FlushCache"))
+
+    @grpc_errors
+    async def StartProfile(self, stream) -> None:
+        await stream.recv_message()
+        raise GRPCError(Status.UNIMPLEMENTED, NO_CONTROL.format(rpc="StartProfile"))
+
+    @grpc_errors
+    async def StopProfile(self, stream) -> None:
+        await stream.recv_message()
+        raise GRPCError(Status.UNIMPLEMENTED, NO_CONTROL.format(rpc="StopProfile"))
+
+
+# -- the facts, in TokenSpeed's messages --------------------------------------------------
+
+
+def _ready(app) -> dict:
+    ready = app.ready
+    if not ready:
+        raise Unavailable("engine is starting; retry on another worker or later")
+    return ready
+
+
+def model_info(app) -> pb.GetModelInfoResponse:
+    model, ready = app.model, _ready(app)
+    max_len = int(ready.get("max_model_len") or model.max_position_embeddings or 0)
+    return pb.GetModelInfoResponse(
+        model_path=str(model.model_path),
+        tokenizer_path=model.tokenizer_path,
+        served_model_name=app.served_model_name,
+        model_type=model.model_type or "",
+        architectures=list(model.architectures),
+        max_context_length=max_len,
+        max_req_input_len=max_len - 1,  # at least one token of room to generate (the edge's check)
+        vocab_size=model.vocab_size,
+        eos_token_ids=list(model.eos_token_ids),
+        pad_token_id=model.pad_token_id or 0,
+        bos_token_id=model.bos_token_id or 0,
+        default_sampling_params_json=model.default_sampling_params_json,
+        supports_vision=False,
+        supports_multimodal=False,
+        model_dtype=str(ready.get("dtype") or model.dtype or ""),
+        multimodal_encoder_dtype=str(ready.get("multimodal_encoder_dtype") or ""),
+    )
+
+
+def engine_version(ready: dict) -> str:
+    """The release from the ready response's ``tokenspeed-<release>``."""
+    version = str(ready.get("vllm_version") or "")
+    return version.removeprefix(ENGINE_VERSION_PREFIX)
+
+
+def server_info(app, server_args: dict) -> pb.GetServerInfoResponse:
+    ready = _ready(app)
+    args = struct_pb2.Struct()
+    args.update({
+        **server_args,
+        "model_path": str(app.model.model_path),
+        "served_model_name": app.served_model_name,
+        "context_length": int(ready.get("max_model_len") or 0),
+        "dp_size": app.link.ranks.size,
+        "constrained_decoding_start": CONSTRAINED_DECODING_START,
+    })
+    scheduler = struct_pb2.Struct()
+    scheduler.update({
+        "max_total_num_tokens": app.kv_capacity_tokens,
+        "max_running_requests": app.max_num_seqs,
+        "max_num_batched_tokens": int(ready.get("max_num_batched_tokens") or 0),
+        "page_size": int(ready.get("prefix_granularity") or ready.get("block_size") or 0),
+    })
+    start = timestamp_pb2.Timestamp()
+    start.FromSeconds(int(app.run_start_wall))
+    return pb.GetServerInfoResponse(
+        server_args=args,
+        scheduler_info=scheduler,
+        active_requests=app.hub.active_requests,
+        is_paused=False,
+        uptime_seconds=app.uptime_s(),
+        max_total_num_tokens=app.kv_capacity_tokens,
+        tokenspeed_version=engine_version(ready),
+        start_time=start,
+    )
+
+
+# The per-rank fields both contracts' SchedulerLoad share (runtime/lifetime/loads.py builds vLLM's).
+_LOAD_FIELDS = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens",
+                "max_total_num_tokens", "max_running_requests", "token_usage", "gen_throughput",
+                "cache_hit_rate", "utilization")
+
+
+def loads(app, request: pb.GetLoadsRequest) -> pb.GetLoadsResponse:
+    ready = _ready(app)
+    capacity = app.kv_capacity_tokens
+    if capacity <= 0:
+        raise Unavailable("KV page geometry is unavailable", reason="no_kv_geometry")
+    ranks = [pb.SchedulerLoad(**{name: getattr(load, name) for name in _LOAD_FIELDS})
+             for load in app.loads.scheduler_loads(app.max_num_seqs, capacity)]
+    if request.HasField("dp_rank"):
+        ranks = [load for load in ranks if load.dp_rank == request.dp_rank]
+    count = len(ranks) or 1
+    aggregate = pb.AggregateMetrics(
+        total_running_reqs=sum(load.num_running_reqs for load in ranks),
+        total_waiting_reqs=sum(load.num_waiting_reqs for load in ranks),
+        total_reqs=sum(load.num_total_reqs for load in ranks),
+        avg_token_usage=sum(load.token_usage for load in ranks) / count,
+        avg_throughput=sum(load.gen_throughput for load in ranks) / count,
+        avg_utilization=sum(load.utilization for load in ranks) / count,
+    )
+    return pb.GetLoadsResponse(
+        timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        version=engine_version(ready),
+        dp_rank_count=len(ranks),
+        loads=ranks,
+        aggregate=aggregate,
+    )
