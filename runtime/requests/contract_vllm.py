@@ -141,7 +141,9 @@ def _prompt(request, limits: EngineLimits) -> list[int]:
     if kind != "tokenized":
         raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
     prompt = _token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
-    if request.HasField("mm_inputs") or len(request.extra_mm_inputs) or request.HasField("media_refs"):
+    if request.HasField("media_refs") and (request.HasField("mm_inputs") or len(request.extra_mm_inputs)):
+        raise ClientError("media_refs", "cannot be combined with preprocessed mm_inputs; send one or the other")
+    if request.HasField("mm_inputs") or len(request.extra_mm_inputs):
         raise ClientError("mm_inputs", "multimodal input is not supported by this worker (text-only)")
     sp = request.sampling_params
     if sp.HasField("truncate_prompt_tokens") and sp.truncate_prompt_tokens != 0:
@@ -388,6 +390,16 @@ def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int,
     return b"\x0a" + _varint(len(chunk)) + chunk  # GenerateResponse field 1: chunk
 
 
+async def prepare_media(app, request: pb.GenerateRequest, spec: GenerateCall) -> GenerateCall:
+    """The request's media, fetched and checked before admission (``runtime/requests/media.py``)."""
+    if request.HasField("media_refs"):
+        if app.media is None:
+            raise ClientError("media_refs", "media_refs sent but --mm-processor (SMG_VLLM_MM_PROCESSOR) is off "
+                              "on this worker")  # fmt: skip
+        await app.media.prepare(request.media_refs)
+    return spec
+
+
 def raw_request_id(request: pb.GenerateRequest) -> str:
     return request.request_id
 
@@ -402,6 +414,7 @@ class VllmEdge:
     chunk_body = staticmethod(stream_chunk_body)
     release_params = staticmethod(release_params)
     raw_request_id = staticmethod(raw_request_id)
+    prepare_media = staticmethod(prepare_media)
 
 
 VLLM_EDGE = VllmEdge()
