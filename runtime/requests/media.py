@@ -65,6 +65,8 @@ class MediaSettings:
     redirects_max: int = 5  # ENGINELINK_MM_MAX_REDIRECTS
     allow_private: bool = False  # SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS=1
     allowed_local_path: str | None = None  # ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH: file: URLs under it only
+    # Router tensors (mm_inputs, runtime/requests/mm_tensors.py): all of one request's, inline and shm.
+    tensor_bytes_max: int = 1 << 30  # ENGINELINK_MM_MAX_TENSOR_BYTES
 
     @property
     def enabled(self) -> bool:
@@ -110,6 +112,7 @@ def media_settings_from(environ: Mapping[str, str]) -> MediaSettings:
         redirects_max=_whole(environ, "ENGINELINK_MM_MAX_REDIRECTS", MediaSettings.redirects_max, minimum=0),
         allow_private=allow in ("1", "true"),
         allowed_local_path=local,
+        tensor_bytes_max=_whole(environ, "ENGINELINK_MM_MAX_TENSOR_BYTES", MediaSettings.tensor_bytes_max),
     )
 
 
@@ -212,7 +215,7 @@ class MediaService:
         self.jobs += 1
         self.metrics.set_inflight(self.jobs)
         try:
-            items = await _in_trio(self.fetcher.fetch_all, refs)
+            items = await in_trio(self.fetcher.fetch_all, refs)
         finally:
             self.jobs -= 1
             self.metrics.set_inflight(self.jobs)
@@ -222,7 +225,7 @@ class MediaService:
         )
 
 
-async def _in_trio(fn, *args):
+async def in_trio(fn, *args):
     """``fn(*args)`` in trio: grpclib's handlers run in asyncio (trio-asyncio), the simulation in trio."""
     if sniffio.current_async_library() == "asyncio":
         import trio_asyncio
