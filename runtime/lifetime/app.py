@@ -87,7 +87,7 @@ class App:
             is_generation=runner_type(self.ready) != RUNNER_POOLING,
             max_context_length=max_len,
             vocab_size=model.vocab_size,
-            supports_vision=False,
+            supports_vision=model.supports_vision,  # router tensors: runtime/requests/mm_tensors.py
             served_model_name=self.served_model_name,
             tokenizer_path=model.tokenizer_path,
             model_type=model.model_type or "",
