@@ -49,6 +49,17 @@ _NAMED_RANGES = (
 _NAT64_WELL_KNOWN = ipaddress.ip_network("64:ff9b::/96")
 
 
+# A URL longer than this is refused before it is parsed (a data: URL is bounded by its item bytes instead).
+URL_BYTES_MAX = 8192
+# How much of a URL a message shows: a refusal must not echo megabytes back (or into the journal).
+URL_SHOWN_CHARS = 200
+
+
+def shown(url: str) -> str:
+    """``url`` for a message: quoted, and cut to ``URL_SHOWN_CHARS``."""
+    return repr(url if len(url) <= URL_SHOWN_CHARS else url[:URL_SHOWN_CHARS] + "…")
+
+
 class MediaRefused(Exception):
     """A URL (or an address it led to) this worker will not fetch: the client's fault."""
 
@@ -130,6 +141,8 @@ def check_url(url: str, policy: MediaPolicy) -> MediaUrl:
     """The URL parsed, when its scheme is accepted and its host (if a literal) may be fetched from."""
     if not url:
         raise MediaRefused("bad_url", "url must not be empty")
+    if len(url) > URL_BYTES_MAX and not url[:5].lower() == "data:":
+        raise MediaRefused("bad_url", f"url is {len(url)} characters; at most {URL_BYTES_MAX}")
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -173,7 +186,7 @@ def redirect_target(url: str, location: str | None, hops: int, policy: MediaPoli
     try:
         return check_url(target, policy)
     except MediaRefused as error:
-        raise MediaRefused(error.reason, f"redirected to {target!r}: {error}") from None
+        raise MediaRefused(error.reason, f"redirected to {shown(target)}: {error}") from None
 
 
 def _ip_literal(host: str) -> str | None:

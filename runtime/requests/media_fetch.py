@@ -38,7 +38,9 @@ import httpcore
 import httpx
 import trio
 
-from enginelink.machines.media_policy import MediaPolicy, MediaRefused, check_address, check_url, redirect_target
+from enginelink.machines.media_policy import (
+    MediaPolicy, MediaRefused, check_address, check_url, redirect_target, shown,
+)  # fmt: skip
 from enginelink.runtime.errors import ClientError, ServicerError, Unavailable
 
 READ_CHUNK_BYTES = 64 * 1024
@@ -192,7 +194,7 @@ class Fetcher:
                 if hops == 0:
                     raise
                 # Refused at connect time after a redirect: say so, the client sent another URL.
-                raise MediaRefused(error.reason, f"redirected to {media_url.url!r}: {error}") from None
+                raise MediaRefused(error.reason, f"redirected to {shown(media_url.url)}: {error}") from None
             if location is None:
                 return data, content_type
             hops += 1
@@ -207,9 +209,9 @@ class Fetcher:
                 if status in REDIRECT_STATUSES:
                     return b"", "", response.headers.get("location", "")
                 if 400 <= status < 500:
-                    raise _CallerFault("http_4xx", f"the origin answered {status} for {url!r}")
+                    raise _CallerFault("http_4xx", f"the origin answered {status} for {shown(url)}")
                 if status >= 500 or status < 200 or status >= 300:
-                    raise _OriginFault(f"the origin answered {status} for {url!r}")
+                    raise _OriginFault(f"the origin answered {status} for {shown(url)}")
                 length = response.headers.get("content-length")
                 if length is not None and length.isdigit() and int(length) > cap:
                     raise _CallerFault("too_large", f"is {length} bytes; at most {cap} (SMG_VLLM_MM_MAX_ITEM_BYTES)")
@@ -220,17 +222,17 @@ class Fetcher:
                         raise _CallerFault("too_large", f"is over {cap} bytes (SMG_VLLM_MM_MAX_ITEM_BYTES)")
                 return bytes(body), response.headers.get("content-type", ""), None
         except httpx.ConnectError as error:
-            raise _CallerFault("connect", f"could not connect to {url!r}: {error}") from None
+            raise _CallerFault("connect", f"could not connect to {shown(url)}: {error}") from None
         except httpx.TimeoutException as error:
-            raise _OriginFault(f"timed out fetching {url!r} ({type(error).__name__})") from None
+            raise _OriginFault(f"timed out fetching {shown(url)} ({type(error).__name__})") from None
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as error:
-            raise _OriginFault(f"the transfer of {url!r} broke: {error}") from None
+            raise _OriginFault(f"the transfer of {shown(url)} broke: {error}") from None
         except httpx.UnsupportedProtocol as error:  # checked before; httpx agreeing is belt and braces
             raise _CallerFault("scheme", str(error)) from None
         except httpx.InvalidURL as error:
             # httpx builds a redirect's next request even when not following it, and refuses a
             # Location it cannot parse (``data:...`` without a slash, say) before we see the response.
-            raise _CallerFault("redirects", f"{url!r} or a redirect from it names a URL that cannot be fetched "
+            raise _CallerFault("redirects", f"{shown(url)} or a redirect from it names a URL that cannot be fetched "
                                f"({error})") from None
 
 

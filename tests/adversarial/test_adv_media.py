@@ -295,6 +295,17 @@ async def test_the_origins_faults_are_unavailable_and_the_callers_invalid(origin
                                      {"scheme": "http", "outcome": "origin_error"}) == 1  # fmt: skip
 
 
+async def test_a_huge_url_is_refused_and_never_echoed(origin):
+    service = _service(origin, names={"cdn.example": [[PUBLIC]]})
+    error = await _refused(service, "http://cdn.example/" + "a" * (1 << 20))
+    assert "at most 8192" in str(error) and len(str(error)) < 300
+    origin.redirect("/to-long", "http://10.0.0.1/" + "b" * 7000)
+    error = await _refused(service, f"http://cdn.example:{origin.port}/to-long")
+    assert "private" in str(error) and len(str(error)) < 600
+    error = await _refused(service, "data:image/png;base64," + "A" * (48 << 20))
+    assert "SMG_VLLM_MM_MAX_ITEM_BYTES" in str(error) and len(str(error)) < 300
+
+
 async def test_an_unresolvable_name_is_the_callers_fault(origin):
     service = _service(origin, names={})
     assert "does not resolve" in str(await _refused(service, "http://no-such-host.example/cat.png"))
