@@ -40,6 +40,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from enginelink.machines.media_policy import MediaPolicy
 from enginelink.runtime.errors import ClientError, Precondition, Unavailable
+from enginelink.runtime.requests.media_fetch import Fetcher
 
 MIB = 1 << 20
 FETCH_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -162,8 +163,6 @@ class MediaService:
 
     def __init__(self, settings: MediaSettings, *, registry: CollectorRegistry | None = None,
                  labels: Mapping[str, str] | None = None, network=None) -> None:  # fmt: skip
-        from enginelink.runtime.requests.media_fetch import Fetcher
-
         self.settings = settings
         self.jobs = 0
         self.metrics = MediaMetrics(registry or CollectorRegistry(), labels or {}, settings.inflight_max)

@@ -153,8 +153,7 @@ class Fetcher:
     async def fetch(self, index: int, modality: str, url: str) -> FetchedMedia:
         """One item, or the error whose fault it is, naming the item."""
         name = f"media_refs.items[{index}]"
-        scheme = urlsplit(url).scheme.lower() if "://" in url or url.startswith("data:") else "?"
-        scheme = scheme if scheme in ("http", "https", "data", "file") else "other"
+        scheme = _scheme_label(url)
         started = time.perf_counter()
         timeout_s = self.settings.video_fetch_timeout_s if modality == "video" else self.settings.fetch_timeout_s
         try:
@@ -234,6 +233,12 @@ class Fetcher:
             # Location it cannot parse (``data:...`` without a slash, say) before we see the response.
             raise _CallerFault("redirects", f"{shown(url)} or a redirect from it names a URL that cannot be fetched "
                                f"({error})") from None
+
+
+def _scheme_label(url: str) -> str:
+    """The metrics label of a URL's scheme: one of a closed set, whatever the client wrote."""
+    scheme = url.partition(":")[0].lower() if ":" in url[:16] else ""
+    return scheme if scheme in ("http", "https", "data", "file") else "other"
 
 
 # -- data: and file: ---------------------------------------------------------------
