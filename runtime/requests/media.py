@@ -66,6 +66,7 @@ class MediaSettings:
     redirects_max: int = 5  # ENGINELINK_MM_MAX_REDIRECTS
     allow_private: bool = False  # SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS=1
     allowed_local_path: str | None = None  # ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH: file: URLs under it only
+    bytes_in_flight_max: int = 1 << 30  # ENGINELINK_MM_MAX_BYTES_IN_FLIGHT: fetched bytes held by all jobs
     # Router tensors (mm_inputs, runtime/requests/mm_tensors.py): all of one request's, inline and shm.
     tensor_bytes_max: int = 1 << 30  # ENGINELINK_MM_MAX_TENSOR_BYTES
 
@@ -113,6 +114,7 @@ def media_settings_from(environ: Mapping[str, str]) -> MediaSettings:
         redirects_max=_whole(environ, "ENGINELINK_MM_MAX_REDIRECTS", MediaSettings.redirects_max, minimum=0),
         allow_private=allow in ("1", "true"),
         allowed_local_path=local,
+        bytes_in_flight_max=_whole(environ, "ENGINELINK_MM_MAX_BYTES_IN_FLIGHT", MediaSettings.bytes_in_flight_max),
         tensor_bytes_max=_whole(environ, "ENGINELINK_MM_MAX_TENSOR_BYTES", MediaSettings.tensor_bytes_max),
     )
 
@@ -126,7 +128,8 @@ def media_settings() -> MediaSettings:
 class MediaMetrics:
     """``smg_servicer_media_*``: what the fetcher did, and its bound."""
 
-    def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str], inflight_max: int) -> None:
+    def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str], inflight_max: int,
+                 bytes_max: int) -> None:  # fmt: skip
         names = list(labels)
         self._labels = dict(labels)
         self.fetches = Counter("smg_servicer_media_fetches", "Media items fetched, by scheme and outcome",
@@ -139,6 +142,10 @@ class MediaMetrics:
                               registry=registry)  # fmt: skip
         _child(Gauge("smg_servicer_media_jobs_in_flight_max", "SMG_VLLM_MM_MAX_INFLIGHT", names, registry=registry),
                self._labels).set(inflight_max)
+        self.bytes_held = Gauge("smg_servicer_media_bytes_held", "Fetched media bytes held by jobs in flight", names,
+                                registry=registry)  # fmt: skip
+        _child(Gauge("smg_servicer_media_bytes_held_max", "ENGINELINK_MM_MAX_BYTES_IN_FLIGHT", names,
+                     registry=registry), self._labels).set(bytes_max)  # fmt: skip
 
     def fetched(self, scheme: str, outcome: str, seconds: float | None) -> None:
         _child(self.fetches, self._labels, scheme=scheme, outcome=outcome).inc()
@@ -150,6 +157,9 @@ class MediaMetrics:
 
     def set_inflight(self, count: int) -> None:
         _child(self.inflight, self._labels).set(count)
+
+    def set_bytes_held(self, count: int) -> None:
+        _child(self.bytes_held, self._labels).set(count)
 
 
 def _child(metric, labels: Mapping[str, str], **extra):
@@ -165,7 +175,8 @@ class MediaService:
                  labels: Mapping[str, str] | None = None, network=None) -> None:  # fmt: skip
         self.settings = settings
         self.jobs = 0
-        self.metrics = MediaMetrics(registry or CollectorRegistry(), labels or {}, settings.inflight_max)
+        self.metrics = MediaMetrics(registry or CollectorRegistry(), labels or {}, settings.inflight_max,
+                                    settings.bytes_in_flight_max)  # fmt: skip
         # ``network``: (resolve, connect) for tests standing in for DNS and routing; None: the real ones.
         self.fetcher = Fetcher(settings, self.metrics, network=network)
 

@@ -43,7 +43,6 @@ from enginelink.machines.media_policy import (
 )  # fmt: skip
 from enginelink.runtime.errors import ClientError, ServicerError, Unavailable
 
-READ_CHUNK_BYTES = 64 * 1024
 # How many connections the fetcher keeps open at once (all origins together).
 POOL_CONNECTIONS_MAX = 64
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
@@ -58,6 +57,16 @@ class FetchedMedia:
 
 class _OriginFault(Exception):
     """The origin failed (timeout, 5xx, broken transfer): the router should try again later or elsewhere."""
+
+
+class _Saturated(Exception):
+    """This worker holds as many fetched bytes as it may: the router should retry elsewhere."""
+
+
+class _Job:
+    """One request's fetches: the bytes they hold of the worker's budget, given back when they end."""
+
+    held = 0
 
 
 class _CallerFault(Exception):
@@ -127,6 +136,7 @@ class Fetcher:
         self.metrics = metrics
         resolve, connect = network or (_resolve, _connect)
         self.backend = GuardedBackend(self.policy, resolve, connect)
+        self.bytes_held = 0  # all jobs' fetched bytes, against ENGINELINK_MM_MAX_BYTES_IN_FLIGHT
         self.client = httpx.AsyncClient(transport=_guarded_transport(self.backend), follow_redirects=False,
                                         trust_env=False, timeout=httpx.Timeout(settings.fetch_timeout_s))  # fmt: skip
 
@@ -134,23 +144,39 @@ class Fetcher:
         """Every ref, fetched concurrently; the first failure cancels the rest and is raised."""
         results: list[FetchedMedia | None] = [None] * len(refs)
         failures: list[ServicerError] = []
+        job = _Job()
 
         async def one(index: int, modality: str, url: str) -> None:
             try:
-                results[index] = await self.fetch(index, modality, url)
+                results[index] = await self.fetch(index, modality, url, job)
             except ServicerError as error:
                 # The first failure is the call's answer; the other fetches stop now.
                 failures.append(error)
                 nursery.cancel_scope.cancel()
 
-        async with trio.open_nursery() as nursery:
-            for index, (modality, url) in enumerate(refs):
-                nursery.start_soon(one, index, modality, url)
+        try:
+            async with trio.open_nursery() as nursery:
+                for index, (modality, url) in enumerate(refs):
+                    nursery.start_soon(one, index, modality, url)
+        finally:
+            # The items go to the caller and are dropped with its call; held no longer.
+            self.bytes_held -= job.held
+            self.metrics.set_bytes_held(self.bytes_held)
         if failures:
             raise failures[0]
         return results  # type: ignore[return-value]
 
-    async def fetch(self, index: int, modality: str, url: str) -> FetchedMedia:
+    def _take(self, job: _Job, count: int) -> None:
+        """Count ``count`` more fetched bytes against the worker's budget, or refuse (capacity, not the caller)."""
+        cap = self.settings.bytes_in_flight_max
+        if self.bytes_held + count > cap:
+            raise _Saturated(f"the media being fetched on this worker would pass {cap} bytes "
+                             "(ENGINELINK_MM_MAX_BYTES_IN_FLIGHT); retry on another worker")  # fmt: skip
+        self.bytes_held += count
+        job.held += count
+        self.metrics.set_bytes_held(self.bytes_held)
+
+    async def fetch(self, index: int, modality: str, url: str, job: _Job) -> FetchedMedia:
         """One item, or the error whose fault it is, naming the item."""
         name = f"media_refs.items[{index}]"
         scheme = _scheme_label(url)
@@ -159,7 +185,7 @@ class Fetcher:
         try:
             with trio.fail_after(timeout_s):
                 media_url = check_url(url, self.policy)
-                data, content_type = await self._get(media_url)
+                data, content_type = await self._get(media_url, job)
             # Off the event loop: an image's header parse is CPU work of unbounded-ish cost.
             await trio.to_thread.run_sync(check_media, modality, data, content_type)
         except MediaRefused as error:
@@ -177,18 +203,26 @@ class Fetcher:
         except _OriginFault as error:
             self.metrics.fetched(scheme, "origin_error", time.perf_counter() - started)
             raise Unavailable(f"{name}: {error}", reason="media_fetch") from None
+        except _Saturated as error:
+            self.metrics.refused("bytes_saturated")
+            self.metrics.fetched(scheme, "saturated", None)
+            raise Unavailable(f"{name}: {error}", reason="media_saturated") from None
         self.metrics.fetched(scheme, "ok", time.perf_counter() - started)
         return FetchedMedia(modality, data, content_type)
 
-    async def _get(self, media_url) -> tuple[bytes, str]:
-        if media_url.scheme == "data":
-            return decode_data_url(media_url.url, self.settings.item_bytes_max)
-        if media_url.scheme == "file":
-            return await read_local(media_url.url, self.policy.allowed_local_path, self.settings.item_bytes_max)
+    async def _get(self, media_url, job: _Job) -> tuple[bytes, str]:
+        if media_url.scheme in ("data", "file"):
+            if media_url.scheme == "data":
+                data, content_type = decode_data_url(media_url.url, self.settings.item_bytes_max)
+            else:
+                data, content_type = await read_local(media_url.url, self.policy.allowed_local_path,
+                                                      self.settings.item_bytes_max)  # fmt: skip
+            self._take(job, len(data))
+            return data, content_type
         hops = 0
         while True:
             try:
-                data, content_type, location = await self._one_hop(media_url.url)
+                data, content_type, location = await self._one_hop(media_url.url, job)
             except MediaRefused as error:
                 if hops == 0:
                     raise
@@ -199,7 +233,7 @@ class Fetcher:
             hops += 1
             media_url = redirect_target(media_url.url, location, hops, self.policy)
 
-    async def _one_hop(self, url: str) -> tuple[bytes, str, str | None]:
+    async def _one_hop(self, url: str, job: _Job) -> tuple[bytes, str, str | None]:
         """(body, content type, None), or (b"", "", Location) for a redirect."""
         cap = self.settings.item_bytes_max
         try:
@@ -215,8 +249,10 @@ class Fetcher:
                 if length is not None and length.isdigit() and int(length) > cap:
                     raise _CallerFault("too_large", f"is {length} bytes; at most {cap} (SMG_VLLM_MM_MAX_ITEM_BYTES)")
                 body = bytearray()
-                async for chunk in response.aiter_raw(READ_CHUNK_BYTES):
+                # As the network gives it (httpcore reads at most 64 KiB at a time): the caps act at once.
+                async for chunk in response.aiter_raw():
                     body += chunk
+                    self._take(job, len(chunk))
                     if len(body) > cap:
                         raise _CallerFault("too_large", f"is over {cap} bytes (SMG_VLLM_MM_MAX_ITEM_BYTES)")
                 return bytes(body), response.headers.get("content-type", ""), None

@@ -271,6 +271,30 @@ async def test_at_the_inflight_cap_a_request_is_unavailable_at_once(origin):
     assert service.jobs == 0  # the slots came back when the jobs were cancelled
 
 
+async def test_the_workers_fetched_bytes_are_bounded_across_requests(origin):
+    registry = CollectorRegistry()
+    service = _service(allow_private=True, bytes_in_flight_max=len(PNG) + 5, fetch_timeout_s=30, registry=registry)
+    data_url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    # One image fits; a request of two does not (by a data: URL, then streamed over http).
+    [item] = await _fetch(service, data_url)
+    for second in (data_url, origin.url("/cat.png")):
+        with pytest.raises(Unavailable, match="ENGINELINK_MM_MAX_BYTES_IN_FLIGHT"):
+            await _fetch(service, data_url, second)
+    assert service.fetcher.bytes_held == 0  # given back after each request, refused or not
+    assert registry.get_sample_value("smg_servicer_media_refusals_total", {"reason": "bytes_saturated"}) == 2
+    assert registry.get_sample_value("smg_servicer_media_bytes_held_max", {}) == len(PNG) + 5
+    # Another request's held bytes count too: a stalled fetch holds its first bytes.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_fetch, service, origin.url("/slow.png"))
+        with trio.fail_after(10):
+            while service.fetcher.bytes_held == 0:
+                await trio.sleep(0.01)
+        with pytest.raises(Unavailable, match="ENGINELINK_MM_MAX_BYTES_IN_FLIGHT"):
+            await _fetch(service, data_url)
+        nursery.cancel_scope.cancel()
+    assert service.fetcher.bytes_held == 0
+
+
 # -- time and the origin's faults ------------------------------------------------------
 
 
