@@ -349,3 +349,26 @@ def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("env,words", [
+    ({"SMG_VLLM_MM_PROCESSOR": "redis"}, "expected one of inprocess"),
+    ({"SMG_VLLM_MM_MAX_INFLIGHT": "0"}, "must be at least 1"),
+    ({"SMG_VLLM_MM_MAX_ITEM_BYTES": "32MiB"}, "expected a whole number"),
+    ({"SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS": "yes please"}, "expected 1 or 0"),
+    ({"ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH": "relative/dir"}, "must be an absolute path"),
+])  # fmt: skip
+def test_bad_media_knobs_are_refused_at_start(env, words):
+    from enginelink.runtime.requests.media import MediaKnobError
+
+    with pytest.raises(MediaKnobError, match=words):
+        media_settings_from(env)
+
+
+def test_media_knobs_defaults_and_values():
+    assert media_settings_from({}) == MediaSettings()
+    settings = media_settings_from({"SMG_VLLM_MM_PROCESSOR": "inprocess", "SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS": "1",
+                                    "SMG_VLLM_MM_FETCH_TIMEOUT_MS": "2500", "ENGINELINK_MM_MAX_REDIRECTS": "0"})
+    assert (settings.enabled, settings.allow_private, settings.fetch_timeout_s, settings.redirects_max) == (
+        True, True, 2.5, 0)
+    assert MediaSettings().item_bytes_max == 32 << 20 and MediaSettings().inflight_max == 64
