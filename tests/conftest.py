@@ -33,7 +33,7 @@ from enginelink.tools.test_model import make_test_model
 from tests.harness import Servicer, reap_stopped, shared
 
 # The modules with real-vLLM tests: one scope, one worker, one engine at a time.
-VLLM_MODULES = ("tests/vllm/", "tests/kv/test_kv_vllm.py", "tests/wire/test_vllm_logprobs.py")
+VLLM_MODULES = ("tests/vllm/", "tests/kv/test_kv_vllm.py", "tests/wire/test_vllm_logprobs.py", "tests/wire/test_vllm_mm.py")
 VLLM_SCOPE = "real vLLM"
 # The real MLX engine's modules likewise run one after another on one worker.
 MLX_MODULES = ("tests/mlx/",)

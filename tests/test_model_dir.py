@@ -35,6 +35,7 @@ def test_facts_of_the_test_model(tiny_dir):
     assert facts.default_sampling_params == {}
     assert facts.default_sampling_params_json == ""
     assert facts.tokenizer_path == str(tiny_dir)
+    assert not facts.supports_vision
 
 
 def test_eos_ids_config_first_then_generation_extras(tmp_path):
@@ -90,9 +91,11 @@ def test_text_config_of_a_multimodal_model(tmp_path):
                 "max_position_embeddings": 4096,
                 "eos_token_id": 2,
             },
+            "vision_config": {"hidden_size": 1024},
         },
     )
     facts = read_model_facts(tmp_path)
+    assert facts.supports_vision
     assert (facts.vocab_size, facts.max_position_embeddings, facts.eos_token_ids) == (
         32064,
         4096,

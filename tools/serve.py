@@ -27,6 +27,7 @@ from enginelink.runtime.engine.launchers import (
 )
 from enginelink.runtime.engine.model_dir import ModelDirError, read_model_facts
 from enginelink.runtime.requests.inputs import InputKnobError, input_limits
+from enginelink.runtime.requests.media import MediaKnobError, media_settings
 
 
 class ConfigError(Exception):
@@ -84,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="metrics host (default 127.0.0.1; SMG_VLLM_SERVICER_METRICS_HOST)")
     p.add_argument("--log-level", default=os.environ.get("ENGINELINK_LOG_LEVEL", "INFO"), metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default INFO; ENGINELINK_LOG_LEVEL)")
+    p.add_argument("--mm-processor", choices=["inprocess"], default=None,
+                   help="fetch media_refs URLs on this worker (default off; SMG_VLLM_MM_PROCESSOR)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="accept file: media refs under DIR (default none; ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH)")
     p.set_defaults(engine_args=[])
 
 
@@ -430,7 +435,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
         input_limits()  # the ENGINELINK_MAX_* request-input knobs: a bad one is refused here
-    except (ConfigError, InputKnobError) as error:
+        # The reference's flags for the media knobs stand for their environment variables.
+        for flag, name in (("mm_processor", "SMG_VLLM_MM_PROCESSOR"),
+                           ("allowed_local_media_path", "ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH")):
+            if getattr(args, flag, None) is not None:
+                os.environ[name] = getattr(args, flag)
+        media_settings()  # SMG_VLLM_MM_* and the media-host knobs: a bad one is refused here
+    except (ConfigError, InputKnobError, MediaKnobError) as error:
         print(f"enginelink serve: {error}", file=sys.stderr)
         return 2
     from enginelink.runtime.lifetime import core

@@ -29,6 +29,7 @@ import json
 import math
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -326,12 +327,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the model directory (default: the one `enginelink serve` uses, "
                              "test-model under the state dir, $XDG_STATE_HOME/enginelink on Linux)")
     parser.add_argument("--force", action="store_true", help="rebuild even if DIR exists")
+    parser.add_argument("--vision", action="store_true",
+                        help="build the tiny vision-language model instead (BLIP-2 on the text model's shape; "
+                             "needs the vLLM venv's torch and transformers: tools/test_vision_model.py); DIR required")
     parser.add_argument("--print-path", action="store_true",
                         help="print DIR (default: the path `enginelink serve` uses) and build nothing, "
                              "e.g. for the router's --model-path")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "vision", False):
+        from enginelink.tools.test_vision_model import make_vision_model
+
+        if args.dir is None:
+            print("make-test-model: --vision needs DIR", file=sys.stderr)
+            return 2
+        try:
+            print(make_vision_model(args.dir, force=args.force))
+        except (FileExistsError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            print(f"make-test-model: {exc}\n{detail.decode(errors='replace')[-2000:]}", file=sys.stderr)
+            return 1
+        return 0
     out_dir = args.dir if args.dir is not None else default_test_model_path()
     if args.print_path:
         print(out_dir)

@@ -124,6 +124,8 @@ class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
     # the engine's KV connector about a PD request it refused, so the prefill
     # side's blocks are freed now rather than when the connector's lease ends.
     abort_immediately: bool = False
+    # Router-preprocessed media as vLLM's ``mm_features`` entries (``wire/vllm_mm.py``), codec-ready.
+    mm_features: list | None = None
 
 
 class EngineOutput(Protocol):

@@ -238,7 +238,7 @@ def request_for(spec: GenerateSpec, client_index: int = 0) -> EngineCoreRequest:
     return EngineCoreRequest(
         spec.request_id,
         spec.prompt_token_ids,
-        None,
+        spec.mm_features,
         sampling_params_for(spec.sampling, spec.kv_transfer_params) if pooling is None else None,
         None if pooling is None else pooling_params_for(pooling),
         spec.arrival_time,

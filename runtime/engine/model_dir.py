@@ -52,6 +52,8 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str  # torch's name, e.g. "bfloat16"; "" when the config has none
     default_sampling_params: dict[str, float | int]
     tokenizer_path: str  # "" when the directory holds no tokenizer files
+    # A vision tower in the config (``vision_config``): GetModelInfo's supports_vision.
+    supports_vision: bool = False
 
     @property
     def default_sampling_params_json(self) -> str:
@@ -151,6 +153,7 @@ def read_model_facts(model_dir: str | Path) -> ModelFacts:
         bos_token_id=_first_id(_lookup(config, "bos_token_id"), generation.get("bos_token_id")),
         pad_token_id=_first_id(_lookup(config, "pad_token_id"), generation.get("pad_token_id")),
         architectures=tuple(architectures),
+        supports_vision=isinstance(config.get("vision_config"), dict),
         model_type=str(config.get("model_type") or ""),
         dtype=str(dtype),
         default_sampling_params={

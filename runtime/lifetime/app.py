@@ -40,6 +40,8 @@ class App:
     run_start_trio: float
     server_type: str = "vllm-grpc"
     loads: Loads = field(default_factory=Loads)
+    # Worker-side media refs (runtime/requests/media.py); None: media_refs are refused as "processor off".
+    media: object = None
 
     # -- time ------------------------------------------------------------------------
 
@@ -85,7 +87,7 @@ class App:
             is_generation=runner_type(self.ready) != RUNNER_POOLING,
             max_context_length=max_len,
             vocab_size=model.vocab_size,
-            supports_vision=False,
+            supports_vision=model.supports_vision,  # router tensors: runtime/requests/mm_tensors.py
             served_model_name=self.served_model_name,
             tokenizer_path=model.tokenizer_path,
             model_type=model.model_type or "",
@@ -113,6 +115,8 @@ class App:
             # PD: the connector, role and engine id the router pairs legs by, from the
             # engine's resolved --kv-transfer-config (its facts), and SMG_PAIRING_PROTOCOL.
             **kv_transfer.server_fields(ready),
+            # mm_processor and the schemes fetched, when media refs are on (runtime/requests/media.py).
+            **(self.media.server_fields() if self.media is not None else {}),
         )
 
     def uptime_s(self) -> float:

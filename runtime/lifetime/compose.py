@@ -46,6 +46,7 @@ from enginelink.runtime.lifetime.app import App
 from enginelink.runtime.engine.engine_link import EngineArgsRefused, EngineIncompatible, EngineLink, LinkFailed
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.inputs import input_limits
+from enginelink.runtime.requests.media import MediaService, media_settings
 from enginelink.runtime.kv.kv_config import KvPlan
 from enginelink.runtime.kv.kv_loads import LoadSource
 from enginelink.runtime.kv.kv_metrics import KvRelayCollector
@@ -244,7 +245,9 @@ def compose(plan: Composition) -> Servicer:
     )
     run_start_trio = trio.current_time()
     app = App(link=link, hub=hub, journal=journal, model=plan.model, served_model_name=plan.served_model_name,
-              run_start_wall=plan.wall_clock(), run_start_trio=run_start_trio)  # fmt: skip
+              run_start_wall=plan.wall_clock(), run_start_trio=run_start_trio,
+              media=MediaService(media_settings(), registry=metrics.registry if metrics is not None else None,
+                                 labels={"model": plan.served_model_name, "rank": "0"}))  # fmt: skip
     readiness = Readiness(link.machine.state, plan.readiness_sink)
     link.on_transition = readiness.follow
     kv_relay = _kv_relay(plan, journal, link, hub, app)

@@ -29,6 +29,8 @@ from enginelink.runtime.requests import kv_transfer
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings as _stop_strings
+from enginelink.runtime.requests.media import in_trio
+from enginelink.runtime.requests.mm_tensors import mm_features_of
 from enginelink.runtime.requests.validate import N_MAX, EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 
@@ -141,10 +143,13 @@ def _prompt(request, limits: EngineLimits) -> list[int]:
     if kind != "tokenized":
         raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
     prompt = _token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
-    if request.HasField("mm_inputs") or len(request.extra_mm_inputs) or request.HasField("media_refs"):
-        raise ClientError("mm_inputs", "multimodal input is not supported by this worker (text-only)")
+    if request.HasField("media_refs") and (request.HasField("mm_inputs") or len(request.extra_mm_inputs)):
+        raise ClientError("media_refs", "cannot be combined with preprocessed mm_inputs; send one or the other")
     sp = request.sampling_params
     if sp.HasField("truncate_prompt_tokens") and sp.truncate_prompt_tokens != 0:
+        if request.HasField("mm_inputs") or len(request.extra_mm_inputs):
+            # Truncating would cut placeholder ranges the router computed against the whole prompt.
+            raise ClientError("sampling_params.truncate_prompt_tokens", "cannot be combined with mm_inputs")
         keep = sp.truncate_prompt_tokens
         if keep == -1:
             keep = limits.max_model_len - 1
@@ -394,6 +399,23 @@ def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int,
     return b"\x0a" + _varint(len(chunk)) + chunk  # GenerateResponse field 1: chunk
 
 
+async def prepare_media(app, request: pb.GenerateRequest, spec: GenerateCall) -> GenerateCall:
+    """The request's media before admission: refs fetched (``media.py``), router tensors made engine
+    features (``mm_tensors.py``, in a worker thread); the call unchanged when it has none."""
+    if request.HasField("media_refs"):
+        if app.media is None:
+            raise ClientError("media_refs", "media_refs sent but --mm-processor (SMG_VLLM_MM_PROCESSOR) is off "
+                              "on this worker")  # fmt: skip
+        await app.media.prepare(request.media_refs)
+        return spec
+    if not (request.HasField("mm_inputs") or len(request.extra_mm_inputs)):
+        return spec
+    has_kv = spec.specs[0].kv_transfer_params is not None
+    mm_features = await in_trio(mm_features_of, request, spec.prompt_token_ids, has_kv)
+    spec.specs = [msgspec.structs.replace(s, mm_features=mm_features) for s in spec.specs]
+    return spec
+
+
 def raw_request_id(request: pb.GenerateRequest) -> str:
     return request.request_id
 
@@ -408,6 +430,7 @@ class VllmEdge:
     chunk_body = staticmethod(stream_chunk_body)
     release_params = staticmethod(release_params)
     raw_request_id = staticmethod(raw_request_id)
+    prepare_media = staticmethod(prepare_media)
 
 
 VLLM_EDGE = VllmEdge()

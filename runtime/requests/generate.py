@@ -52,6 +52,12 @@ async def generate(app, request, *, wake, send, direct=None, send_headers=None, 
         limits = app.limits
         check_generation(app.ready)  # a pooling engine generates nothing: UNIMPLEMENTED, before validation
         spec = edge.validate(request, limits, app.wall_time(now))
+        prepare_media = getattr(edge, "prepare_media", None)
+        if prepare_media is not None:
+            # Media refs are fetched after the request is known good and before admission, in this
+            # call's task (bounded by the media knobs, runtime/requests/media.py), never on the engine's path.
+            spec = await prepare_media(app, request, spec)
+            now = trio.current_time()
         call = hub.admit(spec, now, wake=wake)
     except ServicerError as error:
         app.refused(edge.raw_request_id(request), error, now)

@@ -1,0 +1,120 @@
+"""Media refs through ``enginelink serve`` (sim engine) over gRPC: the codes, GetServerInfo and /metrics a user sees.
+
+Two servicers: media refs on with the default policy (loopback is private:
+refused), and on with ``SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS=1`` (fetched from a
+loopback origin started here). A third, the shared default servicer, has
+them off. What is fetched is then refused FAILED_PRECONDITION: turning media
+into engine inputs is the part not built yet (runtime/requests/media.py).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
+
+from tests.adversarial.conftest import limited_servicer
+from tests.adversarial.media_origin import PNG, Origin
+from tests.harness import generate_request, scrape, shared
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def origin():
+    with Origin() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory, test_model_dir):
+    env = {"SMG_VLLM_MM_PROCESSOR": "inprocess", "SMG_VLLM_MM_MAX_ITEMS": "2"}
+    with shared(limited_servicer(tmp_path_factory.mktemp("media-strict"), test_model_dir, env)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def allowing(tmp_path_factory, test_model_dir):
+    env = {"SMG_VLLM_MM_PROCESSOR": "inprocess", "SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS": "1",
+           "SMG_VLLM_MM_FETCH_TIMEOUT_MS": "1000"}
+    with shared(limited_servicer(tmp_path_factory.mktemp("media-allow"), test_model_dir, env)) as running:
+        yield running
+
+
+def _request(*urls: str) -> pb.GenerateRequest:
+    request = generate_request("media-1", [5, 6, 7], max_tokens=2)
+    for url in urls:
+        request.media_refs.items.add(modality=common_pb2.IMAGE, url=url)
+    return request
+
+
+def _status(servicer, request) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as error:
+        list(servicer.stub.Generate(request, timeout=20))
+    return error.value
+
+
+def test_media_refs_are_refused_where_the_processor_is_off(servicer):
+    error = _status(servicer, _request("https://cdn.example/cat.png"))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--mm-processor (SMG_VLLM_MM_PROCESSOR) is off" in error.details()
+    info = servicer.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert (info.mm_processor, info.mm_media_ref_schemes) == ("", "")
+
+
+def test_server_info_advertises_the_processor_and_schemes(strict):
+    info = strict.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert (info.mm_processor, info.mm_media_ref_schemes) == ("inprocess", "http,https,data")
+
+
+def test_loopback_is_refused_by_default_and_counted(strict, origin):
+    for url in (origin.url("/cat.png"), origin.url("/cat.png", host="localhost"), "http://[::1]/x.png",
+                "http://169.254.169.254/latest/meta-data/"):
+        error = _status(strict, _request(url))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert "media_refs.items[0]" in error.details() and "SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS" in error.details()
+    assert origin.hits == []
+    samples = scrape(strict.metrics_port)
+    assert _sample(samples, "smg_servicer_media_refusals_total", 'reason="loopback"') == 3
+    assert _sample(samples, "smg_servicer_media_refusals_total", 'reason="link_local"') == 1
+
+
+def test_request_shape_refusals(strict, origin):
+    error = _status(strict, _request(*["data:image/png;base64,AA=="] * 3))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "SMG_VLLM_MM_MAX_ITEMS" in error.details()
+    request = _request("data:image/png;base64,AA==")
+    request.mm_inputs.im_token_id = 5
+    error = _status(strict, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be combined" in error.details()
+    error = _status(strict, _request("gopher://cdn.example/x"))
+    assert "scheme 'gopher' is not accepted" in error.details()
+
+
+def test_allowed_loopback_is_fetched_and_the_origins_faults_are_unavailable(allowing, origin):
+    data_url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    error = _status(allowing, _request(origin.url("/cat.png"), data_url))
+    # Fetched and checked; the processor step is the missing part (FAILED_PRECONDITION, not a silent drop).
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+    assert "fetched and checked 2 item(s)" in error.details()
+    assert "/cat.png" in origin.hits
+    error = _status(allowing, _request(origin.url("/broken.png")))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "answered 500" in error.details()
+    error = _status(allowing, _request(origin.url("/slow.png")))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "longer than 1 s" in error.details()
+    error = _status(allowing, _request(origin.url("/page.html")))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not an image" in error.details()
+    samples = scrape(allowing.metrics_port)
+    assert _sample(samples, "smg_servicer_media_fetches_total", 'outcome="ok"', 'scheme="http"') >= 1
+    assert _sample(samples, "smg_servicer_media_fetches_total", 'outcome="ok"', 'scheme="data"') == 1
+    assert _sample(samples, "smg_servicer_media_fetches_total", 'outcome="origin_error"') == 2
+    assert _sample(samples, "smg_servicer_media_fetch_seconds_count", 'scheme="http"') >= 3
+    assert _sample(samples, "smg_servicer_media_jobs_in_flight_max") == 64
+    assert allowing.stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
+
+
+def _sample(samples: dict[str, float], name: str, *labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include every one of ``labels``."""
+    return sum(value for key, value in samples.items()
+               if key.split("{")[0] == name and all(label in key for label in labels))  # fmt: skip
