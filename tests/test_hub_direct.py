@@ -37,6 +37,9 @@ class Wire:
     def send(self, messages) -> int:
         return self.send_bodies([message.SerializeToString() for message in messages])
 
+    def send_body(self, body: bytes) -> bool:
+        return self.send_bodies([body]) >= 1
+
     def send_bodies(self, bodies) -> int:
         taken = [pb.GenerateResponse.FromString(body) for body in list(bodies)[: self.room]]
         self.room -= len(taken)
