@@ -72,6 +72,14 @@ FLUSH_BATCH_MAX: Final = 10_000
 PENDING_RECORDS_MAX: Final = 200_000
 PENDING_BYTES_MAX: Final = 64 * 1024 * 1024
 
+# Engine frames whose decode the link hands over for the live fold (``note_decoded``;
+# ``runtime/lifetime/snapshots.py``): the link decoded each frame once already, and the
+# snapshot task's fold takes that decode instead of decoding the journaled bytes again.
+# A frame whose decode was dropped (more than this many frames within one fold period,
+# about 0.5 s) is decoded by the fold itself, as replay does: the bound costs CPU, never
+# correctness. Counted in ``decoded_dropped``.
+DECODED_FRAMES_MAX: Final = 4096
+
 ToThread = Callable[..., Awaitable[Any]]
 
 
@@ -90,6 +98,8 @@ class JournalStats(msgspec.Struct, frozen=True):
     store_errors: int = 0  # batch writes that failed
     store_failing: int = 0  # 1 while batch writes fail (disk full, I/O error): journal/store_health.py
     store_failing_episodes: int = 0  # times writing started failing
+    decoded_frames_max: int = DECODED_FRAMES_MAX  # engine-frame decodes kept for the live fold (note_decoded)
+    decoded_dropped: int = 0  # of those, dropped before the live fold took them (it decoded those frames itself)
 
 
 class Journal:
@@ -110,6 +120,7 @@ class Journal:
         to_thread: ToThread = trio.to_thread.run_sync,
         lock: JournalLock | None = None,
         keep: int = JOURNAL_KEEP_DEFAULT,
+        decoded_frames_max: int = DECODED_FRAMES_MAX,
     ) -> None:
         """``path=None`` keeps the journal in memory only (the ring).
 
@@ -119,8 +130,9 @@ class Journal:
         it the journal takes its own and releases it on ``close``. ``keep``:
         previous runs' files kept beside this one.
         """
-        if flush_interval_s <= 0 or flush_batch_max < 1 or pending_records_max < 1:
-            raise ValueError("flush_interval_s, flush_batch_max and pending_records_max must be positive")
+        if flush_interval_s <= 0 or flush_batch_max < 1 or pending_records_max < 1 or decoded_frames_max < 1:
+            raise ValueError("flush_interval_s, flush_batch_max, pending_records_max and decoded_frames_max "
+                             "must be positive")
         self.path = None if path is None else Path(path)
         self.flush_interval_s = flush_interval_s
         self.flush_batch_max = flush_batch_max
@@ -136,6 +148,10 @@ class Journal:
         self._store_errors = 0
         self.last_store_error: str | None = None
         self._running = False
+        # None until a live fold asks for decodes (keep_decoded): nothing kept, nothing paid, without one.
+        self._decoded: deque[tuple[int, Any]] | None = None
+        self._decoded_dropped = 0
+        self.decoded_frames_max = decoded_frames_max
         self._store: Store | None = None
         self._closed_store_stats: StoreStats | None = None
         self._own_lock: JournalLock | None = None
@@ -170,6 +186,31 @@ class Journal:
             if len(pending) > self.pending_records_max or self._pending_bytes > self.pending_bytes_max:
                 self._drop_oldest_pending()
         return seq
+
+    def note_decoded(self, seq: int, decoded: Any) -> None:
+        """The decode of the engine frame journaled as ``seq`` (the link's ``OutputBatch`` of exactly
+        those bytes), for the live fold; dropped at once unless one runs (``keep_decoded``). O(1)."""
+        kept = self._decoded
+        if kept is None:
+            return
+        if len(kept) >= self.decoded_frames_max:
+            kept.popleft()
+            self._decoded_dropped += 1
+        kept.append((seq, decoded))
+
+    def keep_decoded(self) -> None:
+        """A live fold runs: keep engine-frame decodes (``note_decoded``) until it takes them."""
+        if self._decoded is None:
+            self._decoded = deque()
+
+    def take_decoded(self, through_seq: int) -> dict[int, Any]:
+        """The kept decodes of frames with ``seq <= through_seq``, by seq; they leave the journal."""
+        kept = self._decoded
+        taken: dict[int, Any] = {}
+        while kept and kept[0][0] <= through_seq:
+            seq, decoded = kept.popleft()
+            taken[seq] = decoded
+        return taken
 
     def _drop_oldest_pending(self) -> None:
         pending = self._pending
@@ -211,6 +252,8 @@ class Journal:
             store_errors=self._store_errors,
             store_failing=int(self.health.failing),
             store_failing_episodes=self.health.episodes,
+            decoded_frames_max=self.decoded_frames_max,
+            decoded_dropped=self._decoded_dropped,
         )
 
     # -- the disk path ------------------------------------------------------
