@@ -72,13 +72,14 @@ FLUSH_BATCH_MAX: Final = 10_000
 PENDING_RECORDS_MAX: Final = 200_000
 PENDING_BYTES_MAX: Final = 64 * 1024 * 1024
 
-# Engine frames whose decode the link hands over for the live fold (``note_decoded``;
+# Engine-frame decodes the link hands over for the live fold (``note_decoded``;
 # ``runtime/lifetime/snapshots.py``): the link decoded each frame once already, and the
 # snapshot task's fold takes that decode instead of decoding the journaled bytes again.
-# A frame whose decode was dropped (more than this many frames within one fold period,
-# about 0.5 s) is decoded by the fold itself, as replay does: the bound costs CPU, never
-# correctness. Counted in ``decoded_dropped``.
-DECODED_FRAMES_MAX: Final = 4096
+# Bounded by the outputs they hold (about 300 bytes each: ~20 MB), which is about a
+# second of a 60k tokens/s servicer, two of the task's 0.5 s fold periods. Past it the
+# oldest decodes are dropped and the fold decodes those frames itself, as replay does:
+# the bound costs CPU, never correctness. Counted in ``decoded_dropped``.
+DECODED_OUTPUTS_MAX: Final = 65_536
 
 ToThread = Callable[..., Awaitable[Any]]
 
@@ -98,8 +99,9 @@ class JournalStats(msgspec.Struct, frozen=True):
     store_errors: int = 0  # batch writes that failed
     store_failing: int = 0  # 1 while batch writes fail (disk full, I/O error): journal/store_health.py
     store_failing_episodes: int = 0  # times writing started failing
-    decoded_frames_max: int = DECODED_FRAMES_MAX  # engine-frame decodes kept for the live fold (note_decoded)
-    decoded_dropped: int = 0  # of those, dropped before the live fold took them (it decoded those frames itself)
+    decoded_outputs_max: int = DECODED_OUTPUTS_MAX  # engine outputs of frame decodes kept for the live fold
+    decoded_outputs: int = 0  # outputs of the decodes kept now
+    decoded_dropped: int = 0  # frame decodes dropped before the live fold took them (it decoded those itself)
 
 
 class Journal:
@@ -120,7 +122,7 @@ class Journal:
         to_thread: ToThread = trio.to_thread.run_sync,
         lock: JournalLock | None = None,
         keep: int = JOURNAL_KEEP_DEFAULT,
-        decoded_frames_max: int = DECODED_FRAMES_MAX,
+        decoded_outputs_max: int = DECODED_OUTPUTS_MAX,
     ) -> None:
         """``path=None`` keeps the journal in memory only (the ring).
 
@@ -130,8 +132,8 @@ class Journal:
         it the journal takes its own and releases it on ``close``. ``keep``:
         previous runs' files kept beside this one.
         """
-        if flush_interval_s <= 0 or flush_batch_max < 1 or pending_records_max < 1 or decoded_frames_max < 1:
-            raise ValueError("flush_interval_s, flush_batch_max, pending_records_max and decoded_frames_max "
+        if flush_interval_s <= 0 or flush_batch_max < 1 or pending_records_max < 1 or decoded_outputs_max < 1:
+            raise ValueError("flush_interval_s, flush_batch_max, pending_records_max and decoded_outputs_max "
                              "must be positive")
         self.path = None if path is None else Path(path)
         self.flush_interval_s = flush_interval_s
@@ -148,10 +150,11 @@ class Journal:
         self._store_errors = 0
         self.last_store_error: str | None = None
         self._running = False
-        # None until a live fold asks for decodes (keep_decoded): nothing kept, nothing paid, without one.
-        self._decoded: deque[tuple[int, Any]] | None = None
+        # None unless a live fold runs (keep_decoded): nothing kept, nothing paid, without one.
+        self._decoded: deque[tuple[int, Any, int]] | None = None  # (seq, decode, its outputs)
+        self._decoded_outputs = 0
         self._decoded_dropped = 0
-        self.decoded_frames_max = decoded_frames_max
+        self.decoded_outputs_max = decoded_outputs_max
         self._store: Store | None = None
         self._closed_store_stats: StoreStats | None = None
         self._own_lock: JournalLock | None = None
@@ -189,18 +192,24 @@ class Journal:
 
     def note_decoded(self, seq: int, decoded: Any) -> None:
         """The decode of the engine frame journaled as ``seq`` (the link's ``OutputBatch`` of exactly
-        those bytes), for the live fold; dropped at once unless one runs (``keep_decoded``). O(1)."""
+        those bytes), for the live fold; dropped at once unless one runs (``keep_decoded``). O(1)
+        amortised."""
         kept = self._decoded
         if kept is None:
             return
-        if len(kept) >= self.decoded_frames_max:
-            kept.popleft()
+        outputs = len(decoded.outputs)
+        kept.append((seq, decoded, outputs))
+        self._decoded_outputs += outputs
+        while self._decoded_outputs > self.decoded_outputs_max and kept:
+            self._decoded_outputs -= kept.popleft()[2]
             self._decoded_dropped += 1
-        kept.append((seq, decoded))
 
-    def keep_decoded(self) -> None:
-        """A live fold runs: keep engine-frame decodes (``note_decoded``) until it takes them."""
-        if self._decoded is None:
+    def keep_decoded(self, keep: bool = True) -> None:
+        """A live fold starts (or, ``keep=False``, stops): keep engine-frame decodes until it takes them."""
+        if not keep:
+            self._decoded = None
+            self._decoded_outputs = 0
+        elif self._decoded is None:
             self._decoded = deque()
 
     def take_decoded(self, through_seq: int) -> dict[int, Any]:
@@ -208,7 +217,8 @@ class Journal:
         kept = self._decoded
         taken: dict[int, Any] = {}
         while kept and kept[0][0] <= through_seq:
-            seq, decoded = kept.popleft()
+            seq, decoded, outputs = kept.popleft()
+            self._decoded_outputs -= outputs
             taken[seq] = decoded
         return taken
 
@@ -252,7 +262,8 @@ class Journal:
             store_errors=self._store_errors,
             store_failing=int(self.health.failing),
             store_failing_episodes=self.health.episodes,
-            decoded_frames_max=self.decoded_frames_max,
+            decoded_outputs_max=self.decoded_outputs_max,
+            decoded_outputs=self._decoded_outputs,
             decoded_dropped=self._decoded_dropped,
         )
 

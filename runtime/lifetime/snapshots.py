@@ -17,7 +17,7 @@ fold's ``terminal_max``; docs/limits.md).
 The fold never decodes an engine frame the link already decoded: the link
 hands its ``OutputBatch`` of each one-part frame to the journal
 (``Journal.note_decoded``, kept only while this task runs, bounded by
-``DECODED_FRAMES_MAX``), and the task folds that in place of the bytes. Same
+``DECODED_OUTPUTS_MAX``), and the task folds that in place of the bytes. Same
 outputs, so the same state as replay's fold of the bytes; a frame whose
 decode was not kept is decoded here, as replay does. (It used to decode every
 frame again: 13% of the servicer's CPU against a zero-cost engine; docs/benchmarks.md.)
@@ -52,9 +52,16 @@ async def run_snapshots(
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     state = FoldState()
+    journal.keep_decoded()
+    try:
+        await _fold_and_snapshot(journal, state, interval_s, fold_every_s, task_status)
+    finally:
+        journal.keep_decoded(False)  # nobody takes them any more: keep none
+
+
+async def _fold_and_snapshot(journal, state: FoldState, interval_s: float, fold_every_s: float, task_status) -> None:
     last_snapshot = trio.current_time()
     news = False  # a record other than a snapshot was appended since the last snapshot
-    journal.keep_decoded()
     task_status.started(state)
     while True:
         await trio.sleep(fold_every_s)

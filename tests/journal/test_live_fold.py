@@ -102,13 +102,18 @@ async def test_the_live_fold_decodes_no_frame_the_link_decoded_and_snapshots_wha
     assert same_state(snapshot, state)
     assert state.requests["a"].engine_tokens == [6] and state.requests["b"].engine_tokens == [12, 3]
     assert state.frames_undecodable == 1 and state.frames == frames
+    # The task is gone: nothing takes decodes any more, so none is kept.
+    seq = journal.append(9.0, "engine", r.KIND_ENGINE_FRAME, events[5][2])
+    journal.note_decoded(seq, CODEC.decode_output([events[5][2]]))
+    assert journal.take_decoded(seq) == {} and journal.stats().decoded_outputs == 0
 
 
 async def test_decodes_past_the_bound_are_dropped_and_the_fold_decodes_those_frames_itself(
         autojump_clock, counting):
     events = scenario()
-    # Every frame noted before the task's first fold: all but the last two decodes are dropped.
-    journal = Journal(None, decoded_frames_max=2)
+    # Every frame noted before the task's first fold: the last two frames hold 3 + 2 outputs, all
+    # the bound keeps; every older decode is dropped.
+    journal = Journal(None, decoded_outputs_max=5)
     journal.keep_decoded()
     seqs = []
     for stream, kind, payload in events:
@@ -116,21 +121,22 @@ async def test_decodes_past_the_bound_are_dropped_and_the_fold_decodes_those_fra
         if kind == r.KIND_ENGINE_FRAME and payload[:1] != b"\xc1":
             journal.note_decoded(seq, CODEC.decode_output([payload]))
             seqs.append(seq)
-    assert journal.stats().decoded_dropped == len(seqs) - 2
-    assert journal.stats().decoded_frames_max == 2
+    stats = journal.stats()
+    assert (stats.decoded_dropped, stats.decoded_outputs, stats.decoded_outputs_max) == (len(seqs) - 2, 5, 5)
     assert sorted(journal.take_decoded(seqs[-1])) == seqs[-2:]
     assert journal.take_decoded(seqs[-1]) == {}  # taken once
+    assert journal.stats().decoded_outputs == 0
 
     # Through the snapshot task, with the bound that small: the snapshot is still replay's state.
-    journal, snapshot = await live_run(events, Journal(None, decoded_frames_max=2))
+    journal, snapshot = await live_run(events, Journal(None, decoded_outputs_max=5))
     assert counting.decoded > 1  # the frames whose decodes were dropped, decoded by the fold
     assert same_state(snapshot, replayed(journal, snapshot.seq))
 
 
 def test_without_a_live_fold_no_decode_is_kept():
     journal = Journal(None)
-    assert journal.stats().decoded_frames_max == journal_module.DECODED_FRAMES_MAX
+    assert journal.stats().decoded_outputs_max == journal_module.DECODED_OUTPUTS_MAX
     seq = journal.append(0.0, "engine", r.KIND_ENGINE_FRAME, frame(("a", [1], None)))
-    journal.note_decoded(seq, object())
+    journal.note_decoded(seq, CODEC.decode_output([frame(("a", [1], None))]))
     assert journal.take_decoded(seq) == {}
     assert journal.stats().decoded_dropped == 0
