@@ -75,7 +75,7 @@ PENDING_BYTES_MAX: Final = 64 * 1024 * 1024
 # Engine-frame decodes the link hands over for the live fold (``note_decoded``;
 # ``runtime/lifetime/snapshots.py``): the link decoded each frame once already, and the
 # snapshot task's fold takes that decode instead of decoding the journaled bytes again.
-# Bounded by the outputs they hold (about 300 bytes each: ~20 MB), which is about a
+# Bounded by the outputs they hold (about 350 bytes each: ~23 MB), which is about a
 # second of a 60k tokens/s servicer, two of the task's 0.5 s fold periods. Past it the
 # oldest decodes are dropped and the fold decodes those frames itself, as replay does:
 # the bound costs CPU, never correctness. Counted in ``decoded_dropped``.
