@@ -135,8 +135,9 @@ def test_a_chunk_encoded_by_hand_is_the_bytes_upb_writes():
     rng = random.Random(7)
     for _ in range(5000):
         # Varint widths 1-5 bytes and each width's edges (the encoder writes up to 3 bytes without a loop).
-        tokens = [rng.choice([rng.randrange(128), rng.randrange(1 << 14), rng.randrange(1 << 21), rng.randrange(1 << 32),
-                              rng.choice([127, 128, 16383, 16384, 2097151, 2097152, (1 << 32) - 1])])
+        edges = [127, 128, 16383, 16384, 2097151, 2097152, (1 << 32) - 1]
+        tokens = [rng.choice([rng.randrange(128), rng.randrange(1 << 14), rng.randrange(1 << 21),
+                              rng.randrange(1 << 32), rng.choice(edges)])
                   for _ in range(rng.choice([1, 1, 1, 2, 5, 40]))]
         prompt = rng.choice([0, 1, 127, 128, rng.randrange(1 << 20)])
         cached = rng.choice([0, 0, rng.randrange(1 << 16)])

@@ -87,7 +87,8 @@ def replayed(journal: Journal, through_seq: int) -> FoldState:
 
 def same_state(snapshot: r.Record, state: FoldState) -> bool:
     back = FoldState.from_snapshot(snapshot)
-    return msgspec.msgpack.encode(back.to_dict()) == msgspec.msgpack.encode({**state.to_dict(), "last_seq": snapshot.seq})
+    expected = {**state.to_dict(), "last_seq": snapshot.seq}
+    return msgspec.msgpack.encode(back.to_dict()) == msgspec.msgpack.encode(expected)
 
 
 async def test_the_live_fold_decodes_no_frame_the_link_decoded_and_snapshots_what_replay_folds(
