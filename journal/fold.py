@@ -19,8 +19,9 @@ Rules:
 - unknown machines and kinds that carry no state are skipped; a
   ``client.sent`` for a request the fold does not hold (evicted, or before
   a pruned journal's first record) is counted in ``unmatched``;
-- ``engine.frame`` payloads are decoded here, and only here (never on the
-  servicer's hot path), with the codec the run names (``run.start``'s
+- ``engine.frame`` payloads are decoded here (never on the servicer's hot
+  path; the live fold may pass the link's own ``OutputBatch`` of the
+  frame instead of its bytes, which it then need not decode again), with the codec the run names (``run.start``'s
   ``engine``, default vLLM), and only while some engine request is open: the
   fold attributes each output's tokens to the choice whose engine id it
   carries, from the request's ``engine.request`` until the engine finishes
@@ -48,7 +49,7 @@ from typing import Any, Final
 import msgspec
 
 from enginelink.wire import codecs
-from enginelink.wire.engine import EngineCodec, EngineDead, WireError
+from enginelink.wire.engine import EngineCodec, EngineDead, OutputBatch, WireError
 
 from . import records as r
 from .records import Record
@@ -328,12 +329,17 @@ def _codec(name: str | None) -> EngineCodec:
     return codec
 
 
-def _engine_frame(st: FoldState, payload: bytes) -> None:
-    try:
-        batch = _codec(st.run.engine).decode_output([payload])
-    except WireError:
-        st.frames_undecodable += 1
-        return
+def _engine_frame(st: FoldState, payload: bytes | OutputBatch) -> None:
+    if isinstance(payload, OutputBatch):
+        # The live fold (runtime/lifetime/snapshots.py): the link's own decode of exactly these
+        # bytes, handed over so the frame is not decoded twice. Same outputs, same attribution.
+        batch = payload
+    else:
+        try:
+            batch = _codec(st.run.engine).decode_output([payload])
+        except WireError:
+            st.frames_undecodable += 1
+            return
     if isinstance(batch, EngineDead):
         return
     open_ids = st.open_engine_ids

@@ -72,6 +72,15 @@ FLUSH_BATCH_MAX: Final = 10_000
 PENDING_RECORDS_MAX: Final = 200_000
 PENDING_BYTES_MAX: Final = 64 * 1024 * 1024
 
+# Engine-frame decodes the link hands over for the live fold (``note_decoded``;
+# ``runtime/lifetime/snapshots.py``): the link decoded each frame once already, and the
+# snapshot task's fold takes that decode instead of decoding the journaled bytes again.
+# Bounded by the outputs they hold (about 350 bytes each: ~23 MB), which is about a
+# second of a 60k tokens/s servicer, two of the task's 0.5 s fold periods. Past it the
+# oldest decodes are dropped and the fold decodes those frames itself, as replay does:
+# the bound costs CPU, never correctness. Counted in ``decoded_dropped``.
+DECODED_OUTPUTS_MAX: Final = 65_536
+
 ToThread = Callable[..., Awaitable[Any]]
 
 
@@ -90,6 +99,9 @@ class JournalStats(msgspec.Struct, frozen=True):
     store_errors: int = 0  # batch writes that failed
     store_failing: int = 0  # 1 while batch writes fail (disk full, I/O error): journal/store_health.py
     store_failing_episodes: int = 0  # times writing started failing
+    decoded_outputs_max: int = DECODED_OUTPUTS_MAX  # engine outputs of frame decodes kept for the live fold
+    decoded_outputs: int = 0  # outputs of the decodes kept now
+    decoded_dropped: int = 0  # frame decodes dropped before the live fold took them (it decoded those itself)
 
 
 class Journal:
@@ -110,6 +122,7 @@ class Journal:
         to_thread: ToThread = trio.to_thread.run_sync,
         lock: JournalLock | None = None,
         keep: int = JOURNAL_KEEP_DEFAULT,
+        decoded_outputs_max: int = DECODED_OUTPUTS_MAX,
     ) -> None:
         """``path=None`` keeps the journal in memory only (the ring).
 
@@ -119,8 +132,9 @@ class Journal:
         it the journal takes its own and releases it on ``close``. ``keep``:
         previous runs' files kept beside this one.
         """
-        if flush_interval_s <= 0 or flush_batch_max < 1 or pending_records_max < 1:
-            raise ValueError("flush_interval_s, flush_batch_max and pending_records_max must be positive")
+        if flush_interval_s <= 0 or flush_batch_max < 1 or pending_records_max < 1 or decoded_outputs_max < 1:
+            raise ValueError("flush_interval_s, flush_batch_max, pending_records_max and decoded_outputs_max "
+                             "must be positive")
         self.path = None if path is None else Path(path)
         self.flush_interval_s = flush_interval_s
         self.flush_batch_max = flush_batch_max
@@ -136,6 +150,11 @@ class Journal:
         self._store_errors = 0
         self.last_store_error: str | None = None
         self._running = False
+        # None unless a live fold runs (keep_decoded): nothing kept, nothing paid, without one.
+        self._decoded: deque[tuple[int, Any, int]] | None = None  # (seq, decode, its outputs)
+        self._decoded_outputs = 0
+        self._decoded_dropped = 0
+        self.decoded_outputs_max = decoded_outputs_max
         self._store: Store | None = None
         self._closed_store_stats: StoreStats | None = None
         self._own_lock: JournalLock | None = None
@@ -170,6 +189,38 @@ class Journal:
             if len(pending) > self.pending_records_max or self._pending_bytes > self.pending_bytes_max:
                 self._drop_oldest_pending()
         return seq
+
+    def note_decoded(self, seq: int, decoded: Any) -> None:
+        """The decode of the engine frame journaled as ``seq`` (the link's ``OutputBatch`` of exactly
+        those bytes), for the live fold; dropped at once unless one runs (``keep_decoded``). O(1)
+        amortised."""
+        kept = self._decoded
+        if kept is None:
+            return
+        outputs = len(decoded.outputs)
+        kept.append((seq, decoded, outputs))
+        self._decoded_outputs += outputs
+        while self._decoded_outputs > self.decoded_outputs_max and kept:
+            self._decoded_outputs -= kept.popleft()[2]
+            self._decoded_dropped += 1
+
+    def keep_decoded(self, keep: bool = True) -> None:
+        """A live fold starts (or, ``keep=False``, stops): keep engine-frame decodes until it takes them."""
+        if not keep:
+            self._decoded = None
+            self._decoded_outputs = 0
+        elif self._decoded is None:
+            self._decoded = deque()
+
+    def take_decoded(self, through_seq: int) -> dict[int, Any]:
+        """The kept decodes of frames with ``seq <= through_seq``, by seq; they leave the journal."""
+        kept = self._decoded
+        taken: dict[int, Any] = {}
+        while kept and kept[0][0] <= through_seq:
+            seq, decoded, outputs = kept.popleft()
+            self._decoded_outputs -= outputs
+            taken[seq] = decoded
+        return taken
 
     def _drop_oldest_pending(self) -> None:
         pending = self._pending
@@ -211,6 +262,9 @@ class Journal:
             store_errors=self._store_errors,
             store_failing=int(self.health.failing),
             store_failing_episodes=self.health.episodes,
+            decoded_outputs_max=self.decoded_outputs_max,
+            decoded_outputs=self._decoded_outputs,
+            decoded_dropped=self._decoded_dropped,
         )
 
     # -- the disk path ------------------------------------------------------

@@ -37,6 +37,9 @@ class Wire:
     def send(self, messages) -> int:
         return self.send_bodies([message.SerializeToString() for message in messages])
 
+    def send_body(self, body: bytes) -> bool:
+        return self.send_bodies([body]) >= 1
+
     def send_bodies(self, bodies) -> int:
         taken = [pb.GenerateResponse.FromString(body) for body in list(bodies)[: self.room]]
         self.room -= len(taken)
@@ -131,7 +134,10 @@ def test_with_two_choices_the_trailers_wait_for_both_completes():
 def test_a_chunk_encoded_by_hand_is_the_bytes_upb_writes():
     rng = random.Random(7)
     for _ in range(5000):
-        tokens = [rng.choice([rng.randrange(128), rng.randrange(1 << 14), rng.randrange(1 << 32)])
+        # Varint widths 1-5 bytes and each width's edges (the encoder writes up to 3 bytes without a loop).
+        edges = [127, 128, 16383, 16384, 2097151, 2097152, (1 << 32) - 1]
+        tokens = [rng.choice([rng.randrange(128), rng.randrange(1 << 14), rng.randrange(1 << 21),
+                              rng.randrange(1 << 32), rng.choice(edges)])
                   for _ in range(rng.choice([1, 1, 1, 2, 5, 40]))]
         prompt = rng.choice([0, 1, 127, 128, rng.randrange(1 << 20)])
         cached = rng.choice([0, 0, rng.randrange(1 << 16)])

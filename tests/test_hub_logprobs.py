@@ -40,6 +40,9 @@ class Wire:
         self.bodies += [m.SerializeToString() for m in messages]
         return len(messages)
 
+    def send_body(self, body: bytes) -> bool:
+        return self.send_bodies([body]) >= 1
+
     def send_bodies(self, bodies) -> int:
         self.ways.append("bytes")
         self.bodies += list(bodies)

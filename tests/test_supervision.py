@@ -38,6 +38,9 @@ class RecordingJournal:
     def append(self, now, stream, kind, payload) -> None:
         self.records.append((stream, kind, payload))
 
+    def note_decoded(self, seq, decoded) -> None:  # the live fold's feed (Journal.note_decoded): none here
+        pass
+
 
 @dataclass
 class ScriptLauncher:

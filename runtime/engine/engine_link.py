@@ -594,7 +594,9 @@ class EngineLink:
         if batch.utility is None or batch.utility.call_id != self._probe_call_id or batch.outputs:
             # An idle probe's answer is not journaled: one every few seconds would
             # fill an idle servicer's journal and push real history out of it.
-            self.journal.append(now, ENGINE_STREAM, KIND_ENGINE_FRAME, frames[0])
+            seq = self.journal.append(now, ENGINE_STREAM, KIND_ENGINE_FRAME, frames[0])
+            if len(frames) == 1:  # the journal keeps frames[0]: only then is this decode exactly its
+                self.journal.note_decoded(seq, batch)  # the live fold's, instead of decoding it again
         if batch.utility is not None:
             waiter = self._utility_waiters.get(batch.utility.call_id)
             if waiter is not None:

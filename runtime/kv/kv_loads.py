@@ -136,6 +136,10 @@ class LoadSource:
             return None
         return max(0.0, now - max(last, since))
 
+    def note(self, rank: int, now: float) -> None:
+        """Note when the rank's newest stats were first seen (their ``age_ms``), and nothing else."""
+        self._stats(rank, now)
+
     def view(self, rank: int, now: float) -> LoadView:
         stats, _ = self._stats(rank, now)
         silence = self._silence_s(now)

@@ -363,7 +363,12 @@ class KvRelayShell:
         while True:
             await trio.sleep(CHECK_S)
             now = trio.current_time()
-            # Also when nobody listens: the load source notes new stats within a tick (their age_ms).
+            if not self.streams:
+                # Nobody listens: only note new stats' arrival within a tick (a later stream's
+                # age_ms); no views, so the throughput window is not summed for no one.
+                for rank in self.relay.ranks:
+                    self.loads.note(rank, now)
+                continue
             views = {rank: self.loads.view(rank, now) for rank in self.relay.ranks}
             for stream in self.streams.values():
                 for rank, beat in stream.beats.items():

@@ -362,9 +362,17 @@ _VARINTS = [bytes((value,)) for value in range(0x80)]
 
 
 def _varint(value: int) -> bytes:
-    """A protobuf varint (non-negative values: every field here is uint32)."""
+    """A protobuf varint (non-negative values: every field here is uint32).
+
+    One to three bytes (every token id of today's vocabularies, every count
+    below 2M) without a loop: this runs for every streamed token.
+    """
     if value < 0x80:
         return _VARINTS[value]
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
+    if value < 0x200000:
+        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14))
     out = bytearray()
     while value >= 0x80:
         out.append(value & 0x7F | 0x80)
@@ -385,18 +393,26 @@ def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int,
     vllm_engine.proto, ``GenerateResponse.chunk`` = 1; ``GenerateStreamChunk``:
     token_ids = 1, prompt_tokens = 2, completion_tokens = 3, cached_tokens = 4,
     index = 7 (logprobs, 5 and 6, are not written here: a call that asked for
-    them takes the protobuf path, ``Call.plain_one``).
+    them takes the protobuf path, ``Call.plain_one``). The message is one
+    ``join`` of its pieces: each ``+`` would copy what came before it.
     """
-    packed = _varint(tokens[0]) if len(tokens) == 1 else b"".join(map(_varint, tokens))
-    chunk = b"\x0a" + _varint(len(packed)) + packed  # field 1, length-delimited
-    if prompt_tokens:
-        chunk += b"\x10" + _varint(prompt_tokens)  # field 2, varint
-    chunk += b"\x18" + _varint(len(tokens))  # field 3: completion_tokens, never 0 here
+    count = len(tokens)
+    # Fields 2-7 after the tokens: prompt_tokens, completion_tokens (never 0 here), cached_tokens, index.
+    if count == 1:  # the common chunk, at one token per engine step
+        packed = _varint(tokens[0])
+        tail = b"\x10" + _varint(prompt_tokens) + b"\x18\x01" if prompt_tokens else b"\x18\x01"
+    else:
+        packed = b"".join(map(_varint, tokens))
+        tail = b"\x18" + _varint(count)
+        if prompt_tokens:
+            tail = b"\x10" + _varint(prompt_tokens) + tail
     if cached_tokens:
-        chunk += b"\x20" + _varint(cached_tokens)  # field 4
+        tail += b"\x20" + _varint(cached_tokens)
     if index:
-        chunk += b"\x38" + _varint(index)  # field 7
-    return b"\x0a" + _varint(len(chunk)) + chunk  # GenerateResponse field 1: chunk
+        tail += b"\x38" + _varint(index)
+    packed_size = _varint(len(packed))
+    chunk_size = 1 + len(packed_size) + len(packed) + len(tail)  # field 1 (length-delimited): the tokens
+    return b"".join((b"\x0a", _varint(chunk_size), b"\x0a", packed_size, packed, tail))
 
 
 async def prepare_media(app, request: pb.GenerateRequest, spec: GenerateCall) -> GenerateCall:

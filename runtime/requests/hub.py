@@ -19,7 +19,7 @@ at once where its writer is idle (``_write_now``) or woken: one write or
 ``set`` per call per frame, no hop between event loops per token, and a woken
 writer coalesces what piled up into one message per choice.
 
-The direct path (``grpc_transport.DirectSender``: ``send``, ``send_bodies``,
+The direct path (``fastpath.DirectSender``: ``send``, ``send_body``,
 ``end_ok``): a one-choice call's chunk goes as the edge's hand-encoded bytes
 (``chunk_body``); anything else through ``encode``. What cannot go now (a
 full flow-control window: a slow client) is the writer's backlog. A call
@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
+from enginelink.journal.states import WriterState
 from enginelink.machines.link import LinkMachine
 from enginelink.machines.ranks import RankTable
 from enginelink.machines.request_api import Actions, GenerateCall, Refusal
@@ -205,9 +206,10 @@ class RequestHub:
     # -- actions out ------------------------------------------------------------------
 
     def _apply(self, actions: Actions, now: float) -> None:
-        append = self.journal.append
-        for record in actions.records:
-            append(*record)
+        if actions.records:
+            append = self.journal.append
+            for record in actions.records:
+                append(*record)
         for rank, engine_ids in actions.aborts:
             if len(engine_ids) > 1 and hasattr(self.codec, "encode_aborts"):
                 for frames in self.codec.encode_aborts(engine_ids):  # SGLang: one AbortReq per request
@@ -216,9 +218,42 @@ class RequestHub:
                 self._send(self.codec.encode_abort(engine_ids), rank)
         for call in actions.wake:
             self._wake(call)
-        for call in actions.touched:
+        if actions.touched:
+            self._write_touched(actions.touched, now)
+
+    def _write_touched(self, calls: list[Call], now: float) -> None:
+        """Each call an engine frame touched: written from here (``_write_now``) or its writer woken.
+
+        The common call (one choice, no logprobs, streaming, its writer idle)
+        takes the loop below and nothing else: its chunk encoded straight to
+        bytes by the edge and framed by ``send_body``. This is the servicer's
+        innermost loop at one token per message (once per call per engine
+        frame), so what it reads is read once per frame, not per call
+        (docs/benchmarks.md, stop 15).
+        """
+        edge = self.edge
+        chunk_body = None if edge is None else edge.chunk_body
+        take_direct = self.core.take_direct
+        idle = WriterState.IDLE
+        written = 0
+        for call in calls:
+            direct = call.direct
+            if direct is None:
+                self._wake(call)
+                continue
+            if (chunk_body is not None and call.plain_one and call.open_choices == 1
+                    and call.machine.writer is idle and call.failure is None):
+                choice = call.choices[0]
+                tokens = choice.pending
+                if not tokens:
+                    continue
+                if direct.send_body(chunk_body(tokens, call.prompt_tokens, choice.cached_tokens, choice.index)):
+                    take_direct(call)
+                    written += 1
+                    continue
             if not self._write_now(call, now):
                 self._wake(call)
+        self.direct_writes += written
 
     def _wake(self, call: Call) -> None:
         if call.failure is not None and call.error is None:
@@ -246,17 +281,8 @@ class RequestHub:
         direct = call.direct
         if direct is None or not call.writable:
             return False
-        chunk_body = self.edge.chunk_body
-        if call.plain_one and call.open_choices == 1 and chunk_body is not None:
-            # The common call (one choice, streaming): its chunk encoded straight to bytes.
-            choice = call.choices[0]
-            tokens = choice.pending
-            if not tokens:
-                return True
-            if direct.send_bodies((chunk_body(tokens, call.prompt_tokens, choice.cached_tokens, choice.index),)):
-                self.core.take_direct(call)
-                self.direct_writes += 1
-                return True
+        # (The common one-choice chunk was tried by ``_write_touched``; it could not go
+        # now, or the call is not that one: everything goes through ``take`` and ``send``.)
         messages = self._take(call, now, writer=False)
         written = direct.send(messages)
         self.direct_writes += written

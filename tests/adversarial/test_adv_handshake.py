@@ -45,6 +45,9 @@ class RecordingJournal:
     def append(self, now, stream, kind, payload) -> None:
         self.records.append((stream, kind, payload))
 
+    def note_decoded(self, seq, decoded) -> None:  # the live fold's feed (Journal.note_decoded): none here
+        pass
+
     def steps(self, step: str) -> list[dict]:
         return [p["message"] for _, kind, p in self.records if kind == "engine.handshake" and p["step"] == step]
 

@@ -120,3 +120,28 @@ async def test_close_ends_every_stream_unavailable():
     assert end.status == "UNAVAILABLE"
     refused = shell.open_stream(0, True, TrioWake())
     assert refused.status == "UNAVAILABLE"
+
+
+async def test_with_nobody_listening_the_ticker_only_notes_new_stats_for_a_later_streams_age(autojump_clock):
+    loads = Loads()
+    shell = make_shell(loads=loads)
+    views = []
+    view = shell.loads.view
+    shell.loads.view = lambda rank, now: views.append(rank) or view(rank, now)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shell._ticker)
+        await trio.sleep(1.0)
+        loads.update(0, SchedulerStats(num_running_reqs=3), 0, trio.current_time())  # between ticks, nobody listening
+        arrived = trio.current_time()
+        await trio.sleep(5.0)
+        assert views == []  # no stream: no load views, no throughput window summed
+        wake = TrioWake()
+        stream = shell.open_stream(0, True, wake)  # the first listener, 5 s after the stats came
+        await wake.wait()
+        beats = shell.heartbeats(stream)
+        nursery.cancel_scope.cancel()
+    assert views and beats and beats[0].load.running_requests == 3
+    # Its age counts from the tick that first saw the stats, not from when the stream looked.
+    age_ms = beats[0].load.age_ms
+    assert (trio.current_time() - arrived - CHECK_S) * 1000 - 1 <= age_ms <= (trio.current_time() - arrived) * 1000 + 1
+    assert age_ms >= 5000

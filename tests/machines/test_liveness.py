@@ -82,6 +82,9 @@ class _Journal:
     def append(self, now, stream, kind, payload) -> None:
         self.records.append((now, stream, kind, payload))
 
+    def note_decoded(self, seq, decoded) -> None:  # the live fold's feed (Journal.note_decoded): none here
+        pass
+
 
 @pytest.fixture
 def engine(monkeypatch):
