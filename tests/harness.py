@@ -282,6 +282,9 @@ class ListJournal:
     def append(self, now, stream, kind, payload) -> None:
         self.records.append((now, stream, kind, payload))
 
+    def note_decoded(self, seq, decoded) -> None:
+        """The live fold's decode hand-off (``Journal.note_decoded``): no snapshot task here, nothing kept."""
+
 
 def generate_request(request_id: str, input_ids: list[int], *, stream: bool = False, **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(

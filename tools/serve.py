@@ -54,6 +54,7 @@ another servicer holds, engine arguments the engine rejects)."""
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the description's lines are written as shown
     p.epilog = ("Every setting, flags and environment variables (ENGINELINK_*, SMG_*), with its default: "
                 "README.md, \"Running\".")
     from enginelink.runtime.lifetime.engines import ENGINES, WIRES
