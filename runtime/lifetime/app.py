@@ -40,6 +40,8 @@ class App:
     run_start_trio: float
     server_type: str = "vllm-grpc"
     loads: Loads = field(default_factory=Loads)
+    # Generate/Embed calls whose writer has not returned (runtime/requests/writers.py): a drain waits for them.
+    open_writers: int = 0
 
     # -- time ------------------------------------------------------------------------
 
