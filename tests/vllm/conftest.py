@@ -4,7 +4,10 @@ Every engine here is ``enginelink serve --engine vllm`` over the tiny test
 model, with a short context (``--max-model-len 1024``: long requests last
 seconds, short ones milliseconds) and ``--enforce-eager``
 so a start costs ~20 s on 2 cores. One servicer serves the whole session's
-generation, abort and router tests; the lifecycle tests start their own.
+generation, abort and router tests (``vllm_stack``); a second one, without
+warm-up and with vLLM's own structured-outputs configuration, serves the
+configured-backend and the KV-event tests (``vllm_quiet``); the lifecycle,
+DP, PD, pooling and launcher tests start their own.
 vLLM's offline ``LLM`` API runs beside it in a subprocess of the vLLM venv
 (``offline_llm.py``) as the reference the outputs are compared with; it
 loads while the servicer's engine starts.
@@ -30,6 +33,10 @@ from tests.harness import Servicer, end_process
 ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager", "--max-logprobs", "-1"]
 MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = 300.0
+# vllm_quiet's --structured-outputs-config: the backend enginelink sends must be the configured
+# one, and compact JSON (disable_any_whitespace) keeps a random-weight model from spending its
+# tokens on the whitespace the default grammar allows between JSON tokens.
+STRUCTURED_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
 OFFLINE_SCRIPT = Path(__file__).with_name("offline_llm.py")
 
 
@@ -121,3 +128,18 @@ def vllm_stack(tmp_path_factory, test_model_dir, vllm_python):
     finally:
         servicer.stop()
         offline.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_quiet(tmp_path_factory, test_model_dir, vllm_python):
+    """A second engine behind enginelink: no warm-up (its KV history holds only the tests' batches,
+    from batch 0), vLLM's own --structured-outputs-config (STRUCTURED_CONFIG). One engine start
+    for tests/vllm/test_vllm_constraints.py's configured backend and test_vllm_kv_events.py."""
+    servicer = vllm_servicer(tmp_path_factory.mktemp("vllm-quiet"), test_model_dir,
+                             engine_args=[*ENGINE_ARGS, "--structured-outputs-config", json.dumps(STRUCTURED_CONFIG)],
+                             env={"ENGINELINK_DRAIN_SECS": "0.5", "ENGINELINK_WARMUP": "off"})
+    try:
+        servicer.start(timeout_s=START_TIMEOUT_S)
+        yield servicer
+    finally:
+        servicer.stop()
