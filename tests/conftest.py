@@ -8,7 +8,8 @@ workers per core overlap those waits. What one worker runs in a row (a
 "scope", ``ModuleScopes`` below):
 
 - each test module, whole: a module-scoped servicer starts once, on one
-  worker, exactly as in a serial run;
+  worker, exactly as in a serial run; except the simulation's seed sweeps,
+  spread in chunks of ``SEED_CHUNK`` seeds (they share a session fixture only);
 - the real-engine modules in a few scopes of their own (``ENGINE_SCOPES``):
   the modules on a session's shared engine (``vllm_stack``, ``mlx_stack``) in
   one scope per engine, so that engine starts once; the vLLM modules that
@@ -30,6 +31,7 @@ structured node ids make xdist 3.8's ``loadgroup`` ignore the marks
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -55,6 +57,11 @@ ENGINE_SCOPES = (
     (MLX_SCOPE, ("tests/mlx/",), ("mlx_stack",)),
 )
 VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE)
+# The simulation's seed sweeps (tests/sim: 400 seeds a module, each a second or so of CPU, on
+# a session fixture only): one scope per SEED_CHUNK seeds, so one module's sweep is not one
+# worker's minutes-long tail while the other workers are idle.
+SEED_CHUNK = 100
+SEED_PARAM = re.compile(r"\[seed=(\d+)\]$")
 
 
 def scope_of(nodeid: str) -> str:
@@ -62,6 +69,8 @@ def scope_of(nodeid: str) -> str:
     for scope, prefixes, _ in ENGINE_SCOPES:
         if module.startswith(prefixes):
             return scope
+    if module.startswith("tests/sim/") and (seed := SEED_PARAM.search(nodeid)):
+        return f"{module} seeds {int(seed.group(1)) // SEED_CHUNK * SEED_CHUNK}+"
     return module
 
 
