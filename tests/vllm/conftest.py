@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 
 from enginelink.runtime.engine.launchers import LauncherError, default_vllm_python
-from tests.harness import Servicer, end_process
+from tests.harness import ReferenceAnswers, Servicer, end_process
 
 # --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).
 ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager", "--max-logprobs", "-1"]
@@ -72,18 +71,7 @@ class OfflineVllm:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
         )
-        self._ready = False
-        self._lock = threading.Lock()
-
-    def _read_line(self, timeout_s: float) -> dict:
-        box: list = []
-        reader = threading.Thread(target=lambda: box.append(self.process.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not box or not box[0]:
-            tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"offline vLLM gave no answer within {timeout_s} s:\n{tail}")
-        return json.loads(box[0])
+        self._answers = ReferenceAnswers(self.process, "offline vLLM", log_path)
 
     def run(self, cases: list[dict], timeout_s: float = 120.0) -> dict[str, list[dict]]:
         """{case id: outputs} for cases {"id", "prompt_token_ids", "sampling"}."""
@@ -92,15 +80,7 @@ class OfflineVllm:
 
     def answers(self, cases: list[dict], timeout_s: float = 120.0) -> dict[str, dict]:
         """{case id: the whole answer} ("prompt_tokens", "outputs"; or "error" where vLLM refused it)."""
-        with self._lock:
-            if not self._ready:
-                assert self._read_line(START_TIMEOUT_S) == {"ready": True}
-                self._ready = True
-            for case in cases:
-                self.process.stdin.write(json.dumps(case) + "\n")
-            self.process.stdin.flush()
-            answers = [self._read_line(timeout_s) for _ in cases]
-        return {a["id"]: a for a in answers}
+        return self._answers.ask(self.process.stdin, cases, START_TIMEOUT_S, timeout_s)
 
     def close(self) -> None:
         end_process(self.process, self.process.stdin.close)  # end of input: the script exits
