@@ -8,11 +8,20 @@ workers per core overlap those waits. What one worker runs in a row (a
 "scope", ``ModuleScopes`` below):
 
 - each test module, whole: a module-scoped servicer starts once, on one
-  worker, exactly as in a serial run;
-- every module of ``VLLM_MODULES`` together, on one worker: the real vLLM
-  engines run one after another as in a serial run (the session's
-  ``vllm_stack`` starts once, and no two vLLM engines compete for memory).
-  A test marked ``vllm`` outside these modules fails the collection.
+  worker, exactly as in a serial run; except the simulation's seed sweeps,
+  spread in chunks of ``SEED_CHUNK`` seeds (they share a session fixture only);
+- the real-engine modules in a few scopes of their own (``ENGINE_SCOPES``):
+  the modules on a session's shared engine (``vllm_stack``, ``mlx_stack``) in
+  one scope per engine, so that engine starts once; the vLLM modules that
+  start their own engines (death, drain, DP, PD, pooling, launchers) in
+  another, so those engines run one at a time beside the shared one (at most
+  two vLLM engine sets at once: ~2.5 GB each, on a 24 GB box). A test marked
+  ``vllm`` outside the vLLM scopes, or one on a shared stack outside its
+  scope, fails the collection, so the lists cannot drift.
+- the scheduler hands the real-engine scopes out first, the heaviest first
+  (each is minutes of engine starts, in a row): the rest of the suite fills
+  the other workers around them, and ``tools/run-tests`` gives each of them
+  a worker on top of the twice-the-CPUs it runs the rest on.
 
 The scopes are set by node id, not by ``xdist_group`` marks: pytest 9.2's
 structured node ids make xdist 3.8's ``loadgroup`` ignore the marks
@@ -22,6 +31,7 @@ structured node ids make xdist 3.8's ``loadgroup`` ignore the marks
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,25 +42,51 @@ from filelock import FileLock
 from enginelink.tools.test_model import make_test_model
 from tests.harness import Servicer, reap_stopped, shared
 
-# The modules with real-vLLM tests: one scope, one worker, one engine at a time.
-VLLM_MODULES = ("tests/vllm/", "tests/kv/test_kv_vllm.py", "tests/wire/test_vllm_logprobs.py", "tests/wire/test_vllm_mm.py")
-VLLM_SCOPE = "real vLLM"
-# The real MLX engine's modules likewise run one after another on one worker.
-MLX_MODULES = ("tests/mlx/",)
+# The real-engine scopes, in the order the scheduler hands them out (the longest first).
+# A module belongs to the first scope with a prefix of its path. (scope, module prefixes, the
+# session fixtures that must stay inside it: a test on one elsewhere would start a second engine.)
+VLLM_SHARED_SCOPE = "real vLLM: the session's engine"
+VLLM_OWN_SCOPE = "real vLLM: own engines"
+# The vision model's engine (minutes on CPU: BLIP-2's encoder) runs beside the other two scopes.
+VLLM_VISION_SCOPE = "real vLLM: vision"
 MLX_SCOPE = "real MLX"
+ENGINE_SCOPES = (
+    (VLLM_OWN_SCOPE, ("tests/vllm/test_vllm_dp.py", "tests/vllm/test_vllm_embed.py",
+                      "tests/vllm/test_vllm_launcher_plugin.py", "tests/vllm/test_vllm_lifecycle.py",
+                      "tests/vllm/test_vllm_operator.py", "tests/vllm/test_vllm_pd.py",
+                      "tests/wire/test_vllm_logprobs.py"), ()),
+    (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py"), ()),
+    (VLLM_SHARED_SCOPE, ("tests/vllm/",), ("vllm_stack", "vllm_quiet")),
+    (MLX_SCOPE, ("tests/mlx/",), ("mlx_stack",)),
+)
+VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE)
+# The simulation's seed sweeps (tests/sim: 400 seeds a module, each a second or so of CPU, on
+# a session fixture only): one scope per SEED_CHUNK seeds, so one module's sweep is not one
+# worker's minutes-long tail while the other workers are idle.
+SEED_CHUNK = 100
+SEED_PARAM = re.compile(r"\[seed=(\d+)\]$")
 
 
 def scope_of(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0]
-    if module.startswith(VLLM_MODULES):
-        return VLLM_SCOPE
-    return MLX_SCOPE if module.startswith(MLX_MODULES) else module
+    for scope, prefixes, _ in ENGINE_SCOPES:
+        if module.startswith(prefixes):
+            return scope
+    if module.startswith("tests/sim/") and (seed := SEED_PARAM.search(nodeid)):
+        return f"{module} seeds {int(seed.group(1)) // SEED_CHUNK * SEED_CHUNK}+"
+    return module
 
 
 def pytest_collection_modifyitems(config, items):
-    stray = [item.nodeid for item in items if item.get_closest_marker("vllm") and scope_of(item.nodeid) != VLLM_SCOPE]
+    stray = [item.nodeid for item in items if item.get_closest_marker("vllm") and scope_of(item.nodeid) not in VLLM_SCOPES]
     if stray:
-        raise pytest.UsageError(f"tests marked vllm outside tests/conftest.py's VLLM_MODULES: {stray[:5]}")
+        raise pytest.UsageError(f"tests marked vllm outside tests/conftest.py's vLLM scopes: {stray[:5]}")
+    for scope, _, stacks in ENGINE_SCOPES:
+        elsewhere = [item.nodeid for item in items
+                     if set(stacks) & set(getattr(item, "fixturenames", ())) and scope_of(item.nodeid) != scope]
+        if elsewhere:
+            raise pytest.UsageError(f"tests on {stacks} outside their scope {scope!r} (tests/conftest.py's "
+                                    f"ENGINE_SCOPES; elsewhere they would start a second engine): {elsewhere[:5]}")
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown where xdist is off
@@ -62,6 +98,13 @@ def pytest_xdist_make_scheduler(config, log):
     class ModuleScopes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return scope_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # The real-engine scopes first, in ENGINE_SCOPES' order; the rest as xdist orders them.
+            for scope, _, _ in reversed(ENGINE_SCOPES):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleScopes(config, log)
 

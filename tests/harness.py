@@ -8,7 +8,9 @@ it. Both are always killed at the end, whatever the test did.
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import re
 import shutil
 import signal
@@ -16,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -51,6 +54,58 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
             last_error = error
         time.sleep(interval_s)
     raise TimeoutError(f"{what} not reached within {timeout_s} s (last error: {last_error!r})")
+
+
+class ReferenceAnswers:
+    """A reference subprocess's answers (one JSON object a line on its stdout), for ``OfflineVllm``/``OfflineMlx``.
+
+    One thread reads every line into a queue, so a wait that times out loses
+    nothing: the line it waited for is there for the next wait (a reader thread
+    per wait, left blocked after its timeout, ate the next line, and every later
+    wait then missed its own answer and timed out too). Answers are matched by
+    their case id; a late answer to a call that already gave up is dropped.
+    """
+
+    def __init__(self, process: subprocess.Popen, what: str, log_path: Path) -> None:
+        self.what, self.log_path = what, log_path
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._ready = False
+        self._lock = threading.Lock()
+        threading.Thread(target=self._pump, args=(process.stdout,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._lines.put(line)
+        self._lines.put("")  # its output ended
+
+    def _next(self, timeout_s: float) -> dict:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            line = None
+        if not line:
+            if line == "":
+                self._lines.put("")  # still ended for the next wait
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            said = "ended its output" if line == "" else f"gave no answer within {timeout_s} s"
+            raise RuntimeError(f"{self.what} {said}:\n{tail}")
+        return json.loads(line)
+
+    def ask(self, stdin, cases: list[dict], ready_timeout_s: float, timeout_s: float) -> dict[str, dict]:
+        """Send ``cases`` (each with an "id") and wait for each one's answer: {case id: answer}."""
+        with self._lock:
+            if not self._ready:
+                assert self._next(ready_timeout_s) == {"ready": True}
+                self._ready = True
+            for case in cases:
+                stdin.write(json.dumps(case) + "\n")
+            stdin.flush()
+            wanted, answers = {case["id"] for case in cases}, {}
+            while wanted - answers.keys():
+                answer = self._next(timeout_s)
+                if answer.get("id") in wanted:
+                    answers[answer["id"]] = answer
+        return answers
 
 
 def end_process(process: subprocess.Popen, ask_to_stop, timeout_s: float = 20.0) -> None:

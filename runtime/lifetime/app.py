@@ -42,6 +42,8 @@ class App:
     loads: Loads = field(default_factory=Loads)
     # Worker-side media refs (runtime/requests/media.py); None: media_refs are refused as "processor off".
     media: object = None
+    # Generate/Embed calls whose writer has not returned (runtime/requests/writers.py): a drain waits for them.
+    open_writers: int = 0
 
     # -- time ------------------------------------------------------------------------
 

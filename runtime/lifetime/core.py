@@ -27,8 +27,11 @@ log = logging.getLogger("enginelink")
 
 # After the link fails, how long writers get to end their streams with UNAVAILABLE.
 FAIL_FLUSH_S = 0.5
-# After a drain, how long writers get to send the abort completes.
+# After a drain, how long writers get to send the abort completes (at most: the wait ends once
+# every writer returned, runtime/requests/writers.py).
 DRAIN_FLUSH_S = 1.0
+# How often the drain looks at the calls in flight and the writers still sending.
+DRAIN_POLL_S = 0.05
 
 
 class Exit(Exception):
@@ -100,11 +103,16 @@ async def drain(app, drain_s: float) -> None:
     log.info("draining: %d requests in flight, up to %g s", hub.active_requests, drain_s)
     with trio.move_on_after(drain_s):
         while hub.active_requests:
-            await trio.sleep(0.05)
+            await trio.sleep(DRAIN_POLL_S)
     if hub.active_requests:
         log.info("drain time is up: aborting %d requests", hub.active_requests)
         hub.abort(list(hub.calls), "drain", trio.current_time())
-    await trio.sleep(min(DRAIN_FLUSH_S, drain_s))
+    # The writers send what the hub handed them (the abort completes, a finished call's last
+    # chunks) before the engine stops and the front cancels every handler: as long as one is
+    # at it, up to the flush time; none left (an idle servicer), no wait.
+    with trio.move_on_after(min(DRAIN_FLUSH_S, drain_s)):
+        while app.open_writers:
+            await trio.sleep(DRAIN_POLL_S)
     if link.machine.can(LinkEvent.DRAINED):
         link.step(LinkEvent.DRAINED)
 

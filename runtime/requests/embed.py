@@ -41,6 +41,7 @@ from enginelink.runtime.errors import (
 )
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
 from enginelink.runtime.requests.validate import EngineLimits, GenerateCall
+from enginelink.runtime.requests.writers import counted
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec, WireError
 
 RUNNER_GENERATE = "generate"
@@ -104,6 +105,7 @@ def validate_embed(request, limits: EngineLimits, now: float) -> EmbedCall:
     )
 
 
+@counted  # a drain's flush waits for it (runtime/requests/writers.py)
 async def embed(app, request, *, wake) -> pb.EmbedResponse:
     """Serve one ``EmbedRequest`` through ``app.hub``; the response, or a ``ServicerError``.
 

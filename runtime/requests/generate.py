@@ -25,8 +25,10 @@ from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
 from enginelink.runtime.requests.embed import check_generation
 from enginelink.runtime.errors import ClientError, ServicerError
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
+from enginelink.runtime.requests.writers import counted
 
 
+@counted  # a drain's flush waits for it (runtime/requests/writers.py)
 async def generate(app, request, *, wake, send, direct=None, send_headers=None, edge=VLLM_EDGE) -> None:
     """Serve one Generate request of ``edge``'s contract through ``app.hub``; returns when it ended OK.
 

@@ -12,7 +12,6 @@ Without an MLX installation (tools/setup-mlx) these tests are skipped, unless
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import threading
@@ -24,7 +23,7 @@ from smg_grpc_proto.generated import mlx_engine_pb2 as mlx_pb, mlx_engine_pb2_gr
 
 from enginelink.runtime.engine.launchers import LauncherError
 from enginelink.runtime.engine.mlx_launch import default_mlx_python
-from tests.harness import Servicer, end_process, free_port
+from tests.harness import ReferenceAnswers, Servicer, end_process, free_port
 
 MLX_SERVICE = "mlx.grpc.engine.MlxEngine"
 
@@ -91,30 +90,11 @@ class OfflineMlx:
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen([python, str(OFFLINE_SCRIPT), str(model_dir)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._log, text=True)  # fmt: skip
-        self._ready = False
-        self._lock = threading.Lock()
-
-    def _read_line(self, timeout_s: float) -> dict:
-        box: list = []
-        reader = threading.Thread(target=lambda: box.append(self.process.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not box or not box[0]:
-            raise RuntimeError(f"offline mlx-lm gave no answer within {timeout_s} s:\n"
-                               f"{self.log_path.read_text(errors='replace')[-3000:]}")
-        return json.loads(box[0])
+        self._answers = ReferenceAnswers(self.process, "offline mlx-lm", log_path)
 
     def run(self, cases: list[dict], timeout_s: float = 120.0) -> dict[str, dict]:
         """{case id: {"token_ids", "finish_reason", "logprobs"}} for cases {"id", "prompt_token_ids", "max_tokens"}."""
-        with self._lock:
-            if not self._ready:
-                assert self._read_line(START_TIMEOUT_S) == {"ready": True}
-                self._ready = True
-            for case in cases:
-                self.process.stdin.write(json.dumps(case) + "\n")
-            self.process.stdin.flush()
-            answers = [self._read_line(timeout_s) for _ in cases]
-        return {a["id"]: a for a in answers}
+        return self._answers.ask(self.process.stdin, cases, START_TIMEOUT_S, timeout_s)
 
     def close(self) -> None:
         end_process(self.process, self.process.stdin.close)

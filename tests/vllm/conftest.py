@@ -4,7 +4,10 @@ Every engine here is ``enginelink serve --engine vllm`` over the tiny test
 model, with a short context (``--max-model-len 1024``: long requests last
 seconds, short ones milliseconds) and ``--enforce-eager``
 so a start costs ~20 s on 2 cores. One servicer serves the whole session's
-generation, abort and router tests; the lifecycle tests start their own.
+generation, abort and router tests (``vllm_stack``); a second one, without
+warm-up and with vLLM's own structured-outputs configuration, serves the
+configured-backend and the KV-event tests (``vllm_quiet``); the lifecycle,
+DP, PD, pooling and launcher tests start their own.
 vLLM's offline ``LLM`` API runs beside it in a subprocess of the vLLM venv
 (``offline_llm.py``) as the reference the outputs are compared with; it
 loads while the servicer's engine starts.
@@ -18,18 +21,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 
 from enginelink.runtime.engine.launchers import LauncherError, default_vllm_python
-from tests.harness import Servicer, end_process
+from tests.harness import ReferenceAnswers, Servicer, end_process
 
 # --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).
 ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager", "--max-logprobs", "-1"]
 MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = 300.0
+# vllm_quiet's --structured-outputs-config: the backend enginelink sends must be the configured
+# one, and compact JSON (disable_any_whitespace) keeps a random-weight model from spending its
+# tokens on the whitespace the default grammar allows between JSON tokens.
+STRUCTURED_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
 OFFLINE_SCRIPT = Path(__file__).with_name("offline_llm.py")
 
 
@@ -65,18 +71,7 @@ class OfflineVllm:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
         )
-        self._ready = False
-        self._lock = threading.Lock()
-
-    def _read_line(self, timeout_s: float) -> dict:
-        box: list = []
-        reader = threading.Thread(target=lambda: box.append(self.process.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not box or not box[0]:
-            tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"offline vLLM gave no answer within {timeout_s} s:\n{tail}")
-        return json.loads(box[0])
+        self._answers = ReferenceAnswers(self.process, "offline vLLM", log_path)
 
     def run(self, cases: list[dict], timeout_s: float = 120.0) -> dict[str, list[dict]]:
         """{case id: outputs} for cases {"id", "prompt_token_ids", "sampling"}."""
@@ -85,15 +80,7 @@ class OfflineVllm:
 
     def answers(self, cases: list[dict], timeout_s: float = 120.0) -> dict[str, dict]:
         """{case id: the whole answer} ("prompt_tokens", "outputs"; or "error" where vLLM refused it)."""
-        with self._lock:
-            if not self._ready:
-                assert self._read_line(START_TIMEOUT_S) == {"ready": True}
-                self._ready = True
-            for case in cases:
-                self.process.stdin.write(json.dumps(case) + "\n")
-            self.process.stdin.flush()
-            answers = [self._read_line(timeout_s) for _ in cases]
-        return {a["id"]: a for a in answers}
+        return self._answers.ask(self.process.stdin, cases, START_TIMEOUT_S, timeout_s)
 
     def close(self) -> None:
         end_process(self.process, self.process.stdin.close)  # end of input: the script exits
@@ -121,3 +108,18 @@ def vllm_stack(tmp_path_factory, test_model_dir, vllm_python):
     finally:
         servicer.stop()
         offline.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_quiet(tmp_path_factory, test_model_dir, vllm_python):
+    """A second engine behind enginelink: no warm-up (its KV history holds only the tests' batches,
+    from batch 0), vLLM's own --structured-outputs-config (STRUCTURED_CONFIG). One engine start
+    for tests/vllm/test_vllm_constraints.py's configured backend and test_vllm_kv_events.py."""
+    servicer = vllm_servicer(tmp_path_factory.mktemp("vllm-quiet"), test_model_dir,
+                             engine_args=[*ENGINE_ARGS, "--structured-outputs-config", json.dumps(STRUCTURED_CONFIG)],
+                             env={"ENGINELINK_DRAIN_SECS": "0.5", "ENGINELINK_WARMUP": "off"})
+    try:
+        servicer.start(timeout_s=START_TIMEOUT_S)
+        yield servicer
+    finally:
+        servicer.stop()

@@ -29,7 +29,7 @@ from enginelink.journal.records import KIND_ENGINE_FACTS
 from enginelink.journal.store import open_reader
 from tests.harness import Router, generate_request, wait_until
 from tests.router.openai_http import DONE, post, stream as http_stream
-from tests.vllm.conftest import ENGINE_ARGS, MAX_MODEL_LEN, START_TIMEOUT_S, vllm_servicer
+from tests.vllm.conftest import MAX_MODEL_LEN
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -225,25 +225,16 @@ def test_truncate_prompt_tokens_keeps_the_last_n_as_vllm_offline(vllm_stack):
 
 # -- a configured backend, through the SMG router -------------------------------------------
 #
-# A second engine, started with vLLM's own --structured-outputs-config: the
+# A second engine, started with vLLM's own --structured-outputs-config (the
+# session's ``vllm_quiet``, tests/vllm/conftest.py's STRUCTURED_CONFIG): the
 # backend enginelink sends must be the configured one, and compact JSON
 # (disable_any_whitespace) keeps a random-weight model from spending its
 # tokens on the whitespace the default grammar allows between JSON tokens.
 
-STRUCTURED_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
-
 
 @pytest.fixture(scope="module")
-def xgrammar_servicer(tmp_path_factory, test_model_dir, vllm_python):
-    tmp = tmp_path_factory.mktemp("so-xgrammar")
-    servicer = vllm_servicer(tmp, test_model_dir,
-                             engine_args=[*ENGINE_ARGS, "--structured-outputs-config", json.dumps(STRUCTURED_CONFIG)],
-                             env={"ENGINELINK_DRAIN_SECS": "0.5", "ENGINELINK_WARMUP": "off"})
-    try:
-        servicer.start(timeout_s=START_TIMEOUT_S)
-        yield servicer
-    finally:
-        servicer.stop()
+def xgrammar_servicer(vllm_quiet):
+    return vllm_quiet
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,12 @@
 from 0 receives BlockStored events whose token ids and parent chain match
 the prompts sent (longer than one block: vLLM's CPU block size is 128), and
 a FlushCache produces a cleared event (vLLM publishes it with its next step).
-Skipped, with the reason, when there is no vLLM installation
-(``tools/setup-vllm``), unless ``ENGINELINK_REQUIRE_VLLM=1``.
+On the session's ``vllm_quiet`` (tests/vllm/conftest.py): no warm-up, so its
+history holds only the tests' batches, from batch 0 (the sim suite covers the
+warm-up's ordering); the constraint tests that share it send a few hundred
+batches at most, far below the history bound (10,000). Skipped, with the
+reason, when there is no vLLM installation (``tools/setup-vllm``), unless
+``ENGINELINK_REQUIRE_VLLM=1``.
 """
 
 from __future__ import annotations
@@ -16,22 +20,13 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from tests.kv.conftest import sequence_base
 from tests.kv.kv_client import Chain, KvSubscription, generate, prompt
-from tests.vllm.conftest import ENGINE_ARGS, START_TIMEOUT_S, vllm_python_or_skip, vllm_servicer
 
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def vllm_kv(tmp_path_factory, test_model_dir):
-    vllm_python_or_skip()
-    # No warm-up: the history then holds only this test's batches (the sim suite covers the ordering).
-    servicer = vllm_servicer(tmp_path_factory.mktemp("kv-vllm"), test_model_dir, ENGINE_ARGS,
-                             env={"SMG_VLLM_SERVICER_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "0.5"})  # fmt: skip
-    try:
-        servicer.start(timeout_s=START_TIMEOUT_S)
-        yield servicer
-    finally:
-        servicer.stop()
+@pytest.fixture
+def vllm_kv(vllm_quiet):
+    return vllm_quiet
 
 
 def test_vllm_block_stored_events_carry_the_prompts_and_their_chain(vllm_kv):
