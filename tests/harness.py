@@ -123,8 +123,8 @@ def end_process(process: subprocess.Popen, ask_to_stop, timeout_s: float = 20.0)
 class Servicer:
     """``enginelink serve`` in a subprocess, with a grpcio channel to it."""
 
-    # The contract it serves: health is checked for this service, ``stub`` is its stub (MLX's: tests/mlx).
-    health_service = VLLM_SERVICE
+    # The contract it serves: ``stub`` is its stub (MLX's: tests/mlx); health is checked for
+    # ``health_service``, given to __init__ (an instance attribute: a subclass passes its own).
     stub_class = pb_grpc.VllmEngineStub
 
     def __init__(self, tmp: Path, model_dir: Path | None = None, extra: list[str] | None = None,

@@ -53,11 +53,10 @@ def mlx_python_or_skip() -> str:
 class MlxServicer(Servicer):
     """``enginelink serve --engine mlx``: it serves ``MlxEngine`` (health and ``stub`` are MLX's)."""
 
-    health_service = MLX_SERVICE
     stub_class = mlx_grpc.MlxEngineStub
 
     def __init__(self, tmp: Path, **kwargs) -> None:
-        super().__init__(tmp, **kwargs)
+        super().__init__(tmp, health_service=MLX_SERVICE, **kwargs)
         # MlxEngine has no GetLoads: the engine's own stats are read from /metrics.
         self.metrics_port = free_port()
         self.argv[2:2] = ["--metrics-port", str(self.metrics_port)]
