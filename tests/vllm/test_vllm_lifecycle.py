@@ -101,17 +101,25 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
                                                              max_tokens=LONG, ignore_eos=True)) for i in range(3)]
         for reader in short + long:
             reader.start()
+        core = engine_core_pid(launcher)
         for reader in short + long:
             assert reader.started_streaming.wait(30)
-        assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
-        signalled = time.monotonic()
-        servicer.signal(signal.SIGTERM)
-        health = health_pb2_grpc.HealthStub(servicer.channel)
-        wait_until(
-            lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-            == health_pb2.HealthCheckResponse.NOT_SERVING,
-            1.0, "readiness NOT_SERVING right after SIGTERM", interval_s=0.02,
-        )
+        # The tiny model writes 2040 tokens in a few seconds, and a loaded CI box once let the
+        # long streams finish between here and the drain's end: the core is frozen until the
+        # drain has begun, so they are surely open when its time runs out.
+        os.kill(core, signal.SIGSTOP)
+        try:
+            assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
+            signalled = time.monotonic()
+            servicer.signal(signal.SIGTERM)
+            health = health_pb2_grpc.HealthStub(servicer.channel)
+            wait_until(
+                lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+                == health_pb2.HealthCheckResponse.NOT_SERVING,
+                1.0, "readiness NOT_SERVING right after SIGTERM", interval_s=0.02,
+            )
+        finally:
+            os.kill(core, signal.SIGCONT)
         with pytest.raises(grpc.RpcError) as refused:
             list(servicer.stub.Generate(generate_request("late", PROMPT, max_tokens=4), timeout=5))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
