@@ -30,7 +30,7 @@ from enginelink.runtime.requests.media import in_trio
 from enginelink.runtime.requests.mm_tensors import mm_features_of
 from enginelink.runtime.requests.pb_fields import (
     check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk, fill_matched,
-    fill_output_logprobs, fill_prompt_logprobs, finite, logprobs_cap, raw_request_id, vllm_sampling_numbers,
+    fill_output_logprobs, fill_prompt_logprobs, logprobs_cap, raw_request_id, vllm_sampling_numbers,
 )
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
