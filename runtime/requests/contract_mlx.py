@@ -38,7 +38,7 @@ from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.inputs import check_request_id
 from enginelink.runtime.requests.pb_fields import (
     check_logit_bias, check_max_tokens, check_prompt_room, check_token_ids, logprobs_cap, no_release_params,
-    raw_request_id, vllm_sampling_numbers,
+    raw_request_id, tokenized_input, vllm_sampling_numbers,
 )
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
@@ -84,12 +84,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
 
 
 def _prompt(request: pb.GenerateRequest, limits: EngineLimits) -> list[int]:
-    kind = request.WhichOneof("input")
-    if kind == "text":
-        raise ClientError("text", "text input is not supported; send tokenized.input_ids (the router tokenizes)")
-    if kind != "tokenized":
-        raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
-    prompt = check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
+    prompt = tokenized_input(request, limits)
     return check_prompt_room(prompt, limits)
 
 

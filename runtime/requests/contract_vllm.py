@@ -30,7 +30,7 @@ from enginelink.runtime.requests.media import in_trio
 from enginelink.runtime.requests.mm_tensors import mm_features_of
 from enginelink.runtime.requests.pb_fields import (
     check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk, fill_matched,
-    fill_output_logprobs, fill_prompt_logprobs, logprobs_cap, raw_request_id, vllm_sampling_numbers,
+    fill_output_logprobs, fill_prompt_logprobs, logprobs_cap, raw_request_id, tokenized_input, vllm_sampling_numbers,
 )
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
@@ -120,12 +120,7 @@ def _with_seed(sampling: SamplingSpec, seed: int) -> SamplingSpec:
 
 def _prompt(request, limits: EngineLimits) -> list[int]:
     """The prompt's token ids: tokenized input only, in the vocabulary, truncated as asked, with room to generate."""
-    kind = request.WhichOneof("input")
-    if kind == "text":
-        raise ClientError("text", "text input is not supported; send tokenized.input_ids (the router tokenizes)")
-    if kind != "tokenized":
-        raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
-    prompt = check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
+    prompt = tokenized_input(request, limits)
     if request.HasField("media_refs") and (request.HasField("mm_inputs") or len(request.extra_mm_inputs)):
         raise ClientError("media_refs", "cannot be combined with preprocessed mm_inputs; send one or the other")
     sp = request.sampling_params

@@ -36,6 +36,16 @@ def check_token_ids(name: str, ids, vocab_size: int) -> list[int]:
     return ids
 
 
+def tokenized_input(request, limits: EngineLimits) -> list[int]:
+    """The ``input`` oneof's token ids (vLLM's and MLX's requests): ``text`` is refused, as the references do."""
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        raise ClientError("text", "text input is not supported; send tokenized.input_ids (the router tokenizes)")
+    if kind != "tokenized":
+        raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
+    return check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
+
+
 def check_prompt_room(prompt: list[int], limits: EngineLimits) -> list[int]:
     """A prompt that is not empty and leaves at least one token of the context to generate."""
     if not prompt:
