@@ -330,15 +330,7 @@ class EngineLink:
                 self.process = await trio.lowlevel.open_process(
                     argv, env=engine_env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
                 )
-                self._relay = EngineOutputRelay(self.process.stdout, redactor)
-                nursery.start_soon(self._relay.pump)
-                priority = lower_priority(self.process.pid, self.engine_nice)
-                if self.servicer_sched == "batch":
-                    priority["servicer"] = run_threads_as_batch()
-                self._journal_handshake("priority", priority)
-                log.info("engine process %d started, %s", self.process.pid, describe_priority(priority))
-                nursery.start_soon(self._watch_process)
-                nursery.start_soon(self._supervise_startup)
+                self._process_started(nursery, redactor)
                 failure = await self._start_up(handshake, inputs, in_path, out_path, facts_path)
                 # The engine is up (or gone): nobody may reach the handshake socket any more.
                 handshake.close(linger=0)
@@ -482,6 +474,20 @@ class EngineLink:
             self._fail(result.incompatible)
             return EngineIncompatible(result.incompatible)
         return None
+
+    def _process_started(self, nursery, redactor: Redactor) -> None:
+        """What every engine wire does once its process is started (vLLM's here, SGLang's in
+        ``sglang_link.py``): relay its output with secrets hidden, lower its priority and journal
+        it, then watch the process and supervise its start-up."""
+        self._relay = EngineOutputRelay(self.process.stdout, redactor)
+        nursery.start_soon(self._relay.pump)
+        priority = lower_priority(self.process.pid, self.engine_nice)
+        if self.servicer_sched == "batch":
+            priority["servicer"] = run_threads_as_batch()
+        self._journal_handshake("priority", priority)
+        log.info("engine process %d started, %s", self.process.pid, describe_priority(priority))
+        nursery.start_soon(self._watch_process)
+        nursery.start_soon(self._supervise_startup)
 
     async def _start_up(self, handshake, inputs, in_path: Path, out_path: Path, facts_path: Path) -> LinkFailed | None:
         """Handshake and check the engine; the failure, if it did not come up."""

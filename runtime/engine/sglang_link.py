@@ -35,14 +35,11 @@ from pathlib import Path
 import trio
 import zmq
 
-from enginelink.runtime.engine.engine_link import _MONITOR_EVENTS, EngineLink, LinkFailed, log as link_log
-from enginelink.runtime.engine.engine_output import EngineOutputRelay, Redactor
+from enginelink.runtime.engine.engine_link import _MONITOR_EVENTS, EngineLink, LinkFailed
+from enginelink.runtime.engine.engine_output import Redactor
 from enginelink.runtime.engine.engine_process import (
     SOCKET_PREFIX,
-    describe_priority,
-    lower_priority,
     remove_stale_files,
-    run_threads_as_batch,
     socket_dir,
 )
 from enginelink.runtime.engine.launchers import launch_secrets
@@ -147,15 +144,7 @@ class SglangLink(EngineLink):
                     stderr=subprocess.STDOUT, pass_fds=(write_fd,))
                 os.close(write_fd)  # the engine's now: EOF on our end means it is gone
                 write_fd = -1
-                self._relay = EngineOutputRelay(self.process.stdout, redactor)
-                nursery.start_soon(self._relay.pump)
-                priority = lower_priority(self.process.pid, self.engine_nice)
-                if self.servicer_sched == "batch":
-                    priority["servicer"] = run_threads_as_batch()
-                self._journal_handshake("priority", priority)
-                link_log.info("engine process %d started, %s", self.process.pid, describe_priority(priority))
-                nursery.start_soon(self._watch_process)
-                nursery.start_soon(self._supervise_startup)
+                self._process_started(nursery, redactor)
                 pipe = trio.lowlevel.FdStream(read_fd)
                 read_fd = -1  # the stream owns it
                 async with pipe:

@@ -29,6 +29,26 @@ REFUSED_ID_STREAM = "<refused id>"
 REFUSED_ID_CHARS_KEPT = 64
 
 
+def context_len(app) -> int:
+    """The context in tokens: the engine's once it is up, the model's config before."""
+    return int(app.ready.get("max_model_len") or app.model.max_position_embeddings or 0)
+
+
+def model_facts(app) -> dict:
+    """The model directory's facts every contract's ``GetModelInfoResponse`` carries, under the same names."""
+    model = app.model
+    return {
+        "model_path": str(model.model_path),
+        "served_model_name": app.served_model_name,
+        "vocab_size": model.vocab_size,
+        "model_type": model.model_type or "",
+        "architectures": list(model.architectures),
+        "eos_token_ids": list(model.eos_token_ids),
+        "pad_token_id": model.pad_token_id or 0,
+        "bos_token_id": model.bos_token_id or 0,
+    }
+
+
 @dataclass
 class App:
     link: object  # EngineLink
@@ -82,21 +102,14 @@ class App:
 
     def model_info(self) -> pb.GetModelInfoResponse:
         model = self.model
-        max_len = int(self.ready.get("max_model_len") or model.max_position_embeddings or 0)
+        max_len = context_len(self)
         return pb.GetModelInfoResponse(
-            model_path=str(model.model_path),
+            **model_facts(self),
             # False on a pooling engine (runtime/requests/embed.py): it serves Embed, not Generate.
             is_generation=runner_type(self.ready) != RUNNER_POOLING,
             max_context_length=max_len,
-            vocab_size=model.vocab_size,
             supports_vision=model.supports_vision,  # router tensors: runtime/requests/mm_tensors.py
-            served_model_name=self.served_model_name,
             tokenizer_path=model.tokenizer_path,
-            model_type=model.model_type or "",
-            architectures=list(model.architectures),
-            eos_token_ids=list(model.eos_token_ids),
-            pad_token_id=model.pad_token_id or 0,
-            bos_token_id=model.bos_token_id or 0,
             max_req_input_len=max_len,
             default_sampling_params_json=model.default_sampling_params_json,
         )

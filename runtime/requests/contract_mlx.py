@@ -35,8 +35,11 @@ from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 from enginelink.machines.logprobs import Position
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.contract_vllm import check_logit_bias, check_token_ids, finite
 from enginelink.runtime.requests.inputs import check_request_id
+from enginelink.runtime.requests.pb_fields import (
+    check_logit_bias, check_max_tokens, check_prompt_room, check_token_ids, logprobs_cap, no_release_params,
+    raw_request_id, tokenized_input, vllm_sampling_numbers,
+)
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 
@@ -56,10 +59,10 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     check_request_id("request_id", request.request_id, limits.inputs)
     sp = request.sampling_params
     prompt = _prompt(request, limits)
-    max_tokens = _max_tokens(sp, prompt, limits)
+    max_tokens = check_max_tokens(sp, "max_tokens", prompt, limits)  # unset: the rest of the context, as the reference
     sampling = SamplingSpec(
         max_tokens=max_tokens,
-        **_sampling_numbers(sp),
+        **vllm_sampling_numbers(sp),  # vLLM's fields, ranges and defaults (temperature unset: 1.0)
         stop_token_ids=tuple(check_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids,
                                              limits.vocab_size)),
         eos_token_ids=limits.eos_token_ids,
@@ -81,65 +84,15 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
 
 
 def _prompt(request: pb.GenerateRequest, limits: EngineLimits) -> list[int]:
-    kind = request.WhichOneof("input")
-    if kind == "text":
-        raise ClientError("text", "text input is not supported; send tokenized.input_ids (the router tokenizes)")
-    if kind != "tokenized":
-        raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
-    prompt = check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
-    if not prompt:
-        raise ClientError("tokenized.input_ids", "must not be empty")
-    if len(prompt) >= limits.max_model_len:
-        raise ClientError("tokenized.input_ids", f"prompt has {len(prompt)} tokens; the context is "
-                                                 f"{limits.max_model_len}, which leaves no room for output")
-    return prompt
-
-
-def _max_tokens(sp: pb.SamplingParams, prompt: list[int], limits: EngineLimits) -> int:
-    """``max_tokens``, or the rest of the context when unset (the reference's default)."""
-    room = limits.max_model_len - len(prompt)
-    if not sp.HasField("max_tokens"):
-        return room
-    if sp.max_tokens < 1:
-        raise ClientError("sampling_params.max_tokens", "must be at least 1")
-    if sp.max_tokens > room:
-        raise ClientError("sampling_params.max_tokens", f"{sp.max_tokens} does not fit: the prompt has "
-                          f"{len(prompt)} tokens and the context is {limits.max_model_len}, so at most {room}")
-    return sp.max_tokens
-
-
-def _sampling_numbers(sp: pb.SamplingParams) -> dict:
-    """Temperature (unset → 1.0, as the reference), nucleus, top-k, min-p and the penalties; 0 = off."""
-    temperature = finite("sampling_params.temperature", sp.temperature) if sp.HasField("temperature") else 1.0
-    if temperature < 0:
-        raise ClientError("sampling_params.temperature", f"must be >= 0, got {temperature}")
-    top_p = finite("sampling_params.top_p", sp.top_p) or 1.0
-    if not 0 < top_p <= 1:
-        raise ClientError("sampling_params.top_p", f"must be in (0, 1], got {top_p}")
-    if sp.top_k >= 2**31:
-        raise ClientError("sampling_params.top_k", f"must be 0 (off) or a positive count, got {sp.top_k - 2**32}")
-    min_p = finite("sampling_params.min_p", sp.min_p)
-    if not 0 <= min_p <= 1:
-        raise ClientError("sampling_params.min_p", f"must be in [0, 1], got {min_p}")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = finite(f"sampling_params.{name}", getattr(sp, name))
-        if not -2 <= value <= 2:
-            raise ClientError(f"sampling_params.{name}", f"must be in [-2, 2], got {value}")
-    repetition_penalty = finite("sampling_params.repetition_penalty", sp.repetition_penalty) or 1.0
-    if repetition_penalty < 0:
-        raise ClientError("sampling_params.repetition_penalty", f"must be > 0, got {repetition_penalty}")
-    return {
-        "temperature": temperature, "top_p": top_p, "top_k": sp.top_k, "min_p": min_p,
-        "frequency_penalty": sp.frequency_penalty, "presence_penalty": sp.presence_penalty,
-        "repetition_penalty": repetition_penalty,
-    }  # fmt: skip
+    prompt = tokenized_input(request, limits)
+    return check_prompt_room(prompt, limits)
 
 
 def _logprobs(sp: pb.SamplingParams, limits: EngineLimits) -> int | None:
     """Unset or <= 0: none (MLX's meaning, the reference's); k: the top k, at most what the engine serves."""
     if not sp.HasField("logprobs") or sp.logprobs <= 0:
         return None
-    cap = limits.vocab_size if limits.max_logprobs == -1 else min(limits.max_logprobs, limits.vocab_size)
+    cap = logprobs_cap(limits)
     if sp.logprobs > cap:
         raise ClientError("sampling_params.logprobs", f"requested {sp.logprobs} logprobs, which is greater than "
                           f"max allowed: {cap}")  # fmt: skip
@@ -207,10 +160,6 @@ def _fill(message: pb.OutputLogProbs, positions: list[Position], top: int) -> No
             entry.token_ids.extend(ids)
 
 
-def raw_request_id(request: pb.GenerateRequest) -> str:
-    return request.request_id
-
-
 class MlxEdge:
     """The MLX contract's edge (``contract.ContractEdge``)."""
 
@@ -222,10 +171,7 @@ class MlxEdge:
     # path's chunk signature has not; its chunks go through ``encode`` (protobuf).
     chunk_body = None
     raw_request_id = staticmethod(raw_request_id)
-
-    @staticmethod
-    def release_params(request, limits) -> None:
-        return None  # MLX has no prefill/decode disaggregation
+    release_params = staticmethod(no_release_params)  # MLX has no prefill/decode disaggregation
 
 
 MLX_EDGE = MlxEdge()

@@ -25,16 +25,18 @@ with SGLang's semantics (``reference/sglang-contract.md`` §2, §3):
 
 from __future__ import annotations
 
-import math
-
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from enginelink.machines.logprobs import Position, PromptLogprobs
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message, choice_engine_id
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
-from enginelink.runtime.requests.inputs import InputLimits, stop_strings as _stop_strings, utf8_len
-from enginelink.runtime.requests.validate import N_MAX, EngineLimits
+from enginelink.runtime.requests.inputs import stop_strings as _stop_strings, utf8_len
+from enginelink.runtime.requests.pb_fields import (
+    check_dp_rank, check_logit_bias, check_max_tokens, check_min_p, check_n, check_penalties, check_prompt_room,
+    check_token_ids, check_top_p, fill_chunk, fill_matched, fill_output_logprobs, fill_prompt_logprobs, finite,
+    logprobs_cap, no_release_params, raw_request_id,
+)
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 
 NAME = "sglang"
@@ -48,16 +50,14 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     _unsupported(request)
     sp = request.sampling_params
     prompt = _prompt(request, limits)
-    max_tokens = _max_tokens(sp, prompt, limits)
+    max_tokens = check_max_tokens(sp, "max_new_tokens", prompt, limits)
     numbers = _sampling_numbers(sp, max_tokens)
-    n = sp.n or 1
-    if n > N_MAX:
-        raise ClientError("sampling_params.n", f"must be at most {N_MAX}, got {n}")
-    stop_token_ids = tuple(_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size))
+    n = check_n(sp)
+    stop_token_ids = tuple(check_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size))
     stop_strings = _stop_strings(sp.stop, limits.inputs)
     logprobs, prompt_logprobs = _logprobs(request, limits)
     constraint = _constraint(sp, limits)
-    dp_rank = _dp_rank(request, limits)
+    dp_rank = check_dp_rank(request, limits)
     sampling = SamplingSpec(
         max_tokens=max_tokens,
         **numbers,
@@ -66,7 +66,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
         ignore_eos=sp.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        logit_bias=_logit_bias(sp, limits),
+        logit_bias=check_logit_bias(sp, limits, key_chars=40),
         skip_special_tokens=sp.skip_special_tokens,
         spaces_between_special_tokens=sp.spaces_between_special_tokens,
         structured_outputs=constraint.params if constraint else None,
@@ -112,65 +112,25 @@ def _unsupported(request: pb.GenerateRequest) -> None:
         raise ClientError("sampling_params.custom_params", "custom params are not accepted by this worker")
 
 
-def _finite(name: str, value: float) -> float:
-    if not math.isfinite(value):
-        raise ClientError(name, f"must be a finite number, got {value}")
-    return value
-
-
-def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
-    ids = list(ids)
-    for position, token in enumerate(ids):
-        if token >= vocab_size:
-            raise ClientError(
-                name, f"token id {token} at position {position} is outside the vocabulary (size {vocab_size})")
-    return ids
-
-
 def _prompt(request: pb.GenerateRequest, limits: EngineLimits) -> list[int]:
     if not request.HasField("tokenized"):
         raise ClientError("tokenized", "an input is required (tokenized.input_ids; the router tokenizes)")
-    prompt = _token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
-    if not prompt:
-        raise ClientError("tokenized.input_ids", "must not be empty")
-    if len(prompt) >= limits.max_model_len:
-        raise ClientError("tokenized.input_ids", f"prompt has {len(prompt)} tokens; the context is "
-                          f"{limits.max_model_len}, which leaves no room for output")
-    return prompt
-
-
-def _max_tokens(sp, prompt: list[int], limits: EngineLimits) -> int:
-    room = limits.max_model_len - len(prompt)
-    if not sp.HasField("max_new_tokens"):
-        return room
-    value = sp.max_new_tokens
-    if value < 1:
-        raise ClientError("sampling_params.max_new_tokens", "must be at least 1")
-    if value > room:
-        raise ClientError("sampling_params.max_new_tokens", f"{value} does not fit: the prompt has {len(prompt)} "
-                          f"tokens and the context is {limits.max_model_len}, so at most {room}")
-    return value
+    prompt = check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
+    return check_prompt_room(prompt, limits)
 
 
 def _sampling_numbers(sp, max_tokens: int) -> dict:
     """SGLang's defaults for proto3 zeros, and its ranges (``SamplingParams.verify``)."""
-    temperature = _finite("sampling_params.temperature", sp.temperature)
+    temperature = finite("sampling_params.temperature", sp.temperature)
     if temperature < 0:
         raise ClientError("sampling_params.temperature", f"must be >= 0, got {temperature}")
-    top_p = _finite("sampling_params.top_p", sp.top_p) or 1.0
-    if not 0 < top_p <= 1:
-        raise ClientError("sampling_params.top_p", f"must be in (0, 1], got {top_p}")
+    top_p = check_top_p(sp)
     top_k = sp.top_k
     if top_k < -1:
         raise ClientError("sampling_params.top_k", f"must be -1 or 0 (off) or a positive count, got {top_k}")
-    min_p = _finite("sampling_params.min_p", sp.min_p)
-    if not 0 <= min_p <= 1:
-        raise ClientError("sampling_params.min_p", f"must be in [0, 1], got {min_p}")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = _finite(f"sampling_params.{name}", getattr(sp, name))
-        if not -2 <= value <= 2:
-            raise ClientError(f"sampling_params.{name}", f"must be in [-2, 2], got {value}")
-    repetition_penalty = _finite("sampling_params.repetition_penalty", sp.repetition_penalty) or 1.0
+    min_p = check_min_p(sp)
+    check_penalties(sp)
+    repetition_penalty = finite("sampling_params.repetition_penalty", sp.repetition_penalty) or 1.0
     if not 0 < repetition_penalty <= 2:
         raise ClientError("sampling_params.repetition_penalty", f"must be in (0, 2], got {repetition_penalty}")
     if sp.min_new_tokens > max_tokens:
@@ -187,7 +147,7 @@ def _logprobs(request: pb.GenerateRequest, limits: EngineLimits) -> tuple[int | 
     if not request.return_logprob:
         return None, None
     top = request.top_logprobs_num
-    cap = limits.vocab_size if limits.max_logprobs == -1 else min(limits.max_logprobs, limits.vocab_size)
+    cap = logprobs_cap(limits)
     if not 0 <= top <= cap:
         raise ClientError("top_logprobs_num", f"must be in [0, {cap}], got {top}")
     start = request.logprob_start_len
@@ -214,37 +174,6 @@ def _constraint(sp, limits: EngineLimits) -> Constraint | None:
     return Constraint("ebnf_grammar", {"grammar": value}, backend, False)
 
 
-def _logit_bias(sp, limits: EngineLimits) -> dict[int, float] | None:
-    if not sp.logit_bias:
-        return None
-    bias: dict[int, float] = {}
-    for key, value in sp.logit_bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise ClientError("sampling_params.logit_bias", f"key {key[:40]!r} is not a token id") from None
-        if not 0 <= token < limits.vocab_size:
-            raise ClientError("sampling_params.logit_bias",
-                              f"token id {token} is outside the vocabulary (size {limits.vocab_size})")
-        if not (math.isfinite(value) and -100 <= value <= 100):
-            raise ClientError("sampling_params.logit_bias", f"bias for {token} must be in [-100, 100]")
-        bias[token] = value
-    return bias
-
-
-def _dp_rank(request: pb.GenerateRequest, limits: EngineLimits) -> int | None:
-    if not request.HasField("data_parallel_rank"):
-        return None
-    rank = request.data_parallel_rank
-    if not 0 <= rank < limits.data_parallel_size:
-        raise ClientError("data_parallel_rank", f"{rank} is out of range [0, {limits.data_parallel_size})")
-    return rank
-
-
-def release_params(request: pb.GenerateRequest, limits: InputLimits) -> dict | None:
-    return None  # PD bootstrap params are refused (``_unsupported``): nothing is held for a refused call
-
-
 # -- the responses ----------------------------------------------------------------------
 
 
@@ -255,15 +184,11 @@ def encode(messages: list[Message]) -> list[pb.GenerateResponse]:
 def encode_chunk(m: Chunk) -> pb.GenerateResponse:
     message = pb.GenerateResponse()
     chunk = message.chunk
-    chunk.token_ids.extend(m.token_ids)
-    chunk.prompt_tokens = m.prompt_tokens
-    chunk.completion_tokens = m.completion_tokens  # SGLang's running total
-    chunk.cached_tokens = m.cached_tokens
-    chunk.index = m.index
+    fill_chunk(chunk, m, m.completion_tokens)  # SGLang's running total
     if m.logprobs:
-        _fill_output(chunk.output_logprobs, m.logprobs, m.logprobs_top)
+        fill_output_logprobs(chunk.output_logprobs, m.logprobs, m.logprobs_top)
     if m.prompt_logprobs is not None:
-        _fill_prompt(chunk.input_logprobs, m.prompt_logprobs)
+        fill_prompt_logprobs(chunk.input_logprobs, m.prompt_logprobs, pb.InputTokenLogProb)
     return message
 
 
@@ -277,42 +202,11 @@ def encode_complete(m: Complete) -> pb.GenerateResponse:
         index=m.index,
     )
     if m.prompt_logprobs is not None:
-        _fill_prompt(complete.input_logprobs, m.prompt_logprobs)
+        fill_prompt_logprobs(complete.input_logprobs, m.prompt_logprobs, pb.InputTokenLogProb)
     if m.logprobs:
-        _fill_output(complete.output_logprobs, m.logprobs, m.logprobs_top)
-    if m.matched_stop_str is not None:
-        complete.matched_stop_str = m.matched_stop_str
-    elif m.matched_token_id is not None:
-        complete.matched_token_id = m.matched_token_id
+        fill_output_logprobs(complete.output_logprobs, m.logprobs, m.logprobs_top)
+    fill_matched(complete, m)
     return pb.GenerateResponse(complete=complete)
-
-
-def _fill_output(message, positions: list[Position], top: int) -> None:
-    message.token_logprobs.extend([p[0] for p in positions])
-    message.token_ids.extend([p[1] for p in positions])
-    if top:
-        add = message.top_logprobs.add
-        for _, _, values, ids in positions:
-            entry = add()
-            entry.values.extend(values)
-            entry.token_ids.extend(ids)
-
-
-def _fill_prompt(message, prompt: PromptLogprobs) -> None:
-    """``InputLogProbs``: the first prompt token has no value (an unset ``InputTokenLogProb``)."""
-    message.token_logprobs.add()
-    message.token_logprobs.extend([pb.InputTokenLogProb(value=p[0]) for p in prompt.positions])
-    message.token_ids.extend(prompt.ids)
-    if prompt.top:
-        message.top_logprobs.add()
-        for _, _, values, ids in prompt.positions:
-            entry = message.top_logprobs.add()
-            entry.values.extend(values)
-            entry.token_ids.extend(ids)
-
-
-def raw_request_id(request: pb.GenerateRequest) -> str:
-    return request.request_id
 
 
 class SglangEdge:
@@ -325,7 +219,7 @@ class SglangEdge:
     # No hand-encoded chunk: SGLang's chunks carry the running completion count, which the
     # fast path's (tokens, prompt, cached, index) bytes do not; every chunk takes ``encode``.
     chunk_body = None
-    release_params = staticmethod(release_params)
+    release_params = staticmethod(no_release_params)  # PD bootstrap params are refused (``_unsupported``)
     raw_request_id = staticmethod(raw_request_id)
 
 

@@ -23,15 +23,17 @@ servicer (``reference/tokenspeed.md`` §2-3), and where they differ from vLLM's:
 
 from __future__ import annotations
 
-import math
-
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.constraints import check_json_nesting, parse_json
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings, utf8_len
-from enginelink.runtime.requests.validate import N_MAX, EngineLimits
+from enginelink.runtime.requests.pb_fields import (
+    check_dp_rank, check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk,
+    fill_matched, fill_output_logprobs, finite, no_release_params, raw_request_id,
+)
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 from enginelink.wire.tokenspeed import preabort_reason
 
@@ -57,20 +59,18 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     check_request_id("request_id", request.request_id, inputs)
     sp = request.sampling_params
     prompt = _prompt(request, limits)
-    max_tokens = _max_tokens(sp, prompt, limits)
-    n = sp.n or 1
-    if n > N_MAX:
-        raise ClientError("sampling_params.n", f"must be at most {N_MAX}, got {n}")
+    max_tokens = check_max_tokens(sp, "max_new_tokens", prompt, limits)
+    n = check_n(sp)
     sampling = SamplingSpec(
         max_tokens=max_tokens,
         **_numbers(sp),
-        stop_token_ids=tuple(_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size)),
+        stop_token_ids=tuple(check_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size)),
         eos_token_ids=limits.eos_token_ids,
         ignore_eos=sp.ignore_eos,
         seed=sp.sampling_seed if sp.HasField("sampling_seed") else None,
         logprobs=_logprobs(request),
         prompt_logprobs=0 if request.HasField("logprob_start_len") and request.logprob_start_len >= 0 else None,
-        logit_bias=_logit_bias(sp, limits),
+        logit_bias=check_logit_bias(sp, limits, key_chars=32),
         skip_special_tokens=sp.skip_special_tokens,
         spaces_between_special_tokens=sp.spaces_between_special_tokens,
         structured_outputs=_constraint(sp, inputs),
@@ -81,7 +81,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     if request.token_ids_logprob:
         raise ClientError("token_ids_logprob", "logprobs of chosen token ids are not carried on TokenSpeed's wire")
     engine_ids = [child_id(request.request_id, index, n) for index in range(n)]
-    dp_rank = _dp_rank(request, limits)
+    dp_rank = check_dp_rank(request, limits)
     specs = [GenerateSpec(request_id=engine_id, prompt_token_ids=prompt, sampling=sampling, arrival_time=now,
                           data_parallel_rank=dp_rank) for engine_id in engine_ids]
     refused = preabort_reason(specs[0], output_logprobs_enabled=output_logprobs)  # each child is sent with n = 1
@@ -99,15 +99,6 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     )
 
 
-def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
-    ids = list(ids)
-    for position, token in enumerate(ids):
-        if token >= vocab_size:
-            raise ClientError(name, f"token id {token} at position {position} is outside the vocabulary "
-                                    f"(size {vocab_size})")
-    return ids
-
-
 def _prompt(request, limits: EngineLimits) -> list[int]:
     """Tokenized input only (the reference requires it), in the vocabulary, with room to generate."""
     if request.HasField("mm_inputs") or request.HasField("encode_bootstrap_info"):
@@ -117,26 +108,8 @@ def _prompt(request, limits: EngineLimits) -> list[int]:
                                                "(enginelink's TokenSpeed front end serves whole requests)")
     if not request.HasField("tokenized"):
         raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
-    prompt = _token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
-    if not prompt:
-        raise ClientError("tokenized.input_ids", "must not be empty")
-    if len(prompt) >= limits.max_model_len:
-        raise ClientError("tokenized.input_ids", f"prompt has {len(prompt)} tokens; the context is "
-                                                 f"{limits.max_model_len}, which leaves no room for output")
-    return prompt
-
-
-def _max_tokens(sp, prompt: list[int], limits: EngineLimits) -> int:
-    room = limits.max_model_len - len(prompt)
-    if not sp.HasField("max_new_tokens"):
-        return room
-    if sp.max_new_tokens < 1:
-        raise ClientError("sampling_params.max_new_tokens", "must be at least 1")
-    if sp.max_new_tokens > room:
-        raise ClientError("sampling_params.max_new_tokens",
-                          f"{sp.max_new_tokens} does not fit: the prompt has {len(prompt)} tokens and the context "
-                          f"is {limits.max_model_len}, so at most {room}")
-    return sp.max_new_tokens
+    prompt = check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
+    return check_prompt_room(prompt, limits)
 
 
 # Unset → the engine's default (TokenSpeed's SamplingParams defaults).
@@ -148,10 +121,7 @@ def _numbers(sp) -> dict:
     """The optional sampling numbers, set ones only, finite; their ranges are the engine's (``preabort_reason``)."""
     numbers = {}
     for name, default in _DEFAULTS.items():
-        value = getattr(sp, name) if sp.HasField(name) else default
-        if not math.isfinite(value):
-            raise ClientError(f"sampling_params.{name}", f"must be a finite number, got {value}")
-        numbers[name] = value
+        numbers[name] = finite(f"sampling_params.{name}", getattr(sp, name) if sp.HasField(name) else default)
     # TokenSpeed's top_k: -1 (or unset, or 0) is off; SamplingSpec's off is 0.
     top_k = sp.top_k if sp.HasField("top_k") else -1
     if top_k < -1:
@@ -164,24 +134,6 @@ def _numbers(sp) -> dict:
 def _logprobs(request) -> int | None:
     """``return_logprob``: the sampled tokens' logprobs (0 alternatives; top-k is refused)."""
     return 0 if request.return_logprob else None
-
-
-def _logit_bias(sp, limits: EngineLimits) -> dict[int, float] | None:
-    if not sp.logit_bias:
-        return None
-    bias = {}
-    for key, value in sp.logit_bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise ClientError("sampling_params.logit_bias", f"key {key[:32]!r} is not a token id") from None
-        if not 0 <= token < limits.vocab_size:
-            raise ClientError("sampling_params.logit_bias",
-                              f"token id {token} is outside the vocabulary (size {limits.vocab_size})")
-        if not (math.isfinite(value) and -100 <= value <= 100):
-            raise ClientError("sampling_params.logit_bias", f"bias for {token} must be in [-100, 100]")
-        bias[token] = value
-    return bias
 
 
 # The constraint oneof's fields → the codec's keys (vLLM's StructuredOutputsParams names).
@@ -209,20 +161,6 @@ def _constraint(sp, inputs: InputLimits) -> dict | None:
     return {_CONSTRAINT_KEYS[kind]: value}
 
 
-def _dp_rank(request, limits: EngineLimits) -> int | None:
-    if not request.HasField("data_parallel_rank"):
-        return None
-    rank = request.data_parallel_rank
-    if not 0 <= rank < limits.data_parallel_size:
-        raise ClientError("data_parallel_rank", f"{rank} is out of range [0, {limits.data_parallel_size})")
-    return rank
-
-
-def release_params(request, limits: InputLimits) -> dict | None:
-    """No PD on this contract (``kv_bootstrap_info`` is refused): nothing to release."""
-    return None
-
-
 # -- the responses: Chunk / Complete → GenerateResponse -----------------------------------
 
 
@@ -234,13 +172,9 @@ def encode(messages: list[Message]) -> list[pb.GenerateResponse]:
 def _chunk(m: Chunk) -> pb.GenerateResponse:
     message = pb.GenerateResponse()
     chunk = message.chunk
-    chunk.token_ids.extend(m.token_ids)
-    chunk.prompt_tokens = m.prompt_tokens
-    chunk.completion_tokens = len(m.token_ids)  # the delta; CallStamp makes it the running total
-    chunk.cached_tokens = m.cached_tokens
-    chunk.index = m.index
+    fill_chunk(chunk, m, len(m.token_ids))  # the delta; CallStamp makes it the running total
     if m.logprobs:
-        _fill_output(chunk.output_logprobs, m.logprobs)
+        fill_output_logprobs(chunk.output_logprobs, m.logprobs, 0)  # top-k is refused: ids and values only
     return message
 
 
@@ -254,17 +188,9 @@ def _complete(m: Complete) -> pb.GenerateResponse:
     complete.cached_tokens = m.cached_tokens
     complete.index = m.index
     if m.logprobs:
-        _fill_output(complete.output_logprobs, m.logprobs)
-    if m.matched_stop_str is not None:
-        complete.matched_stop_str = m.matched_stop_str
-    elif m.matched_token_id is not None:
-        complete.matched_token_id = m.matched_token_id
+        fill_output_logprobs(complete.output_logprobs, m.logprobs, 0)
+    fill_matched(complete, m)
     return message
-
-
-def _fill_output(message, positions) -> None:
-    message.token_logprobs.extend([p[0] for p in positions])
-    message.token_ids.extend([p[1] for p in positions])
 
 
 class CallStamp:
@@ -300,10 +226,6 @@ class CallStamp:
         return message
 
 
-def raw_request_id(request: pb.GenerateRequest) -> str:
-    return request.request_id
-
-
 class TokenSpeedEdge:
     """The TokenSpeed contract's edge (``contract.ContractEdge``); ``output_logprobs`` as ``validate_generate``'s."""
 
@@ -318,7 +240,7 @@ class TokenSpeedEdge:
         return validate_generate(request, limits, now, output_logprobs=self.output_logprobs)
 
     chunk_body = None  # responses need CallStamp: the protobuf path only
-    release_params = staticmethod(release_params)
+    release_params = staticmethod(no_release_params)  # no PD on this contract (``kv_bootstrap_info`` is refused)
     raw_request_id = staticmethod(raw_request_id)
 
 

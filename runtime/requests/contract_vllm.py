@@ -18,12 +18,9 @@ service is built (``runtime/rpc/grpc_vllm.py``, ``server.py``). An edge provides
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from enginelink.machines.logprobs import Position, PromptLogprobs
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message, choice_engine_id
 from enginelink.runtime.requests import kv_transfer
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
@@ -31,7 +28,11 @@ from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings as _stop_strings
 from enginelink.runtime.requests.media import in_trio
 from enginelink.runtime.requests.mm_tensors import mm_features_of
-from enginelink.runtime.requests.validate import N_MAX, EngineLimits
+from enginelink.runtime.requests.pb_fields import (
+    check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk, fill_matched,
+    fill_output_logprobs, fill_prompt_logprobs, logprobs_cap, raw_request_id, tokenized_input, vllm_sampling_numbers,
+)
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 
 NAME = "vllm"
@@ -50,16 +51,14 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     check_request_id("request_id", request.request_id, inputs)
     sp = request.sampling_params
     prompt = _prompt(request, limits)
-    max_tokens = _max_tokens(sp, prompt, limits)
+    max_tokens = check_max_tokens(sp, "max_tokens", prompt, limits)
     numbers = _sampling_numbers(sp, max_tokens)
-    n = sp.n or 1
-    if n > N_MAX:
-        raise ClientError("sampling_params.n", f"must be at most {N_MAX}, got {n}")
-    stop_token_ids = tuple(_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size))
+    n = check_n(sp)
+    stop_token_ids = tuple(check_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size))
     stop_strings = _stop_strings(sp.stop, inputs)
     logprobs = _logprobs(sp, "logprobs", "sample", limits)
     prompt_logprobs = _logprobs(sp, "prompt_logprobs", "prompt", limits)
-    logit_bias = _logit_bias(sp, limits)
+    logit_bias = check_logit_bias(sp, limits)
     constraint = constraint_of(sp, inputs, limits.grammar_backend)
     # PD: the JSON field or the legacy message, checked as the reference does (runtime/requests/kv_transfer.py).
     kv_transfer_params = kv_transfer.params_from_request(request, inputs)
@@ -119,30 +118,9 @@ def _with_seed(sampling: SamplingSpec, seed: int) -> SamplingSpec:
     return msgspec.structs.replace(sampling, seed=seed)
 
 
-def _finite(name: str, value: float) -> float:
-    if not math.isfinite(value):
-        raise ClientError(name, f"must be a finite number, got {value}")
-    return value
-
-
-def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
-    ids = list(ids)
-    for position, token in enumerate(ids):
-        if token >= vocab_size:
-            raise ClientError(
-                name, f"token id {token} at position {position} is outside the vocabulary (size {vocab_size})"
-            )
-    return ids
-
-
 def _prompt(request, limits: EngineLimits) -> list[int]:
     """The prompt's token ids: tokenized input only, in the vocabulary, truncated as asked, with room to generate."""
-    kind = request.WhichOneof("input")
-    if kind == "text":
-        raise ClientError("text", "text input is not supported; send tokenized.input_ids (the router tokenizes)")
-    if kind != "tokenized":
-        raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
-    prompt = _token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
+    prompt = tokenized_input(request, limits)
     if request.HasField("media_refs") and (request.HasField("mm_inputs") or len(request.extra_mm_inputs)):
         raise ClientError("media_refs", "cannot be combined with preprocessed mm_inputs; send one or the other")
     sp = request.sampling_params
@@ -165,62 +143,16 @@ def _prompt(request, limits: EngineLimits) -> list[int]:
         # The last N, as vLLM's OpenAI server truncates (left side): the end of a
         # prompt is what the answer continues.
         prompt = prompt[-keep:]
-    if not prompt:
-        raise ClientError("tokenized.input_ids", "must not be empty")
-    if len(prompt) >= limits.max_model_len:
-        raise ClientError(
-            "tokenized.input_ids",
-            f"prompt has {len(prompt)} tokens; the context is {limits.max_model_len}, "
-            "which leaves no room for output",
-        )
-    return prompt
-
-
-def _max_tokens(sp, prompt: list[int], limits: EngineLimits) -> int:
-    """``max_tokens``, or the rest of the context when unset."""
-    room = limits.max_model_len - len(prompt)
-    if not sp.HasField("max_tokens"):
-        return room
-    max_tokens = sp.max_tokens
-    if max_tokens < 1:
-        raise ClientError("sampling_params.max_tokens", "must be at least 1")
-    if max_tokens > room:
-        raise ClientError(
-            "sampling_params.max_tokens",
-            f"{max_tokens} does not fit: the prompt has {len(prompt)} tokens and the context is "
-            f"{limits.max_model_len}, so at most {room}",
-        )
-    return max_tokens
+    return check_prompt_room(prompt, limits)
 
 
 def _sampling_numbers(sp, max_tokens: int) -> dict:
-    """Temperature, nucleus, top-k, min-p, penalties and min_tokens, defaulted as the reference does."""
-    temperature = _finite("sampling_params.temperature", sp.temperature) if sp.HasField("temperature") else 1.0
-    if temperature < 0:
-        raise ClientError("sampling_params.temperature", f"must be >= 0, got {temperature}")
-    top_p = _finite("sampling_params.top_p", sp.top_p) or 1.0
-    if not 0 < top_p <= 1:
-        raise ClientError("sampling_params.top_p", f"must be in (0, 1], got {top_p}")
-    top_k = sp.top_k
-    if top_k >= 2**31:
-        raise ClientError("sampling_params.top_k", f"must be 0 (off) or a positive count, got {top_k - 2**32}")
-    min_p = _finite("sampling_params.min_p", sp.min_p)
-    if not 0 <= min_p <= 1:
-        raise ClientError("sampling_params.min_p", f"must be in [0, 1], got {min_p}")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = _finite(f"sampling_params.{name}", getattr(sp, name))
-        if not -2 <= value <= 2:
-            raise ClientError(f"sampling_params.{name}", f"must be in [-2, 2], got {value}")
-    repetition_penalty = _finite("sampling_params.repetition_penalty", sp.repetition_penalty) or 1.0
-    if repetition_penalty < 0:
-        raise ClientError("sampling_params.repetition_penalty", f"must be > 0, got {repetition_penalty}")
+    """Temperature, nucleus, top-k, min-p, penalties (``pb_fields``) and min_tokens, defaulted as the reference does."""
+    numbers = vllm_sampling_numbers(sp)
     if sp.min_tokens > max_tokens:
         raise ClientError("sampling_params.min_tokens", f"{sp.min_tokens} exceeds max_tokens {max_tokens}")
-    return {
-        "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-        "frequency_penalty": sp.frequency_penalty, "presence_penalty": sp.presence_penalty,
-        "repetition_penalty": repetition_penalty, "min_tokens": sp.min_tokens,
-    }  # fmt: skip
+    numbers["min_tokens"] = sp.min_tokens
+    return numbers
 
 
 def _logprobs(sp, name: str, what: str, limits: EngineLimits) -> int | None:
@@ -237,34 +169,13 @@ def _logprobs(sp, name: str, what: str, limits: EngineLimits) -> int | None:
     if value < -1:
         raise ClientError(f"sampling_params.{name}", f"must be non-negative or -1, got {value}")
     asked = limits.vocab_size if value == -1 else value
-    cap = limits.vocab_size if limits.max_logprobs == -1 else min(limits.max_logprobs, limits.vocab_size)
+    cap = logprobs_cap(limits)
     if asked > cap:
         raise ClientError(
             f"sampling_params.{name}",
             f"Requested {what} logprobs of {asked}, which is greater than max allowed: {cap}",
         )
     return value
-
-
-def _logit_bias(sp, limits: EngineLimits) -> dict[int, float] | None:
-    if not sp.logit_bias:
-        return None
-    logit_bias = {}
-    for token, bias in sp.logit_bias.items():
-        if not 0 <= token < limits.vocab_size:
-            # vLLM's front end (_validate_logit_bias) refuses it; its engine would index out of range.
-            raise ClientError("sampling_params.logit_bias",
-                              f"token id {token} is outside the vocabulary (size {limits.vocab_size})")
-        if not (math.isfinite(bias) and -100 <= bias <= 100):
-            raise ClientError("sampling_params.logit_bias", f"bias for {token} must be in [-100, 100]")
-        logit_bias[token] = bias
-    return logit_bias
-
-
-# The field checks every contract's request shares (MLX's edge, ``contract_mlx.py``, uses them too).
-finite = _finite
-check_token_ids = _token_ids
-check_logit_bias = _logit_bias
 
 
 def _dp_rank(request, limits: EngineLimits) -> int | None:
@@ -296,15 +207,11 @@ def encode_chunk(m: Chunk) -> pb.GenerateResponse:
     # constructor copies it (~2x the cost, upb).
     message = pb.GenerateResponse()
     chunk = message.chunk
-    chunk.token_ids.extend(m.token_ids)
-    chunk.prompt_tokens = m.prompt_tokens
-    chunk.completion_tokens = len(m.token_ids)
-    chunk.cached_tokens = m.cached_tokens
-    chunk.index = m.index
+    fill_chunk(chunk, m, len(m.token_ids))
     if m.logprobs:
-        _fill_output(chunk.output_logprobs, m.logprobs, m.logprobs_top)
+        fill_output_logprobs(chunk.output_logprobs, m.logprobs, m.logprobs_top)
     if m.prompt_logprobs is not None:
-        _fill_prompt(chunk.input_logprobs, m.prompt_logprobs)
+        fill_prompt_logprobs(chunk.input_logprobs, m.prompt_logprobs, pb.InputTokenLogProb)
     return message
 
 
@@ -318,41 +225,13 @@ def encode_complete(m: Complete) -> pb.GenerateResponse:
         index=m.index,
     )
     if m.prompt_logprobs is not None:
-        _fill_prompt(complete.input_logprobs, m.prompt_logprobs)
+        fill_prompt_logprobs(complete.input_logprobs, m.prompt_logprobs, pb.InputTokenLogProb)
     if m.logprobs:
-        _fill_output(complete.output_logprobs, m.logprobs, m.logprobs_top)
-    if m.matched_stop_str is not None:
-        complete.matched_stop_str = m.matched_stop_str
-    elif m.matched_token_id is not None:
-        complete.matched_token_id = m.matched_token_id
+        fill_output_logprobs(complete.output_logprobs, m.logprobs, m.logprobs_top)
+    fill_matched(complete, m)
     if m.kv_transfer_params is not None:
         kv_transfer.fill_complete(complete, m.kv_transfer_params)
     return pb.GenerateResponse(complete=complete)
-
-
-def _fill_output(message, positions: list[Position], top: int) -> None:
-    """``OutputLogProbs`` (in place): each position's logprob and id, and its top-k when k != 0."""
-    message.token_logprobs.extend([p[0] for p in positions])
-    message.token_ids.extend([p[1] for p in positions])
-    if top:
-        add = message.top_logprobs.add
-        for _, _, values, ids in positions:
-            entry = add()
-            entry.values.extend(values)
-            entry.token_ids.extend(ids)
-
-
-def _fill_prompt(message, prompt: PromptLogprobs) -> None:
-    """``InputLogProbs`` (in place); position 0 has no logprob: an unset value, and an empty top list."""
-    message.token_logprobs.add()
-    message.token_logprobs.extend([pb.InputTokenLogProb(value=p[0]) for p in prompt.positions])
-    message.token_ids.extend(prompt.ids)
-    if prompt.top:
-        message.top_logprobs.add()
-        for _, _, values, ids in prompt.positions:
-            entry = message.top_logprobs.add()
-            entry.values.extend(values)
-            entry.token_ids.extend(ids)
 
 
 # -- a stream chunk's bytes ----------------------------------------------------------
@@ -430,10 +309,6 @@ async def prepare_media(app, request: pb.GenerateRequest, spec: GenerateCall) ->
     mm_features = await in_trio(mm_features_of, request, spec.prompt_token_ids, has_kv)
     spec.specs = [msgspec.structs.replace(s, mm_features=mm_features) for s in spec.specs]
     return spec
-
-
-def raw_request_id(request: pb.GenerateRequest) -> str:
-    return request.request_id
 
 
 class VllmEdge:

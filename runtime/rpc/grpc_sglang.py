@@ -20,14 +20,13 @@ SGLang's semantics where they differ from vLLM's (``reference/sglang-contract.md
 from __future__ import annotations
 
 import asyncio
-import datetime
 import itertools
 import json
 import os
 
 import trio
 import trio_asyncio
-from google.protobuf import struct_pb2, timestamp_pb2
+from google.protobuf import struct_pb2
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2 as pb, vllm_engine_pb2
@@ -36,15 +35,15 @@ from enginelink.machines.link import WARMUP_REQUEST_PREFIX
 from enginelink.machines.warmup import WarmupRequest
 from enginelink.proto.sglang_scheduler_grpc import SglangSchedulerBase
 from enginelink.runtime.errors import ClientError, current_request_id, grpc_errors
-from enginelink.runtime.kv.grpc_kv import subscribe_kv_events
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.lifetime.warmup import Outcome, TrioWake, hub_submit
 from enginelink.runtime.requests.contract_sglang import SGLANG_EDGE
 from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, runner_type
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec
-from enginelink.runtime.requests.generate import generate
+from enginelink.runtime.lifetime.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
-from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
+from enginelink.runtime.rpc.fastpath import FrameWrites
+from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
 from enginelink.wire.sglang import SGLANG_VERSION
 
 # The reference's probe bound (SGLANG_HEALTH_CHECK_TIMEOUT, seconds).
@@ -74,34 +73,17 @@ def health_check_timeout_s(environ=os.environ) -> float:
     return HEALTH_CHECK_TIMEOUT_S_DEFAULT
 
 
-class SglangSchedulerService(SglangSchedulerBase):
+class SglangSchedulerService(ContractService, SglangSchedulerBase):
     edge = SGLANG_EDGE
+    # Generate, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
-        self.app = app
-        self.frame_writes = frame_writes
-        self.kv_relay = kv_relay
+        super().__init__(app, frame_writes, kv_relay)
         self.health_timeout_s = health_check_timeout_s()
         self._probe: asyncio.Future | None = None  # the health probe in flight, shared by concurrent checks
         self._probe_ids = itertools.count(1)
 
-    @property
-    def journal(self):
-        return self.app.journal
-
-    @property
-    def metrics(self):
-        return self.app.hub.metrics
-
-    # -- Generate / Abort -----------------------------------------------------------
-
-    @grpc_errors
-    async def Generate(self, stream) -> None:
-        request = await stream.recv_message()
-        current_request_id.set(request.request_id[: input_limits().request_id_bytes])
-        direct = DirectSender(stream, self.frame_writes) if self.frame_writes.fast_path else None
-        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct,
-                       send_headers=stream.send_initial_metadata, edge=self.edge)
+    # -- Abort ------------------------------------------------------------------------
 
     @grpc_errors
     async def Abort(self, stream) -> None:
@@ -179,15 +161,11 @@ class SglangSchedulerService(SglangSchedulerBase):
         await stream.recv_message()
         app, model = self.app, self.app.model
         ready = app.ready
-        max_len = int(ready.get("max_model_len") or model.max_position_embeddings or 0)
+        max_len = context_len(app)
         await stream.send_message(pb.GetModelInfoResponse(
-            model_path=str(model.model_path), tokenizer_path=model.tokenizer_path,
-            is_generation=ready.get("runner_type") != "pooling", served_model_name=app.served_model_name, max_context_length=max_len,
-            vocab_size=model.vocab_size, supports_vision=False, model_type=model.model_type or "",
-            eos_token_ids=list(model.eos_token_ids), pad_token_id=model.pad_token_id or 0,
-            bos_token_id=model.bos_token_id or 0,
+            **model_facts(app), tokenizer_path=model.tokenizer_path,
+            is_generation=ready.get("runner_type") != "pooling", max_context_length=max_len, supports_vision=False,
             max_req_input_len=int(ready.get("max_req_input_len") or max(max_len - 1, 0)),
-            architectures=list(model.architectures),
             default_sampling_params_json=model.default_sampling_params_json,
         ))
 
@@ -205,12 +183,10 @@ class SglangSchedulerService(SglangSchedulerBase):
         })
         scheduler_info = struct_pb2.Struct()
         scheduler_info.update(json.loads(json.dumps(ready, default=str)))
-        start = timestamp_pb2.Timestamp()
-        start.FromSeconds(int(app.run_start_wall))
         await stream.send_message(pb.GetServerInfoResponse(
             server_args=server_args, scheduler_info=scheduler_info, active_requests=app.hub.active_requests,
             is_paused=False, last_receive_timestamp=app.hub.last_receive_wall, uptime_seconds=app.uptime_s(),
-            sglang_version=SGLANG_VERSION, server_type="grpc", start_time=start,
+            sglang_version=SGLANG_VERSION, server_type="grpc", start_time=start_time(app),
             max_total_num_tokens=int(ready.get("max_total_num_tokens") or 0),
         ))
 
@@ -231,30 +207,11 @@ class SglangSchedulerService(SglangSchedulerBase):
                 raise GRPCError(Status.INVALID_ARGUMENT, f"dp_rank {request.dp_rank}: this worker has ranks "
                                 f"{[load.dp_rank for load in loads]}")
             loads = [load for load in loads if load.dp_rank == request.dp_rank]
-        count = max(len(loads), 1)
-        aggregate = pb.AggregateMetrics(
-            total_running_reqs=sum(x.num_running_reqs for x in loads),
-            total_waiting_reqs=sum(x.num_waiting_reqs for x in loads),
-            total_reqs=sum(x.num_total_reqs for x in loads),
-            avg_token_usage=sum(x.token_usage for x in loads) / count,
-            avg_throughput=sum(x.gen_throughput for x in loads) / count,
-            avg_utilization=sum(x.utilization for x in loads) / count,
-        )
         await stream.send_message(pb.GetLoadsResponse(
-            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(), version=SGLANG_VERSION,
-            dp_rank_count=app.link.ranks.size, loads=loads, aggregate=aggregate))
-
-    @grpc_errors
-    async def GetTokenizer(self, stream) -> None:
-        await stream.recv_message()
-        for data, sha256 in self.app.tokenizer_chunks():
-            await stream.send_message(common_pb2.GetTokenizerChunk(data=data, sha256=sha256))
+            timestamp=now_iso(), version=SGLANG_VERSION,
+            dp_rank_count=app.link.ranks.size, loads=loads, aggregate=aggregate(pb, loads)))
 
     # -- KV cache, control ----------------------------------------------------------------
-
-    @grpc_errors
-    async def SubscribeKvEvents(self, stream) -> None:
-        await subscribe_kv_events(self.kv_relay, stream)
 
     @grpc_errors
     async def FlushCache(self, stream) -> None:

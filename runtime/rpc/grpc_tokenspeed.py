@@ -21,22 +21,23 @@ is TokenSpeed's own (``reference/tokenspeed.md`` §1, §4):
 from __future__ import annotations
 
 import asyncio
-import datetime
 import math
 
 import trio
-from google.protobuf import struct_pb2, timestamp_pb2
+from google.protobuf import struct_pb2
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from smg_grpc_proto.generated import common_pb2, tokenspeed_scheduler_pb2 as pb
+from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
 from enginelink.proto.tokenspeed_scheduler_grpc import TokenSpeedSchedulerBase
 from enginelink.runtime.errors import Unavailable, current_request_id, grpc_errors
-from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT, subscribe_kv_events
+from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT
 from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, CallStamp, TokenSpeedEdge
+from enginelink.runtime.lifetime.app import context_len, model_facts
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
 from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
+from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
 from enginelink.wire.tokenspeed import ENGINE_VERSION_PREFIX, TOKENSPEED_VERSION
 
 SERVICE = "tokenspeed.grpc.scheduler.TokenSpeedScheduler"
@@ -60,14 +61,14 @@ class StampedSender(DirectSender):
         return self.send_bodies([stamp(message).SerializeToString() for message in messages])
 
 
-class TokenSpeedSchedulerService(TokenSpeedSchedulerBase):
+class TokenSpeedSchedulerService(ContractService, TokenSpeedSchedulerBase):
     edge = TOKENSPEED_EDGE
+    health_reply = pb.HealthCheckResponse
     name = SERVICE
+    # HealthCheck, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
-        self.app = app
-        self.frame_writes = frame_writes
-        self.kv_relay = kv_relay
+        super().__init__(app, frame_writes, kv_relay)
         # GetServerInfo's launch facts (the engine's arguments, redacted); ``configure`` sets them.
         self.server_args: dict = {}
 
@@ -76,14 +77,6 @@ class TokenSpeedSchedulerService(TokenSpeedSchedulerBase):
         self.server_args = {"engine_args": launcher.redacted(list(launcher.extra_args))}
         # Without --enable-output-logprobs TokenSpeed pre-aborts a request for logprobs: refused here instead.
         self.edge = TokenSpeedEdge(output_logprobs=getattr(launcher, "output_logprobs", True))
-
-    @property
-    def journal(self):
-        return self.app.journal
-
-    @property
-    def metrics(self):
-        return self.app.hub.metrics
 
     # -- Generate / Abort -----------------------------------------------------------
 
@@ -116,12 +109,6 @@ class TokenSpeedSchedulerService(TokenSpeedSchedulerBase):
     # -- health and facts -----------------------------------------------------------
 
     @grpc_errors
-    async def HealthCheck(self, stream) -> None:
-        await stream.recv_message()
-        link = self.app.link.machine
-        await stream.send_message(pb.HealthCheckResponse(healthy=link.healthy, message=link.health_message))
-
-    @grpc_errors
     async def GetModelInfo(self, stream) -> None:
         await stream.recv_message()
         await stream.send_message(model_info(self.app))
@@ -135,16 +122,6 @@ class TokenSpeedSchedulerService(TokenSpeedSchedulerBase):
     async def GetLoads(self, stream) -> None:
         request = await stream.recv_message()
         await stream.send_message(loads(self.app, request))
-
-    @grpc_errors
-    async def GetTokenizer(self, stream) -> None:
-        await stream.recv_message()
-        for data, sha256 in self.app.tokenizer_chunks():
-            await stream.send_message(common_pb2.GetTokenizerChunk(data=data, sha256=sha256))
-
-    @grpc_errors
-    async def SubscribeKvEvents(self, stream) -> None:
-        await subscribe_kv_events(self.kv_relay, stream)
 
     # -- control calls: none on TokenSpeed 0.1.1's wire -----------------------------
 
@@ -178,19 +155,12 @@ def _ready(app) -> dict:
 
 def model_info(app) -> pb.GetModelInfoResponse:
     model, ready = app.model, _ready(app)
-    max_len = int(ready.get("max_model_len") or model.max_position_embeddings or 0)
+    max_len = context_len(app)
     return pb.GetModelInfoResponse(
-        model_path=str(model.model_path),
+        **model_facts(app),
         tokenizer_path=model.tokenizer_path,
-        served_model_name=app.served_model_name,
-        model_type=model.model_type or "",
-        architectures=list(model.architectures),
         max_context_length=max_len,
         max_req_input_len=max_len - 1,  # at least one token of room to generate (the edge's check)
-        vocab_size=model.vocab_size,
-        eos_token_ids=list(model.eos_token_ids),
-        pad_token_id=model.pad_token_id or 0,
-        bos_token_id=model.bos_token_id or 0,
         default_sampling_params_json=model.default_sampling_params_json,
         supports_vision=False,
         supports_multimodal=False,
@@ -223,8 +193,6 @@ def server_info(app, server_args: dict) -> pb.GetServerInfoResponse:
         "max_num_batched_tokens": int(ready.get("max_num_batched_tokens") or 0),
         "page_size": int(ready.get("prefix_granularity") or ready.get("block_size") or 0),
     })
-    start = timestamp_pb2.Timestamp()
-    start.FromSeconds(int(app.run_start_wall))
     return pb.GetServerInfoResponse(
         server_args=args,
         scheduler_info=scheduler,
@@ -233,7 +201,7 @@ def server_info(app, server_args: dict) -> pb.GetServerInfoResponse:
         uptime_seconds=app.uptime_s(),
         max_total_num_tokens=app.kv_capacity_tokens,
         tokenspeed_version=engine_version(ready),
-        start_time=start,
+        start_time=start_time(app),
     )
 
 
@@ -252,19 +220,10 @@ def loads(app, request: pb.GetLoadsRequest) -> pb.GetLoadsResponse:
              for load in app.loads.scheduler_loads(app.max_num_seqs, capacity)]
     if request.HasField("dp_rank"):
         ranks = [load for load in ranks if load.dp_rank == request.dp_rank]
-    count = len(ranks) or 1
-    aggregate = pb.AggregateMetrics(
-        total_running_reqs=sum(load.num_running_reqs for load in ranks),
-        total_waiting_reqs=sum(load.num_waiting_reqs for load in ranks),
-        total_reqs=sum(load.num_total_reqs for load in ranks),
-        avg_token_usage=sum(load.token_usage for load in ranks) / count,
-        avg_throughput=sum(load.gen_throughput for load in ranks) / count,
-        avg_utilization=sum(load.utilization for load in ranks) / count,
-    )
     return pb.GetLoadsResponse(
-        timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        timestamp=now_iso(),
         version=engine_version(ready),
         dp_rank_count=len(ranks),
         loads=ranks,
-        aggregate=aggregate,
+        aggregate=aggregate(pb, ranks),
     )

@@ -10,55 +10,30 @@ detection relies on.
 from __future__ import annotations
 
 import asyncio
-import datetime
 
 import trio
 import trio_asyncio
 from grpclib.exceptions import GRPCError
-from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
 from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
 from enginelink.runtime.requests.embed import embed
 from enginelink.runtime.errors import current_request_id, grpc_errors
-from enginelink.runtime.requests.generate import generate
-from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
+from enginelink.runtime.rpc.service_common import ContractService, now_iso
 from enginelink.runtime.lifetime.profiling import check_start_options, profile
-from enginelink.runtime.kv.grpc_kv import FlushError, flush_cache, subscribe_kv_events
+from enginelink.runtime.kv.grpc_kv import FlushError, flush_cache
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
 
 
-class VllmEngineService(VllmEngineBase):
+class VllmEngineService(ContractService, VllmEngineBase):
     # The contract's edge (runtime/requests/contract.py): its requests validated, the hub's messages encoded.
     # server.py builds the hub with it.
     edge = VLLM_EDGE
+    health_reply = pb.HealthCheckResponse
+    # Generate, HealthCheck, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
 
-    def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
-        self.app = app
-        # The direct path's writes of one engine frame; the hub flushes them (server.py wires it).
-        self.frame_writes = frame_writes
-        self.kv_relay = kv_relay  # runtime.kv_relay.KvRelayShell; None: KV events are off
-
-    # Where ``errors.grpc_errors`` reports a bug a handler hit.
-    @property
-    def journal(self):
-        return self.app.journal
-
-    @property
-    def metrics(self):
-        return self.app.hub.metrics
-
-    # -- Generate / Abort -----------------------------------------------------------
-
-    @grpc_errors
-    async def Generate(self, stream) -> None:
-        request = await stream.recv_message()
-        current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
-        # runtime/requests/generate.py: the one Generate loop (the simulation runs it too).
-        # ENGINELINK_FAST_PATH off: no DirectSender; grpclib sends the headers once admitted, as the fast path does.
-        direct = DirectSender(stream, self.frame_writes) if self.frame_writes.fast_path else None
-        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct,
-                       send_headers=stream.send_initial_metadata, edge=self.edge)
+    # -- Abort ------------------------------------------------------------------------
 
     @grpc_errors
     async def Abort(self, stream) -> None:
@@ -68,13 +43,7 @@ class VllmEngineService(VllmEngineBase):
         self.app.hub.abort(request_ids, "abort_rpc", trio.current_time())
         await stream.send_message(pb.AbortResponse())
 
-    # -- health and facts -----------------------------------------------------------
-
-    @grpc_errors
-    async def HealthCheck(self, stream) -> None:
-        await stream.recv_message()
-        link = self.app.link.machine
-        await stream.send_message(pb.HealthCheckResponse(healthy=link.healthy, message=link.health_message))
+    # -- facts ------------------------------------------------------------------------
 
     @grpc_errors
     async def GetModelInfo(self, stream) -> None:
@@ -93,25 +62,14 @@ class VllmEngineService(VllmEngineBase):
         loads = app.loads.scheduler_loads(app.max_num_seqs, app.kv_capacity_tokens)
         await stream.send_message(
             pb.GetLoadsResponse(
-                timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                timestamp=now_iso(),
                 version=str(app.link.ready.get("vllm_version", "")),
                 dp_rank_count=len(loads),
                 loads=loads,
             )
         )
 
-    @grpc_errors
-    async def GetTokenizer(self, stream) -> None:
-        await stream.recv_message()
-        chunks = self.app.tokenizer_chunks()
-        for data, sha256 in chunks:
-            await stream.send_message(common_pb2.GetTokenizerChunk(data=data, sha256=sha256))
-
     # -- KV cache (runtime/kv/grpc_kv.py) ----------------------------------------------
-
-    @grpc_errors
-    async def SubscribeKvEvents(self, stream) -> None:
-        await subscribe_kv_events(self.kv_relay, stream)
 
     @grpc_errors
     async def FlushCache(self, stream) -> None:

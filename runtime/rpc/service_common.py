@@ -1,0 +1,101 @@
+"""What the four contracts' gRPC services (vLLM, MLX, SGLang, TokenSpeed) share, written once.
+
+Each service (``grpc_*.py``) is a grpclib base for its proto with this mixin
+before it: the mixin's handlers fill the base's abstract methods, and a
+service overrides one where its contract answers differently (SGLang's
+HealthCheck probes the engine, MLX's says "OK", TokenSpeed's Generate stamps
+its messages). The facts' shared pieces (the scheduler aggregate, the start
+time) are plain functions over the contract's proto module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+
+from google.protobuf import timestamp_pb2
+from smg_grpc_proto.generated import common_pb2
+
+from enginelink.runtime.errors import current_request_id, grpc_errors
+from enginelink.runtime.kv.grpc_kv import subscribe_kv_events
+from enginelink.runtime.requests.generate import generate
+from enginelink.runtime.requests.inputs import input_limits
+from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
+
+
+class ContractService:
+    """The handlers that are the same in every contract, and the attributes ``errors.grpc_errors`` reads.
+
+    A subclass sets ``edge`` (its ``contract_*.py`` edge; server.py builds the hub
+    with it) and ``health_reply`` (its proto's ``HealthCheckResponse``).
+    """
+
+    edge = None
+    health_reply = None
+
+    def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
+        self.app = app
+        # The direct path's writes of one engine frame; the hub flushes them (server.py wires it).
+        self.frame_writes = frame_writes
+        self.kv_relay = kv_relay  # runtime.kv_relay.KvRelayShell; None: KV events are off
+
+    # Where ``errors.grpc_errors`` reports a bug a handler hit.
+    @property
+    def journal(self):
+        return self.app.journal
+
+    @property
+    def metrics(self):
+        return self.app.hub.metrics
+
+    @grpc_errors
+    async def Generate(self, stream) -> None:
+        request = await stream.recv_message()
+        current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
+        # runtime/requests/generate.py: the one Generate loop (the simulation runs it too).
+        # ENGINELINK_FAST_PATH off: no DirectSender; grpclib sends the headers once admitted, as the fast path does.
+        direct = DirectSender(stream, self.frame_writes) if self.frame_writes.fast_path else None
+        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct,
+                       send_headers=stream.send_initial_metadata, edge=self.edge)
+
+    @grpc_errors
+    async def HealthCheck(self, stream) -> None:
+        await stream.recv_message()
+        link = self.app.link.machine  # the link's view: starting, serving, draining, failed
+        await stream.send_message(self.health_reply(healthy=link.healthy, message=link.health_message))
+
+    @grpc_errors
+    async def GetTokenizer(self, stream) -> None:
+        await stream.recv_message()
+        for data, sha256 in self.app.tokenizer_chunks():
+            await stream.send_message(common_pb2.GetTokenizerChunk(data=data, sha256=sha256))
+
+    @grpc_errors
+    async def SubscribeKvEvents(self, stream) -> None:
+        # runtime/kv/grpc_kv.py; a contract whose proto has no such RPC (MLX) never routes here.
+        await subscribe_kv_events(self.kv_relay, stream)
+
+
+def now_iso() -> str:
+    """A loads reply's timestamp: now, UTC, ISO 8601."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()
+
+
+def start_time(app) -> timestamp_pb2.Timestamp:
+    """When this run started (wall clock, whole seconds), as a server info's ``start_time``."""
+    start = timestamp_pb2.Timestamp()
+    start.FromSeconds(int(app.run_start_wall))
+    return start
+
+
+def aggregate(pb, loads):
+    """The contract's ``AggregateMetrics`` over its per-rank ``SchedulerLoad``s (SGLang's and TokenSpeed's)."""
+    count = len(loads) or 1
+    return pb.AggregateMetrics(
+        total_running_reqs=sum(load.num_running_reqs for load in loads),
+        total_waiting_reqs=sum(load.num_waiting_reqs for load in loads),
+        total_reqs=sum(load.num_total_reqs for load in loads),
+        avg_token_usage=sum(load.token_usage for load in loads) / count,
+        avg_throughput=sum(load.gen_throughput for load in loads) / count,
+        avg_utilization=sum(load.utilization for load in loads) / count,
+    )
