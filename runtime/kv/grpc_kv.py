@@ -89,6 +89,11 @@ async def _send_bounded(stream, message, ended: asyncio.Event, stall_s: float) -
     """
     sending = asyncio.ensure_future(stream.send_message(message))
     stop = asyncio.ensure_future(ended.wait())
+    # Either may end with an error nobody awaits (the call cancelled mid-wait; a send cancelled here
+    # that fails instead, h2's StreamClosedError): unretrieved, trio-asyncio would raise it out of
+    # the loop and end the whole servicer. The callbacks take every outcome.
+    sending.add_done_callback(retrieve_outcome)
+    stop.add_done_callback(retrieve_outcome)
     try:
         done, _ = await asyncio.wait((sending, stop), timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -99,6 +104,12 @@ async def _send_bounded(stream, message, ended: asyncio.Event, stall_s: float) -
         sending.result()  # its error, if any, is the call's
         return True
     return False
+
+
+def retrieve_outcome(task: asyncio.Future) -> None:
+    """Mark a task's outcome seen (``add_done_callback``): what it raised is the awaiting call's, if any."""
+    if not task.cancelled():
+        task.exception()
 
 
 class FlushError(Exception):

@@ -36,6 +36,7 @@ from enginelink.machines.warmup import WarmupRequest
 from enginelink.proto.sglang_scheduler_grpc import SglangSchedulerBase
 from enginelink.runtime.errors import ClientError, current_request_id, grpc_errors
 from enginelink.runtime.errors import ServicerError
+from enginelink.runtime.kv.grpc_kv import retrieve_outcome
 from enginelink.runtime.lifetime.warmup import Outcome, TrioWake, hub_submit
 from enginelink.runtime.requests.contract_sglang import SGLANG_EDGE
 from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, runner_type
@@ -109,6 +110,9 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
             return
         if self._probe is None or self._probe.done():
             self._probe = asyncio.ensure_future(trio_asyncio.trio_as_aio(self._run_probe)())
+            # Shared by concurrent checks, all of which may be cancelled before it ends: an error
+            # nobody awaited would end the servicer (trio-asyncio raises unretrieved task errors).
+            self._probe.add_done_callback(retrieve_outcome)
         healthy, message = await asyncio.shield(self._probe)
         await stream.send_message(pb.HealthCheckResponse(healthy=healthy, message=message))
 
