@@ -258,14 +258,14 @@ def _json_text(obj: dict) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def marker_text() -> str:
-    return f"recipe {RECIPE_VERSION}\n"
+def marker_text(version: int = RECIPE_VERSION) -> str:
+    return f"recipe {version}\n"
 
 
-def is_complete(model_dir: Path) -> bool:
-    """Whether ``model_dir`` holds a finished build of the current recipe."""
+def is_complete(model_dir: Path, marker_name: str = MARKER_NAME, version: int = RECIPE_VERSION) -> bool:
+    """Whether ``model_dir`` holds a finished build of the recipe ``version`` (its marker, written last)."""
     try:
-        return (Path(model_dir) / MARKER_NAME).read_text() == marker_text()
+        return (Path(model_dir) / marker_name).read_text() == marker_text(version)
     except OSError:
         return False
 

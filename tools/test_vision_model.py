@@ -75,14 +75,11 @@ print(image_id)
 
 
 def marker_text() -> str:
-    return f"recipe {RECIPE_VERSION}\n"
+    return test_model.marker_text(RECIPE_VERSION)
 
 
 def is_complete(model_dir: Path) -> bool:
-    try:
-        return (Path(model_dir) / MARKER_NAME).read_text() == marker_text()
-    except OSError:
-        return False
+    return test_model.is_complete(model_dir, MARKER_NAME, RECIPE_VERSION)
 
 
 def make_vision_model(out_dir: Path, *, force: bool = False, python: str | None = None) -> Path:

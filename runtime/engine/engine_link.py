@@ -158,6 +158,10 @@ class EngineArgsRefused(LinkFailed):
 
 
 class EngineLink:
+    # Whether the idle liveness probe runs (a utility call when idle); a wire whose control calls all
+    # have side effects turns it off (SglangLink).
+    idle_probes = True
+
     def __init__(
         self,
         *,
@@ -342,12 +346,7 @@ class EngineLink:
                         self._journal_handshake("placement", placement)
                         log.info("placement: %s", describe_placement(placement))
                     self._input = inputs
-                    self.step(LinkEvent.HANDSHAKE_DONE)
-                    task_status.started()
-                    nursery.start_soon(self._watch_disconnect, monitor)
-                    nursery.start_soon(self._watch_silence)
-                    nursery.start_soon(self._probe_while_idle)
-                    await self._receive_loop(outputs)
+                    await self._serve_outputs(nursery, task_status, outputs, monitor)
                 nursery.cancel_scope.cancel()
             # Raised outside the nursery, so callers see it bare, not in an ExceptionGroup.
             if failure is not None:
@@ -474,6 +473,16 @@ class EngineLink:
             self._fail(result.incompatible)
             return EngineIncompatible(result.incompatible)
         return None
+
+    async def _serve_outputs(self, nursery, task_status, outputs: zmq.Socket, monitor: zmq.Socket) -> None:
+        """The engine is up on any wire: the link serves, its watchers start, and the outputs are read until it ends."""
+        self.step(LinkEvent.HANDSHAKE_DONE)
+        task_status.started()
+        nursery.start_soon(self._watch_disconnect, monitor)
+        nursery.start_soon(self._watch_silence)
+        if self.idle_probes:
+            nursery.start_soon(self._probe_while_idle)  # returns at once on a wire without control calls
+        await self._receive_loop(outputs)
 
     def _process_started(self, nursery, redactor: Redactor) -> None:
         """What every engine wire does once its process is started (vLLM's here, SGLang's in

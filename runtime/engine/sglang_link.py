@@ -44,7 +44,6 @@ from enginelink.runtime.engine.engine_process import (
 )
 from enginelink.runtime.engine.launchers import launch_secrets
 from enginelink.runtime.engine.zmq_trio import make_socket
-from enginelink.machines.link import LinkEvent
 from enginelink.wire.sglang import SGLANG_VERSION
 
 log = logging.getLogger("enginelink.link")
@@ -94,6 +93,9 @@ def ready_facts(report: dict, max_model_len: int | None) -> dict:
 
 class SglangLink(EngineLink):
     """``EngineLink`` for a wire whose engine connects to us and reports readiness on a pipe."""
+
+    # SGLang has no control call without side effects to probe an idle scheduler with.
+    idle_probes = False
 
     def __init__(self, *, max_model_len: int | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -152,11 +154,7 @@ class SglangLink(EngineLink):
                 if failure is None:
                     self._read_facts(Path(os.devnull))  # journals the facts (the report is all of them)
                     self._push = push
-                    self.step(LinkEvent.HANDSHAKE_DONE)
-                    task_status.started()
-                    nursery.start_soon(self._watch_disconnect, monitor)
-                    nursery.start_soon(self._watch_silence)
-                    await self._receive_loop(outputs)
+                    await self._serve_outputs(nursery, task_status, outputs, monitor)
                 nursery.cancel_scope.cancel()
             if failure is not None:
                 raise failure
