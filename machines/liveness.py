@@ -62,12 +62,13 @@ ProbeAction = ProbeSend | ProbeFailed | ProbeWait
 class IdleProbe:
     """One engine link's idle probe: at most one probe outstanding."""
 
-    __slots__ = ("timing", "sent_at", "probes_sent")
+    __slots__ = ("timing", "sent_at", "probes_sent", "probes_answered")
 
     def __init__(self, timing: ProbeTiming) -> None:
         self.timing = timing
         self.sent_at: float | None = None  # the outstanding probe, if any
         self.probes_sent = 0
+        self.probes_answered = 0  # sent minus answered: the probe outstanding now (0 or 1)
 
     def poll(self, now: float, *, idle: bool, last_frame_at: float) -> ProbeAction:
         """What to do at ``now``; ``idle``: serving with nothing in flight."""
@@ -75,6 +76,7 @@ class IdleProbe:
         if self.sent_at is not None:
             if last_frame_at >= self.sent_at:
                 self.sent_at = None  # answered: the engine spoke after the probe
+                self.probes_answered += 1
             elif now - self.sent_at >= timing.timeout_s:
                 return ProbeFailed(now - self.sent_at)
             else:

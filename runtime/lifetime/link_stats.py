@@ -25,6 +25,7 @@ class LinkStats:
     direct_handovers: int
     # Supervision: liveness probes sent to the idle engine, their bounds, the stop's grace.
     idle_probes: int
+    idle_probes_answered: int
     idle_probe_interval_seconds: float
     idle_probe_timeout_seconds: float
     engine_stop_grace_seconds: float
@@ -43,6 +44,6 @@ def link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
         link.frames_received, hub.late_outputs, hub.in_flight_max,
         len(hub.retired), RETIRED_ENGINE_IDS_MAX, hub.renamed, hub.send_errors,
         MAX_CONCURRENT_STREAMS, hub.direct_writes, hub.direct_handovers,
-        link.idle_probe.probes_sent, sup.idle_probe.interval_s, sup.idle_probe.timeout_s, sup.stop_grace_s,
+        link.idle_probe.probes_sent, link.idle_probe.probes_answered, sup.idle_probe.interval_s, sup.idle_probe.timeout_s, sup.stop_grace_s,
         hub.stop_chars, hub.stop_steps, hub.logprob_errors, hub.kv_releases,
     )

@@ -47,8 +47,27 @@ def idle_servicer(tmp_path, model_dir, timeout_s: float, engine_args: list[str] 
 
 
 def probes_sent(servicer: Servicer) -> float:
+    return probe_counts(servicer)[0]
+
+
+def probe_counts(servicer: Servicer) -> tuple[float, float]:
+    """(probes sent, probes answered): the difference is the probe awaiting its answer."""
     samples = scrape(servicer.metrics_port)
-    return sum(v for name, v in samples.items() if name.startswith("smg_servicer_link_idle_probes{"))
+    sent = sum(v for name, v in samples.items() if name.startswith("smg_servicer_link_idle_probes{"))
+    answered = sum(v for name, v in samples.items() if name.startswith("smg_servicer_link_idle_probes_answered{"))
+    return sent, answered
+
+
+def a_probe_awaits_the_stopped_engine(servicer: Servicer) -> bool:
+    """A probe is outstanding and stays so: the stopped engine has it. Which probe does not matter:
+    one sent just before the SIGSTOP and not yet answered is as good as one sent after (the count
+    of probes sent then never moves, since one is outstanding at a time: the race CI met). Seen
+    twice, a probe-loop check apart, so an answer the engine wrote before it stopped has been read."""
+    sent, answered = probe_counts(servicer)
+    if sent - answered < 1:
+        return False
+    time.sleep(0.3)
+    return probe_counts(servicer) == (sent, answered)
 
 
 def health_status(servicer: Servicer) -> int:
@@ -90,9 +109,9 @@ def test_a_request_sent_to_a_frozen_engine_fails_at_the_probe_timeout_not_the_si
         engine = engine_pid(servicer.journal)
         wait_until(lambda: probes_sent(servicer) >= 1, 5 * PROBE_S + SLACK_S, "a first probe")
         os.kill(engine, signal.SIGSTOP)
-        before = probes_sent(servicer)
         # A precondition, not the property: a starved servicer (a loaded machine) may send it late.
-        wait_until(lambda: probes_sent(servicer) > before, PROBE_S + 5 * SLACK_S, "a probe sent to the frozen engine")
+        wait_until(lambda: a_probe_awaits_the_stopped_engine(servicer), PROBE_S + 5 * SLACK_S,
+                   "a probe awaiting the frozen engine")  # fmt: skip
         sent_at = time.monotonic()
         with pytest.raises(grpc.RpcError) as failed:
             list(servicer.stub.Generate(generate_request("after-freeze", PROMPT, max_tokens=4), timeout=60))
@@ -112,9 +131,9 @@ def test_an_engine_paused_for_less_than_the_timeout_stays_serving(tmp_path, test
         wait_until(lambda: probes_sent(servicer) >= 1, 5 * PROBE_S + SLACK_S, "a first probe")
         os.kill(engine, signal.SIGSTOP)
         try:
-            before = probes_sent(servicer)
-            # A probe goes out while it is stopped, then it runs again well inside the timeout.
-            wait_until(lambda: probes_sent(servicer) > before, PROBE_S + SLACK_S, "a probe to the paused engine")
+            # A probe awaits it while it is stopped, then it runs again well inside the timeout.
+            wait_until(lambda: a_probe_awaits_the_stopped_engine(servicer), PROBE_S + SLACK_S,
+                       "a probe awaiting the paused engine")  # fmt: skip
         finally:
             os.kill(engine, signal.SIGCONT)
         after = probes_sent(servicer)

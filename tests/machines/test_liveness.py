@@ -21,7 +21,7 @@ def test_an_idle_engine_is_probed_after_the_interval_and_an_answer_restarts_it()
     # The answer (any frame after the probe) came at 105.2: quiet again from there.
     assert probe.poll(106.0, idle=True, last_frame_at=105.2) == ProbeWait(110.2)
     assert probe.poll(110.2, idle=True, last_frame_at=105.2) == ProbeSend()
-    assert probe.probes_sent == 2
+    assert (probe.probes_sent, probe.probes_answered) == (2, 1)  # the second awaits its answer
 
 
 def test_an_unanswered_probe_fails_at_its_timeout_exactly():
@@ -29,6 +29,7 @@ def test_an_unanswered_probe_fails_at_its_timeout_exactly():
     assert probe.poll(5.0, idle=True, last_frame_at=0.0) == ProbeSend()
     assert probe.poll(14.99, idle=True, last_frame_at=0.0) == ProbeWait(15.0)
     assert probe.poll(15.0, idle=True, last_frame_at=0.0) == ProbeFailed(10.0)
+    assert (probe.probes_sent, probe.probes_answered) == (1, 0)
 
 
 def test_a_frame_just_before_the_probe_does_not_answer_it():
