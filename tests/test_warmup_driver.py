@@ -464,3 +464,24 @@ def _flush(link: SimLink):
     from enginelink.runtime.lifetime.warmup import engine_flush
 
     return engine_flush(link)
+
+
+async def test_a_wire_without_control_calls_skips_the_flush_instead_of_waiting_its_timeout(autojump_clock):
+    """TokenSpeed 0.1.1's wire carries no utility calls: the flush used to retry the codec's refusal
+    for the whole flush timeout (30 s), holding readiness; now it says no at once."""
+    from types import SimpleNamespace
+
+    from enginelink.runtime.lifetime.warmup import engine_flush
+    from enginelink.wire.tokenspeed import TokenSpeedCodec
+
+    calls = []
+
+    async def utility(*args):
+        calls.append(args)
+        raise AssertionError("no utility call may be sent on this wire")
+
+    link = SimpleNamespace(codec=TokenSpeedCodec(), machine=SimpleNamespace(live=True), utility=utility)
+    start = trio.current_time()
+    with trio.fail_after(1):  # the old flush retried for ever (its caller's 30 s bound cut it)
+        assert await engine_flush(link)() is False
+    assert trio.current_time() == start and calls == []

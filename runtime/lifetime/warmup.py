@@ -291,6 +291,11 @@ def engine_flush(link) -> Flush:
     """``flush`` for ``run_warmup``: reset the engine's prefix cache, retrying while it refuses."""
 
     async def flush() -> bool:
+        if not getattr(link.codec, "control_calls", True):
+            # TokenSpeed 0.1.1's wire carries no utility calls: retrying the refusal would only hold the
+            # warm-up (and so readiness) for the whole flush timeout.
+            logger.info("warm-up prefix-cache flush skipped: the %s wire has no control calls", link.codec.name)
+            return False
         while link.machine.live:
             try:
                 if await link.utility("reset_prefix_cache", [], FLUSH_TIMEOUT_S):
