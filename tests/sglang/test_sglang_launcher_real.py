@@ -111,6 +111,12 @@ def sglang_port() -> int:
     raise AssertionError("no free port below 55536")
 
 
+def assert_enginelink_never_started(done: subprocess.CompletedProcess, tmp_path: Path) -> None:
+    """No ``enginelink serve`` line (its refusals start so), no listener, no journal in its state directory."""
+    assert "enginelink serve:" not in done.stderr and "gRPC bound" not in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "state" / "enginelink").exists()
+
+
 def serve_command(python: str, model: Path, port: int, *flags: str) -> list[str]:
     return [str(Path(python).parent / "sglang"), "serve", "--model-path", str(model), *flags,
             "--host", "127.0.0.1", "--port", str(port)]
@@ -121,7 +127,7 @@ def test_a_bad_flag_is_sglangs_own_parser_error(sglang_python, test_model_dir, t
                launcher_env(tmp_path, socket_dir, SMG_SGLANG_SERVICER_IMPL="enginelink"))
     assert done.returncode == 2, done.stderr[-3000:]
     assert "sglang serve: error: unrecognized arguments: --no-such-flag 3" in done.stderr
-    assert "checking the SGLang release" not in done.stderr  # enginelink's serve never started
+    assert_enginelink_never_started(done, tmp_path)
 
 
 def test_without_an_accelerator_sglang_stops_at_its_own_argument_resolution(sglang_python, test_model_dir,
@@ -134,7 +140,7 @@ def test_without_an_accelerator_sglang_stops_at_its_own_argument_resolution(sgla
     assert done.returncode == 1
     assert ("RuntimeError: No accelerator (CUDA, XPU, HPU, NPU, MUSA, MPS) or platform plugin is available."
             in done.stderr), done.stderr[-3000:]
-    assert "checking the SGLang release" not in done.stderr  # enginelink's serve never started
+    assert_enginelink_never_started(done, tmp_path)
 
 
 @pytest.mark.parametrize("form", ["sglang serve --smg-grpc-mode", "python -m sglang.launch_server --grpc-mode"])
@@ -235,7 +241,7 @@ def test_not_selected_the_reference_path_runs(sglang_python, test_model_dir, tmp
     assert done.returncode == 1
     assert ("ImportError: gRPC mode requires the smg-grpc-servicer package. If not installed, run: "
             "pip install smg-grpc-servicer[sglang]." in done.stderr), done.stderr[-3000:]
-    assert "checking the SGLang release" not in done.stderr and "gRPC bound" not in done.stderr
+    assert_enginelink_never_started(done, tmp_path)
 
 
 def test_the_worker_probe_reads_the_leader_off_a_real_sglang_serve_command_line(tmp_path):
