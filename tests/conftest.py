@@ -50,6 +50,8 @@ VLLM_OWN_SCOPE = "real vLLM: own engines"
 # The vision model's engine (minutes on CPU: BLIP-2's encoder) runs beside the other two scopes.
 VLLM_VISION_SCOPE = "real vLLM: vision"
 MLX_SCOPE = "real MLX"
+# The real SGLang launcher, run up to the engine launch (no scheduler): minutes of SGLang imports.
+SGLANG_LAUNCHER_SCOPE = "real SGLang launcher"
 ENGINE_SCOPES = (
     (VLLM_OWN_SCOPE, ("tests/vllm/test_vllm_dp.py", "tests/vllm/test_vllm_embed.py",
                       "tests/vllm/test_vllm_launcher_plugin.py", "tests/vllm/test_vllm_lifecycle.py",
@@ -58,6 +60,7 @@ ENGINE_SCOPES = (
     (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py"), ()),
     (VLLM_SHARED_SCOPE, ("tests/vllm/",), ("vllm_stack", "vllm_quiet")),
     (MLX_SCOPE, ("tests/mlx/",), ("mlx_stack",)),
+    (SGLANG_LAUNCHER_SCOPE, ("tests/sglang/",), ()),
 )
 VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE)
 # The simulation's seed sweeps (tests/sim: 400 seeds a module, each a second or so of CPU, on

@@ -1,10 +1,10 @@
 """The SGLang launcher hand-over: ``sglang serve ... --smg-grpc-mode`` with ``SMG_SGLANG_SERVICER_IMPL=enginelink``.
 
-The real launcher cannot run a scheduler here (no GPU), nor import its whole
-server stack in the struct-only venv; these check the plugin's selection, that
+Without SGLang (stand-in modules), these check the plugin's selection, that
 SGLang's gRPC entry point's import is answered with enginelink's, what the
 launcher's arguments become, and that ``serve_grpc`` runs ``enginelink serve``
-with them and exits with its status.
+with them and exits with its status. The real launcher, run up to the engine
+launch (no GPU here for the scheduler): ``tests/sglang/test_sglang_launcher_real.py``.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_an_unselected_process_is_left_alone(monkeypatch):
 
 
 def test_the_real_launcher_loads_plugins_then_imports_the_entry_point_we_answer():
-    """The release's own launcher code (read, not run: its server stack is not in the struct-only venv)."""
+    """The release's own launcher code, read (tests/sglang/test_sglang_launcher_real.py runs it)."""
     import subprocess
     from pathlib import Path
 
