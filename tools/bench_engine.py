@@ -260,6 +260,7 @@ def load_result(report: dict) -> dict:
         "tokens": report["output_tokens"], "short": report["short"] + report["errors"],
         "requests": report["requests"], "wall_s": report["wall_s"], "tokens_per_s": report["tokens_per_s"],
         "servicer_cpu_s": report["servicer_cpu_s"], "client_cpu_s": report["client_cpu_s"],
+        "engine_cpu_s": report.get("engine_cpu_s"),  # the servicer's engine processes (none for a --target)
         "servicer_rss_mib": report.get("servicer_rss_mib"),
     }
 

@@ -211,11 +211,14 @@ def raw_main(plan: dict) -> dict:
 
     drive(1, 1, 2)
     mx.synchronize()
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     tokens, done = drive(plan["requests"], plan["concurrency"], plan["max_tokens"])
-    wall = time.monotonic() - t0
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     gen.close()
-    return {"tokens": tokens, "requests": done, "short": 0, "wall_s": wall, "tokens_per_s": tokens / wall}
+    # The CPU this process spent over the window: beside the enginelink arm's engine_cpu_s (its engine
+    # process alone), it tells engine work from waiting for a core on a shared machine.
+    return {"tokens": tokens, "requests": done, "short": 0, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "engine_cpu_s": cpu}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -255,9 +258,15 @@ def run(args: argparse.Namespace) -> int:
                     else:
                         res = measure_raw(python, model_dir, engine_args, concurrency, requests, args.max_tokens,
                                           args.prompt_tokens)
+                    # The machine's 1-minute load average after the run: on a shared machine a ratio means
+                    # little without it. CPU: the engine process's (raw: the whole driver; the reference's
+                    # engine is in its servicer process).
+                    res["load1"] = os.getloadavg()[0]
+                    cpu = res.get("servicer_cpu_s") if side == "reference" else res.get("engine_cpu_s")
                     runs[side].append(res)
                     print(f"concurrency {concurrency} round {r + 1} {side:10s} {res['tokens_per_s']:8.0f} tokens/s "
-                          f"({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed)",
+                          f"({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed, "
+                          f"engine CPU {'?' if cpu is None else f'{cpu:.2f}'} s, load {res['load1']:.1f})",
                           file=sys.stderr, flush=True)
             el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
             raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])

@@ -10,7 +10,9 @@ the sockets and the loop; this file owns every MLX object.
 Theory of operation:
 - ONE thread calls everything here (mlx streams are thread-local; the model
   is loaded and force-evaluated on the same thread that steps it).
-- ADD -> ``BatchGenerator.insert`` with a per-request sampler (greedy:
+- ADD -> held (``mlx_admission.Admission``) until its burst is complete,
+  then one ``BatchGenerator.insert`` for the burst (a request joining alone
+  costs forwards of its own and puts the batch out of step), each with a per-request sampler (greedy:
   argmax; sampled: mlx-lm's top-p/min-p/top-k filters, then a categorical
   draw from the request's OWN ``mx.random`` key, split per token, so a seed
   gives the same tokens whatever is batched beside it) and per-request
@@ -20,7 +22,7 @@ Theory of operation:
   (``_eos_token_id``, absent under ignore_eos) -> STOP; a stop id -> STOP
   with ``stop_reason`` = the id; ``max_tokens`` or the context full ->
   LENGTH. The matched token is part of the output, as in vLLM.
-- ABORT -> ``BatchGenerator.remove``: the request is gone from the engine
+- ABORT -> ``BatchGenerator.remove`` (or out of the held burst): the request is gone from the engine
   (nothing is sent for it, as vLLM sends nothing for a client abort).
 - ``step`` = one ``BatchGenerator.next()``: one EngineCoreOutputs frame with
   one token per generating request, scheduler stats, finished ids.
@@ -49,6 +51,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from enginelink.tools.mlx_admission import GAP_MS_DEFAULT, MAX_MS_DEFAULT, Admission
 from enginelink.wire import vllm, vllm_arrays
 from enginelink.wire.engine import FinishReason, WireError
 
@@ -94,6 +97,8 @@ class MlxConfig:
     max_model_len: int | None = None  # default: the model's context (config.json)
     max_logprobs: int = 20  # vLLM's --max-logprobs default; -1: the vocabulary
     engine_index: int = 0
+    coalesce_gap_s: float = GAP_MS_DEFAULT / 1000  # a held burst goes in after this long without a new request
+    coalesce_max_s: float = MAX_MS_DEFAULT / 1000  # ... or this long after its first (0: every request at once)
 
 
 def model_context(config: dict) -> int | None:
@@ -119,6 +124,22 @@ def eval_all_arrays(model: nn.Module) -> None:
     mx.eval(arrays)
 
 
+@mx.compile
+def _draw(logprobs: mx.array, key: mx.array, inv_temp: mx.array) -> tuple[mx.array, mx.array]:
+    """One draw from the request's key, and the key for its next one.
+
+    Compiled (as mlx-lm's own ``categorical_sampling``): uncompiled, the split, its
+    unpacking and the draw were a dozen graph nodes per row per step, each
+    paid on this thread and on MLX's, which cost 18% more CPU per token than
+    mlx-lm's shared sampler (docs/benchmarks.md, MLX); compiled, the same.
+    The same tokens either way. ``inv_temp`` is an array so one compiled graph
+    serves every temperature.
+    """
+    key, draw = mx.random.split(key)
+    # In the logits' dtype, as a Python float multiplies (a float32 array would promote bf16 rows).
+    return key, mx.random.categorical(logprobs * inv_temp.astype(logprobs.dtype), key=draw)
+
+
 def _seeded_sampler(params: vllm.SamplingParams):
     """A sampler with the request's own random key; None: greedy (the generator's argmax)."""
     temp = params.temperature
@@ -126,6 +147,7 @@ def _seeded_sampler(params: vllm.SamplingParams):
         return None
     seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(_SEED_BITS)
     state = {"key": mx.random.key(seed % (1 << 64))}
+    inv_temp = mx.array(1 / temp, dtype=mx.float32)
     filters = []
     if 0 < params.top_p < 1.0:
         filters.append(lambda x: _sample_utils.apply_top_p(x, params.top_p))
@@ -137,8 +159,8 @@ def _seeded_sampler(params: vllm.SamplingParams):
     def sample(logprobs: mx.array) -> mx.array:
         for f in filters:
             logprobs = f(logprobs)
-        state["key"], draw = mx.random.split(state["key"])
-        return mx.random.categorical(logprobs * (1 / temp), key=draw)
+        state["key"], token = _draw(logprobs, state["key"], inv_temp)
+        return token
 
     return sample
 
@@ -173,7 +195,7 @@ def _processors(params: vllm.SamplingParams, stop_ids: frozenset[int], vocab: in
 
 class _Request:
     __slots__ = ("rid", "uid", "prompt", "max_tokens", "min_tokens", "eos", "stop_ids", "logprobs", "output",
-                 "queued_ts")  # fmt: skip
+                 "queued_ts", "sampler", "processors")  # fmt: skip
 
     def __init__(self, rid: str, prompt: list[int], params: vllm.SamplingParams, room: int, now: float) -> None:
         self.rid = rid
@@ -186,6 +208,8 @@ class _Request:
         self.logprobs = params.logprobs
         self.output: list[int] = []
         self.queued_ts = now
+        self.sampler = None  # what insert() takes, kept while the request is held
+        self.processors: list = []
 
 
 class MlxEngineCore:
@@ -206,8 +230,9 @@ class MlxEngineCore:
             prefill_batch_size=config.prefill_batch_size, prefill_step_size=config.prefill_step_size,
         )  # fmt: skip
         self._no_stops = _generate.SequenceStateMachine()  # stops are decided here (vLLM's rules)
-        self._by_id: dict[str, _Request] = {}
-        self._by_uid: dict[int, _Request] = {}
+        self._by_id: dict[str, _Request] = {}  # held or in the generator
+        self._by_uid: dict[int, _Request] = {}  # in the generator
+        self._held: Admission[_Request] = Admission(config.coalesce_gap_s, config.coalesce_max_s)
         self._step_counter = 0
         self._prefix = vllm.PrefixCacheStats()
 
@@ -234,11 +259,24 @@ class MlxEngineCore:
 
     @property
     def has_work(self) -> bool:
+        """Requests held or in the generator (``step`` admits the held ones when due)."""
+        return bool(self._by_id)
+
+    @property
+    def generating(self) -> bool:
+        """Requests in the generator: the loop steps without waiting."""
         return bool(self._by_uid)
 
     @property
     def active(self) -> int:
-        return len(self._by_uid)
+        return len(self._by_id)
+
+    def admission_wait_s(self, now: float) -> float | None:
+        """Seconds until the held burst is due (0: now); None: none held. An idle loop waits this long."""
+        return self._held.wait_s(now, self._free_slots())
+
+    def _free_slots(self) -> int:
+        return max(0, self.config.completion_batch_size - len(self._by_uid))
 
     # ---- inputs -----------------------------------------------------------
 
@@ -285,21 +323,37 @@ class MlxEngineCore:
         stops = set(r.stop_ids) | set(params.all_stop_token_ids)
         if r.eos is not None:
             stops.add(r.eos)
-        (r.uid,) = self.generator.insert(
-            prompts=[prompt], max_tokens=[r.max_tokens], samplers=[_seeded_sampler(params)],
-            logits_processors=[_processors(params, frozenset(stops), self.vocab_size)],
-            state_machines=[self._no_stops],
-        )  # fmt: skip
+        r.sampler = _seeded_sampler(params)
+        r.processors = _processors(params, frozenset(stops), self.vocab_size)
         self._by_id[r.rid] = r
-        self._by_uid[r.uid] = r
+        self._held.hold(r, now)
         return []
+
+    def _admit(self, now: float) -> None:
+        """The held burst into the generator, in one insert, once it is due."""
+        burst = self._held.take_due(now, self._free_slots())
+        if not burst:
+            return
+        uids = self.generator.insert(
+            prompts=[r.prompt for r in burst], max_tokens=[r.max_tokens for r in burst],
+            samplers=[r.sampler for r in burst], logits_processors=[r.processors for r in burst],
+            state_machines=[self._no_stops] * len(burst),
+        )  # fmt: skip
+        for r, uid in zip(burst, uids, strict=True):
+            r.uid, r.sampler, r.processors = uid, None, []
+            self._by_uid[uid] = r
 
     def _abort(self, ids: list[str]) -> int:
         gone = [r for r in (self._by_id.pop(rid, None) for rid in ids) if r is not None]  # unknown ids: harmless
-        for r in gone:
+        if not gone:
+            return 0
+        ids_gone = {id(r) for r in gone}
+        held = {id(r) for r in self._held.drop(lambda r: id(r) in ids_gone)}  # never inserted: nothing to remove
+        inserted = [r for r in gone if id(r) not in held]
+        for r in inserted:
             del self._by_uid[r.uid]
-        if gone:
-            self.generator.remove([r.uid for r in gone])
+        if inserted:
+            self.generator.remove([r.uid for r in inserted])
         return len(gone)
 
     def _utility(self, call: vllm.UtilityCall) -> vllm.UtilityOutput:
@@ -318,7 +372,11 @@ class MlxEngineCore:
     # ---- one engine step --------------------------------------------------
 
     def step(self, now: float) -> list[list[bytes]]:
-        """One ``BatchGenerator.next()``: the output frames (none while it only prefilled)."""
+        """Admit the held burst if due, then one ``BatchGenerator.next()``: the output frames
+        (none while it only prefilled, or nothing is in the generator yet)."""
+        self._admit(now)
+        if not self._by_uid:
+            return []
         _prompts, generated = self.generator.next()
         if not generated:
             return []
@@ -356,9 +414,10 @@ class MlxEngineCore:
     def _stats(self) -> vllm.WireSchedulerStats:
         capacity = self.config.completion_batch_size * self.max_model_len
         used = sum(len(r.prompt) + len(r.output) for r in self._by_uid.values())
-        # Waiting: inserted, no token yet (queued or prefilling inside the generator).
-        waiting = sum(1 for r in self._by_uid.values() if not r.output)
-        return vllm.WireSchedulerStats(num_running_reqs=len(self._by_uid) - waiting, num_waiting_reqs=waiting,
+        # Waiting: held for the burst, or inserted with no token yet (queued or prefilling in the generator).
+        prefilling = sum(1 for r in self._by_uid.values() if not r.output)
+        waiting = len(self._held) + prefilling
+        return vllm.WireSchedulerStats(num_running_reqs=len(self._by_uid) - prefilling, num_waiting_reqs=waiting,
                                        step_counter=self._step_counter, kv_cache_usage=min(1.0, used / capacity))
 
     def _check_stop(self, r: _Request, token: int) -> tuple[int | None, int | None]:

@@ -16,7 +16,9 @@ Rules:
 - ONE thread: this loop reads the sockets and steps the generator, so every
   MLX object is made and used on the thread that loaded the model.
 - while requests generate, inputs are polled without waiting between steps
-  (an abort lands before the next step); idle, it waits IDLE_POLL_MS.
+  (an abort lands before the next step); idle, it waits IDLE_POLL_MS, or
+  while the core holds a burst of new requests (``mlx_admission``), until
+  that burst is due.
 - it never orphans: SIGTERM/SIGINT end it with status 0, and it exits when
   its parent goes (``sim_engine._Lifetime``).
 - imports of enginelink: the wire and the sim engine's process helpers only
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import zmq
 
+from enginelink.tools.mlx_admission import GAP_MS_DEFAULT, MAX_MS_DEFAULT
 from enginelink.tools.sim_engine import IDLE_POLL_MS, _handshake, _Lifetime
 from enginelink.wire import vllm
 from enginelink.wire.engine import WireError
@@ -62,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length (default: the model's, from config.json; never more)")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="largest logprobs count a request may ask for, -1: the vocabulary (vLLM's flag; default 20)")
+    parser.add_argument("--coalesce-gap-ms", type=float, default=GAP_MS_DEFAULT,
+                        help="new requests join the batch together once none has arrived for this long "
+                             f"(default {GAP_MS_DEFAULT:g})")
+    parser.add_argument("--coalesce-max-ms", type=float, default=MAX_MS_DEFAULT,
+                        help="... or this long after the first of them (default "
+                             f"{MAX_MS_DEFAULT:g}; 0: each request joins at the next step, as it arrived)")
 
 
 def _log(message: str) -> None:
@@ -94,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         config = mlx_core.MlxConfig(
             completion_batch_size=args.completion_batch_size, prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
-            max_logprobs=args.max_logprobs,
+            max_logprobs=args.max_logprobs, coalesce_gap_s=args.coalesce_gap_ms / 1000,
+            coalesce_max_s=args.coalesce_max_ms / 1000,
         )  # fmt: skip
         core = mlx_core.MlxEngineCore(model, model_config, config)
         _log(f"model loaded in {time.monotonic() - loaded:.2f} s (vocab {core.vocab_size}, "
@@ -121,7 +132,12 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime) -> st
     while True:
         if (reason := life.reason()) is not None:
             return reason
-        if dict(poller.poll(0 if core.has_work else IDLE_POLL_MS)):
+        if core.generating:
+            timeout = 0
+        else:  # idle, or holding a burst that is not due yet
+            wait = core.admission_wait_s(time.monotonic())
+            timeout = IDLE_POLL_MS if wait is None else min(IDLE_POLL_MS, math.ceil(wait * 1000))
+        if dict(poller.poll(timeout)):
             while True:  # everything already here, before the next step
                 try:
                     frames = inputs.recv_multipart(zmq.NOBLOCK)
@@ -155,11 +171,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
     if args.max_model_len is not None and args.max_model_len < 2:
         parser.error(f"--max-model-len {args.max_model_len}: expected >= 2")
+    for name in ("coalesce_gap_ms", "coalesce_max_ms"):
+        if not 0 <= getattr(args, name) <= 10_000:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected 0 to 10000")
     if args.max_logprobs < -1:
         parser.error(f"--max-logprobs {args.max_logprobs}: expected -1 (the vocabulary) or >= 0")
     # What vLLM's launch script reports beside the ready response (runtime/engine/vllm_headless.py).
     _write_facts(facts_path, {"runner_type": "generate", "max_logprobs": args.max_logprobs,
-                              "enable_prefix_caching": False, "engine": "mlx"})
+                              "enable_prefix_caching": False, "engine": "mlx",
+                              "coalesce_gap_ms": args.coalesce_gap_ms, "coalesce_max_ms": args.coalesce_max_ms})
     return run(args)
 
 

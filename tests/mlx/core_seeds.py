@@ -21,7 +21,8 @@ SAMPLED = {"temperature": 1.0, "max_tokens": 24, "ignore_eos": True}
 
 def run(model, config, requests, late=()):
     """{request id: tokens}; ``late``: (step, request) added before that step."""
-    core = mlx_core.MlxEngineCore(model, config, mlx_core.MlxConfig())
+    # No admission wait (the clock here stands still): each request joins at the step it is added at.
+    core = mlx_core.MlxEngineCore(model, config, mlx_core.MlxConfig(coalesce_max_s=0.0))
 
     def add(rid, ids, params):
         req = vllm.EngineCoreRequest(rid, ids, None, vllm.SamplingParams(**params), None, 0.0, None, None, None)

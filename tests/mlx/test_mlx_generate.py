@@ -170,6 +170,24 @@ def test_seeded_draws_in_the_core_do_not_depend_on_the_batch(mlx_python, test_mo
     assert report["after_greedy"] == alone
 
 
+def test_a_burst_spread_over_the_wire_joins_the_batch_together(mlx_python, test_model_dir):
+    # Four requests 1 ms apart with the engine stepping between them: held until the burst stops
+    # (5 ms without a request), they get their first token in the same engine step; admitted one by
+    # one (--coalesce-max-ms 0, mlx-lm's own way) each ran a step apart. The tokens are the same.
+    done = subprocess.run([mlx_python, str(Path(__file__).with_name("core_burst.py")), str(test_model_dir)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    burst, each = report["burst"], report["each_at_once"]
+    assert len(set(burst["first_step"].values())) == 1
+    assert sorted(each["first_step"].values()) == [each["first_step"][f"r{i}"] for i in range(4)]
+    assert len(set(each["first_step"].values())) == 4
+    assert burst["tokens"] == each["tokens"] and all(len(t) == 6 for t in burst["tokens"].values())
+    # A held request aborted: gone from the engine at once; the other four still wait, none running.
+    assert burst["held_stats"] == [0, 4]
+    assert burst["wait_before_s"] == pytest.approx(0.005)
+
+
 def test_stop_token_ids_end_the_output_with_the_stop_token(mlx_stack, prompts, greedy):
     servicer, _ = mlx_stack
     ids = greedy["def"]["token_ids"]

@@ -89,6 +89,8 @@ def test_serve_names_a_missing_mlx_python(tmp_path, test_model_dir):
 @pytest.mark.parametrize("flags, words", [
     (["--completion-batch-size", "0"], "--completion-batch-size 0: expected >= 1"),
     (["--max-logprobs", "-2"], "--max-logprobs -2"),
+    (["--coalesce-max-ms", "-1"], "--coalesce-max-ms -1.0: expected 0 to 10000"),
+    (["--coalesce-gap-ms", "20000"], "--coalesce-gap-ms 20000.0: expected 0 to 10000"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_engine_arguments_it_refuses_reach_the_servicer_with_exit_2(tmp_path, flags, words):
