@@ -7,24 +7,33 @@ router does for the families it knows: the pixel tensor (bfloat16, the
 model's dtype), the prompt with its placeholders expanded, the placeholder
 range. enginelink turns that ``mm_inputs`` into the engine's ``mm_features``;
 greedy output for two different images must equal vLLM's offline ``LLM``
-given the same images, and differ between the images. The real SMG router
-is not in front: 1.13.0 preprocesses LLaVA / Qwen-VL / Phi-3-V / Llama 4
-families, whose vLLM 0.32 modules need torchvision, which the CPU set-up
-removes (docs/limits.md, "Router tensors").
+given the same images, and differ between the images.
+
+The same servicer also takes the images as ``media_refs`` (the router's
+form when the worker processes media: a ``data:`` URL, and an ``http`` URL
+served by a loopback origin started here, allowed with
+``SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS=1``): fetched, run through the model's own
+vLLM processor in the helper process (runtime/requests/media_processor.py),
+they give the same tokens again. The real router in front is
+``tests/router/test_router_vision.py``.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 import subprocess
 
+import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.tools.test_vision_model import NUM_QUERY_TOKENS, make_vision_model
-from tests.harness import generate_request
-from tests.vllm.conftest import START_TIMEOUT_S, vllm_servicer
+from tests.adversarial.media_origin import Origin
+from tests.harness import Servicer, free_port, generate_request, scrape
+from tests.vllm.conftest import START_TIMEOUT_S
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,7 +42,7 @@ PROMPT = "describe the picture"
 MAX_TOKENS = 8
 
 OFFLINE = r"""
-import base64, json, sys
+import base64, io, json, sys
 import torch
 from PIL import Image
 from transformers import AutoProcessor
@@ -47,10 +56,12 @@ if __name__ == "__main__":
     for color in colors:
         image = Image.new("RGB", (64, 48), tuple(color))
         pixels = processor.image_processor(image, return_tensors="pt")["pixel_values"].to(torch.bfloat16)
+        png = io.BytesIO()
+        image.save(png, format="PNG")
         result = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}},
                               SamplingParams(max_tokens=max_tokens, temperature=0))[0]
         out.append({"prompt_ids": result.prompt_token_ids, "output_ids": list(result.outputs[0].token_ids),
-                    "shape": list(pixels.shape),
+                    "shape": list(pixels.shape), "png": base64.b64encode(png.getvalue()).decode(),
                     "pixels": base64.b64encode(pixels.view(torch.int16).numpy().tobytes()).decode()})
     print("RESULT " + json.dumps(out))
 """
@@ -90,12 +101,72 @@ def _request(case: dict, request_id: str) -> pb.GenerateRequest:
     return request
 
 
+def _media_request(case: dict, request_id: str, url: str) -> pb.GenerateRequest:
+    """The router's worker-side form: the text's tokens (no image tokens yet) and the image by URL."""
+    request = generate_request(request_id, case["prompt_ids"][NUM_QUERY_TOKENS:], max_tokens=MAX_TOKENS,
+                               temperature=0.0)  # fmt: skip
+    request.media_refs.items.add(modality=common_pb2.IMAGE, url=url)
+    return request
+
+
+def _helper_pid(servicer_pid: int) -> int:
+    """The media processor helper among the servicer's children (/proc: Linux only, as the engine tests)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"media_processor_child.py" in cmdline and int(stat.rsplit(")", 1)[1].split()[1]) == servicer_pid:
+            found.append(int(entry))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _sample(samples: dict[str, float], name: str) -> float:
+    return sum(value for key, value in samples.items() if key.split("{")[0] == name)
+
+
 def test_an_image_through_enginelink_gives_vllm_offlines_tokens(vision_model, offline, tmp_path):
     assert offline[0]["output_ids"] != offline[1]["output_ids"]  # the image matters to this model
-    servicer = vllm_servicer(tmp_path, vision_model, engine_args=["--max-model-len", "512", "--enforce-eager"],
-                             env={"ENGINELINK_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "0.5"})  # fmt: skip
+    metrics_port = free_port()
+    servicer = Servicer(tmp_path, model_dir=vision_model, extra=["--engine", "vllm", "--metrics-port", str(metrics_port)],
+                        engine_args=["--max-model-len", "512", "--enforce-eager"],
+                        env={"ENGINELINK_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "0.5",
+                             "SMG_VLLM_MM_PROCESSOR": "inprocess", "SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS": "1"})
     servicer.start(timeout_s=START_TIMEOUT_S)
+    origin = Origin().__enter__()
     try:
+        for index, case in enumerate(offline):
+            png = base64.b64decode(case["png"])
+            origin.routes[f"/image-{index}.png"] = (200, {"Content-Type": "image/png"}, png)
+            data_url = "data:image/png;base64," + case["png"]
+            for kind, url in (("data", data_url), ("http", origin.url(f"/image-{index}.png"))):
+                replies = list(servicer.stub.Generate(_media_request(case, f"ref-{kind}-{index}", url), timeout=300))
+                assert list(replies[-1].complete.output_ids) == case["output_ids"], (kind, servicer.log()[-3000:])
+                assert replies[-1].complete.prompt_tokens == len(case["prompt_ids"])  # the placeholders counted
+        assert origin.hits == ["/image-0.png", "/image-1.png"]
+        # A PNG's header on a cut body passes the fetcher's sniff, and the model's processor cannot decode
+        # it: the client's fault, naming the item; the helper lives on and serves the next request.
+        cut = base64.b64encode(base64.b64decode(offline[0]["png"])[:40]).decode()
+        with pytest.raises(grpc.RpcError) as error:
+            list(servicer.stub.Generate(_media_request(offline[0], "ref-cut", "data:image/png;base64," + cut),
+                                        timeout=120))  # fmt: skip
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+        assert "media_refs.items[0]: not a decodable image" in error.value.details()
+        # The helper killed between requests: the next request starts a fresh one and gets its answer.
+        helper = _helper_pid(servicer.process.pid)
+        os.kill(helper, signal.SIGKILL)
+        replies = list(servicer.stub.Generate(_media_request(offline[1], "ref-after-kill", data_url), timeout=300))
+        assert list(replies[-1].complete.output_ids) == offline[1]["output_ids"]
+        assert _helper_pid(servicer.process.pid) != helper
+        samples = scrape(metrics_port)
+        assert _sample(samples, "smg_servicer_media_processor_starts_total") == 2
+        assert _sample(samples, "smg_servicer_media_process_seconds_count") == 6
+        assert _sample(samples, "smg_servicer_media_fetches_total") == 6
+        assert _sample(samples, "smg_servicer_media_fetch_seconds_count") == 6
+        assert _sample(samples, "smg_servicer_media_refusals_total") == 1  # the cut PNG (reason "undecodable")
         for index, case in enumerate(offline):
             replies = list(servicer.stub.Generate(_request(case, f"img-{index}"), timeout=120))
             assert list(replies[-1].complete.output_ids) == case["output_ids"], servicer.log()[-3000:]
@@ -103,4 +174,5 @@ def test_an_image_through_enginelink_gives_vllm_offlines_tokens(vision_model, of
         replies = list(servicer.stub.Generate(_request(offline[0], "img-again"), timeout=120))
         assert list(replies[-1].complete.output_ids) == offline[0]["output_ids"]
     finally:
+        origin.__exit__(None, None, None)
         servicer.stop()
