@@ -64,14 +64,14 @@ class MediaProcessor:
 
     def __init__(self, model_dir: str, python: Callable[[], str], *, start_timeout_s: float,
                  process_timeout_s: float, reply_bytes_max: int, on_start: Callable[[], None] = lambda: None,
-                 argv_extra: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 script: Path = CHILD_SCRIPT) -> None:  # fmt: skip
         self.model_dir = model_dir
         self._python = python  # resolved at the first start: a servicer with media off never needs vLLM's venv
         self.start_timeout_s = start_timeout_s
         self.process_timeout_s = process_timeout_s
         self.reply_bytes_max = reply_bytes_max + REPLY_SLACK_BYTES
         self._on_start = on_start
-        self._argv_extra = argv_extra
+        self._script = script  # tests stand a scripted child in
         self._lock = trio.Lock()
         self._process: trio.Process | None = None
         self._buffer = bytearray()
@@ -113,7 +113,7 @@ class MediaProcessor:
         except Exception as error:  # no vLLM interpreter: a deployment fault the router can route around
             raise Unavailable(f"media_refs: no interpreter for the media processor: {error}",
                               reason="media_processor_down") from None  # fmt: skip
-        argv = [python, str(CHILD_SCRIPT), "--model", self.model_dir, *self._argv_extra]
+        argv = [python, str(self._script), "--model", self.model_dir]
         self._on_start()
         # stderr is the servicer's (its log shows vLLM's lines); a pipe nobody drains would block the child.
         self._process = await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -24,7 +24,9 @@ import base64
 import json
 import os
 import signal
+import struct
 import subprocess
+import zlib
 
 import grpc
 import pytest
@@ -109,6 +111,19 @@ def _media_request(case: dict, request_id: str, url: str) -> pb.GenerateRequest:
     return request
 
 
+def _garbled_pixels(png: bytes) -> bytes:
+    """``png`` with its IDAT payload replaced by bytes that are not a zlib stream, CRC recomputed."""
+    out, at = bytearray(png[:8]), 8
+    while at < len(png):
+        (length,), kind = struct.unpack(">I", png[at : at + 4]), png[at + 4 : at + 8]
+        data = png[at + 8 : at + 8 + length]
+        if kind == b"IDAT":
+            data = bytes([0xFF]) * length
+        out += struct.pack(">I", length) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        at += 12 + length
+    return bytes(out)
+
+
 def _helper_pid(servicer_pid: int) -> int:
     """The media processor helper among the servicer's children (/proc: Linux only, as the engine tests)."""
     found = []
@@ -147,9 +162,9 @@ def test_an_image_through_enginelink_gives_vllm_offlines_tokens(vision_model, of
                 assert list(replies[-1].complete.output_ids) == case["output_ids"], (kind, servicer.log()[-3000:])
                 assert replies[-1].complete.prompt_tokens == len(case["prompt_ids"])  # the placeholders counted
         assert origin.hits == ["/image-0.png", "/image-1.png"]
-        # A PNG's header on a cut body passes the fetcher's sniff, and the model's processor cannot decode
-        # it: the client's fault, naming the item; the helper lives on and serves the next request.
-        cut = base64.b64encode(base64.b64decode(offline[0]["png"])[:40]).decode()
+        # A PNG whose chunks check out (the fetcher's verify passes) but whose pixel stream is garbage: the
+        # model's processor cannot decode it. The client's fault, naming the item; the helper serves on.
+        cut = base64.b64encode(_garbled_pixels(base64.b64decode(offline[0]["png"]))).decode()
         with pytest.raises(grpc.RpcError) as error:
             list(servicer.stub.Generate(_media_request(offline[0], "ref-cut", "data:image/png;base64," + cut),
                                         timeout=120))  # fmt: skip
