@@ -281,7 +281,7 @@ class MediaService:
             return await self.processor.process(prompt, items)
         except ServicerError as error:
             self.metrics.refused(error.reason if isinstance(error, Unavailable) else
-                                 "undecodable" if isinstance(error, ClientError) else "processor_failed")
+                                 "processor_refused" if isinstance(error, ClientError) else "processor_failed")
             raise
         finally:
             self.metrics.processed(trio.current_time() - started)

@@ -82,7 +82,8 @@ class MediaProcessor:
 
     @property
     def running(self) -> bool:
-        return self._process is not None and self._process.returncode is None
+        # poll(), not returncode: trio's returncode only reports an exit some wait() has already reaped.
+        return self._process is not None and self._process.poll() is None
 
     async def process(self, prompt: list[int], items: list[tuple[str, bytes]]) -> tuple[list[int], list]:
         """(expanded prompt, mm_features) for these (modality, bytes) items, in their order."""

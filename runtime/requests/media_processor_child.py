@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     import PIL.Image
     import vllm
     from vllm.config import ModelConfig
+    from vllm.exceptions import VLLMClientError
     from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.multimodal.inputs import MultiModalFeatureSpec
     from vllm.multimodal.media import ImageMediaIO
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             items = processor.info.parse_mm_data({"image": images})
             result = processor.apply(ProcessorInputs(list(request["prompt"]), items), TimingContext(enabled=False))
-        except ValueError as error:  # vLLM's word for "this input does not fit this model" (counts, lengths)
+        except (VLLMClientError, ValueError) as error:  # vLLM's words for "this input does not fit this model"
             return {"error": str(error)[:500], "fault": "client", "item": None}
         features = []
         for modality, placeholders in result["mm_placeholders"].items():

@@ -87,6 +87,11 @@ def _processor(child, *, process_timeout_s: float = 30.0, start_timeout_s: float
 ITEMS = [("image", b"abc"), ("image", b"defg")]
 
 
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
 async def test_a_good_reply_is_the_expanded_prompt_and_the_features_with_their_tensors_as_sent(child):
     processor = _processor(child)
     try:
@@ -210,3 +215,19 @@ async def test_a_worker_without_a_processor_refuses_fetched_refs_failed_precondi
     assert service_with.processor is not None and not service_with.processor.running  # lazy: nothing started yet
     off = MediaService(MediaSettings(), model_dir="/m", processor_python=lambda: sys.executable)
     assert off.processor is None  # media refs off: no helper, ever
+
+
+async def test_a_child_killed_between_requests_is_noticed_before_the_next_is_sent(child):
+    starts: list[int] = []
+    processor = _processor(child, starts=starts)
+    try:
+        await processor.process([OK], ITEMS)
+        first = processor._process
+        first.kill()
+        with trio.fail_after(10):
+            while not _zombie(first.pid):  # dead, not yet reaped: only a poll() can tell
+                await trio.sleep(0.01)
+        assert (await processor.process([OK, 3], ITEMS))[0] == [9, 9, OK, 3]  # a fresh child, not a failed request
+        assert len(starts) == 2 and processor._process is not first
+    finally:
+        await processor.aclose()
