@@ -11,7 +11,9 @@ each property is attacked more than one way, fast and without vLLM:
 - time is bounded: a child that never says ready, one that hangs on a
   request, a request queued behind a hung one;
 - whose fault: the processor's "cannot decode this item" is the client's
-  (INVALID_ARGUMENT naming the item); its exception on good input INTERNAL.
+  (INVALID_ARGUMENT naming the item); its exception on good input INTERNAL;
+- the prompt the placeholders grow is judged again against the context
+  (``media_refit.py``): no room left, or a ``max_tokens`` that no longer fits.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ import trio
 from grpclib.const import Status
 
 from enginelink.runtime.errors import ClientError, Unavailable
+from enginelink.runtime.requests.contract_vllm import validate_generate
 from enginelink.runtime.requests.media import MediaService, MediaSettings
 from enginelink.runtime.requests.media_processor import MediaProcessor
+from enginelink.runtime.requests.media_refit import with_processed_media
+from enginelink.runtime.requests.validate import EngineLimits
+from tests.harness import generate_request
 
 OK, EXIT, HANG, CLIENT, INTERNAL, HUGE, GARBAGE, WRONG_ID = range(1, 9)
 
@@ -231,3 +237,35 @@ async def test_a_child_killed_between_requests_is_noticed_before_the_next_is_sen
         assert len(starts) == 2 and processor._process is not first
     finally:
         await processor.aclose()
+
+
+# -- the call refitted to the processed prompt (runtime/requests/media_refit.py) ---------------------------------
+
+def _validated(max_model_len: int, prompt_len: int, **sampling):
+    limits = EngineLimits(max_model_len=max_model_len, vocab_size=4096, eos_token_ids=(2,))
+    request = generate_request("refit", list(range(5, 5 + prompt_len)), **sampling)
+    if "max_tokens" not in sampling:
+        request.sampling_params.ClearField("max_tokens")
+    return request, limits, validate_generate(request, limits, 0.0)
+
+
+def test_an_unset_max_tokens_is_the_room_left_beside_the_expanded_prompt():
+    request, limits, call = _validated(64, 10)
+    assert call.max_tokens == 54  # judged on the router's prompt, before the image's tokens
+    expanded = [4096] * 32 + call.prompt_token_ids
+    call = with_processed_media(call, request.sampling_params, expanded, [{"mm_hash": "h"}], limits)
+    assert call.max_tokens == 22 and call.prompt_token_ids == expanded
+    assert all(spec.sampling.max_tokens == 22 and spec.prompt_token_ids == expanded for spec in call.specs)
+    assert all(spec.mm_features == [{"mm_hash": "h"}] for spec in call.specs)
+
+
+@pytest.mark.parametrize("image_tokens, sampling, field, words", [
+    (54, {}, "media_refs", "the prompt with its media placeholders has 64 tokens"),  # no room at all
+    (60, {}, "media_refs", "has 70 tokens; the context is 64"),
+    (40, {"max_tokens": 20}, "sampling_params.max_tokens", "20 does not fit"),  # fit before, not after
+])  # fmt: skip
+def test_a_prompt_the_placeholders_grow_past_the_context_is_the_clients_error(image_tokens, sampling, field, words):
+    request, limits, call = _validated(64, 10, **sampling)
+    with pytest.raises(ClientError) as error:
+        with_processed_media(call, request.sampling_params, [4096] * image_tokens + call.prompt_token_ids, [], limits)
+    assert str(error.value).startswith(field) and words in str(error.value), str(error.value)
