@@ -82,7 +82,8 @@ class MediaProcessor:
 
     @property
     def running(self) -> bool:
-        # poll(), not returncode: trio's returncode only reports an exit some wait() has already reaped.
+        # A killed helper with live threads (torch's) is not reapable until they have all gone: until then it
+        # reads as running, and the request sent to it meets its death (UNAVAILABLE, that request only).
         return self._process is not None and self._process.poll() is None
 
     async def process(self, prompt: list[int], items: list[tuple[str, bytes]]) -> tuple[list[int], list]:
