@@ -253,6 +253,7 @@ def test_an_image_through_the_real_router_gives_vllm_offlines_tokens(servicer, o
     """HTTP chat with an image → smg 1.13.0 → enginelink → vLLM: the router has no media spec for BLIP-2,
     so under ``--mm-processing worker`` it forwards the URL as ``media_refs`` and this worker processes it."""
     router = Router(tmp_path, servicer.port, vision_model, extra=["--mm-processing", "worker"]).start(timeout_s=60)
+    before, hits_before = scrape(servicer.metrics_port), len(origin.hits)
     try:
         for index, case in enumerate(offline):
             for kind, url in (("data", "data:image/png;base64," + case["png"]), ("http", origin.url(f"/image-{index}.png"))):
@@ -267,5 +268,15 @@ def test_an_image_through_the_real_router_gives_vllm_offlines_tokens(servicer, o
                 assert body["usage"]["prompt_tokens"] == len(case["chat_prompt_ids"]), (kind, body)
                 print(f"router e2e {kind} image {index}: {body['choices'][0]['message']['content']!r} "
                       f"usage={body['usage']}")
+        # The router sent the URLs, not tensors: this worker fetched each (the router's own address policy,
+        # which refuses loopback, is for media it processes itself) and ran them through the processor.
+        assert origin.hits[hits_before:] == ["/image-0.png", "/image-1.png"]
+        after = scrape(servicer.metrics_port)
+        for scheme in ("data", "http"):
+            label = f'scheme="{scheme}"'
+            assert _sample(after, "smg_servicer_media_fetches_total", label, 'outcome="ok"') - \
+                _sample(before, "smg_servicer_media_fetches_total", label, 'outcome="ok"') == 2, scheme
+        assert _sample(after, "smg_servicer_media_process_seconds_count") - \
+            _sample(before, "smg_servicer_media_process_seconds_count") == 4
     finally:
         router.stop()
