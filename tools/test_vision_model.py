@@ -27,7 +27,7 @@ from pathlib import Path
 from enginelink.runtime.engine.launchers import default_vllm_python
 from enginelink.tools import test_model
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: the chat template walks content parts (the router's "openai" content format)
 MARKER_NAME = "ENGINELINK-TEST-VISION-MODEL"
 IMAGE_TOKEN = "<image>"
 NUM_QUERY_TOKENS = 4  # image tokens per image
@@ -64,9 +64,16 @@ with torch.no_grad():
         if p.dim() > 1:
             p.normal_(0.0, 0.3)
 model.save_pretrained(out)
-template = ("{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}"
+# The text model's ChatML, walking content parts: a template that iterates message['content'] is the
+# "openai" content format, for which the SMG router passes image parts to the template as {"type": "image"}
+# and needs no placeholder string (a string-format template needs one, which BLIP-2's family has none of).
+# Image parts render as nothing: BLIP-2's processor inserts its query tokens in front of the prompt.
+template = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+            "{% if message['content'] is string %}{{ message['content'] }}"
             "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
-            "{% endif %}{% endfor %}{% endif %}{% endfor %}")
+            "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>' + '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+tok.chat_template = template
 processor = Blip2Processor(image_processor=BlipImageProcessor(size={"height": image_size, "width": image_size}),
                            tokenizer=tok, num_query_tokens=num_query, chat_template=template)
 processor.save_pretrained(out)

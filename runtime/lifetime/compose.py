@@ -122,6 +122,8 @@ class Composition:
     edge: object | None = None
     # The hub, given the link and RequestHub's keyword arguments (the simulation observes it).
     new_hub: Callable[..., RequestHub] = lambda engine_link, **kwargs: RequestHub(**kwargs)
+    # (model dir, the vLLM python's resolver) for media refs' processor helper; None: no processor here.
+    media_processor: tuple[str, Callable[[], str]] | None = None
 
 
 @dataclass
@@ -220,6 +222,8 @@ class Servicer:
             self.kv_relay.close()  # every KV event stream ends UNAVAILABLE
         with trio.CancelScope(shield=True):
             await self.link.stop_engine()
+            if self.app.media is not None:
+                await self.app.media.aclose()  # the media processor helper, if one was started
             front.close()
             with trio.move_on_after(CLOSE_WAIT_S):
                 await front.wait_closed()
@@ -247,7 +251,9 @@ def compose(plan: Composition) -> Servicer:
     app = App(link=link, hub=hub, journal=journal, model=plan.model, served_model_name=plan.served_model_name,
               run_start_wall=plan.wall_clock(), run_start_trio=run_start_trio,
               media=MediaService(media_settings(), registry=metrics.registry if metrics is not None else None,
-                                 labels={"model": plan.served_model_name, "rank": "0"}))  # fmt: skip
+                                 labels={"model": plan.served_model_name, "rank": "0"},
+                                 model_dir=plan.media_processor[0] if plan.media_processor else None,
+                                 processor_python=plan.media_processor[1] if plan.media_processor else None))
     readiness = Readiness(link.machine.state, plan.readiness_sink)
     link.on_transition = readiness.follow
     kv_relay = _kv_relay(plan, journal, link, hub, app)

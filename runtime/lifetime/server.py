@@ -208,6 +208,7 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
             "version": _version(),
         },
         where=f"{config.host}:{config.port}",
+        media_processor=_media_processor(config.launcher),
         kv_events=config.kv_events,
         metrics_host=config.metrics_host,
         metrics_port=config.metrics_port,
@@ -274,6 +275,14 @@ class GrpcFront:
     async def wait_closed(self) -> None:
         if self.server is not None:
             await trio_asyncio.aio_as_trio(self.server.wait_closed)()
+
+
+def _media_processor(launcher) -> tuple[str, object] | None:
+    """(model dir, the vLLM venv's python) for the media processor helper: a real vLLM engine's only."""
+    python, model_dir = getattr(launcher, "python", None), getattr(launcher, "model_dir", None)
+    if launcher.engine != "vllm" or not python or model_dir is None:
+        return None
+    return str(model_dir), lambda: python
 
 
 def _tokenizer_or_none(model: ModelFacts):

@@ -27,6 +27,7 @@ from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings as _stop_strings
 from enginelink.runtime.requests.media import in_trio
+from enginelink.runtime.requests.media_refit import with_processed_media
 from enginelink.runtime.requests.mm_tensors import mm_features_of
 from enginelink.runtime.requests.pb_fields import (
     check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk, fill_matched,
@@ -301,8 +302,8 @@ async def prepare_media(app, request: pb.GenerateRequest, spec: GenerateCall) ->
         if app.media is None:
             raise ClientError("media_refs", "media_refs sent but --mm-processor (SMG_VLLM_MM_PROCESSOR) is off "
                               "on this worker")  # fmt: skip
-        await app.media.prepare(request.media_refs)
-        return spec
+        prompt, mm_features = await app.media.prepare(request.media_refs, spec.prompt_token_ids)
+        return with_processed_media(spec, request.sampling_params, prompt, mm_features, app.limits)
     if not (request.HasField("mm_inputs") or len(request.extra_mm_inputs)):
         return spec
     has_kv = spec.specs[0].kv_transfer_params is not None

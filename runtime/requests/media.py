@@ -12,7 +12,10 @@ to fetch. This module holds the second path's shell:
   refused UNAVAILABLE at once, so the router retries elsewhere instead of
   queueing behind slow origins), fetch every item concurrently under one
   deadline (``media_fetch.py``: the SSRF policy, size caps, redirects), check
-  each is the media its modality says, then hand them to the processor;
+  each is the media its modality says, then hand them to the model's own
+  processor (``media_processor.py``: a helper process in the vLLM venv),
+  which returns the prompt with its placeholders expanded and the engine's
+  ``mm_features``;
 - metrics: fetches by scheme and outcome, refusals by reason, fetch latency,
   jobs in flight and their cap.
 
@@ -21,10 +24,9 @@ wrong media, too large) → ``ClientError`` naming the item
 (INVALID_ARGUMENT); the origin's (timeout, 5xx, broken transfer) →
 ``Unavailable`` naming the item (the router answers 502).
 
-Missing piece (docs/limits.md, "Media refs"): the model's own processor.
-Fetched items are checked, counted and then refused FAILED_PRECONDITION:
-turning pixels into the engine's ``mm_features`` needs the model's HF
-processor, which lives in the engine's venv, not this one.
+A worker with media on but no processor (the sim engine, an SGLang or
+TokenSpeed wire) refuses a fetched ref FAILED_PRECONDITION: the engine never
+sees a request without its media.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import sniffio
+import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from smg_grpc_proto.generated import common_pb2
 
 from enginelink.machines.media_policy import MediaPolicy
-from enginelink.runtime.errors import ClientError, Precondition, Unavailable
+from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
 from enginelink.runtime.requests.media_fetch import Fetcher
+from enginelink.runtime.requests.media_processor import MediaProcessor
 
 MIB = 1 << 20
 FETCH_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -69,6 +73,9 @@ class MediaSettings:
     bytes_in_flight_max: int = 1 << 30  # ENGINELINK_MM_MAX_BYTES_IN_FLIGHT: fetched bytes held by all jobs
     # Router tensors (mm_inputs, runtime/requests/mm_tensors.py): all of one request's, inline and shm.
     tensor_bytes_max: int = 1 << 30  # ENGINELINK_MM_MAX_TENSOR_BYTES
+    # The processor helper (runtime/requests/media_processor.py): its start, and one request's whole turn.
+    processor_start_timeout_s: float = 180.0  # ENGINELINK_MM_PROCESSOR_START_TIMEOUT_S
+    process_timeout_s: float = 60.0  # ENGINELINK_MM_PROCESS_TIMEOUT_S
 
     @property
     def enabled(self) -> bool:
@@ -116,6 +123,10 @@ def media_settings_from(environ: Mapping[str, str]) -> MediaSettings:
         allowed_local_path=local,
         bytes_in_flight_max=_whole(environ, "ENGINELINK_MM_MAX_BYTES_IN_FLIGHT", MediaSettings.bytes_in_flight_max),
         tensor_bytes_max=_whole(environ, "ENGINELINK_MM_MAX_TENSOR_BYTES", MediaSettings.tensor_bytes_max),
+        processor_start_timeout_s=float(_whole(environ, "ENGINELINK_MM_PROCESSOR_START_TIMEOUT_S",
+                                               int(MediaSettings.processor_start_timeout_s))),
+        process_timeout_s=float(_whole(environ, "ENGINELINK_MM_PROCESS_TIMEOUT_S",
+                                       int(MediaSettings.process_timeout_s))),
     )
 
 
@@ -146,11 +157,22 @@ class MediaMetrics:
                                 registry=registry)  # fmt: skip
         _child(Gauge("smg_servicer_media_bytes_held_max", "ENGINELINK_MM_MAX_BYTES_IN_FLIGHT", names,
                      registry=registry), self._labels).set(bytes_max)  # fmt: skip
+        self.processor_starts = Counter("smg_servicer_media_processor_starts", "Media processor helper starts "
+                                        "(the first, and one after each death)", names, registry=registry)  # fmt: skip
+        self.process_latency = Histogram("smg_servicer_media_process_seconds", "One request's media through the "
+                                         "model's processor, queue included", names, buckets=FETCH_BUCKETS_S,
+                                         registry=registry)  # fmt: skip
 
     def fetched(self, scheme: str, outcome: str, seconds: float | None) -> None:
         _child(self.fetches, self._labels, scheme=scheme, outcome=outcome).inc()
         if seconds is not None:
             _child(self.latency, self._labels, scheme=scheme).observe(seconds)
+
+    def processor_started(self) -> None:
+        _child(self.processor_starts, self._labels).inc()
+
+    def processed(self, seconds: float) -> None:
+        _child(self.process_latency, self._labels).observe(seconds)
 
     def refused(self, reason: str) -> None:
         _child(self.refusals, self._labels, reason=reason).inc()
@@ -172,13 +194,26 @@ class MediaService:
     """One process's media fetching: its settings, its job count, its metrics and its HTTP client."""
 
     def __init__(self, settings: MediaSettings, *, registry: CollectorRegistry | None = None,
-                 labels: Mapping[str, str] | None = None, network=None) -> None:  # fmt: skip
+                 labels: Mapping[str, str] | None = None, network=None, model_dir: str | None = None,
+                 processor_python=None) -> None:  # fmt: skip
         self.settings = settings
         self.jobs = 0
         self.metrics = MediaMetrics(registry or CollectorRegistry(), labels or {}, settings.inflight_max,
                                     settings.bytes_in_flight_max)  # fmt: skip
         # ``network``: (resolve, connect) for tests standing in for DNS and routing; None: the real ones.
         self.fetcher = Fetcher(settings, self.metrics, network=network)
+        # The model's processor, where this worker has one: a model dir and the vLLM venv's interpreter
+        # (``processor_python``, called at the helper's first start). None: fetched refs are refused.
+        self.processor = None
+        if settings.enabled and model_dir is not None and processor_python is not None:
+            self.processor = MediaProcessor(
+                model_dir, processor_python, start_timeout_s=settings.processor_start_timeout_s,
+                process_timeout_s=settings.process_timeout_s, reply_bytes_max=settings.tensor_bytes_max,
+                on_start=self.metrics.processor_started)  # fmt: skip
+
+    async def aclose(self) -> None:
+        if self.processor is not None:
+            await in_trio(self.processor.aclose)
 
     # -- GetServerInfo ---------------------------------------------------------------
 
@@ -215,8 +250,11 @@ class MediaService:
             refs.append((modality, item.url))
         return refs
 
-    async def prepare(self, media_refs) -> list:
-        """Fetch and check every ref (the caller's task waits; bounded by ``inflight_max`` and the deadlines)."""
+    async def prepare(self, media_refs, prompt: list[int] | None = None) -> tuple[list[int], list]:
+        """(the prompt with its placeholders expanded, the engine's ``mm_features``) for these refs.
+
+        Fetch and check every ref, then run the model's processor (the caller's task waits; bounded by
+        ``inflight_max``, the fetch deadlines and the processor's)."""
         refs = self.check_refs(media_refs)
         if self.jobs >= self.settings.inflight_max:
             self.metrics.refused("saturated")
@@ -226,13 +264,27 @@ class MediaService:
         self.metrics.set_inflight(self.jobs)
         try:
             items = await in_trio(self.fetcher.fetch_all, refs)
+            if self.processor is None:
+                self.metrics.refused("no_processor")
+                raise Precondition(
+                    f"media_refs: fetched and checked {len(items)} item(s), but this worker's engine has no model "
+                    "processor to turn them into multimodal inputs; send preprocessed mm_inputs"
+                )
+            return await in_trio(self._process, list(prompt or ()), [(item.modality, item.data) for item in items])
         finally:
             self.jobs -= 1
             self.metrics.set_inflight(self.jobs)
-        raise Precondition(
-            f"media_refs: fetched and checked {len(items)} item(s), but this worker has no media processor to "
-            "turn them into the engine's multimodal inputs yet; send preprocessed mm_inputs (the router's default)"
-        )
+
+    async def _process(self, prompt: list[int], items: list[tuple[str, bytes]]) -> tuple[list[int], list]:
+        started = trio.current_time()
+        try:
+            return await self.processor.process(prompt, items)
+        except ServicerError as error:
+            self.metrics.refused(error.reason if isinstance(error, Unavailable) else
+                                 "processor_refused" if isinstance(error, ClientError) else "processor_failed")
+            raise
+        finally:
+            self.metrics.processed(trio.current_time() - started)
 
 
 async def in_trio(fn, *args):

@@ -336,7 +336,7 @@ async def test_an_unresolvable_name_is_the_callers_fault(origin):
 
 
 async def test_fetched_media_is_not_yet_turned_into_engine_inputs(origin):
-    # The documented gap (runtime/requests/media.py): fetched and checked, then FAILED_PRECONDITION.
+    # No model processor on this worker (the sim engine's case): fetched and checked, then FAILED_PRECONDITION.
     service = _service(allow_private=True)
     with pytest.raises(Precondition, match="fetched and checked 1 item"):
         await service.prepare(_refs(origin.url("/cat.png")))

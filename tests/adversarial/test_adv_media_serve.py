@@ -3,8 +3,8 @@
 Two servicers: media refs on with the default policy (loopback is private:
 refused), and on with ``SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS=1`` (fetched from a
 loopback origin started here). A third, the shared default servicer, has
-them off. What is fetched is then refused FAILED_PRECONDITION: turning media
-into engine inputs is the part not built yet (runtime/requests/media.py).
+them off. What is fetched is then refused FAILED_PRECONDITION: the sim engine
+has no model processor (the real one is tests/vllm/test_vllm_vision.py).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_request_shape_refusals(strict, origin):
 def test_allowed_loopback_is_fetched_and_the_origins_faults_are_unavailable(allowing, origin):
     data_url = "data:image/png;base64," + base64.b64encode(PNG).decode()
     error = _status(allowing, _request(origin.url("/cat.png"), data_url))
-    # Fetched and checked; the processor step is the missing part (FAILED_PRECONDITION, not a silent drop).
+    # Fetched and checked; the sim engine has no model processor (FAILED_PRECONDITION, not a silent drop).
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
     assert "fetched and checked 2 item(s)" in error.details()
     assert "/cat.png" in origin.hits

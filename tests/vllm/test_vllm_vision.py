@@ -7,33 +7,51 @@ router does for the families it knows: the pixel tensor (bfloat16, the
 model's dtype), the prompt with its placeholders expanded, the placeholder
 range. enginelink turns that ``mm_inputs`` into the engine's ``mm_features``;
 greedy output for two different images must equal vLLM's offline ``LLM``
-given the same images, and differ between the images. The real SMG router
-is not in front: 1.13.0 preprocesses LLaVA / Qwen-VL / Phi-3-V / Llama 4
-families, whose vLLM 0.32 modules need torchvision, which the CPU set-up
-removes (docs/limits.md, "Router tensors").
+given the same images, and differ between the images.
+
+The same servicer also takes the images as ``media_refs`` (the router's
+form when the worker processes media: a ``data:`` URL, and an ``http`` URL
+served by a loopback origin started here, allowed with
+``SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS=1``): fetched, run through the model's own
+vLLM processor in the helper process (runtime/requests/media_processor.py),
+they give the same tokens again; media the model's processor refuses is
+INVALID_ARGUMENT, and a killed helper is replaced for the next request.
+
+Then the real SMG router 1.13.0 in front of the same servicer (this module,
+not tests/router/, so the vision engine starts once in its own CI scope): a
+chat with an image by data URL and by http URL, which the router forwards as
+``media_refs`` (it has no media spec for BLIP-2; ``--mm-processing worker``),
+gives vLLM offline's tokens for the chat template's prompt and the image.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 import subprocess
 
+import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
+from tokenizers import Tokenizer
 
 from enginelink.tools.test_vision_model import NUM_QUERY_TOKENS, make_vision_model
-from tests.harness import generate_request
-from tests.vllm.conftest import START_TIMEOUT_S, vllm_servicer
+from tests.adversarial.media_origin import Origin
+from tests.harness import Router, Servicer, free_port, generate_request, scrape, wait_until
+from tests.router.openai_http import post
+from tests.vllm.conftest import START_TIMEOUT_S
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 COLORS = [(200, 30, 30), (10, 200, 30)]
 PROMPT = "describe the picture"
+CHAT_TEXT = f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
 MAX_TOKENS = 8
 
 OFFLINE = r"""
-import base64, json, sys
+import base64, io, json, sys
 import torch
 from PIL import Image
 from transformers import AutoProcessor
@@ -41,16 +59,22 @@ from vllm import LLM, SamplingParams
 
 if __name__ == "__main__":
     model, prompt, max_tokens, colors = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+    chat_ids = json.loads(sys.argv[5])  # the chat template's tokens, as the router renders and sends them
     processor = AutoProcessor.from_pretrained(model)
     llm = LLM(model=model, max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=8 << 20, seed=0)
     out = []
     for color in colors:
         image = Image.new("RGB", (64, 48), tuple(color))
         pixels = processor.image_processor(image, return_tensors="pt")["pixel_values"].to(torch.bfloat16)
+        png = io.BytesIO()
+        image.save(png, format="PNG")
         result = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}},
                               SamplingParams(max_tokens=max_tokens, temperature=0))[0]
+        chat = llm.generate({"prompt_token_ids": chat_ids, "multi_modal_data": {"image": image}},
+                            SamplingParams(max_tokens=max_tokens, temperature=0))[0]
         out.append({"prompt_ids": result.prompt_token_ids, "output_ids": list(result.outputs[0].token_ids),
-                    "shape": list(pixels.shape),
+                    "chat_prompt_ids": chat.prompt_token_ids, "chat_output_ids": list(chat.outputs[0].token_ids),
+                    "shape": list(pixels.shape), "png": base64.b64encode(png.getvalue()).decode(),
                     "pixels": base64.b64encode(pixels.view(torch.int16).numpy().tobytes()).decode()})
     print("RESULT " + json.dumps(out))
 """
@@ -67,9 +91,19 @@ def vision_model(tmp_path_factory, vllm_python):
 
 
 @pytest.fixture(scope="module")
-def offline(vision_model, vllm_python, tmp_path_factory):
-    done = subprocess.run([vllm_python, "-c", OFFLINE, str(vision_model), PROMPT, str(MAX_TOKENS), json.dumps(COLORS)],
-                          capture_output=True, timeout=600)  # fmt: skip
+def tokenizer(vision_model):
+    return Tokenizer.from_file(str(vision_model / "tokenizer.json"))
+
+
+def chat_ids(tokenizer) -> list[int]:
+    """The test model's ChatML for one user turn with an image part, rendered by hand as the router renders it."""
+    return tokenizer.encode(CHAT_TEXT, add_special_tokens=True).ids  # as the router encodes it
+
+
+@pytest.fixture(scope="module")
+def offline(vision_model, vllm_python, tokenizer):
+    done = subprocess.run([vllm_python, "-c", OFFLINE, str(vision_model), PROMPT, str(MAX_TOKENS), json.dumps(COLORS),
+                           json.dumps(chat_ids(tokenizer))], capture_output=True, timeout=600)  # fmt: skip
     lines = [line for line in done.stdout.decode().splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr.decode()[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -90,17 +124,159 @@ def _request(case: dict, request_id: str) -> pb.GenerateRequest:
     return request
 
 
-def test_an_image_through_enginelink_gives_vllm_offlines_tokens(vision_model, offline, tmp_path):
+def _media_request(case: dict, request_id: str, url: str) -> pb.GenerateRequest:
+    """The router's worker-side form: the text's tokens (no image tokens yet) and the image by URL."""
+    request = generate_request(request_id, case["prompt_ids"][NUM_QUERY_TOKENS:], max_tokens=MAX_TOKENS,
+                               temperature=0.0)  # fmt: skip
+    request.media_refs.items.add(modality=common_pb2.IMAGE, url=url)
+    return request
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _helper_pid(servicer_pid: int) -> int:
+    """The media processor helper among the servicer's children (/proc: Linux only, as the engine tests)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"media_processor_child.py" in cmdline and int(stat.rsplit(")", 1)[1].split()[1]) == servicer_pid:
+            found.append(int(entry))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _sample(samples: dict[str, float], name: str, *labels: str) -> float:
+    return sum(value for key, value in samples.items()
+               if key.split("{")[0] == name and all(label in key for label in labels))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def origin():
+    with Origin() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def servicer(vision_model, offline, origin, tmp_path_factory):
+    """One servicer on the vision model, media refs on, loopback origins allowed, a metrics endpoint."""
+    metrics_port = free_port()
+    running = Servicer(tmp_path_factory.mktemp("vision"), model_dir=vision_model,
+                       extra=["--engine", "vllm", "--metrics-port", str(metrics_port)],
+                       engine_args=["--max-model-len", "512", "--enforce-eager"],
+                       env={"ENGINELINK_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "0.5",
+                            "SMG_VLLM_MM_PROCESSOR": "inprocess", "SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS": "1"})
+    running.metrics_port = metrics_port
+    for index, case in enumerate(offline):
+        origin.routes[f"/image-{index}.png"] = (200, {"Content-Type": "image/png"}, base64.b64decode(case["png"]))
+    running.start(timeout_s=START_TIMEOUT_S)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_an_image_through_enginelink_gives_vllm_offlines_tokens(servicer, offline, origin):
     assert offline[0]["output_ids"] != offline[1]["output_ids"]  # the image matters to this model
-    servicer = vllm_servicer(tmp_path, vision_model, engine_args=["--max-model-len", "512", "--enforce-eager"],
-                             env={"ENGINELINK_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "0.5"})  # fmt: skip
-    servicer.start(timeout_s=START_TIMEOUT_S)
+    metrics_port = servicer.metrics_port
+    before = scrape(metrics_port)
+    hits_before = len(origin.hits)
+    for index, case in enumerate(offline):
+        data_url = "data:image/png;base64," + case["png"]
+        for kind, url in (("data", data_url), ("http", origin.url(f"/image-{index}.png"))):
+            replies = list(servicer.stub.Generate(_media_request(case, f"ref-{kind}-{index}", url), timeout=300))
+            assert list(replies[-1].complete.output_ids) == case["output_ids"], (kind, servicer.log()[-3000:])
+            assert replies[-1].complete.prompt_tokens == len(case["prompt_ids"])  # the placeholders counted
+    assert origin.hits[hits_before:] == ["/image-0.png", "/image-1.png"]
+    # Media the model's own processor refuses, after the fetch passed: the client's fault in vLLM's words,
+    # and the helper serves on. BLIP-2 takes one image per prompt; this worker's processor takes images only.
+    two = _media_request(offline[0], "ref-two", data_url)
+    two.media_refs.items.add(modality=common_pb2.IMAGE, url=data_url)
+    video = _media_request(offline[0], "ref-video", "data:video/mp4;base64," + base64.b64encode(b"mp4").decode())
+    video.media_refs.items[0].modality = common_pb2.VIDEO
+    for request, words in ((two, "media_refs: At most 1 image(s) may be provided in one prompt"),
+                           (video, "media_refs.items[0]: modality video is not processed by this worker")):
+        with pytest.raises(grpc.RpcError) as error:
+            list(servicer.stub.Generate(request, timeout=120))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+        assert words in error.value.details(), error.value.details()
+    # The helper killed between requests. A multi-threaded process (torch's threads) is not reapable until
+    # every thread has gone, so the next request may still find it "alive" and be the one that meets its
+    # death: that request alone is UNAVAILABLE, saying so; at the latest the one after gets a fresh helper.
+    helper = _helper_pid(servicer.process.pid)
+    os.kill(helper, signal.SIGKILL)
+    wait_until(lambda: _dead(helper), 30, "the killed helper to be dead")
+    after_kill = 0
+    for attempt in range(2):
+        after_kill += 1
+        try:
+            replies = list(servicer.stub.Generate(_media_request(offline[1], f"ref-after-kill-{attempt}", data_url),
+                                                  timeout=300))  # fmt: skip
+        except grpc.RpcError as error:
+            assert attempt == 0 and error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+            assert "the media processor died during this request" in error.details(), error.details()
+            continue
+        assert list(replies[-1].complete.output_ids) == offline[1]["output_ids"]
+        break
+    assert _helper_pid(servicer.process.pid) != helper
+    samples = scrape(metrics_port)
+
+    def delta(name: str, *labels: str) -> float:
+        return _sample(samples, name, *labels) - _sample(before, name, *labels)
+
+    assert delta("smg_servicer_media_processor_starts_total") == (2 if hits_before == 0 else 1)
+    assert delta("smg_servicer_media_process_seconds_count") == 6 + after_kill
+    assert delta("smg_servicer_media_fetches_total", 'outcome="ok"', 'scheme="data"') == 5 + after_kill
+    assert delta("smg_servicer_media_fetches_total", 'outcome="ok"', 'scheme="http"') == 2
+    assert delta("smg_servicer_media_fetch_seconds_count") == 7 + after_kill
+    assert delta("smg_servicer_media_refusals_total", 'reason="processor_refused"') == 2
+    assert delta("smg_servicer_media_refusals_total", 'reason="media_processor_down"') == after_kill - 1
+    for index, case in enumerate(offline):
+        replies = list(servicer.stub.Generate(_request(case, f"img-{index}"), timeout=120))
+        assert list(replies[-1].complete.output_ids) == case["output_ids"], servicer.log()[-3000:]
+    # The same image twice in a row: the engine's encoder cache keys on the content hash.
+    replies = list(servicer.stub.Generate(_request(offline[0], "img-again"), timeout=120))
+    assert list(replies[-1].complete.output_ids) == offline[0]["output_ids"]
+
+
+@pytest.mark.router
+def test_an_image_through_the_real_router_gives_vllm_offlines_tokens(servicer, offline, origin, vision_model,
+                                                                      tokenizer, tmp_path):  # fmt: skip
+    """HTTP chat with an image → smg 1.13.0 → enginelink → vLLM: the router has no media spec for BLIP-2,
+    so under ``--mm-processing worker`` it forwards the URL as ``media_refs`` and this worker processes it."""
+    router = Router(tmp_path, servicer.port, vision_model, extra=["--mm-processing", "worker"]).start(timeout_s=60)
+    before, hits_before = scrape(servicer.metrics_port), len(origin.hits)
     try:
         for index, case in enumerate(offline):
-            replies = list(servicer.stub.Generate(_request(case, f"img-{index}"), timeout=120))
-            assert list(replies[-1].complete.output_ids) == case["output_ids"], servicer.log()[-3000:]
-        # The same image twice in a row: the engine's encoder cache keys on the content hash.
-        replies = list(servicer.stub.Generate(_request(offline[0], "img-again"), timeout=120))
-        assert list(replies[-1].complete.output_ids) == offline[0]["output_ids"]
+            for kind, url in (("data", "data:image/png;base64," + case["png"]), ("http", origin.url(f"/image-{index}.png"))):
+                status, body = post(router.url, "/v1/chat/completions", {
+                    "model": vision_model.name, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "messages": [{"role": "user", "content": [
+                        {"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url}}]}],
+                })  # fmt: skip
+                assert status == 200, (kind, body, router.log()[-3000:])
+                expected = tokenizer.decode(case["chat_output_ids"], skip_special_tokens=True)
+                assert body["choices"][0]["message"]["content"] == expected, (kind, body)
+                assert body["usage"]["prompt_tokens"] == len(case["chat_prompt_ids"]), (kind, body)
+                print(f"router e2e {kind} image {index}: {body['choices'][0]['message']['content']!r} "
+                      f"usage={body['usage']}")
+        # The router sent the URLs, not tensors: this worker fetched each (the router's own address policy,
+        # which refuses loopback, is for media it processes itself) and ran them through the processor.
+        assert origin.hits[hits_before:] == ["/image-0.png", "/image-1.png"]
+        after = scrape(servicer.metrics_port)
+        for scheme in ("data", "http"):
+            label = f'scheme="{scheme}"'
+            assert _sample(after, "smg_servicer_media_fetches_total", label, 'outcome="ok"') - \
+                _sample(before, "smg_servicer_media_fetches_total", label, 'outcome="ok"') == 2, scheme
+        assert _sample(after, "smg_servicer_media_process_seconds_count") - \
+            _sample(before, "smg_servicer_media_process_seconds_count") == 4
     finally:
-        servicer.stop()
+        router.stop()
