@@ -94,6 +94,19 @@ def test_the_tokenspeed_contract_is_measured_the_same_way(test_model_dir):
     assert "tokenspeed contract" in bench.format_report(report).splitlines()[0]
 
 
+@pytest.mark.slow
+def test_the_sglang_contract_is_measured_the_same_way(test_model_dir):
+    """``--wire sglang``: the sim speaks SGLang's scheduler wire, the load SglangScheduler; counts hold."""
+    args = _args("--model", str(test_model_dir), "--wire", "sglang", "--requests", "8", "--max-tokens", "16",
+                 "--concurrency", "4", "--engine-args=--max-num-seqs 3")
+    report = bench.measure(args)
+    _check_counts(report, 8, 16)
+    assert report["server"]["wire"] == "sglang"
+    assert report["server"]["server_type"] == "sglang-0.5.23"
+    assert report["server"]["max_num_seqs"] == 3  # SGLang's max_running_requests, as the engine reported it
+    assert "sglang contract" in bench.format_report(report).splitlines()[0]
+
+
 def test_refused_options_exit_2(capsys):
     assert bench.run(_args("--concurrency", "0")) == 2
     assert "--concurrency must be >= 1" in capsys.readouterr().err
