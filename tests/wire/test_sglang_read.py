@@ -1,0 +1,102 @@
+"""The SGLang front end's lean decode of a scheduler step reads what the full decode reads.
+
+``SglangCodec.decode_output`` decodes a ``BatchTokenIDOutput`` with
+``sglang_structs.FROM_SCHEDULER_READ``: the columns it does not read are left
+as ``msgspec.Raw`` and the logprob columns decoded only when a request asks
+(``wire/sglang.py``, ``_Columns``). Here: the outputs equal those read from the
+full decode (``decode_message``) over random steps, logprob rows included; a
+malformed token array or count column is still refused; and the read struct
+has the declared struct's layout, field for field.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from enginelink.wire import sglang as g
+from enginelink.wire import sglang_structs as s
+from enginelink.wire.engine import WireError
+
+reasons = st.sampled_from([None, g.finish_stop(2), g.finish_stop("\n"), g.finish_length(8),
+                           g.finish_abort("gone", 503, "ServiceUnavailable")])
+
+
+@st.composite
+def steps(draw):
+    n = draw(st.integers(0, 12))
+    tokens = [draw(st.lists(st.integers(0, (1 << 31) - 1), max_size=5)) for _ in range(n)]
+    counts = st.lists(st.integers(0, 1 << 20), min_size=n, max_size=n)
+    columns = {}
+    if draw(st.booleans()):  # logprobs for every request: own token, then top-2
+        columns = dict(
+            output_token_logprobs_val=[[-0.5] * len(t) for t in tokens], output_token_logprobs_idx=tokens,
+            output_top_logprobs_val=[[[-0.5, -0.9]] * len(t) for t in tokens],
+            output_top_logprobs_idx=[[[x, 1] for x in t] for t in tokens],
+        )
+    if draw(st.booleans()):
+        columns.update(spec_verify_ct=draw(counts), spec_num_correct_drafts=draw(counts))
+    return g.token_batch([f"r{i}" for i in range(n)], tokens, [draw(reasons) for _ in range(n)],
+                         prompt_tokens=draw(counts), completion_tokens=draw(counts), cached_tokens=draw(counts),
+                         **columns)
+
+
+def full_read(frames) -> list[tuple]:
+    """What the outputs carry, read from every column decoded (the full struct)."""
+    batch = g.decode_message(frames)
+    n = len(batch.rids)
+    out = []
+    for i in range(n):
+        finish, stop, abort = g._finish(batch.finished_reasons[i])
+        out.append((batch.rids[i], list(batch.output_ids[i]), finish, stop, abort, batch.prompt_tokens[i],
+                    batch.completion_tokens[i], batch.cached_tokens[i],
+                    (batch.spec_num_correct_drafts or [0] * n)[i], (batch.spec_verify_ct or [0] * n)[i],
+                    batch.output_token_logprobs_idx[i] or None))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(step=steps())
+def test_the_lean_decode_reads_what_the_full_decode_reads(step):
+    frames = g.encode_outputs(step)
+    outputs = g.SglangCodec().decode_output(frames).outputs
+    lean = []
+    for o in outputs:
+        sample, _ = g.SglangCodec.logprobs(o, frames)
+        lean.append((o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.abort, o.prompt_tokens,
+                     o.completion_tokens, o.cached_tokens, o.spec_accepted_tokens, o.spec_draft_tokens,
+                     None if sample is None else list(sample.token_ids)[:: sample.cols]))
+    assert lean == full_read(frames)
+
+
+def test_a_malformed_token_array_or_count_column_is_still_refused():
+    step = g.token_batch(["a"], [[5]], [None], prompt_tokens=[3], completion_tokens=[1])
+    bad_array = msgspec.structs.replace(step, output_ids=[msgspec.msgpack.Ext(s.EXT_ARRAY, b"\x00\x00\x00\x02\xa1q" + b"\x00" * 7)])
+    with pytest.raises(WireError, match="undecodable"):
+        g.SglangCodec().decode_output(g.encode_outputs(bad_array))
+    bad_counts = msgspec.structs.replace(step, completion_tokens=["one"])
+    with pytest.raises(WireError, match="undecodable"):
+        g.SglangCodec().decode_output(g.encode_outputs(bad_counts))
+
+
+def test_a_malformed_logprob_column_fails_when_it_is_read():
+    step = g.token_batch(["a"], [[5]], [None], prompt_tokens=[3], completion_tokens=[1],
+                         output_token_logprobs_val=[[-0.5]], output_token_logprobs_idx=[["five"]])
+    frames = g.encode_outputs(step)
+    (output,) = g.SglangCodec().decode_output(frames).outputs
+    assert output.new_token_ids == [5]  # the tokens are read; the bad column only when logprobs are
+    with pytest.raises(WireError, match="logprobs of 'a' are not numbers"):
+        g.SglangCodec.logprobs(output, frames)
+    short = msgspec.structs.replace(step, output_token_logprobs_idx=[[]])
+    (output,) = g.SglangCodec().decode_output(g.encode_outputs(short)).outputs
+    with pytest.raises(WireError, match="values and ids disagree"):
+        g.SglangCodec.logprobs(output, ())
+
+
+def test_the_read_struct_has_the_declared_layout():
+    declared = msgspec.structs.fields(s.BatchTokenIDOutput)
+    read = msgspec.structs.fields(s.BatchTokenIDOutputRead)
+    assert [(f.name, f.required, f.default) for f in read] == [(f.name, f.required, f.default) for f in declared]
+    assert s.BatchTokenIDOutputRead.__struct_config__.tag == "BatchTokenIDOutput"
+    assert {f.name for f in read if f.type is not msgspec.Raw} == set(s.READ_COLUMNS)
