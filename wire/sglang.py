@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 from array import array
+from itertools import repeat
 from typing import Any, Final, Sequence
 
 import msgspec
@@ -237,37 +238,30 @@ def control_request(call_id: int, method: str, args: Sequence[object]) -> s.Flus
 # --------------------------------------------------------------------------
 
 
-class SglangOutput:
+class SglangOutput(msgspec.Struct, gc=False):
     """One request's entry of an SGLang output message: an ``EngineOutput``.
 
     ``completion_tokens`` and ``cached_tokens`` are SGLang's running totals;
-    ``new_token_ids`` is the delta since the request's last output.
+    ``new_token_ids`` is the delta since the request's last output. A Struct,
+    built positionally by ``map`` over a step's columns (``_token_outputs``):
+    one per request per step, so its construction is C, not an ``__init__``.
     """
 
-    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_reason", "kv_transfer_params",
-                 "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens", "abort",
-                 "pooling_output", "spec_accepted_tokens", "spec_draft_tokens", "_batch", "_index")
-
-    def __init__(self, request_id: str, new_token_ids: list[int], finish_reason: int | None = None,
-                 stop_reason: int | str | None = None, *, prompt_tokens: int = 0, completion_tokens: int = 0,
-                 cached_tokens: int = 0, reasoning_tokens: int = 0, abort: AbortInfo | None = None,
-                 pooling_output: list[float] | None = None, spec_accepted_tokens: int = 0,
-                 spec_draft_tokens: int = 0, batch: _Columns | None = None, index: int = 0) -> None:
-        self.request_id = request_id
-        self.new_token_ids = new_token_ids
-        self.finish_reason = finish_reason
-        self.stop_reason = stop_reason
-        self.kv_transfer_params = None
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = completion_tokens
-        self.cached_tokens = cached_tokens
-        self.reasoning_tokens = reasoning_tokens
-        self.abort = abort
-        self.pooling_output = pooling_output
-        self.spec_accepted_tokens = spec_accepted_tokens
-        self.spec_draft_tokens = spec_draft_tokens
-        self._batch = batch
-        self._index = index
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: int | None = None
+    stop_reason: int | str | None = None
+    kv_transfer_params: None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    abort: AbortInfo | None = None
+    pooling_output: list[float] | None = None
+    spec_accepted_tokens: int = 0
+    spec_draft_tokens: int = 0
+    _batch: _Columns | None = None  # the step's columns, for logprobs (``SglangCodec.logprobs``)
+    _index: int = 0
 
     @property
     def engine_outcome(self) -> AbortOutcome | None:
@@ -340,7 +334,7 @@ class _Columns:
 
 
 def _token_outputs(batch: s.BatchTokenIDOutputRead) -> list[SglangOutput]:
-    """The step's outputs, one per request; its count columns read once per step, not per request."""
+    """The step's outputs, one per request, made in C (``map`` over its columns, read once per step)."""
     rids = batch.rids or []
     n = len(rids)
     ids = batch.output_ids
@@ -349,22 +343,19 @@ def _token_outputs(batch: s.BatchTokenIDOutputRead) -> list[SglangOutput]:
     reasons = batch.finished_reasons
     if len(reasons) != n:
         raise WireError(f"SGLang BatchTokenIDOutput has {n} rids but {len(reasons)} finished_reasons")
-    prompt, completion = _counts(batch.prompt_tokens, n), _counts(batch.completion_tokens, n)
-    cached, reasoning = _counts(batch.cached_tokens, n), _counts(batch.reasoning_tokens, n)
-    accepted, drafts = _counts(batch.spec_num_correct_drafts, n), _counts(batch.spec_verify_ct, n)
-    columns = _Columns(batch)
-    outputs = []
-    for i, rid in enumerate(rids):
-        new = ids[i] if ids is not None else None
-        reason = reasons[i]
-        finish, stop, abort = (None, None, None) if reason is None else _finish(reason)
-        outputs.append(SglangOutput(
-            rid, new.tolist() if isinstance(new, array) else list(new or ()), finish, stop,
-            prompt_tokens=prompt[i], completion_tokens=completion[i], cached_tokens=cached[i],
-            reasoning_tokens=reasoning[i], abort=abort, spec_accepted_tokens=accepted[i],
-            spec_draft_tokens=drafts[i], batch=columns, index=i,
-        ))
-    return outputs
+    try:
+        tokens = [[] for _ in rids] if ids is None else s.token_lists(ids)
+    except (ValueError, TypeError) as exc:  # a malformed Ext 1, or ids that are not a list of ints
+        raise WireError(f"undecodable SGLang scheduler message: output_ids: {exc}") from None
+    if any(reason is not None for reason in reasons):
+        finishes, stops, aborts = zip(*[(None, None, None) if r is None else _finish(r) for r in reasons])
+    else:  # the common step: nobody finished
+        finishes = stops = aborts = repeat(None)
+    return list(map(
+        SglangOutput, rids, tokens, finishes, stops, repeat(None), _counts(batch.prompt_tokens, n),
+        _counts(batch.completion_tokens, n), _counts(batch.cached_tokens, n), _counts(batch.reasoning_tokens, n),
+        aborts, repeat(None), _counts(batch.spec_num_correct_drafts, n), _counts(batch.spec_verify_ct, n),
+        repeat(_Columns(batch)), range(n)))
 
 
 def _embedding_outputs(batch: s.BatchEmbeddingOutput) -> list[SglangOutput]:

@@ -364,6 +364,7 @@ FROM_SCHEDULER: Final = msgspec.msgpack.Decoder(FromScheduler, ext_hook=ext_hook
 # ``BatchTokenIDOutputRead`` is the same wire layout (built from the declaration
 # above, so it cannot drift from it) with every column the front end does not
 # read as ``msgspec.Raw``: still checked to be well-formed msgpack, never built.
+# Token arrays stay ``Ext`` values, read in one pass (``token_lists``).
 # The logprob columns are Raw too; ``wire/sglang.py`` decodes one only when a
 # request of that step asked for logprobs. The full structs stay what the
 # release check and the round-trip tests compare.
@@ -385,9 +386,32 @@ def _read_struct(cls: type[msgspec.Struct], read: dict[str, Any]) -> type[msgspe
 
 
 BatchTokenIDOutputRead = _read_struct(BatchTokenIDOutput, READ_COLUMNS)
+
+
+def token_lists(column: list) -> list[list[int]]:
+    """The read decoder's ``output_ids`` (Ext 1 values left as ``Ext``, no hook) as lists of ints.
+
+    The common column (every array of typecode "q", native little-endian) in
+    two comprehensions, no call per request; anything else entry by entry,
+    as ``ext_hook`` would (a malformed array raises ValueError).
+    """
+    Ext = msgspec.msgpack.Ext
+    datas = [e.data if type(e) is Ext and e.code == EXT_ARRAY else None for e in column]
+    if sys.byteorder == "little" and all(d is not None and d[:_TOKEN_META_SIZE] == _TOKEN_META
+                                         and not (len(d) - _TOKEN_META_SIZE) % _TOKEN_ITEMSIZE for d in datas):
+        return [array(TOKEN_TYPECODE, d[_TOKEN_META_SIZE:]).tolist() for d in datas]
+    out = []
+    for e, d in zip(column, datas):
+        if d is not None:
+            out.append(unpack_array(d).tolist())
+        else:
+            out.append(e.tolist() if isinstance(e, array) else list(e or ()))
+    return out
+
+
 FROM_SCHEDULER_READ: Final = msgspec.msgpack.Decoder(
     Union[BatchTokenIDOutputRead, BatchEmbeddingOutput, AbortReq, FlushCacheReqOutput, ProfileReqOutput,
-          HealthCheckOutput], ext_hook=ext_hook)
+          HealthCheckOutput])  # no ext_hook: output_ids' arrays stay Ext, read by ``token_lists`` in one pass
 RAW_COLUMN: Final = msgspec.msgpack.Decoder(ext_hook=ext_hook)  # a Raw column, decoded when it is read
 TO_SCHEDULER: Final = msgspec.msgpack.Decoder(ToScheduler, ext_hook=ext_hook)
 
