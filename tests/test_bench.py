@@ -252,3 +252,14 @@ def test_h2_client_tops_up_small_windows(servicer):
     assert data_bytes > 2 * 65_535
     for n in requests:
         assert len(seen[n][0]) == 1500 and seen[n][1:] == (True, (0, "")), n
+
+
+def test_the_contract_path_bench_reports_every_contract(capsys):
+    """``tools/bench_contracts.py``, tiny: a figure per contract and its ratio to vLLM's (never a speed)."""
+    from enginelink.tools import bench_contracts
+
+    assert bench_contracts.main(["--calls", "4", "--steps", "3", "--rounds", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["us_per_token"]) == {"vllm", "sglang", "tokenspeed"}
+    assert all(v > 0 for v in report["us_per_token"].values())
+    assert report["ratio_to_vllm"]["vllm"] == 1.0

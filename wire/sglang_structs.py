@@ -81,6 +81,8 @@ def unpack_array(data: memoryview | bytes) -> array:
 _TOKEN_META: Final = _META_LEN.pack(len(msgspec.msgpack.encode(TOKEN_TYPECODE))) + msgspec.msgpack.encode(TOKEN_TYPECODE)
 _TOKEN_META_SIZE: Final = len(_TOKEN_META)
 _TOKEN_ITEMSIZE: Final = array(TOKEN_TYPECODE).itemsize
+# One request's one new token as an Ext 1 payload: the typecode header, then one little-endian int64.
+_ONE_TOKEN: Final = struct.Struct(f"<{_TOKEN_META_SIZE}sq")
 
 
 def ext_hook(code: int, data: memoryview) -> Any:
@@ -391,19 +393,24 @@ BatchTokenIDOutputRead = _read_struct(BatchTokenIDOutput, READ_COLUMNS)
 def token_lists(column: list) -> list[list[int]]:
     """The read decoder's ``output_ids`` (Ext 1 values left as ``Ext``, no hook) as lists of ints.
 
-    The common column (every array of typecode "q", native little-endian) in
-    two comprehensions, no call per request; anything else entry by entry,
-    as ``ext_hook`` would (a malformed array raises ValueError).
+    The common step (every request one new token, an array of typecode "q",
+    little-endian) is one ``iter_unpack`` over the joined payloads, its
+    typecode headers compared as one set; anything else entry by entry, as
+    ``ext_hook`` would (a malformed array raises ValueError).
     """
+    try:
+        joined = b"".join([e.data for e in column])
+    except AttributeError:  # an entry that is not an extension (None, a plain list)
+        joined = None
+    if joined is not None and len(joined) == len(column) * _ONE_TOKEN.size and sys.byteorder == "little":
+        records = list(_ONE_TOKEN.iter_unpack(joined))
+        if {meta for meta, _ in records} <= {_TOKEN_META} and {e.code for e in column} <= {EXT_ARRAY}:
+            return [[token] for _, token in records]
     Ext = msgspec.msgpack.Ext
-    datas = [e.data if type(e) is Ext and e.code == EXT_ARRAY else None for e in column]
-    if sys.byteorder == "little" and all(d is not None and d[:_TOKEN_META_SIZE] == _TOKEN_META
-                                         and not (len(d) - _TOKEN_META_SIZE) % _TOKEN_ITEMSIZE for d in datas):
-        return [array(TOKEN_TYPECODE, d[_TOKEN_META_SIZE:]).tolist() for d in datas]
     out = []
-    for e, d in zip(column, datas):
-        if d is not None:
-            out.append(unpack_array(d).tolist())
+    for e in column:
+        if type(e) is Ext and e.code == EXT_ARRAY:
+            out.append(unpack_array(e.data).tolist())
         else:
             out.append(e.tolist() if isinstance(e, array) else list(e or ()))
     return out

@@ -1,4 +1,4 @@
-"""The SGLang front end's lean decode of a scheduler step reads what the full decode reads.
+"""The front end's lean decodes of an engine step (SGLang's, TokenSpeed's) read what the full decode reads.
 
 ``SglangCodec.decode_output`` decodes a ``BatchTokenIDOutput`` with
 ``sglang_structs.FROM_SCHEDULER_READ``: the columns it does not read are left
@@ -6,7 +6,9 @@ as ``msgspec.Raw`` and the logprob columns decoded only when a request asks
 (``wire/sglang.py``, ``_Columns``). Here: the outputs equal those read from the
 full decode (``decode_message``) over random steps, logprob rows included; a
 malformed token array or count column is still refused; and the read struct
-has the declared struct's layout, field for field.
+has the declared struct's layout, field for field. TokenSpeed's outputs are
+built by ``map`` over the step's columns (``TokenSpeedCodec.decode_output``):
+a column shorter than ``rids`` is refused rather than cut short.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 from enginelink.wire import sglang as g
 from enginelink.wire import sglang_structs as s
+from enginelink.wire import tokenspeed as ts
 from enginelink.wire.engine import WireError
 
 reasons = st.sampled_from([None, g.finish_stop(2), g.finish_stop("\n"), g.finish_length(8),
@@ -100,3 +103,32 @@ def test_the_read_struct_has_the_declared_layout():
     assert [(f.name, f.required, f.default) for f in read] == [(f.name, f.required, f.default) for f in declared]
     assert s.BatchTokenIDOutputRead.__struct_config__.tag == "BatchTokenIDOutput"
     assert {f.name for f in read if f.type is not msgspec.Raw} == set(s.READ_COLUMNS)
+
+
+def _slim(**columns) -> ts.BatchTokenIDOutSlim:
+    fields = dict(rids=["a", "b"], output_ids=[[5], [6, 7]], finished_reasons=["", "stop"], prompt_tokens=[3, 4],
+                  completion_tokens=[1, 2], cached_tokens=[0, 2], output_token_logprobs_val=[[], []],
+                  output_token_logprobs_idx=[[], []])
+    fields.update(columns)
+    return ts.BatchTokenIDOutSlim(**fields)
+
+
+def test_tokenspeed_outputs_carry_each_request_s_columns_and_trim_a_matched_stop():
+    a, b = ts.TokenSpeedCodec().decode_output(ts.encode_outputs(_slim())).outputs
+    assert (a.request_id, a.new_token_ids, a.finish_reason, a.stop_reason) == ("a", [5], None, None)
+    assert (a.prompt_tokens, a.completion_tokens, a.cached_tokens) == (3, 1, 0)
+    assert (b.new_token_ids, b.stop_reason, b.completion_tokens, b.cached_tokens) == ([6], 7, 2, 2)
+
+
+@pytest.mark.parametrize("column", ["output_ids", "finished_reasons", "prompt_tokens", "completion_tokens",
+                                    "cached_tokens"])
+def test_a_tokenspeed_column_shorter_than_its_rids_is_refused(column):
+    short = _slim()
+    setattr(short, column, getattr(short, column)[:1])
+    with pytest.raises(WireError, match="2 rids"):
+        ts.TokenSpeedCodec().decode_output(ts.encode_outputs(short))
+
+
+def test_a_tokenspeed_finish_reason_it_does_not_know_is_refused():
+    with pytest.raises(WireError, match="finish reason 'done' for 'b'"):
+        ts.TokenSpeedCodec().decode_output(ts.encode_outputs(_slim(finished_reasons=["", "done"])))
