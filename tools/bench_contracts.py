@@ -112,7 +112,8 @@ def measure(wire: str, calls: int, steps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m enginelink.tools.bench_contracts", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m enginelink.tools.bench_contracts",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=128, help="streaming calls, one token each per step (128)")
     parser.add_argument("--steps", type=int, default=200, help="engine steps per round (200)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds, the arms alternating; the best counts (5)")
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         for wire in ARMS:
-            print(f"{wire:11s} {report['us_per_token'][wire]:7.3f} µs/token  ÷ vllm {report['ratio_to_vllm'][wire]:.3f}")
+            us, ratio = report["us_per_token"][wire], report["ratio_to_vllm"][wire]
+            print(f"{wire:11s} {us:7.3f} µs/token  ÷ vllm {ratio:.3f}")
     return 0
 
 

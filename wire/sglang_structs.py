@@ -78,7 +78,8 @@ def unpack_array(data: memoryview | bytes) -> array:
     return out
 
 
-_TOKEN_META: Final = _META_LEN.pack(len(msgspec.msgpack.encode(TOKEN_TYPECODE))) + msgspec.msgpack.encode(TOKEN_TYPECODE)
+_TOKEN_META: Final = (_META_LEN.pack(len(msgspec.msgpack.encode(TOKEN_TYPECODE)))
+                      + msgspec.msgpack.encode(TOKEN_TYPECODE))
 _TOKEN_META_SIZE: Final = len(_TOKEN_META)
 _TOKEN_ITEMSIZE: Final = array(TOKEN_TYPECODE).itemsize
 # One request's one new token as an Ext 1 payload: the typecode header, then one little-endian int64.

@@ -405,7 +405,8 @@ class TokenSpeedCodec:
             finishes = [_FINISH[reason] for reason in reasons]
         except KeyError:
             i = next(i for i, reason in enumerate(reasons) if reason not in _FINISH)
-            raise WireError(f"TokenSpeed finish reason {reasons[i]!r} for {rids[i]!r} is none of {sorted(_FINISH)}") from None
+            raise WireError(f"TokenSpeed finish reason {reasons[i]!r} for {rids[i]!r} "
+                            f"is none of {sorted(_FINISH)}") from None
         # One output per request, made in C (``map`` over the columns): the per-request cost of this wire.
         outputs = list(map(TokenSpeedOutput, rids, batch.output_ids, finishes, repeat(None), repeat(None),
                            batch.prompt_tokens, batch.completion_tokens, batch.cached_tokens, repeat(batch), range(n)))

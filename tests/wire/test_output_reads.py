@@ -75,7 +75,8 @@ def test_the_lean_decode_reads_what_the_full_decode_reads(step):
 
 def test_a_malformed_token_array_or_count_column_is_still_refused():
     step = g.token_batch(["a"], [[5]], [None], prompt_tokens=[3], completion_tokens=[1])
-    bad_array = msgspec.structs.replace(step, output_ids=[msgspec.msgpack.Ext(s.EXT_ARRAY, b"\x00\x00\x00\x02\xa1q" + b"\x00" * 7)])
+    seven_bytes = msgspec.msgpack.Ext(s.EXT_ARRAY, b"\x00\x00\x00\x02\xa1q" + b"\x00" * 7)  # not a whole int64
+    bad_array = msgspec.structs.replace(step, output_ids=[seven_bytes])
     with pytest.raises(WireError, match="undecodable"):
         g.SglangCodec().decode_output(g.encode_outputs(bad_array))
     bad_counts = msgspec.structs.replace(step, completion_tokens=["one"])
