@@ -94,6 +94,19 @@ def test_the_tokenspeed_contract_is_measured_the_same_way(test_model_dir):
     assert "tokenspeed contract" in bench.format_report(report).splitlines()[0]
 
 
+@pytest.mark.slow
+def test_the_sglang_contract_is_measured_the_same_way(test_model_dir):
+    """``--wire sglang``: the sim speaks SGLang's scheduler wire, the load SglangScheduler; counts hold."""
+    args = _args("--model", str(test_model_dir), "--wire", "sglang", "--requests", "8", "--max-tokens", "16",
+                 "--concurrency", "4", "--engine-args=--max-num-seqs 3")
+    report = bench.measure(args)
+    _check_counts(report, 8, 16)
+    assert report["server"]["wire"] == "sglang"
+    assert report["server"]["server_type"] == "sglang-0.5.23"
+    assert report["server"]["max_num_seqs"] == 3  # SGLang's max_running_requests, as the engine reported it
+    assert "sglang contract" in bench.format_report(report).splitlines()[0]
+
+
 def test_refused_options_exit_2(capsys):
     assert bench.run(_args("--concurrency", "0")) == 2
     assert "--concurrency must be >= 1" in capsys.readouterr().err
@@ -239,3 +252,14 @@ def test_h2_client_tops_up_small_windows(servicer):
     assert data_bytes > 2 * 65_535
     for n in requests:
         assert len(seen[n][0]) == 1500 and seen[n][1:] == (True, (0, "")), n
+
+
+def test_the_contract_path_bench_reports_every_contract(capsys):
+    """``tools/bench_contracts.py``, tiny: a figure per contract and its ratio to vLLM's (never a speed)."""
+    from enginelink.tools import bench_contracts
+
+    assert bench_contracts.main(["--calls", "4", "--steps", "3", "--rounds", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["us_per_token"]) == {"vllm", "sglang", "tokenspeed"}
+    assert all(v > 0 for v in report["us_per_token"].values())
+    assert report["ratio_to_vllm"]["vllm"] == 1.0

@@ -33,9 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the real vLLM engine vs a bare ZMQ driver of it, alternating (tools/bench_engine.py); "
                         "mlx: enginelink + the MLX engine vs mlx-lm's BatchGenerator driven in-process, "
                         "alternating (tools/bench_mlx.py)")
-    p.add_argument("--wire", choices=["vllm", "tokenspeed"], default="vllm",
+    p.add_argument("--wire", choices=["vllm", "sglang", "tokenspeed"], default="vllm",
                    help="with the sim engine: the engine wire it speaks, and so the gRPC contract measured "
-                        "(vllm: VllmEngine, default; tokenspeed: TokenSpeedScheduler over TokenSpeed's wire); "
+                        "(vllm: VllmEngine, default; sglang: SglangScheduler over SGLang's scheduler wire; "
+                        "tokenspeed: TokenSpeedScheduler over TokenSpeed's wire); "
                         "with --target: the contract that servicer speaks")
     p.add_argument("--raw-front-end-us", type=float, nargs="+", default=[], metavar="US",
                    help="with --engine vllm: also run the raw driver as if it were a front end that spends "

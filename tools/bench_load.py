@@ -62,6 +62,8 @@ CONTRACTS = {
     "mlx": ("mlx.grpc.engine.MlxEngine", "mlx_engine_pb2", "MlxEngineStub", "max_tokens"),
     "tokenspeed": ("tokenspeed.grpc.scheduler.TokenSpeedScheduler", "tokenspeed_scheduler_pb2",
                    "TokenSpeedSchedulerStub", "max_new_tokens"),
+    "sglang": ("sglang.grpc.scheduler.SglangScheduler", "sglang_scheduler_pb2", "SglangSchedulerStub",
+               "max_new_tokens"),
 }
 
 
@@ -214,6 +216,8 @@ def server_facts(target: str, wire: str = "vllm") -> dict:
         model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     if wire == "tokenspeed":  # TokenSpeed's GetServerInfo: its own message (Structs, the release)
         kind, seqs = f"tokenspeed-{info.tokenspeed_version}", int(info.scheduler_info["max_running_requests"])
+    elif wire == "sglang":  # SGLang's: server_type is always "grpc"; the release and the limit are elsewhere
+        kind, seqs = f"sglang-{info.sglang_version}", int(info.server_args["max_running_requests"])
     else:
         kind, seqs = info.server_type, getattr(info, "max_num_seqs", 0)  # MLX's has none
     return {

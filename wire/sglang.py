@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 from array import array
+from itertools import repeat
 from typing import Any, Final, Sequence
 
 import msgspec
@@ -237,37 +238,30 @@ def control_request(call_id: int, method: str, args: Sequence[object]) -> s.Flus
 # --------------------------------------------------------------------------
 
 
-class SglangOutput:
+class SglangOutput(msgspec.Struct, gc=False):
     """One request's entry of an SGLang output message: an ``EngineOutput``.
 
     ``completion_tokens`` and ``cached_tokens`` are SGLang's running totals;
-    ``new_token_ids`` is the delta since the request's last output.
+    ``new_token_ids`` is the delta since the request's last output. A Struct,
+    built positionally by ``map`` over a step's columns (``_token_outputs``):
+    one per request per step, so its construction is C, not an ``__init__``.
     """
 
-    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_reason", "kv_transfer_params",
-                 "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens", "abort",
-                 "pooling_output", "spec_accepted_tokens", "spec_draft_tokens", "_batch", "_index")
-
-    def __init__(self, request_id: str, new_token_ids: list[int], finish_reason: int | None = None,
-                 stop_reason: int | str | None = None, *, prompt_tokens: int = 0, completion_tokens: int = 0,
-                 cached_tokens: int = 0, reasoning_tokens: int = 0, abort: AbortInfo | None = None,
-                 pooling_output: list[float] | None = None, spec_accepted_tokens: int = 0,
-                 spec_draft_tokens: int = 0, batch: s.BatchTokenIDOutput | None = None, index: int = 0) -> None:
-        self.request_id = request_id
-        self.new_token_ids = new_token_ids
-        self.finish_reason = finish_reason
-        self.stop_reason = stop_reason
-        self.kv_transfer_params = None
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = completion_tokens
-        self.cached_tokens = cached_tokens
-        self.reasoning_tokens = reasoning_tokens
-        self.abort = abort
-        self.pooling_output = pooling_output
-        self.spec_accepted_tokens = spec_accepted_tokens
-        self.spec_draft_tokens = spec_draft_tokens
-        self._batch = batch
-        self._index = index
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: int | None = None
+    stop_reason: int | str | None = None
+    kv_transfer_params: None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    abort: AbortInfo | None = None
+    pooling_output: list[float] | None = None
+    spec_accepted_tokens: int = 0
+    spec_draft_tokens: int = 0
+    _batch: _Columns | None = None  # the step's columns, for logprobs (``SglangCodec.logprobs``)
+    _index: int = 0
 
     @property
     def engine_outcome(self) -> AbortOutcome | None:
@@ -298,26 +292,70 @@ def _column(batch: msgspec.Struct, name: str, index: int, default: Any = 0) -> A
     return default if column is None or index >= len(column) or column[index] is None else column[index]
 
 
-def _token_outputs(batch: s.BatchTokenIDOutput) -> list[SglangOutput]:
+def _counts(column: list[int] | None, n: int) -> list[int]:
+    """A per-request count column, n long, absent entries 0 (as ``_column``); as sent when it is whole."""
+    if column is not None and len(column) == n and None not in column:
+        return column
+    return [_column_at(column, i, 0) for i in range(n)]
+
+
+def _column_at(column: list | None, index: int, default: Any) -> Any:
+    return default if column is None or index >= len(column) or column[index] is None else column[index]
+
+
+class _Columns:
+    """One step's batch as its outputs keep it: the logprob columns it left Raw are decoded the first
+    time a request of the step reads them, once for all of its requests (``sglang_structs.FROM_SCHEDULER_READ``)."""
+
+    __slots__ = ("batch", "_decoded")
+
+    def __init__(self, batch: msgspec.Struct) -> None:
+        self.batch = batch
+        self._decoded: dict[str, Any] = {}
+
+    @property
+    def rids(self) -> list[str]:
+        return self.batch.rids or []
+
+    def column(self, name: str) -> Any:
+        if name in self._decoded:
+            return self._decoded[name]
+        value = getattr(self.batch, name)
+        if isinstance(value, msgspec.Raw):
+            try:
+                value = s.RAW_COLUMN.decode(value)
+            except (msgspec.DecodeError, ValueError) as exc:
+                raise WireError(f"undecodable SGLang column {name}: {exc}") from None
+        self._decoded[name] = value
+        return value
+
+    def at(self, name: str, index: int) -> Any:
+        return _column_at(self.column(name), index, None)
+
+
+def _token_outputs(batch: s.BatchTokenIDOutputRead) -> list[SglangOutput]:
+    """The step's outputs, one per request, made in C (``map`` over its columns, read once per step)."""
     rids = batch.rids or []
+    n = len(rids)
     ids = batch.output_ids
-    if ids is not None and len(ids) != len(rids):
-        raise WireError(f"SGLang BatchTokenIDOutput has {len(rids)} rids but {len(ids)} output_ids")
-    if len(batch.finished_reasons) != len(rids):
-        raise WireError(f"SGLang BatchTokenIDOutput has {len(rids)} rids but {len(batch.finished_reasons)} "
-                        "finished_reasons")
-    outputs = []
-    for i, rid in enumerate(rids):
-        new = ids[i] if ids is not None else None
-        finish, stop, abort = _finish(batch.finished_reasons[i])
-        outputs.append(SglangOutput(
-            rid, new.tolist() if isinstance(new, array) else list(new or ()), finish, stop,
-            prompt_tokens=_column(batch, "prompt_tokens", i), completion_tokens=_column(batch, "completion_tokens", i),
-            cached_tokens=_column(batch, "cached_tokens", i), reasoning_tokens=_column(batch, "reasoning_tokens", i),
-            abort=abort, spec_accepted_tokens=_column(batch, "spec_num_correct_drafts", i),
-            spec_draft_tokens=_column(batch, "spec_verify_ct", i), batch=batch, index=i,
-        ))
-    return outputs
+    if ids is not None and len(ids) != n:
+        raise WireError(f"SGLang BatchTokenIDOutput has {n} rids but {len(ids)} output_ids")
+    reasons = batch.finished_reasons
+    if len(reasons) != n:
+        raise WireError(f"SGLang BatchTokenIDOutput has {n} rids but {len(reasons)} finished_reasons")
+    try:
+        tokens = [[] for _ in rids] if ids is None else s.token_lists(ids)
+    except (ValueError, TypeError) as exc:  # a malformed Ext 1, or ids that are not a list of ints
+        raise WireError(f"undecodable SGLang scheduler message: output_ids: {exc}") from None
+    if any(reason is not None for reason in reasons):
+        finishes, stops, aborts = zip(*[(None, None, None) if r is None else _finish(r) for r in reasons])
+    else:  # the common step: nobody finished
+        finishes = stops = aborts = repeat(None)
+    return list(map(
+        SglangOutput, rids, tokens, finishes, stops, repeat(None), _counts(batch.prompt_tokens, n),
+        _counts(batch.completion_tokens, n), _counts(batch.cached_tokens, n), _counts(batch.reasoning_tokens, n),
+        aborts, repeat(None), _counts(batch.spec_num_correct_drafts, n), _counts(batch.spec_verify_ct, n),
+        repeat(_Columns(batch)), range(n)))
 
 
 def _embedding_outputs(batch: s.BatchEmbeddingOutput) -> list[SglangOutput]:
@@ -346,15 +384,16 @@ def _control_reply(reply: s.FlushCacheReqOutput | s.ProfileReqOutput) -> Utility
     return UtilityReply(call_id, None if reply.success else (reply.message or "failed"), result)
 
 
-def decode_message(frames: Sequence[bytes]) -> s.FromScheduler | EngineDead:
-    """The raw decode of one message from the scheduler (one frame)."""
+def decode_message(frames: Sequence[bytes], decoder: msgspec.msgpack.Decoder = s.FROM_SCHEDULER
+                   ) -> s.FromScheduler | EngineDead:
+    """The raw decode of one message from the scheduler (one frame); every column unless ``decoder`` says."""
     if len(frames) != 1:
         raise WireError(f"an SGLang message is one frame, got {len(frames)}")
     frame = frames[0]
     if frame == ENGINE_CORE_DEAD:
         return EngineDead()
     try:
-        return s.FROM_SCHEDULER.decode(frame)
+        return decoder.decode(frame)
     except (msgspec.DecodeError, ValueError) as exc:  # ValueError: a malformed Ext 1
         raise WireError(f"undecodable SGLang scheduler message: {exc}") from None
 
@@ -384,11 +423,11 @@ class SglangCodec:
         return [s.ENCODER.encode(control_request(call_id, method, args))]
 
     def decode_output(self, frames: Sequence[bytes]) -> OutputBatch | EngineDead:
-        raw = decode_message(frames)
+        raw = decode_message(frames, s.FROM_SCHEDULER_READ)  # unread columns left as Raw (sglang_structs.py)
         match raw:
             case EngineDead():
                 return raw
-            case s.BatchTokenIDOutput():
+            case s.BatchTokenIDOutputRead():
                 return OutputBatch(0, _token_outputs(raw), frames=frames)
             case s.BatchEmbeddingOutput():
                 return OutputBatch(0, _embedding_outputs(raw), frames=frames)
@@ -418,16 +457,16 @@ class SglangCodec:
         return sample, prompt
 
 
-def _rows(batch: s.BatchTokenIDOutput, side: str, i: int, *, skip_first: bool) -> LogprobRows | None:
+def _rows(batch: _Columns, side: str, i: int, *, skip_first: bool) -> LogprobRows | None:
     """SGLang's per-position columns as vLLM-layout rows: own token first, then its top-k."""
-    values = _column(batch, f"{side}_token_logprobs_val", i, None)
-    ids = _column(batch, f"{side}_token_logprobs_idx", i, None)
+    values = batch.at(f"{side}_token_logprobs_val", i)
+    ids = batch.at(f"{side}_token_logprobs_idx", i)
     if not values:
         return None
     if ids is None or len(ids) != len(values):
         raise WireError(f"SGLang {side} logprob values and ids disagree for {batch.rids[i]!r}")
-    top_values = _column(batch, f"{side}_top_logprobs_val", i, None) or []
-    top_ids = _column(batch, f"{side}_top_logprobs_idx", i, None) or []
+    top_values = batch.at(f"{side}_top_logprobs_val", i) or []
+    top_ids = batch.at(f"{side}_top_logprobs_idx", i) or []
     start = 1 if skip_first and values[0] is None else 0  # the first prompt token has no logprob
     k = max((len(t or ()) for t in top_values[start:]), default=0)
     flat_ids: list[int] = []
@@ -447,8 +486,11 @@ def _rows(batch: s.BatchTokenIDOutput, side: str, i: int, *, skip_first: bool) -
     if not rows:
         return None
     # Typed views, as vLLM's zero-copy columns are: the core slices top-k rows by buffer (machines/logprobs.py).
-    return LogprobRows(rows=rows, cols=k + 1, token_ids=memoryview(array("q", flat_ids)),
-                       logprobs=memoryview(array("d", flat_values)))
+    try:
+        return LogprobRows(rows=rows, cols=k + 1, token_ids=memoryview(array("q", flat_ids)),
+                           logprobs=memoryview(array("d", flat_values)))
+    except (TypeError, OverflowError) as exc:  # a column of the wrong kind (its lists are ``Any`` on the wire)
+        raise WireError(f"SGLang {side} logprobs of {batch.rids[i]!r} are not numbers: {exc}") from None
 
 
 # --------------------------------------------------------------------------

@@ -51,6 +51,14 @@ def pack_array(values: Any, typecode: str = TOKEN_TYPECODE) -> msgspec.msgpack.E
 
 def unpack_array(data: memoryview | bytes) -> array:
     """The ``array.array`` an Ext 1 payload holds; ``ValueError`` when it is malformed."""
+    if data[:_TOKEN_META_SIZE] == _TOKEN_META and not (len(data) - _TOKEN_META_SIZE) % _TOKEN_ITEMSIZE:
+        # Token ids as every sender writes them (typecode "q", native little-endian): once per
+        # request per step, so without the typecode's decode and the checks below.
+        out = array(TOKEN_TYPECODE)
+        out.frombytes(data[_TOKEN_META_SIZE:])
+        if sys.byteorder != "little":
+            out.byteswap()
+        return out
     if len(data) < _META_LEN.size:
         raise ValueError("array extension is missing its typecode length")
     (size,) = _META_LEN.unpack_from(data)
@@ -68,6 +76,14 @@ def unpack_array(data: memoryview | bytes) -> array:
     if sys.byteorder != "little":
         out.byteswap()
     return out
+
+
+_TOKEN_META: Final = (_META_LEN.pack(len(msgspec.msgpack.encode(TOKEN_TYPECODE)))
+                      + msgspec.msgpack.encode(TOKEN_TYPECODE))
+_TOKEN_META_SIZE: Final = len(_TOKEN_META)
+_TOKEN_ITEMSIZE: Final = array(TOKEN_TYPECODE).itemsize
+# One request's one new token as an Ext 1 payload: the typecode header, then one little-endian int64.
+_ONE_TOKEN: Final = struct.Struct(f"<{_TOKEN_META_SIZE}sq")
 
 
 def ext_hook(code: int, data: memoryview) -> Any:
@@ -338,6 +354,73 @@ ToScheduler = Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput, Abort
 
 ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=enc_hook)
 FROM_SCHEDULER: Final = msgspec.msgpack.Decoder(FromScheduler, ext_hook=ext_hook)
+
+
+# -- the front end's hot decode ------------------------------------------------------------
+#
+# A ``BatchTokenIDOutput`` carries 53 columns per step, most of them per request
+# (decode ids as an Ext 1 array, texts, offsets, flags, twelve logprob columns),
+# and the front end reads nine. Decoded in full, every request of every step
+# built some twenty Python objects and one more array through ``ext_hook`` for
+# columns nobody reads: the SGLang wire's largest cost per streamed token
+# (docs/benchmarks.md, "Per-token cost of the SGLang and TokenSpeed contracts").
+# ``BatchTokenIDOutputRead`` is the same wire layout (built from the declaration
+# above, so it cannot drift from it) with every column the front end does not
+# read as ``msgspec.Raw``: still checked to be well-formed msgpack, never built.
+# Token arrays stay ``Ext`` values, read in one pass (``token_lists``).
+# The logprob columns are Raw too; ``wire/sglang.py`` decodes one only when a
+# request of that step asked for logprobs. The full structs stay what the
+# release check and the round-trip tests compare.
+
+READ_COLUMNS: Final = {
+    "rids": list[str] | None, "finished_reasons": list[Union[dict[str, Any], None]], "output_ids": list[Any] | None,
+    "prompt_tokens": list[int], "reasoning_tokens": list[int], "completion_tokens": list[int],
+    "cached_tokens": list[int], "spec_verify_ct": list[int] | None, "spec_num_correct_drafts": list[int] | None,
+}
+
+
+def _read_struct(cls: type[msgspec.Struct], read: dict[str, Any]) -> type[msgspec.Struct]:
+    fields = []
+    for info in msgspec.structs.fields(cls):
+        kind = read.get(info.name, msgspec.Raw)
+        fields.append((info.name, kind) if info.required else (info.name, kind, info.default))
+    config = cls.__struct_config__
+    return msgspec.defstruct(f"{cls.__name__}Read", fields, tag=config.tag, array_like=True, kw_only=True, gc=False)
+
+
+BatchTokenIDOutputRead = _read_struct(BatchTokenIDOutput, READ_COLUMNS)
+
+
+def token_lists(column: list) -> list[list[int]]:
+    """The read decoder's ``output_ids`` (Ext 1 values left as ``Ext``, no hook) as lists of ints.
+
+    The common step (every request one new token, an array of typecode "q",
+    little-endian) is one ``iter_unpack`` over the joined payloads, its
+    typecode headers compared as one set; anything else entry by entry, as
+    ``ext_hook`` would (a malformed array raises ValueError).
+    """
+    try:
+        joined = b"".join([e.data for e in column])
+    except AttributeError:  # an entry that is not an extension (None, a plain list)
+        joined = None
+    if joined is not None and len(joined) == len(column) * _ONE_TOKEN.size and sys.byteorder == "little":
+        records = list(_ONE_TOKEN.iter_unpack(joined))
+        if {meta for meta, _ in records} <= {_TOKEN_META} and {e.code for e in column} <= {EXT_ARRAY}:
+            return [[token] for _, token in records]
+    Ext = msgspec.msgpack.Ext
+    out = []
+    for e in column:
+        if type(e) is Ext and e.code == EXT_ARRAY:
+            out.append(unpack_array(e.data).tolist())
+        else:
+            out.append(e.tolist() if isinstance(e, array) else list(e or ()))
+    return out
+
+
+FROM_SCHEDULER_READ: Final = msgspec.msgpack.Decoder(
+    Union[BatchTokenIDOutputRead, BatchEmbeddingOutput, AbortReq, FlushCacheReqOutput, ProfileReqOutput,
+          HealthCheckOutput])  # no ext_hook: output_ids' arrays stay Ext, read by ``token_lists`` in one pass
+RAW_COLUMN: Final = msgspec.msgpack.Decoder(ext_hook=ext_hook)  # a Raw column, decoded when it is read
 TO_SCHEDULER: Final = msgspec.msgpack.Decoder(ToScheduler, ext_hook=ext_hook)
 
 # The structs the release check compares, by SGLang's class name.

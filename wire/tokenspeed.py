@@ -36,6 +36,7 @@ Rules: sans-io; one decode per frame; whatever we cannot read is ``WireError``.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any, Final, Literal, Sequence
 
 import msgspec
@@ -309,31 +310,28 @@ def preabort_reason(spec: GenerateSpec, *, n: int = 1, output_logprobs_enabled: 
 # --------------------------------------------------------------------------
 
 
-class TokenSpeedOutput:
+class TokenSpeedOutput(msgspec.Struct, gc=False):
     """One request's entry of a ``BatchTokenIDOutSlim``: an ``EngineOutput``.
 
     TokenSpeed 0.1.1 names no matched stop token on this wire: a ``stop``
     finish means its last token matched (EOS or a stop id; enginelink sends
     no stop strings to it), so ``decode_output`` names that token as
     ``stop_reason`` and trims it (``TokenSpeedCodec``). Counts are running totals.
+    A Struct, built positionally by ``map`` over the step's columns: one per
+    request per step, so its construction is C, not an ``__init__``
+    (docs/benchmarks.md, "Per-token cost of the SGLang and TokenSpeed contracts").
     """
 
-    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_reason", "kv_transfer_params",
-                 "prompt_tokens", "completion_tokens", "cached_tokens", "_batch", "_index")
-
-    def __init__(self, request_id: str, new_token_ids: list[int], finish_reason: int | None, *,
-                 prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0,
-                 batch: BatchTokenIDOutSlim | None = None, index: int = 0) -> None:
-        self.request_id = request_id
-        self.new_token_ids = new_token_ids
-        self.finish_reason = finish_reason
-        self.stop_reason = None
-        self.kv_transfer_params = None
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = completion_tokens
-        self.cached_tokens = cached_tokens
-        self._batch = batch
-        self._index = index
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: int | None
+    stop_reason: int | None = None
+    kv_transfer_params: None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    _batch: BatchTokenIDOutSlim | None = None
+    _index: int = 0
 
     def __repr__(self) -> str:
         return f"TokenSpeedOutput({self.request_id!r}, {self.new_token_ids!r}, finish={self.finish_reason})"
@@ -395,23 +393,32 @@ class TokenSpeedCodec:
         batch = decode_batch(frames)
         if isinstance(batch, EngineDead):
             return batch
-        outputs = []
-        for i, rid in enumerate(batch.rids or ()):
-            reason = batch.finished_reasons[i]
-            if reason not in _FINISH:
-                raise WireError(f"TokenSpeed finish reason {reason!r} for {rid!r} is none of {sorted(_FINISH)}")
-            tokens, finish = batch.output_ids[i], _FINISH[reason]
-            out = TokenSpeedOutput(rid, tokens, finish, prompt_tokens=batch.prompt_tokens[i],
-                                   completion_tokens=batch.completion_tokens[i],
-                                   cached_tokens=batch.cached_tokens[i], batch=batch, index=i)
-            if finish is not None:
-                keep = rid in self._keep_stop
-                self._keep_stop.discard(rid)
-                if finish is FinishReason.STOP and tokens:
-                    out.stop_reason = tokens[-1]
-                    if not keep:
-                        out.new_token_ids = tokens[:-1]
-            outputs.append(out)
+        rids = batch.rids or []
+        n = len(rids)
+        columns = (batch.output_ids, batch.finished_reasons, batch.prompt_tokens, batch.completion_tokens,
+                   batch.cached_tokens)
+        if any(len(column) != n for column in columns):
+            raise WireError(f"TokenSpeed BatchTokenIDOutSlim columns disagree with its {n} rids: "
+                            f"{[len(column) for column in columns]}")
+        reasons = batch.finished_reasons
+        try:
+            finishes = [_FINISH[reason] for reason in reasons]
+        except KeyError:
+            i = next(i for i, reason in enumerate(reasons) if reason not in _FINISH)
+            raise WireError(f"TokenSpeed finish reason {reasons[i]!r} for {rids[i]!r} "
+                            f"is none of {sorted(_FINISH)}") from None
+        # One output per request, made in C (``map`` over the columns): the per-request cost of this wire.
+        outputs = list(map(TokenSpeedOutput, rids, batch.output_ids, finishes, repeat(None), repeat(None),
+                           batch.prompt_tokens, batch.completion_tokens, batch.cached_tokens, repeat(batch), range(n)))
+        for i in [i for i, finish in enumerate(finishes) if finish is not None]:
+            out = outputs[i]
+            rid, tokens = out.request_id, out.new_token_ids
+            keep = rid in self._keep_stop
+            self._keep_stop.discard(rid)
+            if out.finish_reason is FinishReason.STOP and tokens:
+                out.stop_reason = tokens[-1]
+                if not keep:
+                    out.new_token_ids = tokens[:-1]
         return OutputBatch(batch.engine_index, outputs, load_stats(batch), frames=frames)
 
     @staticmethod

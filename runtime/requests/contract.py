@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 from enginelink.machines.request_api import GenerateCall, Message
+from enginelink.machines.request_call import Call, Choice
 from enginelink.runtime.requests.inputs import InputLimits
 from enginelink.runtime.requests.validate import EngineLimits
 
@@ -37,9 +38,13 @@ class ContractEdge(Protocol):
         several: MLX's edge sends a chunk of n tokens as n messages)."""
         ...
 
-    # A one-choice chunk (tokens, prompt_tokens, cached_tokens, index) straight to its serialized
-    # response bytes, written by the fast path without building a message; None: ``encode`` only.
-    chunk_body: Callable[[list[int], int, int, int], bytes] | None
+    # ``chunk_body(call, choice, tokens)``: a one-choice streaming call's new tokens straight to the
+    # serialized bytes of the response ``encode`` would have made of them, written by the hub's fast
+    # path without building a message (``chunk_bytes.py``). ``call`` / ``choice`` are the core's
+    # (``machines/request_call.py``): the edge reads what its chunk carries (counts, index, and
+    # what it kept on its own ``GenerateCall`` at validation, ``call.spec``). Returns None for a
+    # chunk it does not hand-encode (then ``encode``); the attribute None: ``encode`` only.
+    chunk_body: Callable[[Call, Choice, list[int]], bytes | None] | None
 
     def release_params(self, request, limits: InputLimits) -> dict | None:
         """PD: the KV-transfer params of a refused decode request to release at the engine, or None."""

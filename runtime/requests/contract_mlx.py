@@ -35,6 +35,7 @@ from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 from enginelink.machines.logprobs import Position
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message
 from enginelink.runtime.errors import ClientError
+from enginelink.runtime.requests.chunk_bytes import stream_chunk
 from enginelink.runtime.requests.inputs import check_request_id
 from enginelink.runtime.requests.pb_fields import (
     check_logit_bias, check_max_tokens, check_prompt_room, check_token_ids, logprobs_cap, no_release_params,
@@ -160,6 +161,16 @@ def _fill(message: pb.OutputLogProbs, positions: list[Position], top: int) -> No
             entry.token_ids.extend(ids)
 
 
+def chunk_body(call, choice, tokens: list[int]) -> bytes | None:
+    """``encode_chunk``'s message as bytes (``chunk_bytes.py``) when it is one message (one token):
+    ``GenerateResponse.chunk`` = 1, the running ``completion_tokens``, ``index`` = 6. A chunk of
+    several tokens is several messages here: None, so it takes ``encode``."""
+    if len(tokens) != 1:
+        return None
+    return stream_chunk(b"", b"\x0a", tokens, call.prompt_tokens, choice.tokens_sent + 1, choice.cached_tokens,
+                        b"\x30", choice.index)
+
+
 class MlxEdge:
     """The MLX contract's edge (``contract.ContractEdge``)."""
 
@@ -167,9 +178,7 @@ class MlxEdge:
     id_field = "request_id"
     validate = staticmethod(validate_generate)
     encode = staticmethod(encode)
-    # No hand-encoded chunk bytes: MLX's chunk carries a running count, which the fast
-    # path's chunk signature has not; its chunks go through ``encode`` (protobuf).
-    chunk_body = None
+    chunk_body = staticmethod(chunk_body)
     raw_request_id = staticmethod(raw_request_id)
     release_params = staticmethod(no_release_params)  # MLX has no prefill/decode disaggregation
 

@@ -29,6 +29,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message, choice_engine_id
 from enginelink.runtime.errors import ClientError
+from enginelink.runtime.requests.chunk_bytes import stream_chunk
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.requests.inputs import stop_strings as _stop_strings, utf8_len
 from enginelink.runtime.requests.pb_fields import (
@@ -209,6 +210,14 @@ def encode_complete(m: Complete) -> pb.GenerateResponse:
     return pb.GenerateResponse(complete=complete)
 
 
+def chunk_body(call, choice, tokens: list[int]) -> bytes:
+    """``encode_chunk``'s message as bytes (``chunk_bytes.py``), for the hub's fast path:
+    ``GenerateResponse.chunk`` = 2, no ``request_id`` (``encode`` sets none), the running
+    ``completion_tokens``, ``index`` = 8."""
+    return stream_chunk(b"", b"\x12", tokens, call.prompt_tokens, choice.tokens_sent + len(tokens),
+                        choice.cached_tokens, b"\x40", choice.index)
+
+
 class SglangEdge:
     """The SGLang contract's edge (``contract.ContractEdge``)."""
 
@@ -216,9 +225,7 @@ class SglangEdge:
     id_field = "request_id"
     validate = staticmethod(validate_generate)
     encode = staticmethod(encode)
-    # No hand-encoded chunk: SGLang's chunks carry the running completion count, which the
-    # fast path's (tokens, prompt, cached, index) bytes do not; every chunk takes ``encode``.
-    chunk_body = None
+    chunk_body = staticmethod(chunk_body)
     release_params = staticmethod(no_release_params)  # PD bootstrap params are refused (``_unsupported``)
     raw_request_id = staticmethod(raw_request_id)
 

@@ -15,18 +15,23 @@ servicer (``reference/tokenspeed.md`` §2-3), and where they differ from vLLM's:
   input, which the wire cannot carry, likewise;
 - the matched stop token is trimmed unless ``no_stop_trim`` (the codec does
   it: ``wire.tokenspeed.TokenSpeedCodec``);
-- responses carry ``request_id``; chunk counts are running totals and logprobs
-  per-chunk deltas. Both need the call's history, which the stateless
-  ``encode`` does not have: ``CallStamp`` (one per call, in the gRPC handler)
-  fills them in as the messages go out.
+- responses carry ``request_id``; chunk counts are running totals (the
+  core's ``Chunk.completion_tokens``) and logprobs per-chunk deltas. The
+  stateless ``encode`` has no id: ``CallStamp`` (one per call, in the gRPC
+  handler) sets it as the messages go out; the hub's hand-encoded chunks
+  (``chunk_body``) take it from ``TokenSpeedCall.id_field``, its bytes made
+  once at validation.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message
 from enginelink.runtime.errors import ClientError
+from enginelink.runtime.requests.chunk_bytes import stream_chunk, string_field
 from enginelink.runtime.requests.constraints import check_json_nesting, parse_json
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings, utf8_len
 from enginelink.runtime.requests.pb_fields import (
@@ -43,6 +48,14 @@ NAME = "tokenspeed"
 def child_id(request_id: str, index: int, n: int) -> str:
     """The engine id of choice ``index``: the id itself when n = 1, else ``<id>-n<index>`` (the reference's)."""
     return request_id if n == 1 else f"{request_id}-n{index}"
+
+
+@dataclass
+class TokenSpeedCall(GenerateCall):
+    """The neutral call, plus what this contract's hand-encoded chunks repeat: ``GenerateResponse.request_id``
+    (field 1) already encoded, so a streamed token does not encode the id again (``chunk_body``)."""
+
+    id_field: bytes = b""
 
 
 # -- the request: GenerateRequest → GenerateCall ------------------------------------------
@@ -87,7 +100,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     refused = preabort_reason(specs[0], output_logprobs_enabled=output_logprobs)  # each child is sent with n = 1
     if refused is not None:
         raise ClientError(refused[0], refused[1], words=refused[1])
-    return GenerateCall(
+    return TokenSpeedCall(
         request_id=request.request_id,
         stream=request.stream,
         prompt_token_ids=prompt,
@@ -96,6 +109,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
         skip_special_tokens=sp.skip_special_tokens,
         max_tokens=max_tokens,
         engine_ids=engine_ids,
+        id_field=string_field(b"\x0a", request.request_id),
     )
 
 
@@ -165,14 +179,14 @@ def _constraint(sp, inputs: InputLimits) -> dict | None:
 
 
 def encode(messages: list[Message]) -> list[pb.GenerateResponse]:
-    """The core's messages as ``GenerateResponse``s, in order; ``CallStamp`` adds the id and running counts."""
+    """The core's messages as ``GenerateResponse``s, in order; ``CallStamp`` adds the id."""
     return [_chunk(m) if type(m) is Chunk else _complete(m) for m in messages]
 
 
 def _chunk(m: Chunk) -> pb.GenerateResponse:
     message = pb.GenerateResponse()
     chunk = message.chunk
-    fill_chunk(chunk, m, len(m.token_ids))  # the delta; CallStamp makes it the running total
+    fill_chunk(chunk, m, m.completion_tokens)  # TokenSpeed's running total
     if m.logprobs:
         fill_output_logprobs(chunk.output_logprobs, m.logprobs, 0)  # top-k is refused: ids and values only
     return message
@@ -184,7 +198,7 @@ def _complete(m: Complete) -> pb.GenerateResponse:
     complete.output_ids.extend(m.output_ids)
     complete.finish_reason = m.finish_reason
     complete.prompt_tokens = m.prompt_tokens
-    complete.completion_tokens = len(m.output_ids)
+    complete.completion_tokens = m.completion_tokens  # streamed: the choice's total, not the last delta's
     complete.cached_tokens = m.cached_tokens
     complete.index = m.index
     if m.logprobs:
@@ -194,36 +208,31 @@ def _complete(m: Complete) -> pb.GenerateResponse:
 
 
 class CallStamp:
-    """One streamed call's response history: fills in what the stateless ``encode`` cannot.
+    """One call's responses stamped with its ``request_id``, which the stateless ``encode`` has not.
 
-    Each message is stamped once, in the order it goes out (the fan-out's
-    direct writes and the writer's sends share one stamp; a message stamped
-    and left for the writer is not stamped again): ``request_id``, and the
-    running completion count of its choice in chunks and in a streamed
-    complete (TokenSpeed's counts are cumulative; the router takes the
-    complete's as the usage). Bounded: one count per choice.
+    A message stamped and left for the writer is not stamped again. The
+    running counts are the core's (``Chunk`` / ``Complete.completion_tokens``),
+    so chunks the hub wrote as bytes (``chunk_body``) need no stamp and leave
+    nothing for it to catch up on.
     """
 
-    __slots__ = ("request_id", "stream", "totals")
+    __slots__ = ("request_id",)
 
-    def __init__(self, request_id: str, stream: bool) -> None:
+    def __init__(self, request_id: str, stream: bool = True) -> None:
         self.request_id = request_id
-        self.stream = stream
-        self.totals: dict[int, int] = {}
 
     def stamp(self, message: pb.GenerateResponse) -> pb.GenerateResponse:
-        if message.request_id:
-            return message
-        message.request_id = self.request_id
-        if message.HasField("chunk"):
-            chunk = message.chunk
-            total = self.totals.get(chunk.index, 0) + len(chunk.token_ids)
-            self.totals[chunk.index] = total
-            chunk.completion_tokens = total
-        elif self.stream:
-            complete = message.complete
-            complete.completion_tokens = self.totals.get(complete.index, 0)
+        if not message.request_id:
+            message.request_id = self.request_id
         return message
+
+
+def chunk_body(call, choice, tokens: list[int]) -> bytes:
+    """``_chunk``'s message, stamped, as bytes (``chunk_bytes.py``), for the hub's fast path:
+    ``request_id`` = 1 (made at validation), ``GenerateResponse.chunk`` = 2, the running
+    ``completion_tokens``, ``index`` = 6."""
+    return stream_chunk(call.spec.id_field, b"\x12", tokens, call.prompt_tokens, choice.tokens_sent + len(tokens),
+                        choice.cached_tokens, b"\x30", choice.index)
 
 
 class TokenSpeedEdge:
@@ -239,7 +248,7 @@ class TokenSpeedEdge:
     def validate(self, request: pb.GenerateRequest, limits: EngineLimits, now: float) -> GenerateCall:
         return validate_generate(request, limits, now, output_logprobs=self.output_logprobs)
 
-    chunk_body = None  # responses need CallStamp: the protobuf path only
+    chunk_body = staticmethod(chunk_body)
     release_params = staticmethod(no_release_params)  # no PD on this contract (``kv_bootstrap_info`` is refused)
     raw_request_id = staticmethod(raw_request_id)
 

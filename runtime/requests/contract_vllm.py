@@ -11,18 +11,21 @@ service is built (``runtime/rpc/grpc_vllm.py``, ``server.py``). An edge provides
   ``ClientError`` naming the field (below, one function per field group);
 - ``encode``: the core's ``Chunk`` / ``Complete`` → the contract's messages;
 - ``chunk_body``: a one-choice chunk (tokens and counts only) straight to
-  the bytes of its serialized message, for the fast path, or None;
+  the bytes of its serialized message, for the fast path (``chunk_bytes.py``), or None;
 - ``release_params``: the PD params of a refused request whose prefill side
   holds KV for it (``kv_transfer.py``), or None.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import msgspec
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message, choice_engine_id
 from enginelink.runtime.requests import kv_transfer
+from enginelink.runtime.requests.chunk_bytes import varint as _varint
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings as _stop_strings
@@ -238,30 +241,7 @@ def encode_complete(m: Complete) -> pb.GenerateResponse:
 # -- a stream chunk's bytes ----------------------------------------------------------
 
 
-_VARINTS = [bytes((value,)) for value in range(0x80)]
-
-
-def _varint(value: int) -> bytes:
-    """A protobuf varint (non-negative values: every field here is uint32).
-
-    One to three bytes (every token id of today's vocabularies, every count
-    below 2M) without a loop: this runs for every streamed token.
-    """
-    if value < 0x80:
-        return _VARINTS[value]
-    if value < 0x4000:
-        return bytes((value & 0x7F | 0x80, value >> 7))
-    if value < 0x200000:
-        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14))
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int, index: int) -> bytes:
+def chunk_body(call, choice, tokens: list[int]) -> bytes:
     """``GenerateResponse(chunk=GenerateStreamChunk(...))`` serialized, without protobuf objects.
 
     Why: the direct path writes one chunk per call per engine frame, and
@@ -275,7 +255,13 @@ def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int,
     index = 7 (logprobs, 5 and 6, are not written here: a call that asked for
     them takes the protobuf path, ``Call.plain_one``). The message is one
     ``join`` of its pieces: each ``+`` would copy what came before it.
+
+    The edge's ``chunk_body`` (``contract.ContractEdge``): it reads the
+    counts off the core's call and choice itself, so the hub's call costs
+    what it did when the hub read them (``stream_chunk_body`` takes them as
+    values).
     """
+    prompt_tokens, cached_tokens, index = call.prompt_tokens, choice.cached_tokens, choice.index
     count = len(tokens)
     # Fields 2-7 after the tokens: prompt_tokens, completion_tokens (never 0 here), cached_tokens, index.
     if count == 1:  # the common chunk, at one token per engine step
@@ -293,6 +279,18 @@ def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int,
     packed_size = _varint(len(packed))
     chunk_size = 1 + len(packed_size) + len(packed) + len(tail)  # field 1 (length-delimited): the tokens
     return b"".join((b"\x0a", _varint(chunk_size), b"\x0a", packed_size, packed, tail))
+
+
+class _Counts(NamedTuple):
+    prompt_tokens: int
+    cached_tokens: int
+    index: int
+
+
+def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int, index: int) -> bytes:
+    """``chunk_body`` for counts given as values (tests compare it with upb's bytes)."""
+    counts = _Counts(prompt_tokens, cached_tokens, index)
+    return chunk_body(counts, counts, tokens)
 
 
 async def prepare_media(app, request: pb.GenerateRequest, spec: GenerateCall) -> GenerateCall:
@@ -319,7 +317,7 @@ class VllmEdge:
     id_field = "request_id"
     validate = staticmethod(validate_generate)
     encode = staticmethod(encode)
-    chunk_body = staticmethod(stream_chunk_body)
+    chunk_body = staticmethod(chunk_body)
     release_params = staticmethod(release_params)
     raw_request_id = staticmethod(raw_request_id)
     prepare_media = staticmethod(prepare_media)

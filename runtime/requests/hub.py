@@ -247,7 +247,8 @@ class RequestHub:
                 tokens = choice.pending
                 if not tokens:
                     continue
-                if direct.send_body(chunk_body(tokens, call.prompt_tokens, choice.cached_tokens, choice.index)):
+                body = chunk_body(call, choice, tokens)
+                if body is not None and direct.send_body(body):
                     take_direct(call)
                     written += 1
                     continue
