@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, assume, example, given, settings, strategies
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.machines.request_call import Call
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.contract_tokenspeed import CallStamp
+from enginelink.runtime.requests.call_stamp import CallStamp
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import FinishReason, OutputBatch
@@ -42,6 +42,8 @@ CONTRACTS = {
     "tokenspeed": ("contract_tokenspeed", "TOKENSPEED_EDGE", "tokenspeed_scheduler_pb2", "max_new_tokens"),
     "mlx": ("contract_mlx", "MLX_EDGE", "mlx_engine_pb2", "max_tokens"),
 }
+# The contracts whose every response repeats the call's request_id (runtime/requests/call_stamp.py).
+STAMPED = ("sglang", "tokenspeed")
 
 
 def contract(name: str):
@@ -61,7 +63,7 @@ def protobuf_bytes(name: str, call: Call) -> list[bytes]:
     """What the call's pending tokens become through the core's ``take`` and the edge's ``encode``."""
     edge, _, _ = contract(name)
     messages = edge.encode(call.take_messages())
-    if name == "tokenspeed":  # its gRPC handler stamps each message with the call's id (grpc_tokenspeed.py)
+    if name in STAMPED:  # their gRPC handler stamps each message with the call's id (service_common.py)
         stamp = CallStamp(call.spec.request_id, True).stamp
         messages = [stamp(m) for m in messages]
     return [m.SerializeToString() for m in messages]
@@ -123,7 +125,7 @@ class Wire:
     def __init__(self, stamp=lambda message: message) -> None:
         self.bodies: list[bytes] = []
         self.ways: list[str] = []
-        self.stamp = stamp  # TokenSpeed's sender stamps the id first (grpc_tokenspeed.StampedSender)
+        self.stamp = stamp  # SGLang's and TokenSpeed's sender stamps the id first (service_common.StampedSender)
 
     def send(self, messages) -> int:
         self.ways += ["protobuf"] * len(messages)
@@ -162,7 +164,7 @@ def streamed(name: str, request_id: str, frames: list[list[int]]):
     total = sum(len(f) for f in frames)
     call = hub.admit(edge.validate(request(name, request_id, [5, 6, 7], total), LIMITS, 0.0), 0.0,
                      wake=asyncio.Event())
-    wire = Wire(CallStamp(request_id, True).stamp) if name == "tokenspeed" else Wire()
+    wire = Wire(CallStamp(request_id, True).stamp) if name in STAMPED else Wire()
     call.direct = wire
     engine_id = call.choices[0].engine_id
     for i, tokens in enumerate(frames):
@@ -182,10 +184,7 @@ def test_a_streamed_call_gets_running_counts_from_bytes_then_a_complete(name):
     assert all(c.prompt_tokens == 3 for c in chunks)
     complete = replies[3].complete
     assert complete.completion_tokens == 4 and list(complete.output_ids) == [14] and complete.finish_reason == "length"
-    if name == "tokenspeed":  # every response names its call
-        assert [r.request_id for r in replies] == ["ünï-1"] * 4
-    else:
-        assert [r.request_id for r in replies] == [""] * 4
+    assert [r.request_id for r in replies] == ["ünï-1"] * 4  # every response names its call, as the references'
 
 
 def test_mlx_sends_single_tokens_as_bytes_and_a_several_token_chunk_as_one_message_each():

@@ -18,6 +18,8 @@ with SGLang's semantics (``reference/sglang-contract.md`` §2, §3):
 - logprobs: ``return_logprob`` + ``top_logprobs_num``; prompt logprobs when
   ``logprob_start_len >= 0`` (only from the first prompt token);
   each chunk carries its own positions (deltas), counts are cumulative;
+- every response repeats the call's ``request_id``, as the reference's do
+  (the handler stamps them: ``call_stamp.py``);
 - refused before the engine, naming the field: no ``tokenized``, hidden
   states, multimodal input, input embeddings, LoRA, a custom logit processor,
   ``token_ids_logprob``, PD bootstrap params (this worker is not a PD leg).
@@ -29,7 +31,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message, choice_engine_id
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.chunk_bytes import stream_chunk
+from enginelink.runtime.requests.call_stamp import StampedCall
+from enginelink.runtime.requests.chunk_bytes import stream_chunk, string_field
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.requests.inputs import stop_strings as _stop_strings, utf8_len
 from enginelink.runtime.requests.pb_fields import (
@@ -78,7 +81,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     engine_ids = [choice_engine_id(request.request_id, index, n) for index in range(n)]
     specs = [GenerateSpec(request_id=engine_id, prompt_token_ids=prompt, sampling=sampling, arrival_time=now,
                           data_parallel_rank=dp_rank) for engine_id in engine_ids]
-    return GenerateCall(
+    return StampedCall(
         request_id=request.request_id,
         stream=request.stream,
         prompt_token_ids=prompt,
@@ -90,6 +93,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
         engine_ids=engine_ids,
         constraint=constraint.field if constraint else None,
         grammar_backend=constraint.backend if constraint else None,
+        id_field=string_field(b"\x0a", request.request_id),
     )
 
 
@@ -211,10 +215,10 @@ def encode_complete(m: Complete) -> pb.GenerateResponse:
 
 
 def chunk_body(call, choice, tokens: list[int]) -> bytes:
-    """``encode_chunk``'s message as bytes (``chunk_bytes.py``), for the hub's fast path:
-    ``GenerateResponse.chunk`` = 2, no ``request_id`` (``encode`` sets none), the running
+    """``encode_chunk``'s message, stamped, as bytes (``chunk_bytes.py``), for the hub's fast path:
+    ``request_id`` = 1 (made at validation), ``GenerateResponse.chunk`` = 2, the running
     ``completion_tokens``, ``index`` = 8."""
-    return stream_chunk(b"", b"\x12", tokens, call.prompt_tokens, choice.tokens_sent + len(tokens),
+    return stream_chunk(call.spec.id_field, b"\x12", tokens, call.prompt_tokens, choice.tokens_sent + len(tokens),
                         choice.cached_tokens, b"\x40", choice.index)
 
 

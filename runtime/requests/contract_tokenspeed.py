@@ -19,7 +19,7 @@ servicer (``reference/tokenspeed.md`` §2-3), and where they differ from vLLM's:
   core's ``Chunk.completion_tokens``) and logprobs per-chunk deltas. The
   stateless ``encode`` has no id: ``CallStamp`` (one per call, in the gRPC
   handler) sets it as the messages go out; the hub's hand-encoded chunks
-  (``chunk_body``) take it from ``TokenSpeedCall.id_field``, its bytes made
+  (``chunk_body``) take it from ``StampedCall.id_field``, its bytes made
   once at validation.
 """
 
@@ -33,6 +33,7 @@ from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Messa
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.chunk_bytes import stream_chunk, string_field
 from enginelink.runtime.requests.constraints import check_json_nesting, parse_json
+from enginelink.runtime.requests.call_stamp import CallStamp, StampedCall  # noqa: F401 (CallStamp: grpc_tokenspeed, tests)
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings, utf8_len
 from enginelink.runtime.requests.pb_fields import (
     check_dp_rank, check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk,
@@ -48,14 +49,6 @@ NAME = "tokenspeed"
 def child_id(request_id: str, index: int, n: int) -> str:
     """The engine id of choice ``index``: the id itself when n = 1, else ``<id>-n<index>`` (the reference's)."""
     return request_id if n == 1 else f"{request_id}-n{index}"
-
-
-@dataclass
-class TokenSpeedCall(GenerateCall):
-    """The neutral call, plus what this contract's hand-encoded chunks repeat: ``GenerateResponse.request_id``
-    (field 1) already encoded, so a streamed token does not encode the id again (``chunk_body``)."""
-
-    id_field: bytes = b""
 
 
 # -- the request: GenerateRequest → GenerateCall ------------------------------------------
@@ -100,7 +93,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     refused = preabort_reason(specs[0], output_logprobs_enabled=output_logprobs)  # each child is sent with n = 1
     if refused is not None:
         raise ClientError(refused[0], refused[1], words=refused[1])
-    return TokenSpeedCall(
+    return StampedCall(
         request_id=request.request_id,
         stream=request.stream,
         prompt_token_ids=prompt,
@@ -205,26 +198,6 @@ def _complete(m: Complete) -> pb.GenerateResponse:
         fill_output_logprobs(complete.output_logprobs, m.logprobs, 0)
     fill_matched(complete, m)
     return message
-
-
-class CallStamp:
-    """One call's responses stamped with its ``request_id``, which the stateless ``encode`` has not.
-
-    A message stamped and left for the writer is not stamped again. The
-    running counts are the core's (``Chunk`` / ``Complete.completion_tokens``),
-    so chunks the hub wrote as bytes (``chunk_body``) need no stamp and leave
-    nothing for it to catch up on.
-    """
-
-    __slots__ = ("request_id",)
-
-    def __init__(self, request_id: str, stream: bool = True) -> None:
-        self.request_id = request_id
-
-    def stamp(self, message: pb.GenerateResponse) -> pb.GenerateResponse:
-        if not message.request_id:
-            message.request_id = self.request_id
-        return message
 
 
 def chunk_body(call, choice, tokens: list[int]) -> bytes:

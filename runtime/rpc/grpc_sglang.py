@@ -76,6 +76,7 @@ def health_check_timeout_s(environ=os.environ) -> float:
 
 class SglangSchedulerService(ContractService, SglangSchedulerBase):
     edge = SGLANG_EDGE
+    stamped = True  # every response carries request_id, as the reference's do
     # Generate, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:

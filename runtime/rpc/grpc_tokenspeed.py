@@ -20,7 +20,6 @@ is TokenSpeed's own (``reference/tokenspeed.md`` §1, §4):
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import trio
@@ -30,13 +29,12 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
 from enginelink.proto.tokenspeed_scheduler_grpc import TokenSpeedSchedulerBase
-from enginelink.runtime.errors import Unavailable, current_request_id, grpc_errors
+from enginelink.runtime.errors import Unavailable, grpc_errors
 from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT
-from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, CallStamp, TokenSpeedEdge
+from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, TokenSpeedEdge
 from enginelink.runtime.lifetime.app import context_len, model_facts
-from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
-from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
+from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
 from enginelink.wire.tokenspeed import ENGINE_VERSION_PREFIX, TOKENSPEED_VERSION
 
@@ -47,24 +45,11 @@ NO_CONTROL = (f"TokenSpeed {TOKENSPEED_VERSION}'s headless wire carries no contr
 CONSTRAINED_DECODING_START = "first_token"
 
 
-class StampedSender(DirectSender):
-    """The fast path's sender, stamping each message with its call's id and running counts first."""
-
-    __slots__ = ("_stamp",)
-
-    def __init__(self, stream, writes: FrameWrites, stamp: CallStamp) -> None:
-        super().__init__(stream, writes)
-        self._stamp = stamp
-
-    def send(self, messages) -> int:
-        stamp = self._stamp.stamp
-        return self.send_bodies([stamp(message).SerializeToString() for message in messages])
-
-
 class TokenSpeedSchedulerService(ContractService, TokenSpeedSchedulerBase):
     edge = TOKENSPEED_EDGE
     health_reply = pb.HealthCheckResponse
     name = SERVICE
+    stamped = True  # every response carries request_id (ContractService.Generate stamps them)
     # HealthCheck, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
@@ -79,19 +64,6 @@ class TokenSpeedSchedulerService(ContractService, TokenSpeedSchedulerBase):
         self.edge = TokenSpeedEdge(output_logprobs=getattr(launcher, "output_logprobs", True))
 
     # -- Generate / Abort -----------------------------------------------------------
-
-    @grpc_errors
-    async def Generate(self, stream) -> None:
-        request = await stream.recv_message()
-        current_request_id.set(request.request_id[: input_limits().request_id_bytes])
-        stamp = CallStamp(request.request_id, request.stream)
-
-        async def send(message) -> None:
-            await stream.send_message(stamp.stamp(message))
-
-        direct = StampedSender(stream, self.frame_writes, stamp) if self.frame_writes.fast_path else None
-        await generate(self.app, request, wake=asyncio.Event(), send=send, direct=direct,
-                       send_headers=stream.send_initial_metadata, edge=self.edge)
 
     @grpc_errors
     async def Abort(self, stream) -> None:

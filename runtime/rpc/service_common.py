@@ -18,6 +18,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from enginelink.runtime.errors import current_request_id, grpc_errors
 from enginelink.runtime.kv.grpc_kv import subscribe_kv_events
+from enginelink.runtime.requests.call_stamp import CallStamp
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.inputs import input_limits
 from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
@@ -32,6 +33,8 @@ class ContractService:
 
     edge = None
     health_reply = None
+    # Every response repeats the call's request_id (SGLang's and TokenSpeed's protos, as their references do).
+    stamped = False
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
         self.app = app
@@ -54,8 +57,18 @@ class ContractService:
         current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
         # runtime/requests/generate.py: the one Generate loop (the simulation runs it too).
         # ENGINELINK_FAST_PATH off: no DirectSender; grpclib sends the headers once admitted, as the fast path does.
-        direct = DirectSender(stream, self.frame_writes) if self.frame_writes.fast_path else None
-        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct,
+        if not self.stamped:
+            direct = DirectSender(stream, self.frame_writes) if self.frame_writes.fast_path else None
+            await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct,
+                           send_headers=stream.send_initial_metadata, edge=self.edge)
+            return
+        stamp = CallStamp(request.request_id, request.stream)  # runtime/requests/call_stamp.py
+
+        async def send(message) -> None:
+            await stream.send_message(stamp.stamp(message))
+
+        direct = StampedSender(stream, self.frame_writes, stamp) if self.frame_writes.fast_path else None
+        await generate(self.app, request, wake=asyncio.Event(), send=send, direct=direct,
                        send_headers=stream.send_initial_metadata, edge=self.edge)
 
     @grpc_errors
@@ -74,6 +87,20 @@ class ContractService:
     async def SubscribeKvEvents(self, stream) -> None:
         # runtime/kv/grpc_kv.py; a contract whose proto has no such RPC (MLX) never routes here.
         await subscribe_kv_events(self.kv_relay, stream)
+
+
+class StampedSender(DirectSender):
+    """The fast path's sender for a stamped contract: each message gets its call's ``request_id`` first."""
+
+    __slots__ = ("_stamp",)
+
+    def __init__(self, stream, writes: FrameWrites, stamp: CallStamp) -> None:
+        super().__init__(stream, writes)
+        self._stamp = stamp
+
+    def send(self, messages) -> int:
+        stamp = self._stamp.stamp
+        return self.send_bodies([stamp(message).SerializeToString() for message in messages])
 
 
 def now_iso() -> str:

@@ -104,6 +104,14 @@ def test_streamed_chunks_are_deltas_with_running_counts_and_equal_the_whole(sgl)
     assert list(complete.output_ids) == list(chunks[0][-1].token_ids)  # the streamed complete repeats the last delta
 
 
+@pytest.mark.parametrize("stream, n", [(True, 1), (False, 1), (True, 2), (False, 2)])
+def test_every_response_names_its_request_id_as_the_references_do(sgl, stream, n):
+    req = request(stream=stream, max_new_tokens=5, ignore_eos=True, n=n, temperature=1.0)
+    replies = list(sgl.sgl.Generate(req, timeout=TIMEOUT_S))
+    assert sum(r.WhichOneof("response") == "complete" for r in replies) == n
+    assert {r.request_id for r in replies} == {req.request_id}  # chunks (the fast path's bytes too) and completes
+
+
 def test_n_2_gives_one_complete_per_choice(sgl):
     chunks, completes = run(sgl, request(stream=True, max_new_tokens=6, ignore_eos=True, n=2, temperature=1.0))
     assert sorted(completes) == [0, 1] and all(len(v) == 1 for v in completes.values())
