@@ -20,7 +20,6 @@ is TokenSpeed's own (``reference/tokenspeed.md`` §1, §4):
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import trio
@@ -37,6 +36,7 @@ from enginelink.runtime.lifetime.app import context_len, model_facts
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
 from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
+from enginelink.runtime.rpc.stream_memory import WakeEvent
 from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
 from enginelink.wire.tokenspeed import ENGINE_VERSION_PREFIX, TOKENSPEED_VERSION
 
@@ -90,7 +90,7 @@ class TokenSpeedSchedulerService(ContractService, TokenSpeedSchedulerBase):
             await stream.send_message(stamp.stamp(message))
 
         direct = StampedSender(stream, self.frame_writes, stamp) if self.frame_writes.fast_path else None
-        await generate(self.app, request, wake=asyncio.Event(), send=send, direct=direct,
+        await generate(self.app, request, wake=WakeEvent(), send=send, direct=direct,
                        send_headers=stream.send_initial_metadata, edge=self.edge)
 
     @grpc_errors

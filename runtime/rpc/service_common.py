@@ -10,7 +10,6 @@ time) are plain functions over the contract's proto module.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 
 from google.protobuf import timestamp_pb2
@@ -21,6 +20,7 @@ from enginelink.runtime.kv.grpc_kv import subscribe_kv_events
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.inputs import input_limits
 from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
+from enginelink.runtime.rpc.stream_memory import WakeEvent
 
 
 class ContractService:
@@ -55,7 +55,7 @@ class ContractService:
         # runtime/requests/generate.py: the one Generate loop (the simulation runs it too).
         # ENGINELINK_FAST_PATH off: no DirectSender; grpclib sends the headers once admitted, as the fast path does.
         direct = DirectSender(stream, self.frame_writes) if self.frame_writes.fast_path else None
-        await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct,
+        await generate(self.app, request, wake=WakeEvent(), send=stream.send_message, direct=direct,
                        send_headers=stream.send_initial_metadata, edge=self.edge)
 
     @grpc_errors
