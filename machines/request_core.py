@@ -247,9 +247,15 @@ class RequestCore:
 
     # -- engine outputs ---------------------------------------------------------------
 
-    def on_batch(self, batch: OutputBatch, now: float, actions: Actions) -> int:
-        """Fan one decoded frame out to its calls; returns the tokens it carried."""
-        self._batches += 1
+    def on_batch(self, batch: OutputBatch, now: float, actions: Actions, *, same_burst: bool = False) -> int:
+        """Fan one decoded frame out to its calls; returns the tokens it carried.
+
+        ``same_burst``: this frame came in the same wake-up as the previous one,
+        and the shell writes the calls both touched once, after the last
+        (``RequestHub.hold_writes``): a call the burst already listed in an
+        earlier ``touched`` is not listed again, its tokens pile up in its choice."""
+        if not same_burst:
+            self._batches += 1
         mark = self._batches
         touched = actions.touched
         by_engine_id = self.by_engine_id

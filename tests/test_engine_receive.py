@@ -99,3 +99,44 @@ async def test_a_frame_it_cannot_read_ends_the_loop_and_says_so(pair):
     assert seen == [("a", 1)]
     assert len(failures) == 1 and "engine sent a frame enginelink cannot read" in failures[0]
     assert link.machine.state is LinkState.FAILED
+
+
+async def test_each_wake_up_ends_with_one_frames_done_after_its_last_frame():
+    # inproc: a frame sent is in the pipe at once, so every frame below waits when the loop starts.
+    context = zmq.Context.instance()
+    pull = make_socket(context, zmq.PULL)
+    push = make_socket(context, zmq.PUSH)
+    pull.bind("inproc://frames-done")
+    push.connect("inproc://frames-done")
+    try:
+        link, seen = make_link()
+        done: list[int] = []  # frames seen by each frames-done call
+        link.on_frames_done = lambda now: done.append(len(seen))
+        queued = 2 * el.FRAMES_PER_WAKEUP + 3
+        for token in range(queued):
+            push.send_multipart(frame("a", token))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(link._receive_loop, pull)
+            with trio.fail_after(2):
+                await wait_for(done, 3)
+            nursery.cancel_scope.cancel()
+        # At most FRAMES_PER_WAKEUP frames per wake-up, each wake-up's writes once after its last.
+        assert done == [el.FRAMES_PER_WAKEUP, 2 * el.FRAMES_PER_WAKEUP, queued]
+        assert seen == [("a", token) for token in range(queued)]
+    finally:
+        push.close()
+        pull.close()
+
+
+async def test_a_frame_that_fails_the_link_still_ends_the_wake_up_with_frames_done(pair):
+    push, pull = pair
+    link, seen = make_link()
+    done: list[int] = []
+    link.on_frames_done = lambda now: done.append(len(seen))
+    link.on_failure = lambda message, now: None
+    push.send_multipart(frame("a", 1))
+    push.send_multipart([b"\xc1 not msgpack"])
+    with trio.fail_after(2):
+        await link._receive_loop(pull)
+    # Frame 1's writes were held for the wake-up's end: they still go out.
+    assert seen == [("a", 1)] and done and done[-1] == 1

@@ -98,7 +98,76 @@ def test_lean_buffer_reads_what_grpclibs_buffer_reads():
     lean = asyncio.run(feed_and_read(LeanBuffer))
     stock = asyncio.run(feed_and_read(Buffer))
     assert lean[:2] == stock[:2] == ([b"abcde", b"fghijkl", b""], [3, 6, 4, 3])
-    assert lean[2]._unacked.qsize() == 0 and lean[2]._unacked._items is None
+    assert lean[2]._unacked.qsize() == 0 and lean[2]._unacked._rest is None and lean[2]._acked is None
+
+
+def test_a_unary_request_read_keeps_no_deque_for_the_eof_it_leaves():
+    """grpclib reads a unary call's one message and never its END_STREAM: the marker stays queued
+    for the call's life, in the queue's slot; the acknowledged-data deque goes once a read took all."""
+    from enginelink.runtime.rpc.stream_memory import LeanBuffer
+
+    async def scenario() -> None:
+        acks: list[int] = []
+        buffer = LeanBuffer(acks.append)
+        body = b"\x00\x00\x00\x00\x03abc"
+        buffer.add(body, len(body))
+        buffer.eof()
+        assert await buffer.read(5) == body[:5]
+        assert await buffer.read(3) == b"abc"
+        assert acks == [len(body)]
+        assert buffer._acked is None and buffer._unacked._rest is None
+        assert buffer._unacked.qsize() == 1  # the EOF marker, unread, as with grpclib's own Buffer
+        assert await buffer.read(4) == b""  # and it still reads as EOF
+
+    asyncio.run(scenario())
+
+
+def test_lean_queue_keeps_order_across_its_slot_and_its_deque():
+    from enginelink.runtime.rpc.stream_memory import LeanQueue
+
+    async def scenario() -> None:
+        q = LeanQueue()
+        for i in range(5):
+            q.put_nowait(i)
+        assert q.qsize() == 5
+        got = [await q.get() for _ in range(3)]
+        q.put_nowait(5)
+        got += [q.get_nowait() for _ in range(3)]
+        assert got == [0, 1, 2, 3, 4, 5] and q.empty() and q._rest is None
+
+    asyncio.run(scenario())
+
+
+def test_wake_event_behaves_as_an_event_for_its_one_waiter():
+    from enginelink.runtime.rpc.stream_memory import WakeEvent
+
+    async def scenario() -> None:
+        wake = WakeEvent()
+        wake.set()
+        assert await asyncio.wait_for(wake.wait(), 1) is True  # set before the wait: at once
+        wake.clear()
+        assert not wake.is_set()
+        waiter = asyncio.ensure_future(wake.wait())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        with pytest.raises(RuntimeError, match="one waiter"):
+            await wake.wait()
+        wake.set()
+        wake.set()  # a second set before the waiter ran changes nothing
+        assert await asyncio.wait_for(waiter, 1) is True and wake._waiter is None
+        wake.clear()
+        cancelled = asyncio.ensure_future(wake.wait())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert wake._waiter is None  # a cancelled writer leaves nothing behind; the next wait works
+        later = asyncio.ensure_future(wake.wait())
+        await asyncio.sleep(0)
+        wake.set()
+        assert await asyncio.wait_for(later, 1) is True
+
+    asyncio.run(scenario())
 
 
 def test_lean_queue_has_one_reader_and_survives_a_cancelled_wait():

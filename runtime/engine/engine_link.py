@@ -204,6 +204,8 @@ class EngineLink:
         # with no process of ours, the simulation's) the credential-shaped patterns only.
         self._redactor = Redactor()
         self.on_batch: Callable[[OutputBatch, float], None] = lambda batch, now: None
+        # After each wake-up's frames (the hub writes what it held: RequestHub.hold_writes).
+        self.on_frames_done: Callable[[float], None] = lambda now: None
         self.on_failure: Callable[[str, float], None] = lambda message, now: None
         # Hears every transition, after it is journaled (readiness follows the state).
         self.on_transition: Callable[[LinkState], None] = lambda state: None
@@ -578,10 +580,12 @@ class EngineLink:
                 except zmq.Again:  # EVENTS said a message was there; do not trust it blindly
                     break
                 if not self._handle_frames(frames):
+                    self.on_frames_done(trio.current_time())
                     return
                 handled += 1
             if handled:
                 self.last_frame_at = trio.current_time()
+                self.on_frames_done(self.last_frame_at)
             if handled == FRAMES_PER_WAKEUP:
                 await trio.lowlevel.checkpoint()  # more waiting: let the writers run first
             else:

@@ -422,6 +422,7 @@ class MemoryLink(EngineLink):
             handled = 0
             while frames is not None:
                 if not self._handle_frames(frames):
+                    self.on_frames_done(trio.current_time())
                     return
                 handled += 1
                 if handled >= FRAMES_PER_WAKEUP:
@@ -431,4 +432,5 @@ class MemoryLink(EngineLink):
                 except trio.WouldBlock:
                     frames = None
             self.last_frame_at = trio.current_time()
+            self.on_frames_done(self.last_frame_at)
             await trio.lowlevel.checkpoint()

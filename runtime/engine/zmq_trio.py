@@ -26,9 +26,15 @@ def make_socket(context: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
+# Plain ints: ``zmq.POLLIN`` is an ``IntFlag``, and ``&`` on one builds a flag through
+# enum's machinery, about as dear as the getsockopt itself; this runs once per engine frame.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
 def has_message(sock: zmq.Socket) -> bool:
     """A whole message is waiting. Reading ``EVENTS`` also re-arms ``FD``'s edge."""
-    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
 
 
 async def wait_fd(fd: int) -> None:

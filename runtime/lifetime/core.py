@@ -58,6 +58,9 @@ def connect(link, hub, app, failed: trio.Event, on_failed=None) -> None:
             on_failed(message, now)
 
     link.on_batch = on_batch
+    # A wake-up's frames are written once, after the last (RequestHub.hold_writes).
+    hub.hold_writes()
+    link.on_frames_done = hub.write_held
     link.on_failure = on_failure
     link.load_probe = lambda: (hub.active_requests, pending_prefill_tokens(hub))
 

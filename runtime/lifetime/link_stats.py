@@ -36,6 +36,10 @@ class LinkStats:
     logprob_errors: int = 0
     # PD: refused decode legs sent to the engine pre-aborted, so the prefill side frees its KV.
     kv_releases: int = 0
+    # Frames whose writes waited for a later frame of the same wake-up, and the wake-ups that
+    # held more than one frame (RequestHub.hold_writes): a servicer behind its engine.
+    held_frames: int = 0
+    held_bursts: int = 0
 
 
 def link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
@@ -46,4 +50,5 @@ def link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
         MAX_CONCURRENT_STREAMS, hub.direct_writes, hub.direct_handovers,
         link.idle_probe.probes_sent, link.idle_probe.probes_answered, sup.idle_probe.interval_s, sup.idle_probe.timeout_s, sup.stop_grace_s,
         hub.stop_chars, hub.stop_steps, hub.logprob_errors, hub.kv_releases,
+        hub.held_frames, hub.held_bursts,
     )

@@ -10,7 +10,6 @@ time) are plain functions over the contract's proto module.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 
 from google.protobuf import timestamp_pb2
@@ -22,6 +21,7 @@ from enginelink.runtime.requests.call_stamp import CallStamp
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.inputs import input_limits
 from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
+from enginelink.runtime.rpc.stream_memory import WakeEvent
 
 
 class ContractService:
@@ -59,7 +59,7 @@ class ContractService:
         # ENGINELINK_FAST_PATH off: no DirectSender; grpclib sends the headers once admitted, as the fast path does.
         if not self.stamped:
             direct = DirectSender(stream, self.frame_writes) if self.frame_writes.fast_path else None
-            await generate(self.app, request, wake=asyncio.Event(), send=stream.send_message, direct=direct,
+            await generate(self.app, request, wake=WakeEvent(), send=stream.send_message, direct=direct,
                            send_headers=stream.send_initial_metadata, edge=self.edge)
             return
         stamp = CallStamp(request.request_id, request.stream)  # runtime/requests/call_stamp.py
@@ -68,7 +68,7 @@ class ContractService:
             await stream.send_message(stamp.stamp(message))
 
         direct = StampedSender(stream, self.frame_writes, stamp) if self.frame_writes.fast_path else None
-        await generate(self.app, request, wake=asyncio.Event(), send=send, direct=direct,
+        await generate(self.app, request, wake=WakeEvent(), send=send, direct=direct,
                        send_headers=stream.send_initial_metadata, edge=self.edge)
 
     @grpc_errors

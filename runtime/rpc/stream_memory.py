@@ -22,9 +22,12 @@ them for a moment or never.
   Assignments (grpclib's ``__init__`` assigns fresh Events) are dropped, so
   the Event it built is freed at once.
 - ``LeanBuffer``: grpclib's ``Buffer`` with its ``asyncio.Queue`` replaced by
-  ``LeanQueue``, a single-consumer queue that holds a deque only while it has
-  items and a future only while its reader waits. grpclib reads a stream's
-  buffer from one task (the handler's ``recv_message``).
+  ``LeanQueue``, a single-consumer queue that holds its head item in a slot,
+  a deque only for more, and a future only while its reader waits; and its
+  acknowledged-data deque made by a read and dropped once empty. grpclib
+  reads a stream's buffer from one task (the handler's ``recv_message``).
+- ``WakeEvent``: a call's wake, an ``asyncio.Event`` for its one waiter
+  without the Event's waiter deque.
 """
 
 from __future__ import annotations
@@ -103,25 +106,37 @@ class DormantEvent:
         raise AttributeError("a DormantEvent is only ever assigned a fresh, unset asyncio.Event")
 
 
-class LeanQueue:
-    """The part of ``asyncio.Queue`` grpclib's ``Buffer`` uses, for one reader, holding nothing when empty."""
+_EMPTY = object()
 
-    __slots__ = ("_items", "_waiter")
+
+class LeanQueue:
+    """The part of ``asyncio.Queue`` grpclib's ``Buffer`` uses, for one reader, holding no deque for one item.
+
+    The head item sits in a slot, the rest (rare: a request body in several
+    DATA frames not yet read) in a deque made only then. A unary call's
+    request leaves its END_STREAM marker here for the call's whole life (the
+    handler reads the one message and never the EOF): a slot, not a deque."""
+
+    __slots__ = ("_head", "_rest", "_waiter")
 
     def __init__(self) -> None:
-        self._items: deque | None = None
+        self._head = _EMPTY
+        self._rest: deque | None = None
         self._waiter: asyncio.Future | None = None
 
     def put_nowait(self, item) -> None:
-        if self._items is None:
-            self._items = deque()
-        self._items.append(item)
+        if self._head is _EMPTY:
+            self._head = item
+        else:
+            if self._rest is None:
+                self._rest = deque()
+            self._rest.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     async def get(self):
-        while not self._items:
+        while self._head is _EMPTY:
             if self._waiter is not None:
                 raise RuntimeError("LeanQueue has one reader; a second one waits")
             self._waiter = asyncio.get_running_loop().create_future()
@@ -132,18 +147,23 @@ class LeanQueue:
         return self.get_nowait()
 
     def get_nowait(self):
-        if not self._items:
+        item = self._head
+        if item is _EMPTY:
             raise asyncio.QueueEmpty
-        item = self._items.popleft()
-        if not self._items:
-            self._items = None  # an idle stream keeps no deque
+        rest = self._rest
+        if rest:
+            self._head = rest.popleft()
+            if not rest:
+                self._rest = None  # an idle stream keeps no deque
+        else:
+            self._head = _EMPTY
         return item
 
     def empty(self) -> bool:
-        return not self._items
+        return self._head is _EMPTY
 
     def qsize(self) -> int:
-        return len(self._items) if self._items else 0
+        return 0 if self._head is _EMPTY else 1 + (len(self._rest) if self._rest else 0)
 
 
 class LeanBuffer(Buffer):
@@ -152,3 +172,53 @@ class LeanBuffer(Buffer):
     def __init__(self, ack_callback) -> None:
         super().__init__(ack_callback)
         self._unacked = LeanQueue()
+        self._acked = None  # made by a read, dropped once the read took everything (Buffer.read's deque)
+
+    async def read(self, size: int) -> bytes:
+        if self._acked is None:
+            self._acked = deque()
+        try:
+            return await super().read(size)
+        finally:
+            if not self._acked:
+                self._acked = None
+
+
+class WakeEvent:
+    """A call's wake (``generate``'s ``wake``): ``asyncio.Event`` for its one waiter, the call's writer.
+
+    ``asyncio.Event`` keeps a waiter deque from birth (~0.7 KiB) for the
+    call's whole life; this keeps one future, only while the writer waits.
+    ``set`` may come from the trio side (the hub's fan-out), as for an Event:
+    it resolves the future, whose callbacks run on the writer's loop."""
+
+    __slots__ = ("_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiter: asyncio.Future | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(True)
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self) -> bool:
+        if self._set:
+            return True
+        if self._waiter is not None:
+            raise RuntimeError("a WakeEvent has one waiter; a second one waits")
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        return True

@@ -1,0 +1,101 @@
+"""The frames of one wake-up, written once: one message per call, one socket write per wake-up.
+
+A servicer behind its engine finds many frames waiting when its receive task
+wakes. With the hub holding writes (``RequestHub.hold_writes``, what
+``runtime/lifetime/core.connect`` turns on), the calls those frames touched
+are written after the last of them (``write_held``): each call's client gets
+every token of the burst in one chunk, in order, with its complete and
+trailers where it finished, and the connections' writes go out once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from enginelink.runtime.requests.hub import RequestHub
+from enginelink.runtime.requests.validate import validate_generate
+from enginelink.wire.engine import FinishReason, OutputBatch
+from tests.harness import generate_request
+from tests.test_hub_direct import LIMITS, Wire, hub_with_call, kinds, output
+
+
+def held_hub(calls: int = 2, max_tokens: int = 8):
+    """A hub holding writes, with ``calls`` streaming calls, each writing to its own ``Wire``."""
+    hub, first, _ = hub_with_call(Wire())
+    wires = [first.direct]
+    calls_ = [first]
+    for i in range(1, calls):
+        request = generate_request(f"r{i + 1}", [5, 6, 7], stream=True, max_tokens=max_tokens, seed=1)
+        call = hub.admit(validate_generate(request, LIMITS, 0.0), 0.0, wake=asyncio.Event())
+        call.direct = Wire()
+        wires.append(call.direct)
+        calls_.append(call)
+    flushes = []
+    hub.end_of_batch = lambda: flushes.append(1)
+    hub.hold_writes()
+    return hub, calls_, wires, flushes
+
+
+def engine_id(call) -> str:
+    return call.choices[0].engine_id
+
+
+def test_the_frames_of_one_wake_up_give_each_call_one_chunk_with_all_their_tokens():
+    hub, (a, b), (wa, wb), flushes = held_hub()
+    hub.on_batch(OutputBatch(0, [output(engine_id(a), [11]), output(engine_id(b), [21])]), 1.0)
+    hub.on_batch(OutputBatch(0, [output(engine_id(a), [12]), output(engine_id(b), [22])]), 1.0)
+    hub.on_batch(OutputBatch(0, [output(engine_id(b), [23])]), 1.0)
+    assert wa.written == [] and wb.written == [] and flushes == []  # nothing before the wake-up's end
+    hub.write_held(1.0)
+    assert [list(m.chunk.token_ids) for m in wa.written] == [[11, 12]]
+    assert [list(m.chunk.token_ids) for m in wb.written] == [[21, 22, 23]]
+    assert flushes == [1]  # one flush of the connections' writes per wake-up, not per frame
+    assert (hub.held_frames, hub.held_bursts) == (2, 1)
+    assert not a.wake.is_set() and not b.wake.is_set()  # written from the fan-out, no writer woken
+
+
+def test_a_call_that_finishes_inside_the_burst_gets_its_chunk_complete_and_trailers_at_its_end():
+    hub, (a, b), (wa, wb), _ = held_hub()
+    # ``a`` (max_tokens 2) finishes on the burst's first frame, ``b`` only goes on.
+    hub.on_batch(OutputBatch(0, [output(engine_id(a), [11, 12], FinishReason.LENGTH), output(engine_id(b), [21])]), 1.0)
+    hub.on_batch(OutputBatch(0, [output(engine_id(b), [22])]), 1.0)
+    hub.write_held(1.0)
+    assert kinds(wa.written) == ["chunk", "complete", "trailers"]
+    assert list(wa.written[1].complete.output_ids) == [11, 12]
+    assert [list(m.chunk.token_ids) for m in wb.written] == [[21, 22]]
+    assert "r1" not in hub.calls and "r2" in hub.calls
+
+
+def test_a_frame_alone_in_its_wake_up_is_written_as_before_and_bursts_do_not_leak_into_the_next():
+    hub, (a, b), (wa, wb), flushes = held_hub()
+    hub.on_batch(OutputBatch(0, [output(engine_id(a), [11])]), 1.0)
+    hub.write_held(1.0)
+    hub.on_batch(OutputBatch(0, [output(engine_id(a), [12])]), 2.0)
+    hub.write_held(2.0)
+    assert [list(m.chunk.token_ids) for m in wa.written] == [[11], [12]]
+    assert wb.written == [] and flushes == [1, 1]
+    assert (hub.held_frames, hub.held_bursts) == (0, 0)
+    hub.write_held(3.0)  # a wake-up with no frame: nothing written, the flush runs (it writes nothing)
+    assert [list(m.chunk.token_ids) for m in wa.written] == [[11], [12]]
+
+
+def test_a_call_whose_window_fills_inside_the_burst_hands_the_rest_to_its_writer_in_order():
+    hub, (a, b), (wa, wb), _ = held_hub()
+    wa.room = 0  # a's client stopped reading: nothing of a's goes from the fan-out
+    hub.on_batch(OutputBatch(0, [output(engine_id(a), [11]), output(engine_id(b), [21])]), 1.0)
+    hub.on_batch(OutputBatch(0, [output(engine_id(a), [12], FinishReason.LENGTH)]), 1.0)
+    hub.write_held(1.0)
+    assert wa.written == [] and a.wake.is_set()
+    taken = hub.take(a, 2.0)  # its backlog first, then what is pending
+    assert [m.WhichOneof("response") for m in taken] == ["chunk", "complete"]
+    assert list(taken[0].chunk.token_ids) == [11, 12]
+    assert [list(m.chunk.token_ids) for m in wb.written] == [[21]]
+
+
+def test_without_holding_each_frame_is_written_at_once():
+    hub, call, _ = hub_with_call(Wire())
+    assert isinstance(hub, RequestHub)
+    hub.on_batch(OutputBatch(0, [output(engine_id(call), [11])]), 1.0)
+    assert [list(m.chunk.token_ids) for m in call.direct.written] == [[11]]
+    hub.write_held(1.0)  # not holding: a no-op
+    assert [list(m.chunk.token_ids) for m in call.direct.written] == [[11]]
