@@ -246,8 +246,11 @@ def test_h2_client_tops_up_small_windows(servicer):
     than that, each and together (checked, so the test cannot pass without a top-up)."""
     from tests.harness import generate_request
 
+    # 64 streams of 1500 tokens: at least ~190 KB of token ids alone (the sim's ids are 2-byte varints but for
+    # 1 in 32), however many tokens each chunk carries; with 32, the per-wake-up chunks of a loaded box (one
+    # chunk per call for every frame the engine ran ahead) came to 105 KB, under the margin below.
     requests = {n: generate_request(f"h2-window-{n}", [3 + n, 4], stream=True, max_tokens=1500, ignore_eos=True)
-                for n in range(32)}
+                for n in range(64)}
     seen, data_bytes = _h2_calls(servicer, requests, window=4096, timeout_s=30.0)
     assert data_bytes > 2 * 65_535
     for n in requests:
