@@ -162,13 +162,16 @@ class Servicer:
 
         def serving() -> bool:
             if self.process.poll() is not None:
-                raise RuntimeError(f"servicer exited with {self.process.returncode}:\n{self.log()}")
+                return True  # ends the wait at once; reported below with its log (wait_until would retry a raise)
             reply = health.Check(health_pb2.HealthCheckRequest(service=self.health_service), timeout=1)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
         if wait_serving:
             try:
                 wait_until(serving, timeout_s, "servicer SERVING")
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"servicer exited with {self.process.returncode} before SERVING:\n"
+                                       f"{self.log()[-4000:]}")
             except BaseException:
                 # Not left running for the rest of the run (``with Servicer(...)`` does not
                 # reach ``__exit__`` when ``start`` raises); its log stays for the report.

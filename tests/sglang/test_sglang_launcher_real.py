@@ -256,8 +256,10 @@ def test_the_worker_probe_reads_the_leader_off_a_real_sglang_serve_command_line(
                                "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{port}",
                                "--tp-size", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        # Popen returns once the exec happened: this is the real command line, not the test's.
-        cmdline = Path(f"/proc/{worker.pid}/cmdline").read_bytes()
+        # Popen returns once the exec happened, yet CI once read a command line of fewer than three words
+        # there: read until the kernel shows the script's (bounded), the real one, not the test's.
+        cmdline = wait_until(lambda: (lambda line: line if len(line.split(b"\0")) > 3 else None)(
+            Path(f"/proc/{worker.pid}/cmdline").read_bytes()), 10, "the worker's command line")
     finally:
         worker.kill()
         worker.wait(timeout=60)
