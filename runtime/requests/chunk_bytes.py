@@ -17,8 +17,8 @@ token ids packed (``tests/test_chunk_bytes.py`` compares them with
 ``SerializeToString`` for each contract, over random and edge values).
 An edge's ``chunk_body(call, choice, tokens)`` (``contract.ContractEdge``)
 reads its values off the core's call and choice and calls ``stream_chunk``
-with its layout's constants; vLLM's keeps its own specialised
-``contract_vllm.stream_chunk_body``.
+with its layout's constants (vLLM's ``completion_tokens`` is the chunk's own
+count, the others' a running total).
 """
 
 from __future__ import annotations

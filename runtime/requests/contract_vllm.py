@@ -18,14 +18,12 @@ service is built (``runtime/rpc/grpc_vllm.py``, ``server.py``). An edge provides
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import msgspec
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message, choice_engine_id
 from enginelink.runtime.requests import kv_transfer
-from enginelink.runtime.requests.chunk_bytes import varint as _varint
+from enginelink.runtime.requests.chunk_bytes import stream_chunk
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings as _stop_strings
@@ -241,56 +239,22 @@ def encode_complete(m: Complete) -> pb.GenerateResponse:
 # -- a stream chunk's bytes ----------------------------------------------------------
 
 
-def chunk_body(call, choice, tokens: list[int]) -> bytes:
-    """``GenerateResponse(chunk=GenerateStreamChunk(...))`` serialized, without protobuf objects.
-
-    Why: the direct path writes one chunk per call per engine frame, and
-    building it as upb messages (two messages, their arena, five field sets,
-    then ``SerializeToString``) was the largest single cost of a streamed
-    token between engine steps (docs/benchmarks.md). This writes the same
-    bytes (fields in number order, zeros left out, token ids packed, as upb
-    does; ``tests/test_hub_direct.py`` compares them with upb's). Layout:
-    vllm_engine.proto, ``GenerateResponse.chunk`` = 1; ``GenerateStreamChunk``:
-    token_ids = 1, prompt_tokens = 2, completion_tokens = 3, cached_tokens = 4,
-    index = 7 (logprobs, 5 and 6, are not written here: a call that asked for
-    them takes the protobuf path, ``Call.plain_one``). The message is one
-    ``join`` of its pieces: each ``+`` would copy what came before it.
-
-    The edge's ``chunk_body`` (``contract.ContractEdge``): it reads the
-    counts off the core's call and choice itself, so the hub's call costs
-    what it did when the hub read them (``stream_chunk_body`` takes them as
-    values).
-    """
-    prompt_tokens, cached_tokens, index = call.prompt_tokens, choice.cached_tokens, choice.index
-    count = len(tokens)
-    # Fields 2-7 after the tokens: prompt_tokens, completion_tokens (never 0 here), cached_tokens, index.
-    if count == 1:  # the common chunk, at one token per engine step
-        packed = _varint(tokens[0])
-        tail = b"\x10" + _varint(prompt_tokens) + b"\x18\x01" if prompt_tokens else b"\x18\x01"
-    else:
-        packed = b"".join(map(_varint, tokens))
-        tail = b"\x18" + _varint(count)
-        if prompt_tokens:
-            tail = b"\x10" + _varint(prompt_tokens) + tail
-    if cached_tokens:
-        tail += b"\x20" + _varint(cached_tokens)
-    if index:
-        tail += b"\x38" + _varint(index)
-    packed_size = _varint(len(packed))
-    chunk_size = 1 + len(packed_size) + len(packed) + len(tail)  # field 1 (length-delimited): the tokens
-    return b"".join((b"\x0a", _varint(chunk_size), b"\x0a", packed_size, packed, tail))
-
-
-class _Counts(NamedTuple):
-    prompt_tokens: int
-    cached_tokens: int
-    index: int
-
-
 def stream_chunk_body(tokens: list[int], prompt_tokens: int, cached_tokens: int, index: int) -> bytes:
-    """``chunk_body`` for counts given as values (tests compare it with upb's bytes)."""
-    counts = _Counts(prompt_tokens, cached_tokens, index)
-    return chunk_body(counts, counts, tokens)
+    """``GenerateResponse(chunk=GenerateStreamChunk(...))`` serialized, without protobuf objects
+    (``chunk_bytes.stream_chunk``; ``tests/test_hub_direct.py`` compares it with upb's bytes).
+
+    Layout: vllm_engine.proto, ``GenerateResponse.chunk`` = 1; ``GenerateStreamChunk``:
+    token_ids = 1, prompt_tokens = 2, completion_tokens = 3 (this chunk's count, not a running
+    total), cached_tokens = 4, index = 7 (logprobs, 5 and 6, are not written here: a call that
+    asked for them takes the protobuf path, ``Call.plain_one``).
+    """
+    return stream_chunk(b"", b"\x0a", tokens, prompt_tokens, len(tokens), cached_tokens, b"\x38", index)
+
+
+def chunk_body(call, choice, tokens: list[int]) -> bytes:
+    """The edge's ``chunk_body`` (``contract.ContractEdge``): ``stream_chunk_body`` of the core's counts."""
+    return stream_chunk(b"", b"\x0a", tokens, call.prompt_tokens, len(tokens), choice.cached_tokens, b"\x38",
+                        choice.index)
 
 
 async def prepare_media(app, request: pb.GenerateRequest, spec: GenerateCall) -> GenerateCall:

@@ -573,7 +573,7 @@ class DirectSender:
         return True
 
     def send_bodies(self, bodies) -> int:
-        """``send`` for messages already serialized (``hub.stream_chunk_body``)."""
+        """``send`` for messages already serialized (an edge's ``chunk_body``)."""
         if not self._writable():
             return 0
         own = self._own
