@@ -49,9 +49,10 @@ VLLM_SHARED_SCOPE = "real vLLM: the session's engine"
 VLLM_OWN_SCOPE = "real vLLM: own engines"
 # The vision model's engine (minutes on CPU: BLIP-2's encoder) runs beside the other two scopes.
 VLLM_VISION_SCOPE = "real vLLM: vision"
-MLX_SCOPE = "real MLX"
-# The real SGLang launcher, run up to the engine launch (no scheduler): minutes of SGLang imports.
-SGLANG_LAUNCHER_SCOPE = "real SGLang launcher"
+# MLX's engine and, after it on the same worker, the real SGLang launcher run up to the engine launch
+# (no scheduler; minutes of SGLang imports). Apart, the two scopes were one more heavy worker on 2
+# cores: three CI runs in a row then lost servicers that could not even bind their port in 60 s.
+MLX_SCOPE = "real MLX, then the real SGLang launcher"
 ENGINE_SCOPES = (
     (VLLM_OWN_SCOPE, ("tests/vllm/test_vllm_dp.py", "tests/vllm/test_vllm_embed.py",
                       "tests/vllm/test_vllm_launcher_plugin.py", "tests/vllm/test_vllm_lifecycle.py",
@@ -59,8 +60,7 @@ ENGINE_SCOPES = (
                       "tests/wire/test_vllm_logprobs.py"), ()),
     (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py"), ()),
     (VLLM_SHARED_SCOPE, ("tests/vllm/",), ("vllm_stack", "vllm_quiet")),
-    (MLX_SCOPE, ("tests/mlx/",), ("mlx_stack",)),
-    (SGLANG_LAUNCHER_SCOPE, ("tests/sglang/",), ()),
+    (MLX_SCOPE, ("tests/mlx/", "tests/sglang/"), ("mlx_stack",)),
 )
 VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE)
 # The simulation's seed sweeps (tests/sim: 400 seeds a module, each a second or so of CPU, on

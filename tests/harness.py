@@ -168,7 +168,10 @@ class Servicer:
 
         if wait_serving:
             try:
-                wait_until(serving, timeout_s, "servicer SERVING")
+                try:
+                    wait_until(serving, timeout_s, "servicer SERVING")
+                except TimeoutError as error:  # alive but not serving: its log says how far it got
+                    raise TimeoutError(f"{error}; its log ends:\n{self.log()[-3000:]}") from None
                 if self.process.poll() is not None:
                     raise RuntimeError(f"servicer exited with {self.process.returncode} before SERVING:\n"
                                        f"{self.log()[-4000:]}")
