@@ -140,7 +140,7 @@ class MediaMetrics:
     """``smg_servicer_media_*``: what the fetcher did, and its bound."""
 
     def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str], inflight_max: int,
-                 bytes_max: int) -> None:  # fmt: skip
+                 bytes_max: int, processor_bounds_s: tuple[float, float] = (0.0, 0.0)) -> None:  # fmt: skip
         names = list(labels)
         self._labels = dict(labels)
         self.fetches = Counter("smg_servicer_media_fetches", "Media items fetched, by scheme and outcome",
@@ -162,6 +162,12 @@ class MediaMetrics:
         self.process_latency = Histogram("smg_servicer_media_process_seconds", "One request's media through the "
                                          "model's processor, queue included", names, buckets=FETCH_BUCKETS_S,
                                          registry=registry)  # fmt: skip
+        # The processor helper's bounds, as the other bounds here: its start, and one request's whole turn.
+        start_s, process_s = processor_bounds_s
+        _child(Gauge("smg_servicer_media_processor_start_timeout_seconds", "ENGINELINK_MM_PROCESSOR_START_TIMEOUT_S",
+                     names, registry=registry), self._labels).set(start_s)  # fmt: skip
+        _child(Gauge("smg_servicer_media_process_timeout_seconds", "ENGINELINK_MM_PROCESS_TIMEOUT_S", names,
+                     registry=registry), self._labels).set(process_s)  # fmt: skip
 
     def fetched(self, scheme: str, outcome: str, seconds: float | None) -> None:
         _child(self.fetches, self._labels, scheme=scheme, outcome=outcome).inc()
@@ -199,7 +205,8 @@ class MediaService:
         self.settings = settings
         self.jobs = 0
         self.metrics = MediaMetrics(registry or CollectorRegistry(), labels or {}, settings.inflight_max,
-                                    settings.bytes_in_flight_max)  # fmt: skip
+                                    settings.bytes_in_flight_max,
+                                    (settings.processor_start_timeout_s, settings.process_timeout_s))  # fmt: skip
         # ``network``: (resolve, connect) for tests standing in for DNS and routing; None: the real ones.
         self.fetcher = Fetcher(settings, self.metrics, network=network)
         # The model's processor, where this worker has one: a model dir and the vLLM venv's interpreter

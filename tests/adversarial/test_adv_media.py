@@ -372,3 +372,16 @@ def test_media_knobs_defaults_and_values():
     assert (settings.enabled, settings.allow_private, settings.fetch_timeout_s, settings.redirects_max) == (
         True, True, 2.5, 0)
     assert MediaSettings().item_bytes_max == 32 << 20 and MediaSettings().inflight_max == 64
+
+
+def test_the_processor_helpers_bounds_are_knobs_shown_in_metrics():
+    settings = media_settings_from({"SMG_VLLM_MM_PROCESSOR": "inprocess", "ENGINELINK_MM_PROCESSOR_START_TIMEOUT_S": "90",
+                                    "ENGINELINK_MM_PROCESS_TIMEOUT_S": "15"})
+    registry = CollectorRegistry()
+    MediaService(settings, registry=registry)
+    assert registry.get_sample_value("smg_servicer_media_processor_start_timeout_seconds", {}) == 90
+    assert registry.get_sample_value("smg_servicer_media_process_timeout_seconds", {}) == 15
+    defaults = CollectorRegistry()
+    MediaService(media_settings_from({"SMG_VLLM_MM_PROCESSOR": "inprocess"}), registry=defaults)
+    assert defaults.get_sample_value("smg_servicer_media_processor_start_timeout_seconds", {}) == 180
+    assert defaults.get_sample_value("smg_servicer_media_process_timeout_seconds", {}) == 60
