@@ -56,12 +56,20 @@ def engine_core_pid(launcher: int) -> int:
     return wait_until(find, 5, "the EngineCore process")
 
 
+def in_flight(metrics_port: int) -> float:
+    """The servicer's Generate calls in flight, from its metrics."""
+    return sum(value for name, value in scrape(metrics_port).items()
+               if name.startswith("smg_servicer_in_flight_requests{"))
+
+
 def no_process_left(launcher: int) -> None:
     wait_until(lambda: not session_members(launcher), 10, f"no process left in the engine's session {launcher}")
 
 
 def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_model_dir, vllm_python):
-    servicer = vllm_servicer(tmp_path, test_model_dir, ENGINE_ARGS, env=NO_WARMUP).start(timeout_s=START_TIMEOUT_S)
+    metrics_port = free_port()
+    servicer = Servicer(tmp_path, model_dir=test_model_dir, extra=["--engine", "vllm", "--metrics-port", str(metrics_port)],
+                        engine_args=ENGINE_ARGS, env=NO_WARMUP).start(timeout_s=START_TIMEOUT_S)
     try:
         launcher = engine_pid(servicer.journal)
         core = engine_core_pid(launcher)
@@ -69,8 +77,13 @@ def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_
                                                                 max_tokens=LONG, ignore_eos=True)) for i in range(4)]
         for reader in readers:
             reader.start()
-        for reader in readers:
-            assert reader.started_streaming.wait(30)
+        # The core is frozen once the first stream flows, then killed once all four calls are in
+        # the servicer: a CI box at load 17 once let a 2040-token stream finish between its first
+        # token and the last reader's, so the kill met a finished call. Frozen, nothing finishes.
+        wait_until(lambda: any(r.started_streaming.is_set() for r in readers), 30, "a first stream")
+        os.kill(core, signal.SIGSTOP)
+        wait_until(lambda: in_flight(metrics_port) == 4, 30, "all four calls in flight in the servicer")
+        assert not any(r.completes for r in readers), "a call finished before the kill"
         killed_at = time.monotonic()
         os.kill(core, signal.SIGKILL)
         for reader in readers:
