@@ -336,6 +336,15 @@ def _fast_path() -> bool:
         raise ConfigError(str(error)) from None
 
 
+def _gc_policy():
+    from enginelink.runtime.lifetime.gc_policy import GcPolicy
+
+    try:
+        return GcPolicy.from_env(os.environ)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def build_config(args: argparse.Namespace):
     from enginelink.runtime.engine.engine_process import (
         PLACEMENT_CHOICES, PLACEMENT_DEFAULT, SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT,
@@ -420,6 +429,7 @@ def build_config(args: argparse.Namespace):
         kv_events=kv_events,
         grpc_limits=_grpc_limits(),
         fast_path=_fast_path(),
+        gc_policy=_gc_policy(),
         argv=list(sys.argv),
         codec=choice.codec,
         contract=choice.contract,

@@ -42,6 +42,7 @@ from enginelink.journal.files import (
 from enginelink.machines.liveness import ProbeTiming
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.lifetime import core
+from enginelink.runtime.lifetime.gc_policy import GcPolicy
 from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
 from enginelink.runtime.engine.engine_process import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
@@ -81,6 +82,7 @@ class ServeConfig:
     kv_events: KvPlan | None = None  # None: KV events off (SubscribeKvEvents is UNIMPLEMENTED)
     grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)  # message size, connections (grpc_limits.py)
     fast_path: bool = True  # ENGINELINK_FAST_PATH: off, grpclib's own send path only (runtime/rpc/fastpath.py)
+    gc_policy: GcPolicy = field(default_factory=GcPolicy)  # set at SERVING (runtime/lifetime/gc_policy.py)
     argv: list[str] = field(default_factory=list)
     # The wire's codec and the contract served (runtime/lifetime/engines.py, ``serve --wire``).
     codec: str = "vllm"
@@ -185,9 +187,22 @@ async def _serve(config: ServeConfig, journal: JournalPlan, grpc_sock: socket.so
         loop_stats = run_ready_callbacks_together(loop)  # runtime/rpc/fastpath.py: less trio per gRPC call
         if servicer.metrics is not None:
             servicer.metrics.add_gauges("asyncio", lambda: loop_stats)
+        if servicer.metrics is not None:
+            servicer.metrics.add_gauges("gc", config.gc_policy.stats)
         front = GrpcFront(config, grpc_sock, status)
         signals = lambda: trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)  # noqa: E731
-        return await servicer.run(front, signals, task_status)
+        return await servicer.run(front, signals, _OnServing(task_status, config.gc_policy.apply))
+
+
+class _OnServing:
+    """The serve task's status: ``on_serving`` runs once serving begins, before the caller hears of it."""
+
+    def __init__(self, task_status, on_serving) -> None:
+        self.task_status, self.on_serving = task_status, on_serving
+
+    def started(self, value=None) -> None:
+        self.on_serving()
+        self.task_status.started(value)
 
 
 def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, status: ServiceStatus) -> Composition:
