@@ -203,10 +203,18 @@ def test_tokenspeed_generates_the_vllm_personalitys_tokens_with_stop_ids_length_
     stop_id = expected[3]
     stopped = spec("s", max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_id,))
     front.send(front.codec.encode_add(stopped))
-    tokens, outs = collect(front.next_batch, "s")
+    frames_seen = []
+
+    def next_batch_keeping_frames():
+        batch = front.next_batch()
+        frames_seen.append(batch.frames)
+        return batch
+
+    tokens, outs = collect(next_batch_keeping_frames, "s")
     assert tokens == expected[: expected.index(stop_id)]
     assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == stop_id
-    (last_on_wire,) = [ids for rid, ids in zip(outs[-1]._batch.rids, outs[-1]._batch.output_ids) if rid == "s"]
+    on_wire = tokenspeed.decode_batch(frames_seen[-1])  # the engine's own step, before the codec trims
+    (last_on_wire,) = [ids for rid, ids in zip(on_wire.rids, on_wire.output_ids) if rid == "s"]
     assert last_on_wire[-1] == stop_id
     # The second request found the first's prompt blocks cached.
     assert outs[0].cached_tokens == 32

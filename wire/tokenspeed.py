@@ -194,6 +194,29 @@ class WireEngineCoreReadyResponse(msgspec.Struct):
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _REQUEST: Final = msgspec.msgpack.Decoder(TokenizedGenerateReqInput)
 _OUTPUT: Final = msgspec.msgpack.Decoder(BatchTokenIDOutSlim)
+_LOGPROB_COLUMNS: Final = ("output_token_logprobs_val", "output_token_logprobs_idx")
+
+
+def _read_struct() -> type[msgspec.Struct]:
+    """``BatchTokenIDOutSlim`` as the front end reads a step: the logprob columns left ``Raw``.
+
+    A step carries two logprob lists per request, empty unless it asked for
+    logprobs; decoding them made two lists per request per step. They are
+    decoded the first time a request of the step reads them (``_StepLogprobs``).
+    """
+    fields = []
+    for info in msgspec.structs.fields(BatchTokenIDOutSlim):
+        kind = msgspec.Raw if info.name in _LOGPROB_COLUMNS else info.type
+        fields.append((info.name, kind) if info.required else (info.name, kind, info.default))
+    config = BatchTokenIDOutSlim.__struct_config__
+    return msgspec.defstruct("BatchTokenIDOutSlimRead", fields, tag=config.tag, tag_field=config.tag_field,
+                             array_like=True, kw_only=True, gc=False)  # fmt: skip
+
+
+BatchTokenIDOutSlimRead = _read_struct()
+_OUTPUT_READ: Final = msgspec.msgpack.Decoder(BatchTokenIDOutSlimRead)
+_LOGPROB_VALUES: Final = msgspec.msgpack.Decoder(list[list[float]])
+_LOGPROB_IDS: Final = msgspec.msgpack.Decoder(list[list[int]])
 _STATUS: Final = msgspec.msgpack.Decoder(WireReadyMessage)
 _READY: Final = msgspec.msgpack.Decoder(WireEngineCoreReadyResponse)
 _ABORT: Final = msgspec.msgpack.Decoder(list[str])
@@ -330,11 +353,33 @@ class TokenSpeedOutput(msgspec.Struct, gc=False):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    _batch: BatchTokenIDOutSlim | None = None
+    _batch: _StepLogprobs | None = None  # the step's logprob columns, read when this request's are
     _index: int = 0
 
     def __repr__(self) -> str:
         return f"TokenSpeedOutput({self.request_id!r}, {self.new_token_ids!r}, finish={self.finish_reason})"
+
+
+class _StepLogprobs:
+    """One step's logprob columns, decoded once, the first time a request of the step reads them."""
+
+    __slots__ = ("_raw", "_n", "_columns")
+
+    def __init__(self, values: msgspec.Raw, ids: msgspec.Raw, n: int) -> None:
+        self._raw, self._n = (values, ids), n
+        self._columns: tuple[list[list[float]], list[list[int]]] | None = None
+
+    def columns(self) -> tuple[list[list[float]], list[list[int]]]:
+        if self._columns is None:
+            try:
+                values, ids = _LOGPROB_VALUES.decode(self._raw[0]), _LOGPROB_IDS.decode(self._raw[1])
+            except msgspec.DecodeError as exc:
+                raise WireError(f"undecodable TokenSpeed logprob column: {exc}") from None
+            for name, column in zip(_LOGPROB_COLUMNS, (values, ids)):
+                if len(column) != self._n:
+                    raise WireError(f"TokenSpeed BatchTokenIDOutSlim has {self._n} rids but {len(column)} {name}")
+            self._columns = values, ids
+        return self._columns
 
 
 def load_stats(batch: BatchTokenIDOutSlim) -> SchedulerStats:
@@ -390,9 +435,12 @@ class TokenSpeedCodec:
         raise ValueError(f"TokenSpeed {TOKENSPEED_VERSION}'s wire has no control calls ({method!r})")
 
     def decode_output(self, frames: Sequence[bytes]) -> OutputBatch | EngineDead:
-        batch = decode_batch(frames)
-        if isinstance(batch, EngineDead):
-            return batch
+        """One step's outputs; its logprob columns stay undecoded until a request reads them (``logprobs``)."""
+        if not frames:
+            raise WireError("empty TokenSpeed output message")
+        if frames[0] == ENGINE_CORE_DEAD:
+            return EngineDead()
+        batch = _decode(_OUTPUT_READ, frames[0], "BatchTokenIDOutSlim")
         rids = batch.rids or []
         n = len(rids)
         columns = (batch.output_ids, batch.finished_reasons, batch.prompt_tokens, batch.completion_tokens,
@@ -402,14 +450,16 @@ class TokenSpeedCodec:
                             f"{[len(column) for column in columns]}")
         reasons = batch.finished_reasons
         try:
-            finishes = [_FINISH[reason] for reason in reasons]
+            finishes = list(map(_FINISH.__getitem__, reasons))
         except KeyError:
             i = next(i for i, reason in enumerate(reasons) if reason not in _FINISH)
             raise WireError(f"TokenSpeed finish reason {reasons[i]!r} for {rids[i]!r} "
                             f"is none of {sorted(_FINISH)}") from None
+        logprobs = _StepLogprobs(batch.output_token_logprobs_val, batch.output_token_logprobs_idx, n)
         # One output per request, made in C (``map`` over the columns): the per-request cost of this wire.
         outputs = list(map(TokenSpeedOutput, rids, batch.output_ids, finishes, repeat(None), repeat(None),
-                           batch.prompt_tokens, batch.completion_tokens, batch.cached_tokens, repeat(batch), range(n)))
+                           batch.prompt_tokens, batch.completion_tokens, batch.cached_tokens, repeat(logprobs),
+                           range(n)))  # fmt: skip
         for i in [i for i, finish in enumerate(finishes) if finish is not None]:
             out = outputs[i]
             rid, tokens = out.request_id, out.new_token_ids
@@ -428,10 +478,13 @@ class TokenSpeedCodec:
     @staticmethod
     def logprobs(output: TokenSpeedOutput, frames: Sequence[bytes]) -> tuple[LogprobRows | None, LogprobRows | None]:
         """The sampled tokens' logprobs of this step (TokenSpeed carries no top-k and no prompt logprobs)."""
-        batch, i = output._batch, output._index
-        if batch is None or not batch.output_token_logprobs_val[i]:
+        step, i = output._batch, output._index
+        if step is None:
             return None, None
-        values, ids = batch.output_token_logprobs_val[i], batch.output_token_logprobs_idx[i]
+        all_values, all_ids = step.columns()
+        values, ids = all_values[i], all_ids[i]
+        if not values:
+            return None, None
         if len(values) != len(ids):
             raise WireError(f"TokenSpeed logprob values and ids disagree for {output.request_id!r}")
         kept = len(output.new_token_ids)

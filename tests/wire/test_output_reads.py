@@ -8,7 +8,9 @@ full decode (``decode_message``) over random steps, logprob rows included; a
 malformed token array or count column is still refused; and the read struct
 has the declared struct's layout, field for field. TokenSpeed's outputs are
 built by ``map`` over the step's columns (``TokenSpeedCodec.decode_output``):
-a column shorter than ``rids`` is refused rather than cut short.
+a column shorter than ``rids`` is refused rather than cut short; its two
+logprob columns are left Raw until a request reads them, so a short one
+fails that read, not the step.
 """
 
 from __future__ import annotations
@@ -73,6 +75,21 @@ def test_the_lean_decode_reads_what_the_full_decode_reads(step):
     assert lean == full_read(frames)
 
 
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=40),
+       odd=st.one_of(st.none(), st.tuples(st.integers(0, 39), st.sampled_from(["l", "i", "Q"]))))
+def test_a_step_of_one_token_each_reads_as_the_arrays_say(tokens, odd):
+    """The common step's one-unpack read (``token_lists``): each entry's own token, and an entry of another
+    typecode (same payload size or not) read as ``ext_hook`` reads it rather than as a "q"."""
+    column = [s.pack_array([t]) for t in tokens]
+    if odd is not None and tokens:
+        at, typecode = odd
+        at %= len(tokens)
+        value = abs(tokens[at]) % (1 << 31)
+        column[at] = s.pack_array([value], typecode)
+    assert s.token_lists(column) == [s.ext_hook(e.code, memoryview(e.data)).tolist() for e in column]
+
+
 def test_a_malformed_token_array_or_count_column_is_still_refused():
     step = g.token_batch(["a"], [[5]], [None], prompt_tokens=[3], completion_tokens=[1])
     seven_bytes = msgspec.msgpack.Ext(s.EXT_ARRAY, b"\x00\x00\x00\x02\xa1q" + b"\x00" * 7)  # not a whole int64
@@ -133,3 +150,35 @@ def test_a_tokenspeed_column_shorter_than_its_rids_is_refused(column):
 def test_a_tokenspeed_finish_reason_it_does_not_know_is_refused():
     with pytest.raises(WireError, match="finish reason 'done' for 'b'"):
         ts.TokenSpeedCodec().decode_output(ts.encode_outputs(_slim(finished_reasons=["", "done"])))
+
+
+@pytest.mark.parametrize("column", ["output_token_logprobs_val", "output_token_logprobs_idx"])
+def test_a_short_tokenspeed_logprob_column_fails_only_the_reads_of_logprobs(column):
+    """The logprob columns are read lazily: the step's tokens still go out, a read of its logprobs fails
+    (the request core then fails that call alone, ``RequestCore._logprobs``)."""
+    short = _slim(output_token_logprobs_val=[[-0.5], [-0.25]], output_token_logprobs_idx=[[5], [6]])
+    setattr(short, column, getattr(short, column)[:1])
+    a, b = ts.TokenSpeedCodec().decode_output(ts.encode_outputs(short)).outputs
+    assert (a.new_token_ids, b.new_token_ids) == ([5], [6])
+    with pytest.raises(WireError, match=f"2 rids but 1 {column}"):
+        ts.TokenSpeedCodec.logprobs(a, [])
+
+
+def test_tokenspeed_logprobs_are_read_from_the_step_and_trimmed_with_a_stop():
+    step = _slim(output_token_logprobs_val=[[-0.5], [-0.25, -0.75]], output_token_logprobs_idx=[[5], [6, 7]])
+    a, b = ts.TokenSpeedCodec().decode_output(ts.encode_outputs(step)).outputs
+    rows_a, _ = ts.TokenSpeedCodec.logprobs(a, [])
+    rows_b, _ = ts.TokenSpeedCodec.logprobs(b, [])
+    assert (list(rows_a.token_ids), list(rows_a.logprobs)) == ([5], [-0.5])
+    assert (list(rows_b.token_ids), list(rows_b.logprobs)) == ([6], [-0.25])  # the stop token 7 trimmed, with its logprob
+    none = ts.TokenSpeedCodec().decode_output(ts.encode_outputs(_slim())).outputs[0]
+    assert ts.TokenSpeedCodec.logprobs(none, []) == (None, None)
+
+
+def test_the_tokenspeed_read_struct_has_the_declared_layout():
+    declared = msgspec.structs.fields(ts.BatchTokenIDOutSlim)
+    read = msgspec.structs.fields(ts.BatchTokenIDOutSlimRead)
+    assert [(f.name, f.required, f.default) for f in read] == [(f.name, f.required, f.default) for f in declared]
+    config = ts.BatchTokenIDOutSlimRead.__struct_config__
+    assert (config.tag, config.tag_field, config.array_like) == ("BatchTokenIDOutSlim", ts.TAG_FIELD, True)
+    assert {f.name for f in read if f.type is msgspec.Raw} == {"output_token_logprobs_val", "output_token_logprobs_idx"}
