@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from array import array
 from itertools import repeat
-from typing import Any, Final, Sequence
+from typing import Any, Final, Iterable, Sequence
 
 import msgspec
 
@@ -292,9 +292,13 @@ def _column(batch: msgspec.Struct, name: str, index: int, default: Any = 0) -> A
     return default if column is None or index >= len(column) or column[index] is None else column[index]
 
 
-def _counts(column: list[int] | None, n: int) -> list[int]:
-    """A per-request count column, n long, absent entries 0 (as ``_column``); as sent when it is whole."""
-    if column is not None and len(column) == n and None not in column:
+def _counts(column: list[int] | None, n: int) -> Iterable[int]:
+    """A per-request count column, n long, absent entries 0 (as ``_column``); as sent when it is whole,
+    zeros without a Python loop when absent or empty (SGLang's scheduler sends its spec counts as empty
+    lists when it runs no speculative decoding, ``output_streamer.py``)."""
+    if not column:
+        return repeat(0, n)
+    if len(column) == n and None not in column:
         return column
     return [_column_at(column, i, 0) for i in range(n)]
 
@@ -537,6 +541,9 @@ def token_batch(rids: list[str], output_ids: list[list[int]], finished_reasons: 
         output_token_ids_logprobs_idx=empty, output_token_entropy_val=None, output_token_sampling_mask=None,
         output_hidden_states=None, routed_experts=None, indexer_topk=None, placeholder_tokens_idx=None,
         placeholder_tokens_val=None,
+        # A scheduler without speculative decoding sends these empty (``output_streamer.py``).
+        spec_verify_ct=[], spec_num_correct_drafts=[], spec_num_block_accept_tokens=[], spec_num_cap_tokens=[],
+        spec_correct_drafts_histogram=[], spec_cap_lens_histogram=[],
     )
     fields.update(columns)
     return s.BatchTokenIDOutput(**fields)
