@@ -83,8 +83,9 @@ def _log(message: str) -> None:
 
 def _write_facts(path: str | None, facts: dict) -> None:
     if path:
-        Path(f"{path}.tmp").write_text(json.dumps(facts))
-        os.replace(f"{path}.tmp", path)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        Path(tmp).write_text(json.dumps(facts))
+        os.replace(tmp, path)
 
 
 def run(args: argparse.Namespace) -> int:

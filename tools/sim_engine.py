@@ -476,8 +476,9 @@ def _write_pd_facts(config: SimConfig, kv_transfer: dict) -> None:
     path = os.environ.get(ENGINE_FACTS_ENV)
     if path:
         # Atomically: enginelink reads the file at the handshake.
-        Path(f"{path}.tmp").write_text(json.dumps(_pd_facts(config, kv_transfer)))
-        os.replace(f"{path}.tmp", path)
+        tmp = f"{path}.{os.getpid()}.tmp"  # each DP rank writes the same facts: a temp file of its own
+        Path(tmp).write_text(json.dumps(_pd_facts(config, kv_transfer)))
+        os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -509,7 +510,9 @@ def _write_facts(path: str | None, args: argparse.Namespace) -> None:
     """What vLLM's launch script reports beside the ready response (runtime/engine/vllm_headless.py):
     the runner (whether the servicer offers Generate or Embed) and --max-logprobs."""
     if path:
-        tmp = f"{path}.tmp"
+        # Every DP rank writes the same facts: each through a temp file of its own, or one rank's
+        # replace takes the other's temp file away under it (a rank then died at start-up).
+        tmp = f"{path}.{os.getpid()}.tmp"
         Path(tmp).write_text(json.dumps({"runner_type": args.runner, "max_logprobs": args.max_logprobs}))
         os.replace(tmp, path)
 
