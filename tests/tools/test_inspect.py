@@ -36,8 +36,12 @@ def busy(tmp_path_factory, test_model_dir):
     servicer = Servicer(tmp_path_factory.mktemp("inspect"), model_dir=test_model_dir,
                         engine_args=["--step-us", "20000", "--bind-cpu", str(BOUND_CPU)],
                         # The opt-in priority knobs on, so inspect has them to show (defaults: 0 and normal).
+                        # So deprioritised, on a CI box at load 15 its start took over 60 s (40 s before the
+                        # engine's placement, then a full warm-up): warm-up is off (nothing here reads it)
+                        # and the start has minutes, as the real-engine servicers do.
                         env={"ENGINELINK_DRAIN_SECS": "0.2", "ENGINELINK_PLACEMENT": "auto",
-                             "ENGINELINK_ENGINE_NICE": "10", "ENGINELINK_SERVICER_SCHED": "batch"}).start()
+                             "ENGINELINK_ENGINE_NICE": "10", "ENGINELINK_SERVICER_SCHED": "batch",
+                             "ENGINELINK_WARMUP": "off"}).start(timeout_s=180)
     streams = []
     try:
         streams = [Stream(servicer, "long-0", **LONG), Stream(servicer, "long-1", **LONG),
@@ -46,7 +50,7 @@ def busy(tmp_path_factory, test_model_dir):
         list(servicer.stub.Generate(generate_request("pair", PROMPT, n=2, temperature=1.0, max_tokens=3,
                                                      ignore_eos=True)))
         for stream in streams:
-            assert stream.streaming.wait(5)
+            assert stream.streaming.wait(30)
         servicer.stub.Abort(pb.AbortRequest(request_ids=["cut"]))
         wait_until(lambda: journal_has(servicer.journal, lambda recs: any(
             r.kind == "client.sent" and r.payload["request_id"] == "cut" for r in recs)), 5, "cut's abort on disk")
