@@ -18,8 +18,12 @@ import pytest
 from enginelink.tools import bench, bench_load
 from tests.harness import VENV_BIN
 
+# Enough tokens that the servicer's CPU shows: the bench reads it from /proc in clock ticks (10 ms),
+# and at ~15 us a token a run of 128 tokens (8 x 16) once read 0 ticks in CI.
 REQUESTS = 32
-MAX_TOKENS = 32
+MAX_TOKENS = 128
+SMALL_REQUESTS, SMALL_MAX_TOKENS = 16, 128  # 2,048 tokens: some 30 ms of servicer CPU, three ticks or more
+SMALL = ("--requests", str(SMALL_REQUESTS), "--max-tokens", str(SMALL_MAX_TOKENS))
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -73,10 +77,10 @@ def test_cli_json_report_counts_are_consistent(test_model_dir, client):
 @pytest.mark.slow
 def test_engine_args_reach_the_engine(test_model_dir):
     """A cost model given with --engine-args shapes the run; counts still hold."""
-    args = _args("--model", str(test_model_dir), "--requests", "8", "--max-tokens", "16",
+    args = _args("--model", str(test_model_dir), *SMALL,
                  "--concurrency", "4", "--engine-args=--step-us 2000 --max-num-seqs 2")
     report = bench.measure(args)
-    _check_counts(report, 8, 16)
+    _check_counts(report, SMALL_REQUESTS, SMALL_MAX_TOKENS)
     assert report["config"]["engine_args"] == ["--step-us", "2000", "--max-num-seqs", "2"]
     assert report["server"]["max_num_seqs"] == 2  # as the engine reported it
 
@@ -84,10 +88,10 @@ def test_engine_args_reach_the_engine(test_model_dir):
 @pytest.mark.slow
 def test_the_tokenspeed_contract_is_measured_the_same_way(test_model_dir):
     """``--wire tokenspeed``: the sim speaks TokenSpeed's wire and the load speaks its contract; counts hold."""
-    args = _args("--model", str(test_model_dir), "--wire", "tokenspeed", "--requests", "8", "--max-tokens", "16",
+    args = _args("--model", str(test_model_dir), "--wire", "tokenspeed", *SMALL,
                  "--concurrency", "4", "--engine-args=--max-num-seqs 3")
     report = bench.measure(args)
-    _check_counts(report, 8, 16)
+    _check_counts(report, SMALL_REQUESTS, SMALL_MAX_TOKENS)
     assert report["server"]["wire"] == "tokenspeed"
     assert report["server"]["server_type"] == "tokenspeed-0.1.1"
     assert report["server"]["max_num_seqs"] == 3  # from TokenSpeed's scheduler_info, as the engine reported it
@@ -97,10 +101,10 @@ def test_the_tokenspeed_contract_is_measured_the_same_way(test_model_dir):
 @pytest.mark.slow
 def test_the_sglang_contract_is_measured_the_same_way(test_model_dir):
     """``--wire sglang``: the sim speaks SGLang's scheduler wire, the load SglangScheduler; counts hold."""
-    args = _args("--model", str(test_model_dir), "--wire", "sglang", "--requests", "8", "--max-tokens", "16",
+    args = _args("--model", str(test_model_dir), "--wire", "sglang", *SMALL,
                  "--concurrency", "4", "--engine-args=--max-num-seqs 3")
     report = bench.measure(args)
-    _check_counts(report, 8, 16)
+    _check_counts(report, SMALL_REQUESTS, SMALL_MAX_TOKENS)
     assert report["server"]["wire"] == "sglang"
     assert report["server"]["server_type"] == "sglang-0.5.23"
     assert report["server"]["max_num_seqs"] == 3  # SGLang's max_running_requests, as the engine reported it
