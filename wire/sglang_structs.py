@@ -30,6 +30,8 @@ from typing import Any, Final, Union
 
 import msgspec
 
+from enginelink.wire.struct_layout import read_struct
+
 SGLANG_VERSION: Final = "0.5.23"
 
 EXT_ARRAY: Final = 1  # array.array (token ids); 2-5 (tensors, numpy, shm, CUDA IPC) are never sent by us
@@ -379,16 +381,7 @@ READ_COLUMNS: Final = {
 }
 
 
-def _read_struct(cls: type[msgspec.Struct], read: dict[str, Any]) -> type[msgspec.Struct]:
-    fields = []
-    for info in msgspec.structs.fields(cls):
-        kind = read.get(info.name, msgspec.Raw)
-        fields.append((info.name, kind) if info.required else (info.name, kind, info.default))
-    config = cls.__struct_config__
-    return msgspec.defstruct(f"{cls.__name__}Read", fields, tag=config.tag, array_like=True, kw_only=True, gc=False)
-
-
-BatchTokenIDOutputRead = _read_struct(BatchTokenIDOutput, READ_COLUMNS)
+BatchTokenIDOutputRead = read_struct(BatchTokenIDOutput, lambda field: READ_COLUMNS.get(field.name, msgspec.Raw))
 
 
 def token_lists(column: list) -> list[list[int]]:

@@ -29,6 +29,7 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -58,6 +59,19 @@ ENGINES: dict[str, dict[str, Any]] = {
         },
     },
 }
+
+
+def read_struct(cls: type[msgspec.Struct], kind_of: Callable[[Any], Any]) -> type[msgspec.Struct]:
+    """``cls``'s layout (tag, positions, required fields, defaults) as a front end reads it:
+    each field decoded as ``kind_of(field_info)`` says, ``msgspec.Raw`` for a column it reads
+    only when asked (or never). Named ``<cls>Read``; ``layout_of`` describes both alike."""
+    fields = []
+    for info in msgspec.structs.fields(cls):
+        kind = kind_of(info)
+        fields.append((info.name, kind) if info.required else (info.name, kind, info.default))
+    config = cls.__struct_config__
+    return msgspec.defstruct(f"{cls.__name__}Read", fields, tag=config.tag, tag_field=config.tag_field,
+                             array_like=config.array_like, kw_only=True, gc=False)  # fmt: skip
 
 
 def _plain(value: Any) -> Any:

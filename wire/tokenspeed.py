@@ -52,7 +52,7 @@ from enginelink.wire.engine import (
     SchedulerStats,
     WireError,
 )
-from enginelink.wire.struct_layout import layout_of
+from enginelink.wire.struct_layout import layout_of, read_struct
 
 TOKENSPEED_VERSION: Final = "0.1.1"
 TAG_FIELD: Final = "_tag"
@@ -197,23 +197,10 @@ _OUTPUT: Final = msgspec.msgpack.Decoder(BatchTokenIDOutSlim)
 _LOGPROB_COLUMNS: Final = ("output_token_logprobs_val", "output_token_logprobs_idx")
 
 
-def _read_struct() -> type[msgspec.Struct]:
-    """``BatchTokenIDOutSlim`` as the front end reads a step: the logprob columns left ``Raw``.
-
-    A step carries two logprob lists per request, empty unless it asked for
-    logprobs; decoding them made two lists per request per step. They are
-    decoded the first time a request of the step reads them (``_StepLogprobs``).
-    """
-    fields = []
-    for info in msgspec.structs.fields(BatchTokenIDOutSlim):
-        kind = msgspec.Raw if info.name in _LOGPROB_COLUMNS else info.type
-        fields.append((info.name, kind) if info.required else (info.name, kind, info.default))
-    config = BatchTokenIDOutSlim.__struct_config__
-    return msgspec.defstruct("BatchTokenIDOutSlimRead", fields, tag=config.tag, tag_field=config.tag_field,
-                             array_like=True, kw_only=True, gc=False)  # fmt: skip
-
-
-BatchTokenIDOutSlimRead = _read_struct()
+# A step as the front end reads it: its two logprob columns (two lists per request, empty unless the
+# request asked for logprobs) left Raw, decoded when a request of the step reads them (``_StepLogprobs``).
+BatchTokenIDOutSlimRead = read_struct(
+    BatchTokenIDOutSlim, lambda field: msgspec.Raw if field.name in _LOGPROB_COLUMNS else field.type)
 _OUTPUT_READ: Final = msgspec.msgpack.Decoder(BatchTokenIDOutSlimRead)
 _LOGPROB_VALUES: Final = msgspec.msgpack.Decoder(list[list[float]])
 _LOGPROB_IDS: Final = msgspec.msgpack.Decoder(list[list[int]])
@@ -388,13 +375,20 @@ def load_stats(batch: BatchTokenIDOutSlim) -> SchedulerStats:
                           kv_cache_usage=min(max(usage, 0.0), 1.0))
 
 
-def decode_batch(frames: Sequence[bytes]) -> BatchTokenIDOutSlim | EngineDead:
-    """The raw decode of one output message (aux frames, if any, carry nothing we read)."""
+def _decode_step(frames: Sequence[bytes], decoder: msgspec.msgpack.Decoder) -> Any:
+    """One output message's step (``decoder``'s struct), or EngineDead; aux frames carry nothing we read."""
     if not frames:
         raise WireError("empty TokenSpeed output message")
     if frames[0] == ENGINE_CORE_DEAD:
         return EngineDead()
-    batch = _decode(_OUTPUT, frames[0], "BatchTokenIDOutSlim")
+    return _decode(decoder, frames[0], "BatchTokenIDOutSlim")
+
+
+def decode_batch(frames: Sequence[bytes]) -> BatchTokenIDOutSlim | EngineDead:
+    """The raw decode of one output message (aux frames, if any, carry nothing we read)."""
+    batch = _decode_step(frames, _OUTPUT)
+    if isinstance(batch, EngineDead):
+        return batch
     rids = batch.rids or []
     for name in ("output_ids", "finished_reasons", "prompt_tokens", "completion_tokens", "cached_tokens",
                  "output_token_logprobs_val", "output_token_logprobs_idx"):
@@ -436,11 +430,9 @@ class TokenSpeedCodec:
 
     def decode_output(self, frames: Sequence[bytes]) -> OutputBatch | EngineDead:
         """One step's outputs; its logprob columns stay undecoded until a request reads them (``logprobs``)."""
-        if not frames:
-            raise WireError("empty TokenSpeed output message")
-        if frames[0] == ENGINE_CORE_DEAD:
-            return EngineDead()
-        batch = _decode(_OUTPUT_READ, frames[0], "BatchTokenIDOutSlim")
+        batch = _decode_step(frames, _OUTPUT_READ)
+        if isinstance(batch, EngineDead):
+            return batch
         rids = batch.rids or []
         n = len(rids)
         columns = (batch.output_ids, batch.finished_reasons, batch.prompt_tokens, batch.completion_tokens,

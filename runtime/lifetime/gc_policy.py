@@ -32,10 +32,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from enginelink.runtime.env_flags import on_off
+
 FREEZE_ENV = "ENGINELINK_GC_FREEZE"
 YOUNG_ENV = "ENGINELINK_GC_YOUNG"
 YOUNG_DEFAULT = 20_000
-_ON, _OFF = ("", "1", "on", "true", "yes"), ("0", "off", "false", "no")
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,7 @@ class GcPolicy:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> GcPolicy:
         """The knobs; ValueError names the one that is wrong."""
-        raw = env.get(FREEZE_ENV, "").strip().lower()
-        if raw not in _ON + _OFF:
-            raise ValueError(f"{FREEZE_ENV}={raw!r}: expected 1/on or 0/off")
+        freeze = on_off(env, FREEZE_ENV)
         young_raw = env.get(YOUNG_ENV, "").strip()
         try:
             young = int(young_raw) if young_raw else YOUNG_DEFAULT
@@ -57,7 +56,7 @@ class GcPolicy:
                 from None
         if not 1 <= young <= 10_000_000:
             raise ValueError(f"{YOUNG_ENV}={young}: expected 1 to 10,000,000 allocations (Python's own is 700)")
-        return cls(freeze=raw in _ON, young=young)
+        return cls(freeze=freeze, young=young)
 
     def apply(self) -> None:
         """Collect start-up's garbage, then freeze what is left and set the young threshold."""

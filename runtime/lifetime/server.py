@@ -187,7 +187,6 @@ async def _serve(config: ServeConfig, journal: JournalPlan, grpc_sock: socket.so
         loop_stats = run_ready_callbacks_together(loop)  # runtime/rpc/fastpath.py: less trio per gRPC call
         if servicer.metrics is not None:
             servicer.metrics.add_gauges("asyncio", lambda: loop_stats)
-        if servicer.metrics is not None:
             servicer.metrics.add_gauges("gc", config.gc_policy.stats)
         front = GrpcFront(config, grpc_sock, status)
         signals = lambda: trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)  # noqa: E731

@@ -83,12 +83,12 @@ from h2.events import RemoteSettingsChanged
 from h2.settings import SettingCodes
 from h2.stream import StreamInputs, StreamState
 
+from enginelink.runtime.env_flags import on_off
 from enginelink.runtime.rpc.grpc_limits import ConnectionGuard, GrpcLimits
 from enginelink.runtime.rpc.stream_memory import DormantEvent, LeanBuffer
 from enginelink.runtime.requests.hub import IN_FLIGHT_MAX
 
 FAST_PATH_ENV = "ENGINELINK_FAST_PATH"
-_ON, _OFF = frozenset({"", "1", "on", "true", "yes"}), frozenset({"0", "off", "false", "no"})
 
 # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, both ways: admission (IN_FLIGHT_MAX) is the
 # bound that answers (UNAVAILABLE); this sits above it with room for control calls.
@@ -98,12 +98,7 @@ MAX_CONCURRENT_STREAMS = IN_FLIGHT_MAX + 256
 
 def fast_path_from_env(env: Mapping[str, str] = os.environ) -> bool:
     """``ENGINELINK_FAST_PATH``; ValueError names the knob for anything but on/off words."""
-    raw = env.get(FAST_PATH_ENV, "").strip().lower()
-    if raw in _ON:
-        return True
-    if raw in _OFF:
-        return False
-    raise ValueError(f"{FAST_PATH_ENV}={raw!r}: expected 1/on or 0/off")
+    return on_off(env, FAST_PATH_ENV)
 
 
 # -- the coalescing transport (fast path) -----------------------------------------------
