@@ -79,6 +79,7 @@ from grpclib.protocol import Connection, EventsProcessor, H2Protocol, Stream
 from grpclib.server import Server
 from h2.connection import ConnectionInputs, ConnectionState, H2Connection
 from h2.errors import ErrorCodes
+from h2.exceptions import ProtocolError as H2ProtocolError
 from h2.events import RemoteSettingsChanged
 from h2.settings import SettingCodes
 from h2.stream import StreamInputs, StreamState
@@ -308,6 +309,28 @@ class LimitedProtocol(H2Protocol):
         # call's end counts as activity, so a full period after a look that found one).
         self._timer = connection.loop.call_later(due - now if now < due else idle_s, self._idle_due)
 
+    def goodbye(self) -> None:
+        """The server stops: GOAWAY (no error, the last stream it took), then close the connection.
+
+        Without it the connection stays open until the process exits, and a
+        call sent on it after the handlers ended got no answer at all: on a
+        loaded machine the exit (journal flush, interpreter shutdown) took long
+        enough for a client's deadline to pass (DEADLINE_EXCEEDED rather than
+        UNAVAILABLE). After GOAWAY a client opens a new connection for its next
+        call, which the closed listener refuses at once: UNAVAILABLE, retried elsewhere.
+        """
+        connection = getattr(self, "connection", None)
+        if connection is None or connection.is_closing():
+            return
+        h2_conn = connection.h2
+        try:
+            h2_conn.close_connection(ErrorCodes.NO_ERROR, last_stream_id=h2_conn.highest_inbound_stream_id,
+                                     additional_data=b"stopping")
+            connection.flush()
+        except H2ProtocolError:
+            pass  # h2 already closed it (the peer's GOAWAY, a protocol error): close the socket all the same
+        self.processor.close("server stopping")
+
     def connection_lost(self, exc) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -327,6 +350,17 @@ class GrpcServer(Server):
         self.guard = ConnectionGuard(limits or GrpcLimits())
         self.fast_path = fast_path
         self.protocols: set[LimitedProtocol] = set()  # open connections (flow_states)
+
+    async def wait_closed(self) -> None:
+        """grpclib's wait for the handlers, then GOAWAY and close every connection (``goodbye``).
+
+        The connections are closed even when the wait is cut short (the caller's bound).
+        """
+        try:
+            await super().wait_closed()
+        finally:
+            for protocol in list(self.protocols):
+                protocol.goodbye()
 
     def _protocol_factory(self) -> H2Protocol:  # G1
         # grpclib's factory registers the connection's handler; keep its parts.
