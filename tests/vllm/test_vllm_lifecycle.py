@@ -135,7 +135,10 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
             os.kill(core, signal.SIGCONT)
         with pytest.raises(grpc.RpcError) as refused:
             list(servicer.stub.Generate(generate_request("late", PROMPT, max_tokens=4), timeout=5))
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Refused while draining or stopping, or (sent after the front closed) by the closed port.
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (
+            f"{refused.value.code()} {refused.value.details()!r}, {time.monotonic() - signalled:.1f} s after "
+            f"SIGTERM; the servicer's log ends:\n{servicer.log()[-3000:]}")
         assert servicer.wait(40) == 0
         took = time.monotonic() - signalled
         # Issue 22: the servicer never exits before every process of its engine's
