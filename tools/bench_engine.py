@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -252,7 +253,11 @@ def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: l
         raise RuntimeError(f"{error}\nservicer log ends:\n{servicer.log()}") from None
     finally:
         servicer.stop()
-    return load_result(report)
+    result = load_result(report)
+    if engine == "mlx":  # the engine's stop line: its steps and how requests joined its batch (mlx_core.summary)
+        stopped = re.findall(r"mlx-engine\[\d+\]: stopping: [^;\n]*; ([^\n]*)", servicer.log())
+        result["engine_summary"] = stopped[-1] if stopped else None
+    return result
 
 
 def load_result(report: dict) -> dict:

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 RAW_TIMEOUT_S = 1800.0
@@ -193,13 +194,20 @@ def raw_main(plan: dict) -> dict:
         gen.insert(prompts=[[rng.randrange(3, vocab) for _ in range(plan["prompt_tokens"])]], max_tokens=[tokens],
                    samplers=[sampler], state_machines=[generate.SequenceStateMachine()])
 
+    steps, bursts = [0], Counter()  # what the engine's stop line says of enginelink's arm (mlx_core.summary)
+
     def drive(n_requests: int, n_concurrent: int, tokens_each: int) -> tuple[int, int]:
         sent = done = tokens = 0
         while sent < min(n_concurrent, n_requests):
             add(tokens_each)
             sent += 1
+        inserted = sent
         while done < n_requests:
+            if inserted:
+                bursts[inserted] += 1
+                inserted = 0
             _, generated = gen.next()
+            steps[0] += bool(generated)
             for g in generated:
                 tokens += 1
                 if g.finish_reason is not None:
@@ -207,18 +215,22 @@ def raw_main(plan: dict) -> dict:
                     if sent < n_requests:
                         add(tokens_each)
                         sent += 1
+                        inserted += 1
         return tokens, done
 
     drive(1, 1, 2)
     mx.synchronize()
+    steps[0] = 0
+    bursts.clear()
     t0, cpu0 = time.monotonic(), time.process_time()
     tokens, done = drive(plan["requests"], plan["concurrency"], plan["max_tokens"])
     wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     gen.close()
     # The CPU this process spent over the window: beside the enginelink arm's engine_cpu_s (its engine
     # process alone), it tells engine work from waiting for a core on a shared machine.
+    sizes = " ".join(f"{size}x{n}" for size, n in sorted(bursts.items(), reverse=True))
     return {"tokens": tokens, "requests": done, "short": 0, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "engine_cpu_s": cpu}
+            "engine_cpu_s": cpu, "engine_summary": f"{steps[0]} steps, bursts {sizes}"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -266,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
                     runs[side].append(res)
                     print(f"concurrency {concurrency} round {r + 1} {side:10s} {res['tokens_per_s']:8.0f} tokens/s "
                           f"({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed, "
-                          f"engine CPU {'?' if cpu is None else f'{cpu:.2f}'} s, load {res['load1']:.1f})",
+                          f"engine CPU {'?' if cpu is None else f'{cpu:.2f}'} s, load {res['load1']:.1f})"
+                          + (f"; engine: {res['engine_summary']}" if res.get("engine_summary") else ""),
                           file=sys.stderr, flush=True)
             el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
             raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])

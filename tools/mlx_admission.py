@@ -27,6 +27,7 @@ and passes ``now``; ``mlx_engine``'s loop polls for at most ``wait_s``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -46,6 +47,10 @@ class Admission(Generic[T]):
         self.max_s = max_s
         self.held: list[T] = []
         self._first = self._last = 0.0
+        # What each burst was let in by ("full": it filled the free slots, "gap", "max", "at_once": max 0),
+        # and its sizes: the engine names them when it stops (an out-of-step run shows as small bursts).
+        self.due_by: Counter[str] = Counter()
+        self.sizes: Counter[int] = Counter()
 
     def __len__(self) -> int:
         return len(self.held)
@@ -75,5 +80,20 @@ class Admission(Generic[T]):
         """The held burst if it is due (all of it: mlx-lm queues what the batch has no room for yet), else []."""
         if self.wait_s(now, free_slots) != 0.0:
             return []
+        if self.max_s <= 0:
+            self.due_by["at_once"] += 1
+        elif len(self.held) >= free_slots:
+            self.due_by["full"] += 1
+        elif now >= self._first + self.max_s:
+            self.due_by["max"] += 1
+        else:
+            self.due_by["gap"] += 1
         out, self.held = self.held, []
+        self.sizes[len(out)] += 1
         return out
+
+    def summary(self) -> str:
+        """``bursts 8x11 4x2 (full 11, gap 2)``: sizes x how often, largest first, and what let them in."""
+        sizes = " ".join(f"{size}x{n}" for size, n in sorted(self.sizes.items(), reverse=True)) or "none"
+        due = ", ".join(f"{why} {n}" for why, n in self.due_by.most_common())
+        return f"bursts {sizes}" + (f" ({due})" if due else "")

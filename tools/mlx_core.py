@@ -445,6 +445,10 @@ class MlxEngineCore:
         lps = [sampled, *values[top].tolist()]
         return vllm_arrays.logprobs_lists(writer, ids, lps, [rank], len(ids))
 
+    def summary(self) -> str:
+        """One line for the engine's log at stop: its steps and how requests joined the batch."""
+        return f"{self._step_counter} steps, {self._held.summary()}"
+
     def close(self) -> None:
         self.generator.close()
 

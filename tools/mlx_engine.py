@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         outputs.connect(init.addresses.outputs[0])
         handshake.send(vllm.encode_handshake_status(vllm.HandshakeStatus(status="READY", local=False, headless=True)))
         reason = _serve(core, inputs, outputs, life)
-        _log(f"stopping: {reason}")
+        _log(f"stopping: {reason}; {core.summary()}")
         core.close()
         return 0
     finally:

@@ -74,3 +74,18 @@ def test_an_aborted_request_leaves_the_burst_and_the_rest_keep_their_times():
 def test_negative_times_are_refused(gap_s, max_s):
     with pytest.raises(ValueError, match="expected >= 0"):
         Admission(gap_s, max_s)
+
+
+def test_the_summary_names_each_bursts_size_and_what_let_it_in():
+    held = Admission(gap_s=5 * MS, max_s=50 * MS)
+    for name in "abc":
+        held.hold(name, 0.0)
+    assert len(held.take_due(0.0, free_slots=3)) == 3  # full
+    held.hold("d", 1.0)
+    assert held.take_due(1.0 + 5 * MS, free_slots=8) == ["d"]  # gap
+    t = 2.0
+    while not held.take_due(t, free_slots=1000):  # a trickle: the cap
+        held.hold(t, t)
+        t += 4 * MS
+    assert held.summary() == "bursts 13x1 3x1 1x1 (full 1, gap 1, max 1)"
+    assert Admission().summary() == "bursts none"
