@@ -82,6 +82,31 @@ def _filter_keeping_lists_aligned(original):
 if not getattr(_generate.GenerationBatch.filter, "enginelink_aligned", False):
     _generate.GenerationBatch.filter = _filter_keeping_lists_aligned(_generate.GenerationBatch.filter)
 
+def _extend_keeping_dtype(original):
+    """mlx-lm 0.31.3's ``BatchKVCache.extend`` (and ``BatchRotatingKVCache.extend``) pads a side
+    with no keys yet with ``mx.array([])``, which is float32: a bfloat16 cache extended with an
+    empty one becomes float32, and every cache merged into it after that too. That happens
+    whenever a prompt arrives while another is part-way through its prefill (a burst split
+    across a step), so under any traffic that does not arrive in lockstep: the KV cache doubles
+    in size and each decode step on the tiny model cost 45-75% more CPU (docs/benchmarks.md,
+    MLX). The keys and values go back to the dtype the cache had (values that were that dtype
+    upcast: exact)."""
+
+    def extend(self, other):
+        had = self.keys if self.keys is not None else other.keys
+        original(self, other)
+        if had is not None and self.keys is not None and self.keys.dtype != had.dtype:
+            self.keys, self.values = self.keys.astype(had.dtype), self.values.astype(had.dtype)
+
+    extend.enginelink_dtype_kept = True
+    return extend
+
+
+_cache = importlib.import_module("mlx_lm.models.cache")
+for _batch_cache in (_cache.BatchKVCache, _cache.BatchRotatingKVCache):
+    if not getattr(_batch_cache.extend, "enginelink_dtype_kept", False):
+        _batch_cache.extend = _extend_keeping_dtype(_batch_cache.extend)
+
 # config.json keys that may hold the context length, first positive wins (reference/mlx.md §3.2).
 CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length")
 # Reported as the KV "block" size: MLX has no paged cache; the servicer only multiplies it back.

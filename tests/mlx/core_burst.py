@@ -5,7 +5,7 @@
 four requests arriving 1 ms apart, with the default admission rule and with
 ``coalesce_max_s`` 0 (each joins as it arrives, mlx-lm's own way); per request
 the engine step of its first token, and what the engine's stats said after a
-held request was aborted.
+held request was aborted; and the dtypes of mlx-lm's KV caches along the way.
 """
 
 import json
@@ -22,10 +22,17 @@ PROMPT = [318, 283, 1552, 10, 90, 305]
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 
 
+def cache_dtypes(core) -> set[str]:
+    """The dtypes of the KV caches mlx-lm holds now (prompts being prefilled, sequences generating)."""
+    batches = (core.generator._prompt_batch, core.generator._generation_batch)  # mlx-lm 0.31.3's own
+    return {str(c.keys.dtype) for b in batches for c in (b.prompt_cache or []) if getattr(c, "keys", None) is not None}
+
+
 def run(model, config, mlx_config) -> dict:
     core = mlx_core.MlxEngineCore(model, config, mlx_config)
     first_step: dict[str, int] = {}
     tokens: dict[str, list[int]] = {}
+    dtypes: set[str] = set()
     step = 0
 
     def take(messages):
@@ -42,6 +49,7 @@ def run(model, config, mlx_config) -> dict:
         core.handle_input(b"\x00", ENCODER.encode(req), now)
         step += 1
         take(core.step(now))
+        dtypes |= cache_dtypes(core)
         now += 0.001
     # An abort of a held request: nothing to remove in mlx-lm, and the stats say so at once.
     req = vllm.EngineCoreRequest("gone", PROMPT, None, vllm.SamplingParams(**GREEDY), None, 0.0, None, None, None)
@@ -54,7 +62,9 @@ def run(model, config, mlx_config) -> dict:
         now += 0.001
         step += 1
         take(core.step(now))
-    return {"first_step": first_step, "tokens": tokens, "held_stats": held_stats, "wait_before_s": wait_before}
+        dtypes |= cache_dtypes(core)
+    return {"first_step": first_step, "tokens": tokens, "held_stats": held_stats, "wait_before_s": wait_before,
+            "cache_dtypes": sorted(dtypes), "model_dtype": str(next(iter(model.parameters()["model"]["embed_tokens"].values())).dtype)}
 
 
 def main() -> int:

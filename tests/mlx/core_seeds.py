@@ -17,6 +17,7 @@ from enginelink.wire import vllm
 ENCODER = msgspec.msgpack.Encoder()
 PROMPT = [318, 283, 1552, 10, 90, 305]
 SAMPLED = {"temperature": 1.0, "max_tokens": 24, "ignore_eos": True}
+LONG_PROMPT = [5 + i for i in range(40)]
 
 
 def run(model, config, requests, late=()):
@@ -51,6 +52,10 @@ def main() -> int:
         # One batch: three copies with seed 7 beside another seed, unseeded and greedy rows.
         "together": run(model, config, [("a", PROMPT, seeded), ("b", PROMPT, seeded), ("x", PROMPT, {**SAMPLED, "seed": 3}),
                                         ("u", PROMPT, SAMPLED), ("g", PROMPT, greedy), ("c", PROMPT, seeded)]),
+        # Joining while other prompts are part-way through their prefill, before and after it: mlx-lm
+        # 0.31.3 turned such a batch's KV cache float32, and the draws left the lone run's after 3 tokens.
+        "joined_during_prefill": run(model, config, [("o1", LONG_PROMPT, SAMPLED)], late=[
+            (3, ("o2", LONG_PROMPT[:20], SAMPLED)), (4, ("a", PROMPT, seeded)), (5, ("o3", LONG_PROMPT[:30], SAMPLED))])["a"],
         # After greedy rows left the generator (mlx-lm 0.31.3's stale-sampler case).
         "after_greedy": run(model, config, [("g1", PROMPT, greedy), ("g2", PROMPT, {**greedy, "max_tokens": 3})],
                             late=[(12, ("a", PROMPT, seeded))])["a"],

@@ -156,9 +156,8 @@ def test_seeded_sampling_is_repeatable_through_the_servicer(mlx_stack, prompts):
 
 
 def test_seeded_draws_in_the_core_do_not_depend_on_the_batch(mlx_python, test_model_dir):
-    # In the core, where the batch is under control: through the servicer, when a call joins the
-    # running batch is timing, and mlx-lm computes a batch with padded rows in float32 but a lone
-    # bf16 request in bf16, so the logits (not the key) would differ (README, MLX).
+    # In the core, where the batch is under control (through the servicer, when a call joins the
+    # running batch is timing).
     done = subprocess.run([mlx_python, str(Path(__file__).with_name("core_seeds.py")), str(test_model_dir)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -168,6 +167,7 @@ def test_seeded_draws_in_the_core_do_not_depend_on_the_batch(mlx_python, test_mo
     assert together["a"] == together["b"] == together["c"] == alone  # each copy draws from its own key
     assert together["x"] != alone and together["u"] != alone  # another seed, no seed: other draws
     assert report["after_greedy"] == alone
+    assert report["joined_during_prefill"] == alone  # the cache stays bf16 (tools/mlx_core.py, extend)
 
 
 def test_a_burst_spread_over_the_wire_joins_the_batch_together(mlx_python, test_model_dir):
@@ -186,6 +186,9 @@ def test_a_burst_spread_over_the_wire_joins_the_batch_together(mlx_python, test_
     # A held request aborted: gone from the engine at once; the other four still wait, none running.
     assert burst["held_stats"] == [0, 4]
     assert burst["wait_before_s"] == pytest.approx(0.005)
+    # Joining a prompt part-way through its prefill made mlx-lm 0.31.3's cache float32 for good (its
+    # extend pads with a float32 empty array): the caches keep the model's dtype, whichever way they joined.
+    assert burst["cache_dtypes"] == each["cache_dtypes"] == [burst["model_dtype"]] == ["mlx.core.bfloat16"]
 
 
 def test_stop_token_ids_end_the_output_with_the_stop_token(mlx_stack, prompts, greedy):
