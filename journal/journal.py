@@ -144,6 +144,9 @@ class Journal:
         self._ring = Ring(ring_records_max, ring_bytes_max)
         self._pending: deque[Row] = deque()
         self._pending_bytes = 0
+        # Set by the append that finds nothing pending: the flusher sleeps on it while there is
+        # nothing to write, so an idle servicer's journal costs no timer wake-ups.
+        self._appended = trio.Event()
         self._last_seq = 0
         self._last_flushed_seq = 0
         self._store_dropped = 0
@@ -184,6 +187,8 @@ class Journal:
         self._ring.push(row)
         if self._store is not None:
             pending = self._pending
+            if not pending:
+                self._appended.set()
             pending.append(row)
             self._pending_bytes += len(blob)
             if len(pending) > self.pending_records_max or self._pending_bytes > self.pending_bytes_max:
@@ -346,7 +351,10 @@ class Journal:
             return
         try:
             while True:
-                await trio.sleep(self.flush_interval_s)
+                if not self._pending:
+                    await self._appended.wait()  # idle: nothing to write, no timer
+                    self._appended = trio.Event()
+                await trio.sleep(self.flush_interval_s)  # the records of one interval go as one batch
                 while self._pending:
                     await self._flush([self._take_batch()])
                     if len(self._pending) < self.flush_batch_max:

@@ -116,6 +116,45 @@ async def test_flusher_writes_batches_on_its_interval(tmp_path, autojump_clock):
     assert (stats.pending, stats.store_dropped, stats.last_flushed_seq, stats.store_records) == (0, 0, 19, 19)
 
 
+class FlusherSteps(trio.abc.Instrument):
+    """Counts the steps of the journal's flusher task (its wake-ups)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_task_step(self, task) -> None:
+        if task.name.endswith("Journal.run"):
+            self.steps += 1
+
+
+async def test_an_idle_flusher_sleeps_until_the_next_append(tmp_path, autojump_clock):
+    # An idle servicer's journal used to wake every flush interval (20 times a second) to find
+    # nothing to write; now nothing pending means no timer, and the next append is written one
+    # interval after it.
+    path = tmp_path / "j.sqlite"
+    writer = InlineWriter()
+    journal = Journal(path, flush_interval_s=0.05, to_thread=writer)
+    steps = FlusherSteps()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(journal.run)
+            await trio.sleep(10.0)
+            assert steps.steps <= 1  # its start; 200 at one wake-up per interval
+            append_frames(journal, 2)
+            await trio.sleep(0.049)
+            assert writer.log == []
+            await trio.sleep(0.002)
+            assert writer.log == [(pytest.approx(10.05), [(1, 2)])]
+            idle_from = steps.steps
+            await trio.sleep(10.0)
+            assert steps.steps - idle_from <= 2  # back to sleep once it had written
+            nursery.cancel_scope.cancel()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert stored_seqs(path) == [1, 2]
+
+
 async def test_no_write_when_nothing_is_pending(tmp_path, autojump_clock):
     writer = InlineWriter()
     journal = Journal(tmp_path / "j.sqlite", to_thread=writer)
