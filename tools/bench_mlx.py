@@ -179,6 +179,7 @@ def raw_main(plan: dict) -> dict:
     import mlx.core as mx
 
     from enginelink.tools import mlx_core
+    from enginelink.tools.mlx_admission import burst_sizes
 
     generate = importlib.import_module("mlx_lm.generate")
     sample_utils = importlib.import_module("mlx_lm.sample_utils")
@@ -228,7 +229,7 @@ def raw_main(plan: dict) -> dict:
     gen.close()
     # The CPU this process spent over the window: beside the enginelink arm's engine_cpu_s (its engine
     # process alone), it tells engine work from waiting for a core on a shared machine.
-    sizes = " ".join(f"{size}x{n}" for size, n in sorted(bursts.items(), reverse=True))
+    sizes = burst_sizes(bursts)
     return {"tokens": tokens, "requests": done, "short": 0, "wall_s": wall, "tokens_per_s": tokens / wall,
             "engine_cpu_s": cpu, "engine_summary": f"{steps[0]} steps, bursts {sizes}"}
 

@@ -94,6 +94,11 @@ class Admission(Generic[T]):
 
     def summary(self) -> str:
         """``bursts 8x11 4x2 (full 11, gap 2)``: sizes x how often, largest first, and what let them in."""
-        sizes = " ".join(f"{size}x{n}" for size, n in sorted(self.sizes.items(), reverse=True)) or "none"
+        sizes = burst_sizes(self.sizes) or "none"
         due = ", ".join(f"{why} {n}" for why, n in self.due_by.most_common())
         return f"bursts {sizes}" + (f" ({due})" if due else "")
+
+
+def burst_sizes(sizes: Counter[int]) -> str:
+    """``8x11 4x2``: burst sizes x how often, largest first."""
+    return " ".join(f"{size}x{n}" for size, n in sorted(sizes.items(), reverse=True))

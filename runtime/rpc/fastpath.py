@@ -301,9 +301,7 @@ class LimitedProtocol(H2Protocol):
         now = connection.loop.time()
         if now >= due and not self.processor.streams:
             self.guard.stats.idle_closed += 1
-            connection.h2.close_connection(ErrorCodes.NO_ERROR, additional_data=b"idle")
-            connection.flush()
-            self.processor.close("idle")
+            self._goaway(b"idle", "idle")
             return
         # Not idle long enough, or a call is open: look again when it could be (a
         # call's end counts as activity, so a full period after a look that found one).
@@ -322,14 +320,19 @@ class LimitedProtocol(H2Protocol):
         connection = getattr(self, "connection", None)
         if connection is None or connection.is_closing():
             return
+        self._goaway(b"stopping", "server stopping")
+
+    def _goaway(self, data: bytes, reason: str) -> None:
+        """GOAWAY(NO_ERROR, ``data``) naming the last stream taken, then close the connection."""
+        connection = cast(BoundedConnection, self.connection)
         h2_conn = connection.h2
         try:
             h2_conn.close_connection(ErrorCodes.NO_ERROR, last_stream_id=h2_conn.highest_inbound_stream_id,
-                                     additional_data=b"stopping")
+                                     additional_data=data)
             connection.flush()
         except H2ProtocolError:
             pass  # h2 already closed it (the peer's GOAWAY, a protocol error): close the socket all the same
-        self.processor.close("server stopping")
+        self.processor.close(reason)
 
     def connection_lost(self, exc) -> None:
         if self._timer is not None:
