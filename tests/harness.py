@@ -36,10 +36,38 @@ VENV_BIN = Path(sys.executable).parent
 VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
 
 
+# Listening ports for the tests' servers come from below the kernel's ephemeral range, one slice per
+# xdist worker. A port the kernel hands out for bind(0) lies in that range, and so does the source port
+# of every outgoing connection on the box (grpc clients, routers, engines): a CI run lost a servicer
+# whose port an outgoing connection had taken between the pick and its bind ("port ... is in use").
+_PORTS_FIRST, _PORTS_END = 20000, 32768  # Linux's ip_local_port_range starts at 32768 by default
+_PORT_SLICES = 16
+
+
+def _port_slice() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) % _PORT_SLICES if worker[2:].isdigit() else 0
+    size = (_PORTS_END - _PORTS_FIRST) // _PORT_SLICES
+    return range(_PORTS_FIRST + index * size, _PORTS_FIRST + (index + 1) * size)
+
+
+_port_next: dict[int, int] = {}
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A tcp port on 127.0.0.1 free now and not handed out before by this worker (while its slice lasts)."""
+    ports = _port_slice()
+    start = _port_next.setdefault(os.getpid(), int.from_bytes(os.urandom(2), "big") % len(ports))
+    for step in range(len(ports)):
+        port = ports[(start + step) % len(ports)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _port_next[os.getpid()] = (start + step + 1) % len(ports)
+        return port
+    raise RuntimeError(f"no free tcp port in {ports} for this test worker")
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
