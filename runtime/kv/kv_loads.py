@@ -118,16 +118,13 @@ class LoadSource:
         self.last_frame_at = last_frame_at
         self.in_flight_since = in_flight_since
         self.prefill_pending = prefill_pending
-        self._seen: dict[int, tuple[SchedulerStats, float]] = {}  # rank -> (stats, when first seen)
 
-    def _stats(self, rank: int, now: float) -> tuple[SchedulerStats, float | None]:
+    def _stats(self, rank: int) -> tuple[SchedulerStats, float | None]:
+        """The rank's newest stats and when they arrived (None: none yet)."""
         stats = self.loads.stats.get(rank)
         if stats is None:
             return SchedulerStats(), None
-        seen = self._seen.get(rank)
-        if seen is None or seen[0] is not stats:
-            seen = self._seen[rank] = (stats, now)
-        return stats, seen[1]
+        return stats, self.loads.stats_at.get(rank)
 
     def _silence_s(self, now: float) -> float | None:
         """The engine's silence while requests are in flight; None when none is, or before it is up."""
@@ -136,12 +133,8 @@ class LoadSource:
             return None
         return max(0.0, now - max(last, since))
 
-    def note(self, rank: int, now: float) -> None:
-        """Note when the rank's newest stats were first seen (their ``age_ms``), and nothing else."""
-        self._stats(rank, now)
-
     def view(self, rank: int, now: float) -> LoadView:
-        stats, _ = self._stats(rank, now)
+        stats, _ = self._stats(rank)
         silence = self._silence_s(now)
         return LoadView(
             stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage, self.loads.gen_throughput(rank),
@@ -149,7 +142,7 @@ class LoadSource:
         )  # fmt: skip
 
     def record(self, rank: int, now: float, *, sample: int, load_only: bool, telemetry: bool) -> pb.EngineLoad:
-        stats, seen_at = self._stats(rank, now)
+        stats, seen_at = self._stats(rank)
         max_running, capacity = self.limits()
         load = pb.EngineLoad(
             running_requests=stats.num_running_reqs,

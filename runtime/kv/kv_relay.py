@@ -26,7 +26,7 @@ everything; this file moves frames and time:
   ``send_stall_s`` ends it with DATA_LOSS too (``stalled``);
 - load records (``runtime/kv/kv_loads.py``): every batch sent carries its
   rank's ``EngineLoad``; a ticker every 100 ms marks ``load_only`` records
-  due and wakes those streams;
+  due and wakes those streams (it sleeps while no stream is open);
 - start: ``run`` creates the sockets before the engine is launched (the
   server starts it before the link), so the history starts with the engine's
   first batch; ``after_handshake`` connects what only the ready response
@@ -131,6 +131,7 @@ class KvRelayShell:
         self._fetch_request: dict[int, FetchReplay] = {}
         self._fetch_wake = {rank: trio.Event() for rank in plan.rank_numbers()}
         self._nursery: trio.Nursery | None = None
+        self._listener = trio.Event()  # set when a stream opens: the ticker sleeps on it while none is open
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -196,6 +197,7 @@ class KvRelayShell:
             return result
         stream = KvStream(result.subscriber, wake, loads_before_first, self.relay.ranks, result.modes)
         self.streams[stream.id] = stream
+        self._listener.set()
         self._apply(result.actions)
         log.info("KV event subscriber %d from %d: %s", stream.id, cursor,
                  ", ".join(f"rank {r} {m}" for r, m in result.modes.items()))  # fmt: skip
@@ -361,13 +363,15 @@ class KvRelayShell:
         from enginelink.runtime.kv.kv_loads import CHECK_S
 
         while True:
+            if not self.streams:
+                # Nobody listens: no load records are due, so sleep until a stream opens rather
+                # than wake ten times a second for no one (a record's age_ms comes from when the
+                # stats arrived, which Loads keeps).
+                self._listener = trio.Event()
+                await self._listener.wait()
             await trio.sleep(CHECK_S)
             now = trio.current_time()
             if not self.streams:
-                # Nobody listens: only note new stats' arrival within a tick (a later stream's
-                # age_ms); no views, so the throughput window is not summed for no one.
-                for rank in self.relay.ranks:
-                    self.loads.note(rank, now)
                 continue
             views = {rank: self.loads.view(rank, now) for rank in self.relay.ranks}
             for stream in self.streams.values():

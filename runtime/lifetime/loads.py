@@ -23,11 +23,13 @@ class Loads:
         self.first_rank = first_rank
         self.served: tuple[int, ...] = (first_rank,)
         self.stats: dict[int, SchedulerStats] = {}
+        self.stats_at: dict[int, float] = {}  # rank -> when its newest stats arrived (a load record's age_ms)
         self._generated: dict[int, deque[tuple[float, int]]] = {}
 
     def update(self, rank: int, stats: SchedulerStats | None, generated_tokens: int, now: float) -> None:
         if stats is not None:
             self.stats[rank] = stats
+            self.stats_at[rank] = now
         if generated_tokens:
             window = self._generated.setdefault(rank, deque())
             window.append((now, generated_tokens))
