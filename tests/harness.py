@@ -51,23 +51,33 @@ def _port_slice() -> range:
     return range(_PORTS_FIRST + index * size, _PORTS_FIRST + (index + 1) * size)
 
 
-_port_next: dict[int, int] = {}
+_port_cursor = int.from_bytes(os.urandom(2), "big")  # where this worker looks next in its slice
 
 
 def free_port() -> int:
     """A tcp port on 127.0.0.1 free now and not handed out before by this worker (while its slice lasts)."""
-    ports = _port_slice()
-    start = _port_next.setdefault(os.getpid(), int.from_bytes(os.urandom(2), "big") % len(ports))
+    global _port_cursor
+    ports = _port_slice()  # read at the call: xdist names the worker in the environment
     for step in range(len(ports)):
-        port = ports[(start + step) % len(ports)]
+        index = (_port_cursor + step) % len(ports)
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind(("127.0.0.1", ports[index]))
             except OSError:
                 continue
-        _port_next[os.getpid()] = (start + step + 1) % len(ports)
-        return port
+        _port_cursor = index + 1
+        return ports[index]
     raise RuntimeError(f"no free tcp port in {ports} for this test worker")
+
+
+@contextmanager
+def frozen(pid: int):
+    """The process stopped (SIGSTOP) for the block, and continued (SIGCONT) whatever the block did."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from enginelink.runtime.engine.engine_process import session_members
 from enginelink.runtime.engine.launchers import LauncherError, default_vllm_python
-from tests.harness import ReferenceAnswers, Servicer, end_process
+from tests.harness import ReferenceAnswers, Servicer, end_process, wait_until
 
 # --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).
 ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager", "--max-logprobs", "-1"]
@@ -123,3 +124,22 @@ def vllm_quiet(tmp_path_factory, test_model_dir, vllm_python):
         yield servicer
     finally:
         servicer.stop()
+
+
+def engine_core_pid(launcher: int) -> int:
+    """The EngineCore process: the launcher's child that runs vLLM's engine (spawned by multiprocessing)."""
+
+    def find():
+        for pid in session_members(launcher):
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmdline = fh.read()
+            except OSError:
+                continue
+            if ppid == launcher and (b"spawn_main" in cmdline or b"EngineCore" in cmdline):
+                return pid
+        return None
+
+    return wait_until(find, 5, "the EngineCore process")

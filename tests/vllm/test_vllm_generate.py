@@ -9,8 +9,6 @@ per-request seeds make vLLM's sampling deterministic.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 
 import grpc
@@ -20,9 +18,8 @@ from tokenizers import Tokenizer
 
 from enginelink.journal.records import KIND_CLIENT_ABORT, KIND_CLIENT_SENT, KIND_ENGINE_REQUEST
 from enginelink.journal.store import open_reader
-from tests.harness import engine_pid, generate_request, wait_until
-from tests.vllm.conftest import MAX_MODEL_LEN
-from tests.vllm.test_vllm_lifecycle import engine_core_pid
+from tests.harness import engine_pid, frozen, generate_request, wait_until
+from tests.vllm.conftest import MAX_MODEL_LEN, engine_core_pid
 
 pytestmark = pytest.mark.vllm
 
@@ -208,13 +205,10 @@ def test_abort_mid_stream_ends_the_stream_and_frees_the_engine(vllm_stack, promp
     core = engine_core_pid(engine_pid(servicer.journal))
     request_id = "to-abort"
     full = MAX_MODEL_LEN - len(prompts["import"])
-    os.kill(core, signal.SIGSTOP)
-    try:
+    with frozen(core):
         call = _long_stream(servicer, request_id, prompts["import"])
         wait_until(lambda: _sent_to_engine(servicer, request_id), 30, f"{request_id} sent to the engine")
         servicer.stub.Abort(pb.AbortRequest(request_ids=[request_id]), timeout=30)
-    finally:
-        os.kill(core, signal.SIGCONT)
     rest = list(call)
     completes = [r.complete for r in rest if r.WhichOneof("response") == "complete"]
     assert [c.finish_reason for c in completes] == ["abort"], rest[-3:]
@@ -240,8 +234,7 @@ def test_client_disconnect_frees_the_engine(vllm_stack, prompts):
     servicer, _ = vllm_stack
     core = engine_core_pid(engine_pid(servicer.journal))
     request_id = "to-drop"
-    os.kill(core, signal.SIGSTOP)
-    try:
+    with frozen(core):
         call = _long_stream(servicer, request_id, prompts["hello"])
         wait_until(lambda: _sent_to_engine(servicer, request_id), 30, f"{request_id} sent to the engine")
         call.cancel()
@@ -249,8 +242,6 @@ def test_client_disconnect_frees_the_engine(vllm_stack, prompts):
             list(call)
         assert ended.value.code() == grpc.StatusCode.CANCELLED
         assert _aborted_in_engine(servicer, request_id, "client_gone")
-    finally:
-        os.kill(core, signal.SIGCONT)
     _engine_idle(servicer)
     # The servicer still serves after the hang-up.
     (choice,) = generate(servicer, "after-drop", prompts["hello"], stream=False, temperature=0.0, max_tokens=4).values()

@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginelink.runtime.engine.engine_process import ENGINE_STOP_GRACE_S
 from enginelink.runtime.engine.engine_process import session_members
-from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape, wait_until
+from tests.harness import Servicer, engine_pid, free_port, frozen, generate_request, scrape, wait_until
 from tests.test_engine_stop import STOP_BOUND_OVER_GRACE_S
 from tests.test_lifecycle import StreamReader
-from tests.vllm.conftest import START_TIMEOUT_S, vllm_servicer
+from tests.vllm.conftest import START_TIMEOUT_S, engine_core_pid, vllm_servicer
 
 pytestmark = pytest.mark.vllm
 
@@ -35,25 +35,6 @@ LONG = 2040
 # These servicers test what happens to them, not warm-up: skip it (~4 s each).
 NO_WARMUP = {"SMG_VLLM_SERVICER_WARMUP": "off"}
 DRAIN_S = 1.0
-
-
-def engine_core_pid(launcher: int) -> int:
-    """The EngineCore process: the launcher's child that runs vLLM's engine (spawned by multiprocessing)."""
-
-    def find():
-        for pid in session_members(launcher):
-            try:
-                with open(f"/proc/{pid}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmdline = fh.read()
-            except OSError:
-                continue
-            if ppid == launcher and (b"spawn_main" in cmdline or b"EngineCore" in cmdline):
-                return pid
-        return None
-
-    return wait_until(find, 5, "the EngineCore process")
 
 
 def in_flight(metrics_port: int) -> float:
@@ -120,8 +101,7 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
         # The tiny model writes 2040 tokens in a few seconds, and a loaded CI box once let the
         # long streams finish between here and the drain's end: the core is frozen until the
         # drain has begun, so they are surely open when its time runs out.
-        os.kill(core, signal.SIGSTOP)
-        try:
+        with frozen(core):
             assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
             signalled = time.monotonic()
             servicer.signal(signal.SIGTERM)
@@ -131,8 +111,6 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
                 == health_pb2.HealthCheckResponse.NOT_SERVING,
                 1.0, "readiness NOT_SERVING right after SIGTERM", interval_s=0.02,
             )
-        finally:
-            os.kill(core, signal.SIGCONT)
         with pytest.raises(grpc.RpcError) as refused:
             list(servicer.stub.Generate(generate_request("late", PROMPT, max_tokens=4), timeout=5))
         # Refused while draining or stopping, or (sent after the front closed) by the closed port.
