@@ -20,9 +20,9 @@ The policy (which schemes, hosts, addresses, redirects) is sans-io in
 - ``data:`` is decoded with its size judged from its length first;
   ``file:`` only under the operator's folder, after symlinks are resolved.
 
-httpx 0.28's ``AsyncHTTPTransport`` takes no network backend: ``_guarded_transport``
-swaps its pool for one built with ours (the pin in pyproject.toml is the
-version this was read against).
+httpx's ``AsyncHTTPTransport`` (0.28 and 0.29) takes no network backend:
+``_guarded_transport`` swaps its pool for one built with ours (the pin in
+pyproject.toml names the versions this was read against).
 """
 
 from __future__ import annotations
