@@ -229,6 +229,13 @@ def fold(records: Iterable[Record], state: FoldState | None = None) -> FoldState
     return st
 
 
+def fold_record(st: FoldState, rec: Record) -> None:
+    """Advance ``st`` by one record (the live fold's step, ``Journal.fold_live``); ``fold`` record by record."""
+    if rec.seq > st.last_seq:
+        _apply(st, rec)
+        st.last_seq = rec.seq
+
+
 def _apply(st: FoldState, rec: Record) -> None:
     p = rec.payload
     match rec.kind:

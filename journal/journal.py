@@ -43,7 +43,8 @@ from typing import Any, Final
 import msgspec
 import trio
 
-from .records import Record, Row, encode_payload
+from .fold import FoldState, fold, fold_record
+from .records import KIND_ENGINE_FRAME, Record, Row, encode_payload, row_to_record
 from .files import JOURNAL_KEEP_DEFAULT, JournalLock, default_journal_path, rotate
 from .ring import RING_BYTES_MAX, RING_RECORDS_MAX, Ring
 from .store_health import StoreHealth
@@ -72,15 +73,6 @@ FLUSH_BATCH_MAX: Final = 10_000
 PENDING_RECORDS_MAX: Final = 200_000
 PENDING_BYTES_MAX: Final = 64 * 1024 * 1024
 
-# Engine-frame decodes the link hands over for the live fold (``note_decoded``;
-# ``runtime/lifetime/snapshots.py``): the link decoded each frame once already, and the
-# snapshot task's fold takes that decode instead of decoding the journaled bytes again.
-# Bounded by the outputs they hold (about 350 bytes each: ~23 MB), which is about a
-# second of a 60k tokens/s servicer, two of the task's 0.5 s fold periods. Past it the
-# oldest decodes are dropped and the fold decodes those frames itself, as replay does:
-# the bound costs CPU, never correctness. Counted in ``decoded_dropped``.
-DECODED_OUTPUTS_MAX: Final = 65_536
-
 ToThread = Callable[..., Awaitable[Any]]
 
 
@@ -99,9 +91,7 @@ class JournalStats(msgspec.Struct, frozen=True):
     store_errors: int = 0  # batch writes that failed
     store_failing: int = 0  # 1 while batch writes fail (disk full, I/O error): journal/store_health.py
     store_failing_episodes: int = 0  # times writing started failing
-    decoded_outputs_max: int = DECODED_OUTPUTS_MAX  # engine outputs of frame decodes kept for the live fold
-    decoded_outputs: int = 0  # outputs of the decodes kept now
-    decoded_dropped: int = 0  # frame decodes dropped before the live fold took them (it decoded those itself)
+    live_fold_frames_decoded: int = 0  # engine frames the live fold decoded itself (no decode of the link's)
 
 
 class Journal:
@@ -122,7 +112,6 @@ class Journal:
         to_thread: ToThread = trio.to_thread.run_sync,
         lock: JournalLock | None = None,
         keep: int = JOURNAL_KEEP_DEFAULT,
-        decoded_outputs_max: int = DECODED_OUTPUTS_MAX,
     ) -> None:
         """``path=None`` keeps the journal in memory only (the ring).
 
@@ -132,9 +121,8 @@ class Journal:
         it the journal takes its own and releases it on ``close``. ``keep``:
         previous runs' files kept beside this one.
         """
-        if flush_interval_s <= 0 or flush_batch_max < 1 or pending_records_max < 1 or decoded_outputs_max < 1:
-            raise ValueError("flush_interval_s, flush_batch_max, pending_records_max and decoded_outputs_max "
-                             "must be positive")
+        if flush_interval_s <= 0 or flush_batch_max < 1 or pending_records_max < 1:
+            raise ValueError("flush_interval_s, flush_batch_max and pending_records_max must be positive")
         self.path = None if path is None else Path(path)
         self.flush_interval_s = flush_interval_s
         self.flush_batch_max = flush_batch_max
@@ -153,11 +141,11 @@ class Journal:
         self._store_errors = 0
         self.last_store_error: str | None = None
         self._running = False
-        # None unless a live fold runs (keep_decoded): nothing kept, nothing paid, without one.
-        self._decoded: deque[tuple[int, Any, int]] | None = None  # (seq, decode, its outputs)
-        self._decoded_outputs = 0
-        self._decoded_dropped = 0
-        self.decoded_outputs_max = decoded_outputs_max
+        # The live fold (``fold_live``): None until one starts, so a journal without one pays nothing.
+        self._live: FoldState | None = None
+        # The newest engine frame's row while the live fold waits for the link's decode of it.
+        self._live_frame: Row | None = None
+        self._live_frames_decoded = 0
         self._store: Store | None = None
         self._closed_store_stats: StoreStats | None = None
         self._own_lock: JournalLock | None = None
@@ -185,6 +173,8 @@ class Journal:
         seq = self._last_seq = self._last_seq + 1
         row = (seq, now, stream, kind, blob)
         self._ring.push(row)
+        if self._live is not None:
+            self._fold_live_row(row)
         if self._store is not None:
             pending = self._pending
             if not pending:
@@ -196,36 +186,60 @@ class Journal:
         return seq
 
     def note_decoded(self, seq: int, decoded: Any) -> None:
-        """The decode of the engine frame journaled as ``seq`` (the link's ``OutputBatch`` of exactly
-        those bytes), for the live fold; dropped at once unless one runs (``keep_decoded``). O(1)
-        amortised."""
-        kept = self._decoded
-        if kept is None:
-            return
-        outputs = len(decoded.outputs)
-        kept.append((seq, decoded, outputs))
-        self._decoded_outputs += outputs
-        while self._decoded_outputs > self.decoded_outputs_max and kept:
-            self._decoded_outputs -= kept.popleft()[2]
-            self._decoded_dropped += 1
+        """The link's decode (its ``OutputBatch``) of exactly the bytes of the engine frame it just
+        journaled as ``seq``: the live fold takes it instead of decoding those bytes again. Ignored
+        without a live fold, or when another record came in between (the fold decoded the frame)."""
+        row = self._live_frame
+        if row is not None and row[0] == seq:
+            self._live_frame = None
+            fold_record(self._live, Record(seq, row[1], row[2], row[3], decoded))
 
-    def keep_decoded(self, keep: bool = True) -> None:
-        """A live fold starts (or, ``keep=False``, stops): keep engine-frame decodes until it takes them."""
-        if not keep:
-            self._decoded = None
-            self._decoded_outputs = 0
-        elif self._decoded is None:
-            self._decoded = deque()
+    def fold_live(self) -> FoldState:
+        """Start the live fold: the returned state is ``fold`` of every record so far, and each append
+        advances it (read it through ``live_state``). Called once, by the snapshot task.
 
-    def take_decoded(self, through_seq: int) -> dict[int, Any]:
-        """The kept decodes of frames with ``seq <= through_seq``, by seq; they leave the journal."""
-        kept = self._decoded
-        taken: dict[int, Any] = {}
-        while kept and kept[0][0] <= through_seq:
-            seq, decoded, outputs = kept.popleft()
-            self._decoded_outputs -= outputs
-            taken[seq] = decoded
-        return taken
+        Eager, not periodic: a record is folded when it is appended, while it is hot, so nothing is
+        kept for a later fold (a periodic fold held every frame's decode for half a second and then
+        freed it cold, and stalled the loop for its whole batch). Non-frame payloads are folded as
+        decoded from the bytes just encoded, exactly what replay reads; a frame as the link's decode
+        of it (``note_decoded``), or from its bytes when no decode comes (a multi-part frame, one the
+        link could not read).
+        """
+        if self._live is not None:
+            raise RuntimeError("the journal's live fold is already running")
+        rows = self._ring.rows(after_seq=0)
+        if rows and rows[0][0] != 1:
+            raise RuntimeError(f"the ring no longer holds records 1..{rows[0][0] - 1}: no live fold can start")
+        state = fold(row_to_record(row) for row in rows)
+        self._live = state
+        return state
+
+    def end_live_fold(self) -> None:
+        """Stop the live fold (its task ended); ``fold_live`` may start a new one."""
+        self._live = None
+        self._live_frame = None
+
+    def live_state(self) -> FoldState:
+        """The live fold's state through the newest record (``fold_live`` first)."""
+        if self._live is None:
+            raise RuntimeError("no live fold: call fold_live first")
+        self._fold_live_frame()
+        return self._live
+
+    def _fold_live_row(self, row: Row) -> None:
+        if self._live_frame is not None:
+            self._fold_live_frame()
+        if row[3] == KIND_ENGINE_FRAME:
+            self._live_frame = row  # its decode follows from the link (note_decoded), or it is decoded later
+        else:
+            fold_record(self._live, row_to_record(row))
+
+    def _fold_live_frame(self) -> None:
+        row = self._live_frame
+        if row is not None:
+            self._live_frame = None
+            self._live_frames_decoded += 1
+            fold_record(self._live, row_to_record(row))
 
     def _drop_oldest_pending(self) -> None:
         pending = self._pending
@@ -267,9 +281,7 @@ class Journal:
             store_errors=self._store_errors,
             store_failing=int(self.health.failing),
             store_failing_episodes=self.health.episodes,
-            decoded_outputs_max=self.decoded_outputs_max,
-            decoded_outputs=self._decoded_outputs,
-            decoded_dropped=self._decoded_dropped,
+            live_fold_frames_decoded=self._live_frames_decoded,
         )
 
     # -- the disk path ------------------------------------------------------

@@ -56,7 +56,7 @@ from enginelink.runtime.lifetime.metrics import Metrics, serve_metrics
 from enginelink.runtime.engine.model_dir import ModelFacts
 from enginelink.runtime.lifetime.rank_metrics import RankCollector
 from enginelink.runtime.lifetime.readiness import Readiness, StatusSink
-from enginelink.runtime.lifetime.snapshots import FOLD_EVERY_S, SNAPSHOT_INTERVAL_S, run_snapshots
+from enginelink.runtime.lifetime.snapshots import SNAPSHOT_INTERVAL_S, run_snapshots
 from enginelink.runtime.lifetime.warmup import warm_up
 
 log = logging.getLogger("enginelink")
@@ -111,7 +111,6 @@ class Composition:
     # Wall time now (the run's wall time at its start); trio's clock is the only other.
     wall_clock: Callable[[], float] = time.time
     snapshot_interval_s: float = SNAPSHOT_INTERVAL_S
-    fold_every_s: float = FOLD_EVERY_S
     kv_events: KvPlan | None = None  # None: KV events off
     # /metrics on host:port (None: no endpoint), on listeners the caller bound (so a port in use exits 2 first).
     metrics_host: str = "127.0.0.1"
@@ -178,8 +177,7 @@ class Servicer:
         self.journal.append(self.app.run_start_trio, "run", KIND_RUN_START, {
             "wall_time": self.app.run_start_wall, "trio_time": self.app.run_start_trio, **self.plan.run_record,
         })  # fmt: skip
-        nursery.start_soon(functools.partial(run_snapshots, self.journal, interval_s=self.plan.snapshot_interval_s,
-                                             fold_every_s=self.plan.fold_every_s))  # fmt: skip
+        nursery.start_soon(functools.partial(run_snapshots, self.journal, interval_s=self.plan.snapshot_interval_s))
 
     async def _start_metrics(self, nursery: trio.Nursery) -> None:
         """Bound before the engine starts, so a scrape during start-up says "starting"."""

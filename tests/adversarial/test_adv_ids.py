@@ -171,7 +171,7 @@ def test_compact_snapshots_round_trip_ids_they_cannot_shorten():
 async def test_an_idle_servicer_writes_no_snapshots(autojump_clock):
     journal = Journal(None)
     async with trio.open_nursery() as nursery:
-        await nursery.start(functools.partial(run_snapshots, journal, interval_s=30.0, fold_every_s=0.5))
+        await nursery.start(functools.partial(run_snapshots, journal, interval_s=30.0))
         journal.append(trio.current_time(), "run", r.KIND_RUN_START, {"wall_time": 0.0, "pid": 1, "version": "v"})
         await trio.sleep(3600)  # an hour idle after one record
         snapshots = [rec for rec in journal.records() if rec.kind == r.KIND_SNAPSHOT]

@@ -1,5 +1,6 @@
-"""The live fold (the snapshot task) takes the link's decode of each engine frame instead of decoding
-the journaled bytes again, and its snapshots are still exactly what replay folds from the bytes."""
+"""The journal's live fold (started by the snapshot task) folds each record as it is appended, takes the
+link's decode of each engine frame instead of decoding the journaled bytes again, and its state and
+snapshots are exactly what replay folds from the bytes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 import trio
 
 from enginelink.journal import fold as fold_module
-from enginelink.journal import journal as journal_module
 from enginelink.journal import records as r
 from enginelink.journal.fold import FoldState, fold
 from enginelink.journal.journal import Journal
@@ -64,16 +64,25 @@ def scenario() -> list[tuple[str, str, object]]:
     return events
 
 
-async def live_run(events, journal: Journal) -> tuple[Journal, r.Record]:
-    """The events through a journal while the snapshot task runs, each readable frame noted as the link does."""
+async def live_run(events, journal: Journal, *, late: frozenset[int] = frozenset()) -> tuple[Journal, r.Record]:
+    """The events through a journal while the snapshot task runs, each readable frame's decode
+    noted right after it as the link does; for the frames at the indexes in ``late``, only after
+    the next record (the decode then comes too late to be taken)."""
     async with trio.open_nursery() as nursery:
-        await nursery.start(functools.partial(run_snapshots, journal, interval_s=1.0, fold_every_s=0.25))
+        await nursery.start(functools.partial(run_snapshots, journal, interval_s=1.0))
+        owed = None
         for index, (stream, kind, payload) in enumerate(events):
             seq = journal.append(trio.current_time(), stream, kind, payload)
+            if owed is not None:
+                journal.note_decoded(*owed)
+                owed = None
             if kind == r.KIND_ENGINE_FRAME and payload[:1] != b"\xc1":
-                journal.note_decoded(seq, CODEC.decode_output([payload]))
+                if index in late:
+                    owed = (seq, CODEC.decode_output([payload]))
+                else:
+                    journal.note_decoded(seq, CODEC.decode_output([payload]))
             if index % 4 == 3:
-                await trio.sleep(0.25)  # a fold period: the task folds what came so far
+                await trio.sleep(0.25)
         await trio.sleep(2.0)
         nursery.cancel_scope.cancel()
     snapshots = [rec for rec in journal.records() if rec.kind == r.KIND_SNAPSHOT]
@@ -91,53 +100,71 @@ def same_state(snapshot: r.Record, state: FoldState) -> bool:
     return msgspec.msgpack.encode(back.to_dict()) == msgspec.msgpack.encode(expected)
 
 
+def encoded(state: FoldState) -> bytes:
+    return msgspec.msgpack.encode(state.to_dict())
+
+
 async def test_the_live_fold_decodes_no_frame_the_link_decoded_and_snapshots_what_replay_folds(
         autojump_clock, counting):
     events = scenario()
     journal, snapshot = await live_run(events, Journal(None))
     frames = sum(1 for _, kind, _ in events if kind == r.KIND_ENGINE_FRAME)
     assert counting.decoded == 1, "the live fold decoded frames the link had decoded already"
+    assert journal.stats().live_fold_frames_decoded == 1  # the unreadable one, which has no decode
     counting.decoded = 0
     state = replayed(journal, snapshot.seq)
     assert counting.decoded == frames  # replay decodes every frame from its bytes
     assert same_state(snapshot, state)
     assert state.requests["a"].engine_tokens == [6] and state.requests["b"].engine_tokens == [12, 3]
     assert state.frames_undecodable == 1 and state.frames == frames
-    # The task is gone: nothing takes decodes any more, so none is kept.
-    seq = journal.append(9.0, "engine", r.KIND_ENGINE_FRAME, events[5][2])
-    journal.note_decoded(seq, CODEC.decode_output([events[5][2]]))
-    assert journal.take_decoded(seq) == {} and journal.stats().decoded_outputs == 0
 
 
-async def test_decodes_past_the_bound_are_dropped_and_the_fold_decodes_those_frames_itself(
-        autojump_clock, counting):
+async def test_a_frame_whose_decode_comes_after_another_record_is_decoded_by_the_fold(autojump_clock, counting):
     events = scenario()
-    # Every frame noted before the task's first fold: the last two frames hold 3 + 2 outputs, all
-    # the bound keeps; every older decode is dropped.
-    journal = Journal(None, decoded_outputs_max=5)
-    journal.keep_decoded()
-    seqs = []
-    for stream, kind, payload in events:
-        seq = journal.append(0.0, stream, kind, payload)
-        if kind == r.KIND_ENGINE_FRAME and payload[:1] != b"\xc1":
-            journal.note_decoded(seq, CODEC.decode_output([payload]))
-            seqs.append(seq)
-    stats = journal.stats()
-    assert (stats.decoded_dropped, stats.decoded_outputs, stats.decoded_outputs_max) == (len(seqs) - 2, 5, 5)
-    assert sorted(journal.take_decoded(seqs[-1])) == seqs[-2:]
-    assert journal.take_decoded(seqs[-1]) == {}  # taken once
-    assert journal.stats().decoded_outputs == 0
-
-    # Through the snapshot task, with the bound that small: the snapshot is still replay's state.
-    journal, snapshot = await live_run(events, Journal(None, decoded_outputs_max=5))
-    assert counting.decoded > 1  # the frames whose decodes were dropped, decoded by the fold
+    late = frozenset(index for index, (_, kind, _) in enumerate(events) if kind == r.KIND_ENGINE_FRAME)
+    late = frozenset(sorted(late)[1::2])  # every other readable frame's decode comes one record late
+    journal, snapshot = await live_run(events, Journal(None), late=late)
+    assert counting.decoded == 1 + len(late)  # the unreadable frame, and each late one, from its bytes
+    assert journal.stats().live_fold_frames_decoded == 1 + len(late)
     assert same_state(snapshot, replayed(journal, snapshot.seq))
 
 
-def test_without_a_live_fold_no_decode_is_kept():
+def test_the_live_state_is_replays_after_every_record():
     journal = Journal(None)
-    assert journal.stats().decoded_outputs_max == journal_module.DECODED_OUTPUTS_MAX
+    state = journal.fold_live()
+    for stream, kind, payload in scenario():
+        seq = journal.append(1.0, stream, kind, payload)
+        if kind == r.KIND_ENGINE_FRAME and payload[:1] != b"\xc1":
+            journal.note_decoded(seq, CODEC.decode_output([payload]))
+        assert journal.live_state() is state
+        assert encoded(state) == encoded(fold(journal.records()))
+    with pytest.raises(RuntimeError, match="already running"):
+        journal.fold_live()
+
+
+def test_a_live_fold_started_late_folds_what_came_before_it():
+    events = scenario()
+    journal = Journal(None)
+    for stream, kind, payload in events[:6]:
+        journal.append(0.0, stream, kind, payload)
+    journal.fold_live()
+    for stream, kind, payload in events[6:]:
+        journal.append(0.0, stream, kind, payload)
+    assert encoded(journal.live_state()) == encoded(fold(journal.records()))
+
+
+async def test_without_a_live_fold_appends_fold_nothing_and_decodes_are_ignored(autojump_clock):
+    journal = Journal(None)
     seq = journal.append(0.0, "engine", r.KIND_ENGINE_FRAME, frame(("a", [1], None)))
     journal.note_decoded(seq, CODEC.decode_output([frame(("a", [1], None))]))
-    assert journal.take_decoded(seq) == {}
-    assert journal.stats().decoded_dropped == 0
+    with pytest.raises(RuntimeError, match="no live fold"):
+        journal.live_state()
+    # The snapshot task's end ends the live fold: later appends fold nothing.
+    async with trio.open_nursery() as nursery:
+        state = await nursery.start(functools.partial(run_snapshots, journal, interval_s=1.0))
+        nursery.cancel_scope.cancel()
+    assert state.last_seq == seq
+    journal.append(1.0, "run", r.KIND_RUN_STOP, {"exit_status": 0, "reason": "test"})
+    assert state.last_seq == seq
+    with pytest.raises(RuntimeError, match="no live fold"):
+        journal.live_state()
