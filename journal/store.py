@@ -8,10 +8,22 @@ read-only URI mode, from another process, while the writer is live or after it
 died: WAL mode lets readers see every committed batch without blocking the
 writer, and a killed writer loses at most the batch it was writing.
 
-Schema (``SCHEMA_VERSION``):
+Schema (``SCHEMA_VERSION``), in 64 KiB pages (``PAGE_SIZE``):
     records(seq INTEGER PRIMARY KEY, time REAL, stream TEXT, kind TEXT, payload BLOB)
-        indexes on (stream) and (kind)
+        no secondary index: every row is an append at the end of the table
+    snapshots(seq INTEGER PRIMARY KEY)       the seq of each ``snapshot`` row
     meta(key TEXT PRIMARY KEY, value TEXT)   values are JSON
+
+Why no index on ``stream`` or ``kind`` (schema 1 had both): they were about
+half of SQLite's cost per row, and request streams (``req/<random id>``)
+land all over an index, dirtying a page per row. The one lookup that must stay
+cheap, the newest snapshot, reads the ``snapshots`` table (a row per snapshot,
+every 30 s); the tools' other filters (a stream, a kind) scan by seq, which
+is what their selections mostly read anyway. 64 KiB pages (SQLite's default is
+4 KiB) hold the ~1.5 KB engine frames of a busy servicer 40 to a page, not 2:
+fewer page splits and WAL frames per row. Together they cut the writer
+thread's CPU by about 40% (docs/benchmarks.md, "Stop 20"). Files of schema 1
+(a previous run's, set aside by rotation) are still read.
 
 Rules:
 - one writer per file, one thread at a time (the flusher serialises calls);
@@ -40,7 +52,12 @@ import sqlite_utils
 
 from .records import KIND_SNAPSHOT, Record, Row, row_to_record
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
+# The schemas a reader opens: 1 had indexes on stream and kind and no snapshots table.
+READABLE_SCHEMAS: Final = frozenset({1, 2})
+PAGE_SIZE: Final = 65_536
+# WAL pages before an automatic checkpoint: 4 MiB of WAL, as SQLite's default 1000 pages of 4 KiB.
+WAL_AUTOCHECKPOINT_PAGES: Final = 64
 STORE_RECORDS_MAX: Final = 5_000_000
 STORE_BYTES_MAX: Final = 1024 * 1024 * 1024
 # How long a connection waits on a lock held by the other side (a WAL
@@ -49,6 +66,7 @@ BUSY_TIMEOUT_MS: Final = 2_000
 READ_PAGE_RECORDS: Final = 10_000
 
 _INSERT = "INSERT INTO records (seq, time, stream, kind, payload) VALUES (?, ?, ?, ?, ?)"
+_INSERT_SNAPSHOT = "INSERT INTO snapshots (seq) VALUES (?)"
 
 
 class StoreError(Exception):
@@ -107,6 +125,9 @@ class Store:
             # Raw executemany, not sqlite-utils' insert_all: no per-row dicts
             # or column checks, so a batch of 10k rows costs milliseconds.
             conn.executemany(_INSERT, rows)
+            snapshots = [(row[0],) for row in rows if row[3] == KIND_SNAPSHOT]
+            if snapshots:
+                conn.executemany(_INSERT_SNAPSHOT, snapshots)
             if records > self.records_max or nbytes > self.bytes_max:
                 pruned, pruned_bytes = self._prune(records, nbytes)
                 records -= pruned
@@ -142,6 +163,7 @@ class Store:
         if cutoff is None:
             return 0, 0
         self._conn.execute("DELETE FROM records WHERE seq <= ?", (cutoff,))
+        self._conn.execute("DELETE FROM snapshots WHERE seq <= ?", (cutoff,))
         return count, size
 
     def stats(self) -> StoreStats:
@@ -181,9 +203,11 @@ def open_store(
     store = None
     try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")  # a new file's; set before WAL, which fixes it
         db = sqlite_utils.Database(conn)
         db.enable_wal()
         conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_AUTOCHECKPOINT_PAGES}")
         _ensure_schema(db, path, records_max, bytes_max)
         store = Store(db, records_max, bytes_max)
         return store
@@ -229,8 +253,7 @@ def _ensure_schema(db: sqlite_utils.Database, path: Path, records_max: int, byte
         not_null={"time", "stream", "kind", "payload"},
         if_not_exists=True,
     )
-    db["records"].create_index(["stream"], if_not_exists=True)
-    db["records"].create_index(["kind"], if_not_exists=True)
+    db["snapshots"].create({"seq": int}, pk="seq", if_not_exists=True)
     meta = {"schema_version": SCHEMA_VERSION, "records_max": records_max, "bytes_max": bytes_max}
     db["meta"].insert_all(
         [{"key": k, "value": json.dumps(v)} for k, v in meta.items()], pk="key", replace=True
@@ -240,8 +263,9 @@ def _ensure_schema(db: sqlite_utils.Database, path: Path, records_max: int, byte
 class Reader:
     """Read-only queries on a journal file. Make it with ``open_reader``."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, schema: int = SCHEMA_VERSION) -> None:
         self._conn = conn
+        self.schema = schema
 
     def records(
         self,
@@ -264,7 +288,7 @@ class Reader:
             where.append("seq <= ?")
             args.append(until_seq)
         if stream_prefix:
-            # A range, not LIKE: uses the stream index and is case-exact.
+            # A range, not LIKE: case-exact (and used the stream index of schema 1's files).
             where.append("stream >= ?")
             args.append(stream_prefix)
             last = ord(stream_prefix[-1])
@@ -310,12 +334,25 @@ class Reader:
 
     def last_snapshot(self, until_seq: int | None = None) -> Record | None:
         """The newest ``snapshot`` record at or before ``until_seq``."""
-        sql = "SELECT seq, time, stream, kind, payload FROM records WHERE kind = ?"
-        args: list[Any] = [KIND_SNAPSHOT]
+        if self.schema == 1:  # no snapshots table: schema 1 indexed kind
+            sql = "SELECT seq, time, stream, kind, payload FROM records WHERE kind = ?"
+            args: list[Any] = [KIND_SNAPSHOT]
+            if until_seq is not None:
+                sql += " AND seq <= ?"
+                args.append(until_seq)
+            row = self._conn.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
+            return None if row is None else row_to_record(row)
+        sql = "SELECT seq FROM snapshots"
+        args = []
         if until_seq is not None:
-            sql += " AND seq <= ?"
+            sql += " WHERE seq <= ?"
             args.append(until_seq)
-        row = self._conn.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
+        found = self._conn.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
+        if found is None:
+            return None
+        row = self._conn.execute(
+            "SELECT seq, time, stream, kind, payload FROM records WHERE seq = ?", found
+        ).fetchone()
         return None if row is None else row_to_record(row)
 
     def counts(self) -> StoreCounts:
@@ -353,7 +390,8 @@ def open_reader(path: str | os.PathLike[str]) -> Reader:
     except sqlite3.DatabaseError as exc:
         conn.close()
         raise StoreError(f"{path} is not a journal: {exc}") from exc
-    if version is None or json.loads(version[0]) != SCHEMA_VERSION:
+    schema = None if version is None else json.loads(version[0])
+    if schema not in READABLE_SCHEMAS:
         conn.close()
-        raise StoreError(f"{path}: journal schema {version!r}, this code reads {SCHEMA_VERSION}")
-    return Reader(conn)
+        raise StoreError(f"{path}: journal schema {version!r}, this code reads {sorted(READABLE_SCHEMAS)}")
+    return Reader(conn, schema)

@@ -91,6 +91,63 @@ def test_reader_filters(tmp_path):
         assert reader.records(kinds=[r.KIND_ENGINE_FRAME])[0].payload == b"f1"
 
 
+def snapshot_row(seq: int) -> r.Row:
+    return (seq, float(seq), "run", r.KIND_SNAPSHOT, r.encode_payload(r.KIND_SNAPSHOT, {"state": {"at": seq}}))
+
+
+def test_rows_are_appends_and_the_newest_snapshot_is_found_without_a_scan(tmp_path):
+    """Schema 2: 64 KiB pages, no secondary index on records (each was a random page write per row),
+    and the snapshots' seqs in a table of their own, pruned with their rows."""
+    path = tmp_path / "j.sqlite"
+    store = open_store(path, records_max=12)
+    store.write_batch(frame_rows(1, 4) + [snapshot_row(5)] + frame_rows(6, 9) + [snapshot_row(10)])
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA page_size").fetchone()[0] == 65_536
+    assert conn.execute("PRAGMA index_list(records)").fetchall() == []
+    assert conn.execute("SELECT seq FROM snapshots ORDER BY seq").fetchall() == [(5,), (10,)]
+    plan = " ".join(row[3] for row in conn.execute(
+        "EXPLAIN QUERY PLAN SELECT seq FROM snapshots WHERE seq <= 9 ORDER BY seq DESC LIMIT 1"))
+    assert plan == "SEARCH snapshots USING INTEGER PRIMARY KEY (rowid<?)"  # a b-tree search, no scan
+    with open_reader(path) as reader:
+        assert reader.last_snapshot().payload == {"state": {"at": 10}}
+        assert reader.last_snapshot(until_seq=9).seq == 5
+    store.write_batch(frame_rows(11, 16))  # 16 rows over a budget of 12: seqs 1..4 go, the snapshot 5 stays
+    assert conn.execute("SELECT seq FROM snapshots ORDER BY seq").fetchall() == [(5,), (10,)]
+    store.write_batch(frame_rows(17, 18))  # now 5 goes too, and its snapshots row with it
+    assert conn.execute("SELECT seq FROM snapshots ORDER BY seq").fetchall() == [(10,)]
+    conn.close()
+    store.close()
+    with open_reader(path) as reader:
+        assert reader.last_snapshot(until_seq=9) is None
+        assert reader.last_snapshot().seq == 10
+
+
+def test_a_schema_1_file_from_an_earlier_version_is_still_read(tmp_path):
+    """A previous run's journal (set aside by rotation) written before schema 2: indexes on stream
+    and kind, no snapshots table. The tools still read it, its newest snapshot included."""
+    path = tmp_path / "old.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE records (seq INTEGER PRIMARY KEY, time FLOAT NOT NULL, stream TEXT NOT NULL,"
+        " kind TEXT NOT NULL, payload BLOB NOT NULL);"
+        "CREATE INDEX idx_records_stream ON records (stream);"
+        "CREATE INDEX idx_records_kind ON records (kind);"
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);"
+        "INSERT INTO meta VALUES ('schema_version', '1');"
+    )
+    rows = frame_rows(1, 3) + [snapshot_row(4)] + frame_rows(5, 6)
+    conn.executemany("INSERT INTO records VALUES (?, ?, ?, ?, ?)", rows)
+    conn.commit()
+    conn.close()
+    with open_reader(path) as reader:
+        assert reader.records() == [r.row_to_record(x) for x in rows]
+        assert reader.last_snapshot().seq == 4
+        assert reader.last_snapshot(until_seq=3) is None
+        assert reader.counts().by_kind == {r.KIND_ENGINE_FRAME: 5, r.KIND_SNAPSHOT: 1}
+    with pytest.raises(StoreError, match="schema 1"):
+        open_store(path)  # never written by this code: a writer starts a new file
+
+
 def test_record_budget_deletes_oldest(tmp_path):
     store = open_store(tmp_path / "j.sqlite", records_max=10)
     for first in (1, 7, 13):
