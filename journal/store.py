@@ -8,7 +8,7 @@ read-only URI mode, from another process, while the writer is live or after it
 died: WAL mode lets readers see every committed batch without blocking the
 writer, and a killed writer loses at most the batch it was writing.
 
-Schema (``SCHEMA_VERSION``), in 64 KiB pages (``PAGE_SIZE``):
+Schema (``SCHEMA_VERSION``), in 16 KiB pages (``PAGE_SIZE``):
     records(seq INTEGER PRIMARY KEY, time REAL, stream TEXT, kind TEXT, payload BLOB)
         no secondary index: every row is an append at the end of the table
     snapshots(seq INTEGER PRIMARY KEY)       the seq of each ``snapshot`` row
@@ -19,9 +19,12 @@ half of SQLite's cost per row, and request streams (``req/<random id>``)
 land all over an index, dirtying a page per row. The one lookup that must stay
 cheap, the newest snapshot, reads the ``snapshots`` table (a row per snapshot,
 every 30 s); the tools' other filters (a stream, a kind) scan by seq, which
-is what their selections mostly read anyway. 64 KiB pages (SQLite's default is
-4 KiB) hold the ~1.5 KB engine frames of a busy servicer 40 to a page, not 2:
-fewer page splits and WAL frames per row. Together they cut the writer
+is what their selections mostly read anyway. 16 KiB pages (SQLite's default is
+4 KiB) hold the ~1.5 KB engine frames of a busy servicer 10 to a page, not 2:
+fewer page splits and WAL frames per row. Larger pages save a little more in
+bulk but cost more per small commit (each commit writes its last page whole,
+checksummed), which is a slow servicer's every flush: 16 KiB is as cheap as
+4 KiB there. Together they cut the writer
 thread's CPU by about 40% (docs/benchmarks.md, "Stop 20"). Files of schema 1
 (a previous run's, set aside by rotation) are still read.
 
@@ -55,9 +58,9 @@ from .records import KIND_SNAPSHOT, Record, Row, row_to_record
 SCHEMA_VERSION: Final = 2
 # The schemas a reader opens: 1 had indexes on stream and kind and no snapshots table.
 READABLE_SCHEMAS: Final = frozenset({1, 2})
-PAGE_SIZE: Final = 65_536
+PAGE_SIZE: Final = 16_384
 # WAL pages before an automatic checkpoint: 4 MiB of WAL, as SQLite's default 1000 pages of 4 KiB.
-WAL_AUTOCHECKPOINT_PAGES: Final = 64
+WAL_AUTOCHECKPOINT_PAGES: Final = 256
 STORE_RECORDS_MAX: Final = 5_000_000
 STORE_BYTES_MAX: Final = 1024 * 1024 * 1024
 # How long a connection waits on a lock held by the other side (a WAL

@@ -96,13 +96,13 @@ def snapshot_row(seq: int) -> r.Row:
 
 
 def test_rows_are_appends_and_the_newest_snapshot_is_found_without_a_scan(tmp_path):
-    """Schema 2: 64 KiB pages, no secondary index on records (each was a random page write per row),
+    """Schema 2: 16 KiB pages, no secondary index on records (each was a random page write per row),
     and the snapshots' seqs in a table of their own, pruned with their rows."""
     path = tmp_path / "j.sqlite"
     store = open_store(path, records_max=12)
     store.write_batch(frame_rows(1, 4) + [snapshot_row(5)] + frame_rows(6, 9) + [snapshot_row(10)])
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA page_size").fetchone()[0] == 65_536
+    assert conn.execute("PRAGMA page_size").fetchone()[0] == 16_384
     assert conn.execute("PRAGMA index_list(records)").fetchall() == []
     assert conn.execute("SELECT seq FROM snapshots ORDER BY seq").fetchall() == [(5,), (10,)]
     plan = " ".join(row[3] for row in conn.execute(
