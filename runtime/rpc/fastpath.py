@@ -45,6 +45,11 @@ h2 (``h2.connection``, ``h2.stream``; public names, internal contracts):
   H2 ``H2Connection.outbound_flow_control_window`` and
      ``H2Stream.outbound_flow_control_window`` decremented: the DATA frames
      ``DirectSender`` builds are charged as h2's ``send_data`` charges them.
+  H3 ``H2Connection._open_streams`` overridden (``StreamCountH2Connection``,
+     both ways: it is the server's h2 connection, fast path or not): h2 walks
+     every stream of a connection for each new one; ours walks only when the
+     table has doubled or could reach the limit, and ``exact_open_streams``
+     calls h2's own walk.
 hpack: public API only (``Encoder``, ``NeverIndexedHeaderTuple``); ``header_block``
   relies on RFC 7541's never-indexed literals, not on hpack's internals.
 trio-asyncio (``trio_asyncio._base``):
@@ -228,6 +233,47 @@ class _Processor(EventsProcessor):
         return release_stream
 
 
+# The fewest streams h2's table holds before a new stream walks it (StreamCountH2Connection).
+STREAM_WALK_AT_LEAST = 64
+
+
+class StreamCountH2Connection(H2Connection):
+    """h2's server connection, without a walk of all its streams for each new one (H3).
+
+    h2 counts a connection's open streams by walking every stream it tracks
+    (``_open_streams``) each time the peer opens one, to hold
+    SETTINGS_MAX_CONCURRENT_STREAMS: O(open streams) per call, so n calls on
+    one connection cost O(n²), and the router keeps all its calls to a worker
+    on one connection. The streams h2 tracks include every open one, so while
+    the table holds fewer than the limit no new stream can pass it, and that
+    count is answered as is. The walk, which is also what moves closed
+    streams out of h2's table, runs once the table has doubled since the last
+    walk, or whenever it could reach the limit: O(1) per stream amortised, and
+    the limit is judged exactly as h2 judges it
+    (``tests/test_h2_stream_count.py`` feeds this and h2's own connection the
+    same bytes and compares every answer). ``open_inbound_streams`` is
+    therefore an upper bound below the limit; ``exact_open_streams`` is h2's
+    exact count.
+    """
+
+    _walk_at = STREAM_WALK_AT_LEAST
+    walks = 0  # walks of the table (tests read it)
+
+    def _open_streams(self, remainder: int) -> int:
+        tracked = len(self.streams)
+        if (remainder == int(not self.config.client_side)  # streams the peer opens
+                and tracked < self._walk_at and tracked < self.local_settings.max_concurrent_streams):
+            return tracked
+        self.walks += 1
+        count = super()._open_streams(remainder)
+        self._walk_at = max(STREAM_WALK_AT_LEAST, 2 * len(self.streams))
+        return count
+
+    def exact_open_streams(self) -> int:
+        """Open streams both ways, counted by h2's own walk."""
+        return H2Connection._open_streams(self, 0) + H2Connection._open_streams(self, 1)
+
+
 class LimitedProtocol(H2Protocol):
     """grpclib's server protocol with ``GrpcLimits`` (``runtime/rpc/grpc_limits.py``) applied."""
 
@@ -245,7 +291,7 @@ class LimitedProtocol(H2Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.coalesce:
             transport = CoalescingTransport(transport)
-        h2_conn = H2Connection(config=self.h2_config)
+        h2_conn = StreamCountH2Connection(config=self.h2_config)
         h2_conn.initiate_connection()
         initial = h2_conn.local_settings.initial_window_size
         conn_delta = self.config.http2_connection_window_size - initial
@@ -672,7 +718,7 @@ def flow_states(server: GrpcServer) -> list[FlowState]:
         states.append(FlowState(
             connection_window=h2.outbound_flow_control_window,
             stream_windows={sid: s.outbound_flow_control_window for sid, s in h2.streams.items() if not s.closed},
-            open_streams=h2.open_outbound_streams + h2.open_inbound_streams,
+            open_streams=cast(StreamCountH2Connection, h2).exact_open_streams(),
             grpclib_streams=len(protocol.processor.streams),
             write_ready=protocol.connection.write_ready.is_set(),
         ))  # fmt: skip
