@@ -76,6 +76,10 @@ PENDING_BYTES_MAX: Final = 64 * 1024 * 1024
 ToThread = Callable[..., Awaitable[Any]]
 
 
+class LiveFoldUnavailable(RuntimeError):
+    """The live fold cannot start: the ring pruned records it would have to fold first."""
+
+
 class JournalStats(msgspec.Struct, frozen=True):
     records: int  # rows in the ring now
     bytes: int  # payload bytes in the ring now
@@ -209,7 +213,7 @@ class Journal:
             raise RuntimeError("the journal's live fold is already running")
         rows = self._ring.rows(after_seq=0)
         if rows and rows[0][0] != 1:
-            raise RuntimeError(f"the ring no longer holds records 1..{rows[0][0] - 1}: no live fold can start")
+            raise LiveFoldUnavailable(f"the journal's ring no longer holds records 1..{rows[0][0] - 1}")
         state = fold(row_to_record(row) for row in rows)
         self._live = state
         return state

@@ -337,24 +337,12 @@ class Reader:
 
     def last_snapshot(self, until_seq: int | None = None) -> Record | None:
         """The newest ``snapshot`` record at or before ``until_seq``."""
-        if self.schema == 1:  # no snapshots table: schema 1 indexed kind
-            sql = "SELECT seq, time, stream, kind, payload FROM records WHERE kind = ?"
-            args: list[Any] = [KIND_SNAPSHOT]
-            if until_seq is not None:
-                sql += " AND seq <= ?"
-                args.append(until_seq)
-            row = self._conn.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
-            return None if row is None else row_to_record(row)
-        sql = "SELECT seq FROM snapshots"
-        args = []
-        if until_seq is not None:
-            sql += " WHERE seq <= ?"
-            args.append(until_seq)
-        found = self._conn.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
-        if found is None:
-            return None
+        # Schema 1 had no snapshots table, and an index on kind instead.
+        newest = ("SELECT max(seq) FROM snapshots WHERE seq <= ?" if self.schema != 1 else
+                  f"SELECT max(seq) FROM records WHERE kind = '{KIND_SNAPSHOT}' AND seq <= ?")
         row = self._conn.execute(
-            "SELECT seq, time, stream, kind, payload FROM records WHERE seq = ?", found
+            f"SELECT seq, time, stream, kind, payload FROM records WHERE seq = ({newest})",
+            (self.last_seq() if until_seq is None else until_seq,),
         ).fetchone()
         return None if row is None else row_to_record(row)
 
@@ -396,5 +384,5 @@ def open_reader(path: str | os.PathLike[str]) -> Reader:
     schema = None if version is None else json.loads(version[0])
     if schema not in READABLE_SCHEMAS:
         conn.close()
-        raise StoreError(f"{path}: journal schema {version!r}, this code reads {sorted(READABLE_SCHEMAS)}")
+        raise StoreError(f"{path}: journal schema {schema!r}, this code reads {sorted(READABLE_SCHEMAS)}")
     return Reader(conn, schema)

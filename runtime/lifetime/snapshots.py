@@ -27,14 +27,18 @@ docs/benchmarks.md.)
 
 from __future__ import annotations
 
+import logging
 import os
 
 import trio
 
 from enginelink.journal.fold import snapshot_payload
+from enginelink.journal.journal import LiveFoldUnavailable
 from enginelink.journal.records import KIND_SNAPSHOT
 
 # ENGINELINK_SNAPSHOT_INTERVAL_SECS overrides it (tests use a short period to get snapshots).
+log = logging.getLogger("enginelink.snapshots")
+
 SNAPSHOT_INTERVAL_S = float(os.environ.get("ENGINELINK_SNAPSHOT_INTERVAL_SECS") or 30.0)
 
 
@@ -46,7 +50,14 @@ async def run_snapshots(
 ) -> None:
     """Start the journal's live fold, then write its state as a snapshot every ``interval_s``
     when anything but snapshots was journaled since the last one. ``task_status``: the live state."""
-    task_status.started(journal.fold_live())
+    try:
+        state = journal.fold_live()
+    except LiveFoldUnavailable as error:
+        # Started long after the run began (never in serve): replay then starts from the beginning.
+        log.warning("%s, so no snapshots this run; replay folds the journal from its start", error)
+        task_status.started(None)
+        return
+    task_status.started(state)
     try:
         snapshot_seq = 0  # the seq of the last snapshot this task wrote
         while True:

@@ -168,3 +168,14 @@ async def test_without_a_live_fold_appends_fold_nothing_and_decodes_are_ignored(
     assert state.last_seq == seq
     with pytest.raises(RuntimeError, match="no live fold"):
         journal.live_state()
+
+
+async def test_a_ring_that_pruned_its_start_means_no_snapshots_not_a_crash(autojump_clock, caplog):
+    journal = Journal(None, ring_records_max=3)
+    for stream, kind, payload in scenario()[:5]:
+        journal.append(0.0, stream, kind, payload)
+    async with trio.open_nursery() as nursery:
+        assert await nursery.start(functools.partial(run_snapshots, journal, interval_s=1.0)) is None
+        await trio.sleep(5.0)  # the task has ended; the nursery (the servicer) lives on
+    assert "no longer holds records 1..2" in caplog.text and "no snapshots this run" in caplog.text
+    assert not any(rec.kind == r.KIND_SNAPSHOT for rec in journal.records())
