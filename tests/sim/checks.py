@@ -214,9 +214,16 @@ def _check_link_end(sv: SimServicer, records: list[r.Record]) -> list[str]:
     if sc.engine.hang_startup and state == "stopped" and sv.sigterm_sent_at is not None:
         if sv.sigterm_sent_at > sc.supervision.startup_ceiling_s + 1.0:
             out.append("the engine never finished its handshake, yet the link was not failed by the ceiling")
+    disconnected = any(f.kind == "disconnect" for f in applied)
     for admission in sv.hub.admissions:
-        if admission.call.machine.state is RequestState.FAILED and state != "failed":
-            out.append(f"{admission.call.spec.request_id!r} failed, but the link did not")
+        call = admission.call
+        if call.machine.state is RequestState.FAILED and state != "failed":
+            # A call whose ADD found the engine's connection gone fails UNAVAILABLE at once, though the
+            # link notices the drop only DISCONNECT_GRACE_S later, and a drain may stop it first.
+            unreachable = (disconnected and call.failure is not None and call.failure.kind == "engine"
+                           and "engine is not reachable" in call.failure.message)
+            if not unreachable:
+                out.append(f"{call.spec.request_id!r} failed, but the link did not")
     return out
 
 
