@@ -1,4 +1,4 @@
-"""The journal on disk: one SQLite file per run, written in batches, read by tools.
+"""The journal on disk: one SQLite file per run, written in blocks, read by tools.
 
 Theory of operation: the servicer never touches the disk on its hot path. The
 journal's flusher hands batches of encoded rows (``records.Row``) to
@@ -8,33 +8,37 @@ read-only URI mode, from another process, while the writer is live or after it
 died: WAL mode lets readers see every committed batch without blocking the
 writer, and a killed writer loses at most the batch it was writing.
 
-Schema (``SCHEMA_VERSION``), in 16 KiB pages (``PAGE_SIZE``):
-    records(seq INTEGER PRIMARY KEY, time REAL, stream TEXT, kind TEXT, payload BLOB)
-        no secondary index: every row is an append at the end of the table
-    snapshots(seq INTEGER PRIMARY KEY)       the seq of each ``snapshot`` row
-    meta(key TEXT PRIMARY KEY, value TEXT)   values are JSON
+Schema (``SCHEMA_VERSION`` 3), in 16 KiB pages (``PAGE_SIZE``):
+    blocks(first_seq INTEGER PRIMARY KEY, last_seq INTEGER, count INTEGER, bytes INTEGER, body BLOB)
+        ``body``: the block's rows, ``[[seq, time, stream, kind, payload], ...]`` in msgpack
+        (``encode_block``); ``bytes``: their payloads' bytes (the budget's measure)
+    snapshots(seq INTEGER PRIMARY KEY, block INTEGER)   each ``snapshot`` row's seq and its block
+    meta(key TEXT PRIMARY KEY, value TEXT)              values are JSON
 
-Why no index on ``stream`` or ``kind`` (schema 1 had both): they were about
-half of SQLite's cost per row, and request streams (``req/<random id>``)
-land all over an index, dirtying a page per row. The one lookup that must stay
-cheap, the newest snapshot, reads the ``snapshots`` table (a row per snapshot,
-every 30 s); the tools' other filters (a stream, a kind) scan by seq, which
-is what their selections mostly read anyway. 16 KiB pages (SQLite's default is
-4 KiB) hold the ~1.5 KB engine frames of a busy servicer 10 to a page, not 2:
-fewer page splits and WAL frames per row. Larger pages save a little more in
-bulk but cost more per small commit (each commit writes its last page whole,
-checksummed), which is a slow servicer's every flush: 16 KiB is as cheap as
-4 KiB there. Together they cut the writer
-thread's CPU by about 40% (docs/benchmarks.md, "Stop 20"). Files of schema 1
-(a previous run's, set aside by rotation) are still read.
+Why blocks, not a row per record (schemas 1 and 2): a flush is one block of
+up to ``BLOCK_BYTES_MAX`` payload bytes, so SQLite does one insert per flush
+instead of one per record (and Python's sqlite3, which gives the GIL up
+around each step, one GIL round trip instead of one per record). The same
+10 s of a busy servicer's records cost SQLite alone 0.53 s of CPU as rows and
+0.24 s as blocks; in the servicer the writer thread went from 9-11% of its
+CPU to about 5% (docs/benchmarks.md, "Stop 21"). A record is still a record: the
+journal's seq, ring, fold and readers are unchanged, and ``Reader`` gives the
+same ``Record`` objects. No secondary index (schema 1 had two): filters on a
+stream or a kind scan the blocks in seq order, which is what their
+selections mostly read anyway; the one lookup that must stay cheap, the
+newest snapshot, reads the ``snapshots`` table. Files of schemas 1 and 2 (a
+previous run's, set aside by rotation) are still read.
 
 Rules:
 - one writer per file, one thread at a time (the flusher serialises calls);
-- the store's budgets (``records_max`` rows, ``bytes_max`` payload bytes) are
-  enforced inside each batch's transaction by deleting the oldest rows,
-  counted in ``pruned``; the newest row is always kept. The file itself is
-  larger than ``bytes_max`` by per-row and index overhead, and SQLite reuses
-  freed pages rather than shrinking the file;
+- seqs increase across batches (``write_batch`` refuses one that does not);
+- the store's budgets (``records_max`` records, ``bytes_max`` payload bytes)
+  hold after each batch's transaction: the oldest blocks are deleted whole,
+  counted in ``pruned``, so a full file holds up to one block less than its
+  budgets; the newest block is never deleted, only cut to its newest records
+  when it alone is over (the newest record is always kept). The file itself
+  is larger than ``bytes_max`` by the blocks' framing and SQLite's pages, and
+  SQLite reuses freed pages rather than shrinking the file;
 - ``synchronous=NORMAL``: a committed batch survives the process being
   killed; a power cut may lose the last batches (a journal, not a ledger);
 - readers never write, not even meta; a reader never needs the writer alive.
@@ -55,9 +59,13 @@ import sqlite_utils
 
 from .records import KIND_SNAPSHOT, Record, Row, row_to_record
 
-SCHEMA_VERSION: Final = 2
-# The schemas a reader opens: 1 had indexes on stream and kind and no snapshots table.
-READABLE_SCHEMAS: Final = frozenset({1, 2})
+SCHEMA_VERSION: Final = 3
+# The schemas a reader opens: 1 and 2 kept a row per record (1 with indexes on stream and kind and
+# no snapshots table); 3 keeps blocks of records.
+READABLE_SCHEMAS: Final = frozenset({1, 2, 3})
+# Payload bytes per block at most (a record larger than this is a block of its own): a flush of a busy
+# servicer (50 ms, ~400 KB) is one block; the bound keeps what a reader decodes to find one record small.
+BLOCK_BYTES_MAX: Final = 1024 * 1024
 PAGE_SIZE: Final = 16_384
 # WAL pages before an automatic checkpoint: 4 MiB of WAL, as SQLite's default 1000 pages of 4 KiB.
 WAL_AUTOCHECKPOINT_PAGES: Final = 256
@@ -68,8 +76,25 @@ STORE_BYTES_MAX: Final = 1024 * 1024 * 1024
 BUSY_TIMEOUT_MS: Final = 2_000
 READ_PAGE_RECORDS: Final = 10_000
 
-_INSERT = "INSERT INTO records (seq, time, stream, kind, payload) VALUES (?, ?, ?, ?, ?)"
-_INSERT_SNAPSHOT = "INSERT INTO snapshots (seq) VALUES (?)"
+_INSERT_BLOCK = "INSERT INTO blocks (first_seq, last_seq, count, bytes, body) VALUES (?, ?, ?, ?, ?)"
+_INSERT_SNAPSHOT = "INSERT INTO snapshots (seq, block) VALUES (?, ?)"
+
+_BLOCK_ENCODER = msgspec.msgpack.Encoder()
+_BLOCK_DECODER = msgspec.msgpack.Decoder(list[tuple[int, float, str, str, bytes]])
+# For scans that read every record's kind but no payload (``Reader.counts``): no payload copied.
+_BLOCK_HEADS_DECODER = msgspec.msgpack.Decoder(list[tuple[int, float, str, str, msgspec.Raw]])
+
+BlockRow = tuple[int, int, int, int, bytes]  # (first_seq, last_seq, count, bytes, body): a row of ``blocks``
+
+
+def encode_block(rows: Sequence[Row]) -> BlockRow:
+    """``rows`` (a run of increasing seqs) as one row of ``blocks``."""
+    return (rows[0][0], rows[-1][0], len(rows), sum(len(row[4]) for row in rows), _BLOCK_ENCODER.encode(rows))
+
+
+def decode_block(body: bytes) -> list[Row]:
+    """A block's rows, oldest first."""
+    return _BLOCK_DECODER.decode(body)
 
 
 class StoreError(Exception):
@@ -103,32 +128,33 @@ class Store:
         self.records_max = records_max
         self.bytes_max = bytes_max
         row = self._conn.execute(
-            "SELECT count(*), coalesce(sum(length(payload)), 0), coalesce(max(seq), 0) FROM records"
+            "SELECT coalesce(sum(count), 0), coalesce(sum(bytes), 0), coalesce(max(last_seq), 0) FROM blocks"
         ).fetchone()
         self._records, self._bytes, self._last_seq = row
         self._pruned = 0
         self._batches = 0
 
     def write_batch(self, rows: Sequence[Row]) -> None:
-        """Insert ``rows`` (increasing seq) in one transaction, then prune to budget.
+        """Insert ``rows`` (increasing seqs, after every seq already written) in one transaction, as
+        blocks of up to ``BLOCK_BYTES_MAX`` payload bytes, then prune to budget.
 
         Blocking: call it from a worker thread (``trio.to_thread.run_sync``).
         On error the transaction is rolled back, counters are unchanged and
-        the exception propagates (the flusher counts and drops the batch).
+        the exception propagates (the flusher counts and drops the batch): a
+        seq that does not increase is ``sqlite3.IntegrityError``, as a
+        duplicate key was when each record was a row.
         """
         if not rows:
             return
+        blocks, snapshots, nbytes = self._blocks(rows)
         conn = self._conn
         records = self._records + len(rows)
-        nbytes = self._bytes + sum(len(r[4]) for r in rows)
+        nbytes += self._bytes
         pruned = 0
         committed = False
         conn.execute("BEGIN IMMEDIATE")
         try:
-            # Raw executemany, not sqlite-utils' insert_all: no per-row dicts
-            # or column checks, so a batch of 10k rows costs milliseconds.
-            conn.executemany(_INSERT, rows)
-            snapshots = [(row[0],) for row in rows if row[3] == KIND_SNAPSHOT]
+            conn.executemany(_INSERT_BLOCK, blocks)
             if snapshots:
                 conn.executemany(_INSERT_SNAPSHOT, snapshots)
             if records > self.records_max or nbytes > self.bytes_max:
@@ -144,30 +170,78 @@ class Store:
         self._bytes = nbytes
         self._pruned += pruned
         self._batches += 1
-        self._last_seq = max(self._last_seq, rows[-1][0])
+        self._last_seq = rows[-1][0]
+
+    def _blocks(self, rows: Sequence[Row]) -> tuple[list[BlockRow], list[tuple[int, int]], int]:
+        """The batch's blocks, its snapshots' (seq, block) rows and its payload bytes; checks the seqs."""
+        blocks: list[BlockRow] = []
+        snapshots: list[tuple[int, int]] = []
+        previous = self._last_seq
+        start = 0
+        size = 0
+        total = 0
+        for index, row in enumerate(rows):
+            seq = row[0]
+            if seq <= previous:
+                raise sqlite3.IntegrityError(f"journal seq {seq} is not after {previous}, the seq before it")
+            previous = seq
+            length = len(row[4])
+            if size and size + length > BLOCK_BYTES_MAX:
+                blocks.append(encode_block(rows[start:index]))
+                start = index
+                size = 0
+            size += length
+            total += length
+            if row[3] == KIND_SNAPSHOT:
+                snapshots.append((seq, rows[start][0]))
+        blocks.append(encode_block(rows[start:]))
+        return blocks, snapshots, total
 
     def _prune(self, records: int, nbytes: int) -> tuple[int, int]:
-        """Delete the oldest rows until both budgets hold; keep the newest row."""
+        """Delete the oldest blocks until both budgets hold; the newest block only loses its oldest records."""
         rows_over = records - self.records_max
         bytes_over = nbytes - self.bytes_max
+        conn = self._conn
         count = 0
         size = 0
-        cutoff = None
-        cursor = self._conn.execute(
-            "SELECT seq, length(payload) FROM records ORDER BY seq LIMIT ?", (records - 1,)
-        )
-        for seq, length in cursor:
+        cutoff = None  # the first seq kept
+        newest = conn.execute("SELECT max(first_seq) FROM blocks").fetchone()[0]
+        cursor = conn.execute("SELECT first_seq, last_seq, count, bytes FROM blocks ORDER BY first_seq")
+        for first_seq, last_seq, block_count, block_bytes in cursor:
             if count >= rows_over and size >= bytes_over:
                 break
-            count += 1
-            size += length
-            cutoff = seq
+            if first_seq == newest:
+                cursor.close()
+                cut_count, cut_bytes, cutoff = self._cut_newest(newest, rows_over - count, bytes_over - size)
+                count += cut_count
+                size += cut_bytes
+                break
+            count += block_count
+            size += block_bytes
+            cutoff = last_seq + 1
         cursor.close()
         if cutoff is None:
             return 0, 0
-        self._conn.execute("DELETE FROM records WHERE seq <= ?", (cutoff,))
-        self._conn.execute("DELETE FROM snapshots WHERE seq <= ?", (cutoff,))
+        conn.execute("DELETE FROM blocks WHERE first_seq < ?", (cutoff,))
+        conn.execute("DELETE FROM snapshots WHERE seq < ?", (cutoff,))
         return count, size
+
+    def _cut_newest(self, first_seq: int, rows_over: int, bytes_over: int) -> tuple[int, int, int]:
+        """The newest block without its oldest records, as many as the budgets need and never its last:
+        rewritten under its new first seq. Returns (records cut, bytes cut, the first seq kept)."""
+        conn = self._conn
+        rows = decode_block(conn.execute("SELECT body FROM blocks WHERE first_seq = ?", (first_seq,)).fetchone()[0])
+        count = 0
+        size = 0
+        while count < len(rows) - 1 and (count < rows_over or size < bytes_over):
+            size += len(rows[count][4])
+            count += 1
+        if count:
+            kept = rows[count:]
+            conn.execute("DELETE FROM blocks WHERE first_seq = ?", (first_seq,))
+            conn.execute(_INSERT_BLOCK, encode_block(kept))
+            conn.execute("UPDATE snapshots SET block = ? WHERE block = ?", (kept[0][0], first_seq))
+        return count, size, rows[count][0]
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -250,13 +324,13 @@ def _ensure_schema(db: sqlite_utils.Database, path: Path, records_max: int, byte
             )
     elif db.table_names():
         raise StoreError(f"{path} holds tables {db.table_names()} but no journal meta")
-    db["records"].create(
-        {"seq": int, "time": float, "stream": str, "kind": str, "payload": bytes},
-        pk="seq",
-        not_null={"time", "stream", "kind", "payload"},
+    db["blocks"].create(
+        {"first_seq": int, "last_seq": int, "count": int, "bytes": int, "body": bytes},
+        pk="first_seq",
+        not_null={"last_seq", "count", "bytes", "body"},
         if_not_exists=True,
     )
-    db["snapshots"].create({"seq": int}, pk="seq", if_not_exists=True)
+    db["snapshots"].create({"seq": int, "block": int}, pk="seq", not_null={"block"}, if_not_exists=True)
     meta = {"schema_version": SCHEMA_VERSION, "records_max": records_max, "bytes_max": bytes_max}
     db["meta"].insert_all(
         [{"key": k, "value": json.dumps(v)} for k, v in meta.items()], pk="key", replace=True
@@ -285,13 +359,124 @@ class Reader:
         """Decoded records, oldest first: ``after_seq < seq <= until_seq``,
         ``time_min <= time <= time_max``, stream starting with
         ``stream_prefix`` and/or in ``streams``, kind in ``kinds``."""
+        streams = None if streams is None else frozenset(streams)
+        kinds = None if kinds is None else frozenset(kinds)
+        found: list[Record] = []
+        if limit is not None and limit <= 0:
+            return found
+        for rows in self._blocks(after_seq, until_seq):
+            for row in rows:
+                seq, time, stream, kind, _ = row
+                if seq <= after_seq:
+                    continue
+                if until_seq is not None and seq > until_seq:
+                    return found
+                if ((stream_prefix and not stream.startswith(stream_prefix))
+                        or (streams is not None and stream not in streams)
+                        or (kinds is not None and kind not in kinds)
+                        or (time_min is not None and time < time_min)
+                        or (time_max is not None and time > time_max)):
+                    continue
+                found.append(row_to_record(row))
+                if limit is not None and len(found) >= limit:
+                    return found
+        return found
+
+    def _blocks(self, after_seq: int, until_seq: int | None) -> Iterator[list[Row]]:
+        """The blocks that may hold seqs after ``after_seq`` (up to ``until_seq``), decoded one at a time."""
+        start = self._conn.execute("SELECT coalesce(max(first_seq), 0) FROM blocks WHERE first_seq <= ?",
+                                   (after_seq + 1,)).fetchone()[0]
+        sql = "SELECT body FROM blocks WHERE first_seq >= ?"
+        args: list[Any] = [start]
+        if until_seq is not None:
+            sql += " AND first_seq <= ?"
+            args.append(until_seq)
+        cursor = self._conn.execute(sql + " ORDER BY first_seq", args)
+        try:
+            for (body,) in cursor:
+                yield decode_block(body)
+        finally:
+            cursor.close()
+
+    def iter_records(self, *, page: int = READ_PAGE_RECORDS, **filters: Any) -> Iterator[Record]:
+        """All matching records, fetched ``page`` at a time (no long read
+        transaction, so a live writer's checkpoints are not held back)."""
+        after_seq = filters.pop("after_seq", 0)
+        if "limit" in filters:
+            raise TypeError("iter_records pages by itself; use records(limit=...)")
+        while True:
+            batch = self.records(after_seq=after_seq, limit=page, **filters)
+            yield from batch
+            if len(batch) < page:
+                return
+            after_seq = batch[-1].seq
+
+    def last_seq(self) -> int:
+        row = self._conn.execute("SELECT last_seq FROM blocks ORDER BY first_seq DESC LIMIT 1").fetchone()
+        return 0 if row is None else row[0]
+
+    def first_seq(self) -> int:
+        return self._conn.execute("SELECT coalesce(min(first_seq), 0) FROM blocks").fetchone()[0]
+
+    def last_snapshot(self, until_seq: int | None = None) -> Record | None:
+        """The newest ``snapshot`` record at or before ``until_seq``."""
+        found = self._conn.execute(
+            "SELECT snapshots.seq, body FROM snapshots JOIN blocks ON blocks.first_seq = snapshots.block"
+            " WHERE snapshots.seq <= ? ORDER BY snapshots.seq DESC LIMIT 1",
+            (self.last_seq() if until_seq is None else until_seq,),
+        ).fetchone()
+        if found is None:
+            return None
+        seq, body = found
+        return next(row_to_record(row) for row in decode_block(body) if row[0] == seq)
+
+    def counts(self) -> StoreCounts:
+        records, nbytes, first, last = self._conn.execute(
+            "SELECT coalesce(sum(count), 0), coalesce(sum(bytes), 0),"
+            " coalesce(min(first_seq), 0), coalesce(max(last_seq), 0) FROM blocks"
+        ).fetchone()
+        by_kind: dict[str, int] = {}
+        for (body,) in self._conn.execute("SELECT body FROM blocks ORDER BY first_seq"):
+            for _, _, _, kind, _ in _BLOCK_HEADS_DECODER.decode(body):
+                by_kind[kind] = by_kind.get(kind, 0) + 1
+        return StoreCounts(records=records, bytes=nbytes, first_seq=first, last_seq=last,
+                           by_kind=dict(sorted(by_kind.items())))
+
+    def meta(self) -> dict[str, Any]:
+        return {k: json.loads(v) for k, v in self._conn.execute("SELECT key, value FROM meta")}
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class RowsReader(Reader):
+    """A journal of schema 1 or 2, a row per record (a previous run's file, set aside by rotation)."""
+
+    def records(
+        self,
+        *,
+        after_seq: int = 0,
+        until_seq: int | None = None,
+        stream_prefix: str | None = None,
+        streams: Collection[str] | None = None,
+        kinds: Collection[str] | None = None,
+        time_min: float | None = None,
+        time_max: float | None = None,
+        limit: int | None = None,
+    ) -> list[Record]:
         where = ["seq > ?"]
         args: list[Any] = [after_seq]
         if until_seq is not None:
             where.append("seq <= ?")
             args.append(until_seq)
         if stream_prefix:
-            # A range, not LIKE: case-exact (and used the stream index of schema 1's files).
+            # A range, not LIKE: case-exact (and uses schema 1's stream index).
             where.append("stream >= ?")
             args.append(stream_prefix)
             last = ord(stream_prefix[-1])
@@ -316,19 +501,6 @@ class Reader:
             args.append(limit)
         return [row_to_record(r) for r in self._conn.execute(sql, args)]
 
-    def iter_records(self, *, page: int = READ_PAGE_RECORDS, **filters: Any) -> Iterator[Record]:
-        """All matching records, fetched ``page`` at a time (no long read
-        transaction, so a live writer's checkpoints are not held back)."""
-        after_seq = filters.pop("after_seq", 0)
-        if "limit" in filters:
-            raise TypeError("iter_records pages by itself; use records(limit=...)")
-        while True:
-            batch = self.records(after_seq=after_seq, limit=page, **filters)
-            yield from batch
-            if len(batch) < page:
-                return
-            after_seq = batch[-1].seq
-
     def last_seq(self) -> int:
         return self._conn.execute("SELECT coalesce(max(seq), 0) FROM records").fetchone()[0]
 
@@ -336,7 +508,6 @@ class Reader:
         return self._conn.execute("SELECT coalesce(min(seq), 0) FROM records").fetchone()[0]
 
     def last_snapshot(self, until_seq: int | None = None) -> Record | None:
-        """The newest ``snapshot`` record at or before ``until_seq``."""
         # Schema 1 had no snapshots table, and an index on kind instead.
         newest = ("SELECT max(seq) FROM snapshots WHERE seq <= ?" if self.schema != 1 else
                   f"SELECT max(seq) FROM records WHERE kind = '{KIND_SNAPSHOT}' AND seq <= ?")
@@ -356,18 +527,6 @@ class Reader:
         )
         return StoreCounts(records=records, bytes=nbytes, first_seq=first, last_seq=last, by_kind=by_kind)
 
-    def meta(self) -> dict[str, Any]:
-        return {k: json.loads(v) for k, v in self._conn.execute("SELECT key, value FROM meta")}
-
-    def close(self) -> None:
-        self._conn.close()
-
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
 
 def open_reader(path: str | os.PathLike[str]) -> Reader:
     """Open a journal file read-only (live, cleanly closed, or left by a killed writer)."""
@@ -385,4 +544,4 @@ def open_reader(path: str | os.PathLike[str]) -> Reader:
     if schema not in READABLE_SCHEMAS:
         conn.close()
         raise StoreError(f"{path}: journal schema {schema!r}, this code reads {sorted(READABLE_SCHEMAS)}")
-    return Reader(conn, schema)
+    return Reader(conn, schema) if schema == SCHEMA_VERSION else RowsReader(conn, schema)

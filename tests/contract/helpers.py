@@ -9,7 +9,6 @@ than a poll interval.
 from __future__ import annotations
 
 import itertools
-import sqlite3
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from enginelink.journal.records import decode_payload
+from enginelink.journal.store import open_reader
 from tests.harness import generate_request, wait_until
 
 # Any single call in these tests is short; a hung servicer fails the test, not the run.
@@ -116,17 +115,9 @@ class Row:
 
 
 def journal_rows(path: Path, kinds: tuple[str, ...] | None = None) -> list[Row]:
-    conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-    try:
-        sql = "SELECT seq, time, stream, kind, payload FROM records"
-        args: list = []
-        if kinds:
-            sql += f" WHERE kind IN ({','.join('?' * len(kinds))})"
-            args.extend(kinds)
-        rows = conn.execute(sql + " ORDER BY seq", args).fetchall()
-    finally:
-        conn.close()
-    return [Row(seq, t, stream, kind, decode_payload(kind, blob)) for seq, t, stream, kind, blob in rows]
+    with open_reader(path) as reader:
+        records = reader.records(kinds=kinds or None)
+    return [Row(rec.seq, rec.time, rec.stream, rec.kind, rec.payload) for rec in records]
 
 
 def engine_request_ids(path: Path) -> list[str]:

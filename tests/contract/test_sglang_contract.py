@@ -11,7 +11,6 @@ refusals naming the field before the engine sees the request.
 from __future__ import annotations
 
 import itertools
-import sqlite3
 import uuid
 
 import grpc
@@ -22,7 +21,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb, sglang_schedule
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from tokenizers import Tokenizer
 
-from enginelink.journal.records import decode_payload
+from enginelink.journal.store import open_reader
 from tests.harness import Servicer, wait_until
 
 SERVICE = "sglang.grpc.scheduler.SglangScheduler"
@@ -238,12 +237,8 @@ def test_bad_input_is_refused_before_the_engine_naming_the_field(sgl, mutation, 
 
 
 def _journal(servicer):
-    db = sqlite3.connect(f"file:{servicer.journal}?mode=ro", uri=True, timeout=5)
-    try:
-        rows = db.execute("SELECT stream, kind, payload FROM records ORDER BY seq").fetchall()
-    finally:
-        db.close()
-    return [(st, kind, decode_payload(kind, blob)) for st, kind, blob in rows]
+    with open_reader(servicer.journal) as reader:
+        return [(rec.stream, rec.kind, rec.payload) for rec in reader.records()]
 
 
 def test_abort_rpc_ends_the_stream_with_an_abort_complete(sgl):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from enginelink.journal import records as r
+from enginelink.journal import store as store_module
 from enginelink.journal.store import (
     SCHEMA_VERSION,
     StoreError,
@@ -95,31 +96,103 @@ def snapshot_row(seq: int) -> r.Row:
     return (seq, float(seq), "run", r.KIND_SNAPSHOT, r.encode_payload(r.KIND_SNAPSHOT, {"state": {"at": seq}}))
 
 
-def test_rows_are_appends_and_the_newest_snapshot_is_found_without_a_scan(tmp_path):
-    """Schema 2: 16 KiB pages, no secondary index on records (each was a random page write per row),
-    and the snapshots' seqs in a table of their own, pruned with their rows."""
+def test_a_flush_is_one_block_and_the_newest_snapshot_is_found_without_a_scan(tmp_path):
+    """Schema 3: 16 KiB pages, a block row per batch (not a row per record: each was an insert, and a
+    GIL hand-off in the writer thread), no secondary index, and each snapshot's seq in a table of its
+    own with its block, pruned with it."""
     path = tmp_path / "j.sqlite"
     store = open_store(path, records_max=12)
-    store.write_batch(frame_rows(1, 4) + [snapshot_row(5)] + frame_rows(6, 9) + [snapshot_row(10)])
+    store.write_batch(frame_rows(1, 4))
+    store.write_batch([snapshot_row(5)] + frame_rows(6, 9))
+    store.write_batch([snapshot_row(10)])
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA page_size").fetchone()[0] == 16_384
-    assert conn.execute("PRAGMA index_list(records)").fetchall() == []
-    assert conn.execute("SELECT seq FROM snapshots ORDER BY seq").fetchall() == [(5,), (10,)]
+    assert conn.execute("PRAGMA index_list(blocks)").fetchall() == []
+    assert conn.execute("SELECT first_seq, last_seq, count, bytes FROM blocks ORDER BY first_seq").fetchall() == [
+        (1, 4, 4, 400), (5, 9, 5, len(snapshot_row(5)[4]) + 400), (10, 10, 1, len(snapshot_row(10)[4]))]
+    assert conn.execute("SELECT seq, block FROM snapshots ORDER BY seq").fetchall() == [(5, 5), (10, 10)]
     plan = " ".join(row[3] for row in conn.execute(
-        "EXPLAIN QUERY PLAN SELECT seq FROM snapshots WHERE seq <= 9 ORDER BY seq DESC LIMIT 1"))
-    assert plan == "SEARCH snapshots USING INTEGER PRIMARY KEY (rowid<?)"  # a b-tree search, no scan
+        "EXPLAIN QUERY PLAN SELECT snapshots.seq, body FROM snapshots JOIN blocks ON blocks.first_seq = snapshots.block"
+        " WHERE snapshots.seq <= 9 ORDER BY snapshots.seq DESC LIMIT 1"))
+    assert plan == ("SEARCH snapshots USING INTEGER PRIMARY KEY (rowid<?) "
+                    "SEARCH blocks USING INTEGER PRIMARY KEY (rowid=?)")  # b-tree searches, no scan
     with open_reader(path) as reader:
         assert reader.last_snapshot().payload == {"state": {"at": 10}}
         assert reader.last_snapshot(until_seq=9).seq == 5
-    store.write_batch(frame_rows(11, 16))  # 16 rows over a budget of 12: seqs 1..4 go, the snapshot 5 stays
+        assert [x.seq for x in reader.records(after_seq=6, until_seq=10)] == [7, 8, 9, 10]
+    store.write_batch(frame_rows(11, 16))  # 16 records over a budget of 12: the block 1..4 goes, 5..9 stays
     assert conn.execute("SELECT seq FROM snapshots ORDER BY seq").fetchall() == [(5,), (10,)]
-    store.write_batch(frame_rows(17, 18))  # now 5 goes too, and its snapshots row with it
+    store.write_batch(frame_rows(17, 18))  # now the block 5..9 goes too, and its snapshot's row with it
     assert conn.execute("SELECT seq FROM snapshots ORDER BY seq").fetchall() == [(10,)]
+    assert store.stats().records == 9
     conn.close()
     store.close()
     with open_reader(path) as reader:
         assert reader.last_snapshot(until_seq=9) is None
         assert reader.last_snapshot().seq == 10
+        assert reader.first_seq() == 10 and reader.last_seq() == 18
+
+
+def test_a_large_batch_is_split_into_bounded_blocks(tmp_path, monkeypatch):
+    """A reader decodes a block to find one record in it: a batch goes in blocks of at most
+    BLOCK_BYTES_MAX payload bytes; a record larger than that is a block of its own."""
+    monkeypatch.setattr(store_module, "BLOCK_BYTES_MAX", 1000)
+    path = tmp_path / "j.sqlite"
+    store = open_store(path)
+    rows = frame_rows(1, 25, size=100) + [(26, 26.0, "engine/0", r.KIND_ENGINE_FRAME, bytes(5000))] + [
+        snapshot_row(27)] + frame_rows(28, 30)
+    store.write_batch(rows)
+    conn = sqlite3.connect(path)
+    blocks = conn.execute("SELECT first_seq, last_seq, count FROM blocks ORDER BY first_seq").fetchall()
+    assert blocks == [(1, 10, 10), (11, 20, 10), (21, 25, 5), (26, 26, 1), (27, 30, 4)]
+    assert conn.execute("SELECT seq, block FROM snapshots").fetchall() == [(27, 27)]
+    conn.close()
+    store.close()
+    with open_reader(path) as reader:
+        assert reader.records() == [r.row_to_record(x) for x in rows]
+        assert [x.seq for x in reader.records(after_seq=9, limit=3)] == [10, 11, 12]
+        assert [x.seq for x in reader.records(after_seq=24, until_seq=27)] == [25, 26, 27]
+        assert reader.counts().records == 30 and reader.counts().bytes == 25 * 100 + 5000 + len(rows[26][4]) + 300
+
+
+def test_a_seq_that_does_not_increase_is_refused(tmp_path):
+    store = open_store(tmp_path / "j.sqlite")
+    store.write_batch(frame_rows(1, 3))
+    with pytest.raises(sqlite3.IntegrityError, match="journal seq 3 is not after 3"):
+        store.write_batch(frame_rows(3, 4))
+    with pytest.raises(sqlite3.IntegrityError, match="journal seq 5 is not after 6"):
+        store.write_batch(frame_rows(6, 6) + frame_rows(5, 5))
+    store.write_batch(frame_rows(4, 4))
+    assert store.stats().records == 4
+    store.close()
+
+
+def test_a_schema_2_file_from_an_earlier_version_is_still_read(tmp_path):
+    """A previous run's journal written before schema 3: a row per record, no index, a snapshots table."""
+    path = tmp_path / "old.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE records (seq INTEGER PRIMARY KEY, time FLOAT NOT NULL, stream TEXT NOT NULL,"
+        " kind TEXT NOT NULL, payload BLOB NOT NULL);"
+        "CREATE TABLE snapshots (seq INTEGER PRIMARY KEY);"
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);"
+        "INSERT INTO meta VALUES ('schema_version', '2');"
+    )
+    rows = frame_rows(1, 3) + [snapshot_row(4)] + frame_rows(5, 6)
+    conn.executemany("INSERT INTO records VALUES (?, ?, ?, ?, ?)", rows)
+    conn.execute("INSERT INTO snapshots VALUES (4)")
+    conn.commit()
+    conn.close()
+    with open_reader(path) as reader:
+        assert reader.schema == 2
+        assert reader.records() == [r.row_to_record(x) for x in rows]
+        assert [x.seq for x in reader.records(kinds=[r.KIND_SNAPSHOT])] == [4]
+        assert reader.last_snapshot().seq == 4
+        assert reader.last_snapshot(until_seq=3) is None
+        assert (reader.first_seq(), reader.last_seq()) == (1, 6)
+        assert reader.counts().by_kind == {r.KIND_ENGINE_FRAME: 5, r.KIND_SNAPSHOT: 1}
+    with pytest.raises(StoreError, match="schema 2"):
+        open_store(path)  # never written by this code: a writer starts a new file
 
 
 def test_a_schema_1_file_from_an_earlier_version_is_still_read(tmp_path):
@@ -148,19 +221,25 @@ def test_a_schema_1_file_from_an_earlier_version_is_still_read(tmp_path):
         open_store(path)  # never written by this code: a writer starts a new file
 
 
-def test_record_budget_deletes_oldest(tmp_path):
+def test_record_budget_deletes_the_oldest_blocks_whole(tmp_path):
+    """A block is one flush (50 ms of a servicer's records): the budget is kept by whole blocks, so a
+    full file holds up to one block less than it allows."""
     store = open_store(tmp_path / "j.sqlite", records_max=10)
-    for first in (1, 7, 13):
+    for first in (1, 7):
         store.write_batch(frame_rows(first, first + 5))
+    assert (store.stats().records, store.stats().pruned) == (6, 6)  # 12 > 10: the block 1..6 went
+    store.write_batch(frame_rows(13, 16))
+    assert (store.stats().records, store.stats().pruned) == (10, 6)  # 10 fit
+    store.write_batch(frame_rows(17, 17))
     stats = store.stats()
-    assert (stats.records, stats.pruned, stats.last_seq) == (10, 8, 18)
+    assert (stats.records, stats.pruned, stats.last_seq) == (5, 12, 17)
     store.close()
     with open_reader(tmp_path / "j.sqlite") as reader:
-        assert [x.seq for x in reader.records()] == list(range(9, 19))
-        assert reader.counts().records == 10
+        assert [x.seq for x in reader.records()] == list(range(13, 18))
+        assert reader.counts().records == 5
 
 
-def test_byte_budget_deletes_oldest_and_keeps_the_newest(tmp_path):
+def test_byte_budget_cuts_a_newest_block_that_alone_is_over_and_keeps_the_newest_record(tmp_path):
     store = open_store(tmp_path / "j.sqlite", bytes_max=550)
     store.write_batch(frame_rows(1, 8, size=100))
     assert (store.stats().records, store.stats().bytes, store.stats().pruned) == (5, 500, 3)
@@ -178,7 +257,7 @@ def test_reopen_continues_the_counts(tmp_path):
     store = open_store(tmp_path / "j.sqlite", records_max=10)
     assert (store.stats().records, store.stats().last_seq) == (6, 6)
     store.write_batch(frame_rows(7, 12))
-    assert store.stats().records == 10
+    assert (store.stats().records, store.stats().pruned) == (6, 6)  # the reopened block 1..6 counted, and went
     store.close()
 
 
@@ -187,6 +266,16 @@ def test_failed_batch_rolls_back(tmp_path):
     store.write_batch(frame_rows(1, 3))
     with pytest.raises(sqlite3.IntegrityError):
         store.write_batch(frame_rows(4, 5) + frame_rows(3, 3))  # seq 3 again
+    store.records_max = 4
+
+    def disk_full(*args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    store._prune = disk_full  # fails after the batch's blocks are inserted: the transaction is rolled back
+    with pytest.raises(sqlite3.OperationalError):
+        store.write_batch(frame_rows(4, 5))
+    del store._prune
+    store.records_max = 100
     assert store.stats().records == 3
     store.write_batch(frame_rows(4, 5))  # the connection is usable again
     store.close()

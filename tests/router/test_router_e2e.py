@@ -14,7 +14,6 @@ text == the servicer's own tokens decoded" are exact comparisons.
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +21,7 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer
 
-from enginelink.journal.records import decode_payload
+from enginelink.journal.store import open_reader
 from enginelink.wire.vllm import VllmCodec
 from tests.harness import Router, Servicer, generate_request, wait_until
 from tests.router.openai_http import DONE, SSEStream, get, post, stream
@@ -107,12 +106,8 @@ def streamed(reply: tuple[int, list]) -> tuple[list[dict], list]:
 
 def journal(servicer: Servicer) -> list[tuple[int, str, str, object]]:
     """Every record the servicer has flushed so far: (seq, stream, kind, payload)."""
-    db = sqlite3.connect(f"file:{servicer.journal}?mode=ro", uri=True, timeout=5)
-    try:
-        rows = db.execute("SELECT seq, stream, kind, payload FROM records ORDER BY seq").fetchall()
-    finally:
-        db.close()
-    return [(seq, stream_, kind, decode_payload(kind, blob)) for seq, stream_, kind, blob in rows]
+    with open_reader(servicer.journal) as reader:
+        return [(rec.seq, rec.stream, rec.kind, rec.payload) for rec in reader.records()]
 
 
 def servicer_greedy_text(stack, prompt_ids: list[int], max_tokens: int) -> tuple[str, list[int]]:

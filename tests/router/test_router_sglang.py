@@ -10,7 +10,6 @@ what the servicer journaled and what the engine's frames carried.
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +18,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb, sglang_scheduler_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
-from enginelink.journal.records import decode_payload
+from enginelink.journal.store import open_reader
 from enginelink.wire.sglang import SglangCodec
 from tests.harness import Router, Servicer, wait_until
 from tests.router.openai_http import DONE, SSEStream, get, post, stream
@@ -82,12 +81,8 @@ def streamed(reply):
 
 
 def journal(servicer: Servicer):
-    db = sqlite3.connect(f"file:{servicer.journal}?mode=ro", uri=True, timeout=5)
-    try:
-        rows = db.execute("SELECT seq, stream, kind, payload FROM records ORDER BY seq").fetchall()
-    finally:
-        db.close()
-    return [(seq, st, kind, decode_payload(kind, blob)) for seq, st, kind, blob in rows]
+    with open_reader(servicer.journal) as reader:
+        return [(rec.seq, rec.stream, rec.kind, rec.payload) for rec in reader.records()]
 
 
 def direct_greedy(stack, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

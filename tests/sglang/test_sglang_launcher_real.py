@@ -31,7 +31,6 @@ import json
 import os
 import re
 import socket
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +40,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb, sglang_scheduler_pb2_grpc as pb_grpc
 
-from enginelink.journal.records import decode_payload
+from enginelink.journal.store import open_reader
 from tests.harness import Servicer, free_port, wait_until
 from tests.wire.engine_venvs import side_python_or_skip
 
@@ -95,12 +94,8 @@ def run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def journal(path: Path) -> list[tuple[str, dict]]:
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-    try:
-        rows = db.execute("SELECT kind, payload FROM records ORDER BY seq").fetchall()
-    finally:
-        db.close()
-    return [(kind, decode_payload(kind, blob)) for kind, blob in rows]
+    with open_reader(path) as reader:
+        return [(rec.kind, rec.payload) for rec in reader.records()]
 
 
 def sglang_port() -> int:

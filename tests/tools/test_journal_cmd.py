@@ -18,7 +18,7 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.fold import FoldState
-from enginelink.journal.store import open_reader
+from enginelink.journal.store import decode_block, encode_block, open_reader
 from tests.harness import Servicer, generate_request, wait_until
 from tests.tools.helpers import (WARMUP_PREFIX, PROMPT, Stream, copy_journal, enginelink, journal_has,
                                  verify_report, warmup_admitted)
@@ -171,9 +171,29 @@ def test_export_writes_every_record_as_json_lines(journal):
     assert all(len(o["new_token_ids"]) == 1 and o["finish_reason"] is None for o in outputs)
 
 
-def _tamper(path, sql: str, *args) -> None:
+def _tamper(path, edit) -> None:
+    """Rewrite the journal file's records through ``edit`` (a row in, the row to keep or None out), block by
+    block, as a hand on the file would: the store's own block format, its snapshots table rebuilt."""
     with sqlite3.connect(path) as db:
-        db.execute(sql, args)
+        blocks = [decode_block(body) for (body,) in db.execute("SELECT body FROM blocks ORDER BY first_seq")]
+        db.execute("DELETE FROM blocks")
+        db.execute("DELETE FROM snapshots")
+        for rows in blocks:
+            rows = [row for row in map(edit, rows) if row is not None]
+            if rows:
+                db.execute("INSERT INTO blocks (first_seq, last_seq, count, bytes, body) VALUES (?, ?, ?, ?, ?)",
+                           encode_block(rows))
+                db.executemany("INSERT INTO snapshots (seq, block) VALUES (?, ?)",
+                               [(row[0], rows[0][0]) for row in rows if row[3] == "snapshot"])
+
+
+def _at(seq: int, kind: str | None = None, payload: dict | None = None):
+    """An edit for ``_tamper``: the record ``seq`` gone, or given another kind and payload."""
+    def edit(row):
+        if row[0] != seq:
+            return row
+        return None if payload is None else (row[0], row[1], row[2], kind or row[3], msgspec.msgpack.encode(payload))
+    return edit
 
 
 def _seq_of(path, kind: str, predicate) -> tuple[int, dict]:
@@ -189,18 +209,15 @@ def test_verify_names_each_violation(journal, tmp_path):
     # A hole: one record gone from the middle (while only "drained" runs).
     hole, _ = _seq_of(bad, "transition", lambda p: p["machine"] == "link" and p["event"] == "drain")
     hole += 1
-    _tamper(bad, "DELETE FROM records WHERE seq = ?", hole)
+    _tamper(bad, _at(hole))
     # Tokens: a choice claims one token more than it got.
     seq, payload = _seq_of(bad, "client.sent", lambda p: p["request_id"] == "short")
-    _tamper(bad, "UPDATE records SET payload = ? WHERE seq = ?",
-            msgspec.msgpack.encode({**payload, "tokens_sent": payload["tokens_sent"] + 1}), seq)
+    _tamper(bad, _at(seq, payload={**payload, "tokens_sent": payload["tokens_sent"] + 1}))
     # An illegal link transition, and a request that ends twice.
     seq, payload = _seq_of(bad, "transition", lambda p: p["machine"] == "link" and p["event"] == "drained")
-    _tamper(bad, "UPDATE records SET payload = ? WHERE seq = ?",
-            msgspec.msgpack.encode({**payload, "dest": "serving"}), seq)
+    _tamper(bad, _at(seq, payload={**payload, "dest": "serving"}))
     seq, payload = _seq_of(bad, "transition", lambda p: p["id"] == "pair" and p["dest"] == "finished")
-    _tamper(bad, "UPDATE records SET kind = 'transition', payload = ? WHERE seq = ?",
-            msgspec.msgpack.encode(payload), seq + 1)  # the next record (a client.sent) becomes a second finish
+    _tamper(bad, _at(seq + 1, "transition", payload))  # the next record (a client.sent) becomes a second finish
 
     done = enginelink("journal", "verify", "--journal", bad)
     assert done.returncode == 1, done.stdout
@@ -219,7 +236,7 @@ def test_verify_names_each_violation(journal, tmp_path):
 def test_verify_accepts_a_journal_pruned_at_the_start(journal, tmp_path):
     pruned = copy_journal(journal, tmp_path / "pruned.sqlite")
     seq, _ = _seq_of(pruned, "client.generate", lambda p: p["request_id"] == "pair")
-    _tamper(pruned, "DELETE FROM records WHERE seq < ?", seq + 3)  # mid-request: its admission is gone
+    _tamper(pruned, lambda row: row if row[0] >= seq + 3 else None)  # mid-request: its admission is gone
     done = enginelink("journal", "verify", "--journal", pruned)
     assert done.returncode == 0, done.stdout
     assert f"{seq + 2} pruned at the start (budget)" in done.stdout
