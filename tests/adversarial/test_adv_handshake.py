@@ -80,8 +80,29 @@ def _handshake_path(sockets: Path) -> Path | None:
     return found[0] if found else None
 
 
+_strangers_context: zmq.Context | None = None
+
+
+@pytest.fixture(autouse=True)
+def strangers_context():
+    """The strangers' own zmq context, a new one per test, destroyed after it (its sockets with it).
+
+    Not ``zmq.Context.instance()``: the servicer's link uses that one, and so do the other in-process
+    link tests on this xdist worker. Once, three tests in a row here waited 20-30 s for stranger
+    messages that never reached the link; a context of their own keeps an earlier test's leftovers out
+    of it."""
+    global _strangers_context
+    _strangers_context = zmq.Context()
+    try:
+        yield _strangers_context
+    finally:
+        _strangers_context.destroy(linger=0)
+        _strangers_context = None
+
+
 def _stranger(address: str, identity: bytes | None = None) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    assert _strangers_context is not None
+    sock = _strangers_context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
