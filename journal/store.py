@@ -81,8 +81,9 @@ _INSERT_SNAPSHOT = "INSERT INTO snapshots (seq, block) VALUES (?, ?)"
 
 _BLOCK_ENCODER = msgspec.msgpack.Encoder()
 _BLOCK_DECODER = msgspec.msgpack.Decoder(list[tuple[int, float, str, str, bytes]])
-# For scans that read every record's kind but no payload (``Reader.counts``): no payload copied.
+# For scans that read every record's head but not every payload (filters, ``Reader.counts``): those left encoded.
 _BLOCK_HEADS_DECODER = msgspec.msgpack.Decoder(list[tuple[int, float, str, str, msgspec.Raw]])
+_PAYLOAD_DECODER = msgspec.msgpack.Decoder(bytes)
 
 BlockRow = tuple[int, int, int, int, bytes]  # (first_seq, last_seq, count, bytes, body): a row of ``blocks``
 
@@ -364,9 +365,12 @@ class Reader:
         found: list[Record] = []
         if limit is not None and limit <= 0:
             return found
-        for rows in self._blocks(after_seq, until_seq):
+        # A filtered scan leaves the payloads it skips encoded (msgspec.Raw), and decodes those it keeps.
+        selective = bool(stream_prefix) or streams is not None or kinds is not None or time_min is not None \
+            or time_max is not None
+        for rows in self._blocks(after_seq, until_seq, _BLOCK_HEADS_DECODER if selective else _BLOCK_DECODER):
             for row in rows:
-                seq, time, stream, kind, _ = row
+                seq, time, stream, kind, payload = row
                 if seq <= after_seq:
                     continue
                 if until_seq is not None and seq > until_seq:
@@ -377,12 +381,14 @@ class Reader:
                         or (time_min is not None and time < time_min)
                         or (time_max is not None and time > time_max)):
                     continue
+                if selective:
+                    row = (seq, time, stream, kind, _PAYLOAD_DECODER.decode(payload))
                 found.append(row_to_record(row))
                 if limit is not None and len(found) >= limit:
                     return found
         return found
 
-    def _blocks(self, after_seq: int, until_seq: int | None) -> Iterator[list[Row]]:
+    def _blocks(self, after_seq: int, until_seq: int | None, decoder: msgspec.msgpack.Decoder) -> Iterator[list]:
         """The blocks that may hold seqs after ``after_seq`` (up to ``until_seq``), decoded one at a time."""
         start = self._conn.execute("SELECT coalesce(max(first_seq), 0) FROM blocks WHERE first_seq <= ?",
                                    (after_seq + 1,)).fetchone()[0]
@@ -394,7 +400,7 @@ class Reader:
         cursor = self._conn.execute(sql + " ORDER BY first_seq", args)
         try:
             for (body,) in cursor:
-                yield decode_block(body)
+                yield decoder.decode(body)
         finally:
             cursor.close()
 
