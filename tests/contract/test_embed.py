@@ -30,7 +30,7 @@ from tests.contract.helpers import (
     wait_journal,
 )
 from enginelink.journal.records import request_stream
-from tests.harness import Servicer, generate_request, shared, wait_until
+from tests.harness import Servicer, engine_pid, frozen, generate_request, shared, wait_until
 
 DIM = 256  # the test model's hidden_size: the sim's default embedding length
 MAX_MODEL_LEN = 512
@@ -190,12 +190,15 @@ def test_abort_ends_an_embed_with_cancelled(pooling):
         except grpc.RpcError as error:
             errors.append(error)
 
-    hold_next_step(pooling.stub)
+    wait_idle(pooling.stub)
     thread = threading.Thread(target=call)
-    thread.start()
-    wait_until(lambda: in_flight(pooling.stub) == 1, 5.0, "the embed in flight", interval_s=0.005)
-    pooling.stub.Abort(pb.AbortRequest(request_ids=[request_id]), timeout=CALL_TIMEOUT_S)
-    thread.join(CALL_TIMEOUT_S)
+    # The engine stopped while the call is in flight, so it cannot answer before the abort however
+    # loaded the machine is (a step held for ~5 s once did not last long enough in a full CI run).
+    with frozen(engine_pid(pooling.journal)):
+        thread.start()
+        wait_until(lambda: in_flight(pooling.stub) == 1, 5.0, "the embed in flight", interval_s=0.005)
+        pooling.stub.Abort(pb.AbortRequest(request_ids=[request_id]), timeout=CALL_TIMEOUT_S)
+        thread.join(CALL_TIMEOUT_S)
     assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.CANCELLED
     assert "aborted" in errors[0].details()
     wait_idle(pooling.stub)
