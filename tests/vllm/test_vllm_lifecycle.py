@@ -98,9 +98,13 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
         core = engine_core_pid(launcher)
         for reader in short + long:
             assert reader.started_streaming.wait(30)
-        # The tiny model writes 2040 tokens in a few seconds, and a loaded CI box once let the
-        # long streams finish between here and the drain's end: the core is frozen until the
-        # drain has begun, so they are surely open when its time runs out.
+        for reader in short:  # 8 tokens: done before the drain, which the long ones are not
+            reader.join(30)
+        # The tiny model writes 2040 tokens in a few seconds, and loaded CI boxes let a long
+        # stream finish before the drain's end: once when the core was unfrozen as the drain
+        # began (it had run close to its end while the six calls started). The core stays
+        # frozen until the drain's time has run out and the long streams have their abort,
+        # so they are surely open then.
         with frozen(core):
             assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
             signalled = time.monotonic()
@@ -111,6 +115,8 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
                 == health_pb2.HealthCheckResponse.NOT_SERVING,
                 1.0, "readiness NOT_SERVING right after SIGTERM", interval_s=0.02,
             )
+            wait_until(lambda: all(reader.completes for reader in long), DRAIN_S + 10,
+                       "the long streams' abort at the drain's end", interval_s=0.02)
         with pytest.raises(grpc.RpcError) as refused:
             list(servicer.stub.Generate(generate_request("late", PROMPT, max_tokens=4), timeout=5))
         # Refused while draining or stopping, or (sent after the front closed) by the closed port.
