@@ -141,6 +141,12 @@ def test_load_only_heartbeats_repeat_the_last_sequence(kv_default):
 
 
 def test_relay_counters_are_metrics(kv_default):
+    # Its own traffic, not what the module's earlier tests left (a split run may give it a fresh servicer):
+    # a stored prompt, and a subscriber from 0 (history) that sees it.
+    p6 = prompt(6, 2 * BLOCK)
+    generate(kv_default, "kv-p6", p6)
+    with KvSubscription(kv_default, 0) as sub:
+        sub.wait(lambda s: Chain().apply(s.kv_batches()).prefix_of(p6, BLOCK) == 2, what="p6's two blocks")
     samples = scrape(kv_default.metrics_port)
     assert metric(samples, "smg_servicer_kv_relay_events_total", event="relayed") > 0
     assert metric(samples, "smg_servicer_kv_forwarded_events_total", kind="stored") > 0
