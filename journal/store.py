@@ -88,9 +88,11 @@ _PAYLOAD_DECODER = msgspec.msgpack.Decoder(bytes)
 BlockRow = tuple[int, int, int, int, bytes]  # (first_seq, last_seq, count, bytes, body): a row of ``blocks``
 
 
-def encode_block(rows: Sequence[Row]) -> BlockRow:
-    """``rows`` (a run of increasing seqs) as one row of ``blocks``."""
-    return (rows[0][0], rows[-1][0], len(rows), sum(len(row[4]) for row in rows), _BLOCK_ENCODER.encode(rows))
+def encode_block(rows: Sequence[Row], nbytes: int | None = None) -> BlockRow:
+    """``rows`` (a run of increasing seqs) as one row of ``blocks``; ``nbytes``: their payloads' bytes, if known."""
+    if nbytes is None:
+        nbytes = sum(len(row[4]) for row in rows)
+    return (rows[0][0], rows[-1][0], len(rows), nbytes, _BLOCK_ENCODER.encode(rows))
 
 
 def decode_block(body: bytes) -> list[Row]:
@@ -147,7 +149,7 @@ class Store:
         """
         if not rows:
             return
-        blocks, snapshots, nbytes = self._blocks(rows)
+        blocks, snapshots, nbytes, newest_rows = self._blocks(rows)
         conn = self._conn
         records = self._records + len(rows)
         nbytes += self._bytes
@@ -159,7 +161,7 @@ class Store:
             if snapshots:
                 conn.executemany(_INSERT_SNAPSHOT, snapshots)
             if records > self.records_max or nbytes > self.bytes_max:
-                pruned, pruned_bytes = self._prune(records, nbytes)
+                pruned, pruned_bytes = self._prune(records, nbytes, newest_rows)
                 records -= pruned
                 nbytes -= pruned_bytes
             conn.execute("COMMIT")
@@ -173,8 +175,9 @@ class Store:
         self._batches += 1
         self._last_seq = rows[-1][0]
 
-    def _blocks(self, rows: Sequence[Row]) -> tuple[list[BlockRow], list[tuple[int, int]], int]:
-        """The batch's blocks, its snapshots' (seq, block) rows and its payload bytes; checks the seqs."""
+    def _blocks(self, rows: Sequence[Row]) -> tuple[list[BlockRow], list[tuple[int, int]], int, Sequence[Row]]:
+        """The batch's blocks, its snapshots' (seq, block) rows, its payload bytes and the rows of its
+        last block (the newest in the file); checks the seqs."""
         blocks: list[BlockRow] = []
         snapshots: list[tuple[int, int]] = []
         previous = self._last_seq
@@ -188,32 +191,34 @@ class Store:
             previous = seq
             length = len(row[4])
             if size and size + length > BLOCK_BYTES_MAX:
-                blocks.append(encode_block(rows[start:index]))
+                blocks.append(encode_block(rows[start:index], size))
                 start = index
                 size = 0
             size += length
             total += length
             if row[3] == KIND_SNAPSHOT:
                 snapshots.append((seq, rows[start][0]))
-        blocks.append(encode_block(rows[start:]))
-        return blocks, snapshots, total
+        newest_rows = rows[start:]
+        blocks.append(encode_block(newest_rows, size))
+        return blocks, snapshots, total, newest_rows
 
-    def _prune(self, records: int, nbytes: int) -> tuple[int, int]:
-        """Delete the oldest blocks until both budgets hold; the newest block only loses its oldest records."""
+    def _prune(self, records: int, nbytes: int, newest_rows: Sequence[Row]) -> tuple[int, int]:
+        """Delete the oldest blocks until both budgets hold; the newest block (``newest_rows``, this
+        batch's last) only loses its oldest records."""
         rows_over = records - self.records_max
         bytes_over = nbytes - self.bytes_max
         conn = self._conn
         count = 0
         size = 0
         cutoff = None  # the first seq kept
-        newest = conn.execute("SELECT max(first_seq) FROM blocks").fetchone()[0]
+        newest = newest_rows[0][0]
         cursor = conn.execute("SELECT first_seq, last_seq, count, bytes FROM blocks ORDER BY first_seq")
         for first_seq, last_seq, block_count, block_bytes in cursor:
             if count >= rows_over and size >= bytes_over:
                 break
             if first_seq == newest:
                 cursor.close()
-                cut_count, cut_bytes, cutoff = self._cut_newest(newest, rows_over - count, bytes_over - size)
+                cut_count, cut_bytes, cutoff = self._cut_newest(newest_rows, rows_over - count, bytes_over - size)
                 count += cut_count
                 size += cut_bytes
                 break
@@ -227,11 +232,11 @@ class Store:
         conn.execute("DELETE FROM snapshots WHERE seq < ?", (cutoff,))
         return count, size
 
-    def _cut_newest(self, first_seq: int, rows_over: int, bytes_over: int) -> tuple[int, int, int]:
-        """The newest block without its oldest records, as many as the budgets need and never its last:
-        rewritten under its new first seq. Returns (records cut, bytes cut, the first seq kept)."""
+    def _cut_newest(self, rows: Sequence[Row], rows_over: int, bytes_over: int) -> tuple[int, int, int]:
+        """The newest block (its ``rows``) without its oldest records, as many as the budgets need and never
+        its last: rewritten under its new first seq. Returns (records cut, bytes cut, the first seq kept)."""
         conn = self._conn
-        rows = decode_block(conn.execute("SELECT body FROM blocks WHERE first_seq = ?", (first_seq,)).fetchone()[0])
+        first_seq = rows[0][0]
         count = 0
         size = 0
         while count < len(rows) - 1 and (count < rows_over or size < bytes_over):
@@ -381,7 +386,7 @@ class Reader:
                         or (time_min is not None and time < time_min)
                         or (time_max is not None and time > time_max)):
                     continue
-                if selective:
+                if isinstance(payload, msgspec.Raw):  # left encoded by a selective scan
                     row = (seq, time, stream, kind, _PAYLOAD_DECODER.decode(payload))
                 found.append(row_to_record(row))
                 if limit is not None and len(found) >= limit:
@@ -389,7 +394,8 @@ class Reader:
         return found
 
     def _blocks(self, after_seq: int, until_seq: int | None, decoder: msgspec.msgpack.Decoder) -> Iterator[list]:
-        """The blocks that may hold seqs after ``after_seq`` (up to ``until_seq``), decoded one at a time."""
+        """The blocks that may hold seqs after ``after_seq`` (up to ``until_seq``), decoded one at a time
+        (``decoder``: the payloads as bytes, or left encoded)."""
         start = self._conn.execute("SELECT coalesce(max(first_seq), 0) FROM blocks WHERE first_seq <= ?",
                                    (after_seq + 1,)).fetchone()[0]
         sql = "SELECT body FROM blocks WHERE first_seq >= ?"
@@ -462,50 +468,15 @@ class Reader:
 
 
 class RowsReader(Reader):
-    """A journal of schema 1 or 2, a row per record (a previous run's file, set aside by rotation)."""
+    """A journal of schema 1 or 2, a row per record (a previous run's file, set aside by rotation):
+    ``Reader``'s filters over its rows, read in pages."""
 
-    def records(
-        self,
-        *,
-        after_seq: int = 0,
-        until_seq: int | None = None,
-        stream_prefix: str | None = None,
-        streams: Collection[str] | None = None,
-        kinds: Collection[str] | None = None,
-        time_min: float | None = None,
-        time_max: float | None = None,
-        limit: int | None = None,
-    ) -> list[Record]:
-        where = ["seq > ?"]
-        args: list[Any] = [after_seq]
-        if until_seq is not None:
-            where.append("seq <= ?")
-            args.append(until_seq)
-        if stream_prefix:
-            # A range, not LIKE: case-exact (and uses schema 1's stream index).
-            where.append("stream >= ?")
-            args.append(stream_prefix)
-            last = ord(stream_prefix[-1])
-            if last < 0x10FFFF:
-                where.append("stream < ?")
-                args.append(stream_prefix[:-1] + chr(last + 1))
-        if streams is not None:
-            where.append(f"stream IN ({','.join('?' * len(streams))})")
-            args.extend(streams)
-        if kinds is not None:
-            where.append(f"kind IN ({','.join('?' * len(kinds))})")
-            args.extend(kinds)
-        if time_min is not None:
-            where.append("time >= ?")
-            args.append(time_min)
-        if time_max is not None:
-            where.append("time <= ?")
-            args.append(time_max)
-        sql = f"SELECT seq, time, stream, kind, payload FROM records WHERE {' AND '.join(where)} ORDER BY seq"
-        if limit is not None:
-            sql += " LIMIT ?"
-            args.append(limit)
-        return [row_to_record(r) for r in self._conn.execute(sql, args)]
+    def _blocks(self, after_seq: int, until_seq: int | None, decoder: msgspec.msgpack.Decoder) -> Iterator[list]:
+        sql = "SELECT seq, time, stream, kind, payload FROM records WHERE seq > ? AND seq <= ? ORDER BY seq LIMIT ?"
+        last = self.last_seq() if until_seq is None else until_seq
+        while rows := self._conn.execute(sql, (after_seq, last, READ_PAGE_RECORDS)).fetchall():
+            yield rows
+            after_seq = rows[-1][0]
 
     def last_seq(self) -> int:
         return self._conn.execute("SELECT coalesce(max(seq), 0) FROM records").fetchone()[0]

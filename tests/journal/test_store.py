@@ -167,26 +167,36 @@ def test_a_seq_that_does_not_increase_is_refused(tmp_path):
     store.close()
 
 
-def test_a_schema_2_file_from_an_earlier_version_is_still_read(tmp_path):
-    """A previous run's journal written before schema 3: a row per record, no index, a snapshots table."""
-    path = tmp_path / "old.sqlite"
+def write_rows_journal(path: Path, schema: int, rows: list[r.Row]) -> None:
+    """A journal as schemas 1 and 2 wrote it, a row per record: schema 1 with indexes on stream and
+    kind, schema 2 with none and a snapshots table."""
     conn = sqlite3.connect(path)
-    conn.executescript(
-        "CREATE TABLE records (seq INTEGER PRIMARY KEY, time FLOAT NOT NULL, stream TEXT NOT NULL,"
-        " kind TEXT NOT NULL, payload BLOB NOT NULL);"
-        "CREATE TABLE snapshots (seq INTEGER PRIMARY KEY);"
-        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);"
-        "INSERT INTO meta VALUES ('schema_version', '2');"
-    )
-    rows = frame_rows(1, 3) + [snapshot_row(4)] + frame_rows(5, 6)
+    conn.execute("CREATE TABLE records (seq INTEGER PRIMARY KEY, time FLOAT NOT NULL, stream TEXT NOT NULL,"
+                 " kind TEXT NOT NULL, payload BLOB NOT NULL)")
+    if schema == 1:
+        conn.execute("CREATE INDEX idx_records_stream ON records (stream)")
+        conn.execute("CREATE INDEX idx_records_kind ON records (kind)")
+    else:
+        conn.execute("CREATE TABLE snapshots (seq INTEGER PRIMARY KEY)")
+        conn.executemany("INSERT INTO snapshots VALUES (?)", [(row[0],) for row in rows if row[3] == r.KIND_SNAPSHOT])
+    conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)")
+    conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(schema),))
     conn.executemany("INSERT INTO records VALUES (?, ?, ?, ?, ?)", rows)
-    conn.execute("INSERT INTO snapshots VALUES (4)")
     conn.commit()
     conn.close()
+
+
+def test_a_schema_2_file_from_an_earlier_version_is_still_read(tmp_path, monkeypatch):
+    """A previous run's journal written before schema 3: a row per record, no index, a snapshots table."""
+    path = tmp_path / "old.sqlite"
+    rows = frame_rows(1, 3) + [snapshot_row(4)] + frame_rows(5, 6)
+    write_rows_journal(path, 2, rows)
+    monkeypatch.setattr(store_module, "READ_PAGE_RECORDS", 2)  # its rows are read in pages
     with open_reader(path) as reader:
         assert reader.schema == 2
         assert reader.records() == [r.row_to_record(x) for x in rows]
         assert [x.seq for x in reader.records(kinds=[r.KIND_SNAPSHOT])] == [4]
+        assert [x.seq for x in reader.records(after_seq=1, until_seq=5, stream_prefix="engine/")] == [2, 3, 5]
         assert reader.last_snapshot().seq == 4
         assert reader.last_snapshot(until_seq=3) is None
         assert (reader.first_seq(), reader.last_seq()) == (1, 6)
@@ -199,19 +209,8 @@ def test_a_schema_1_file_from_an_earlier_version_is_still_read(tmp_path):
     """A previous run's journal (set aside by rotation) written before schema 2: indexes on stream
     and kind, no snapshots table. The tools still read it, its newest snapshot included."""
     path = tmp_path / "old.sqlite"
-    conn = sqlite3.connect(path)
-    conn.executescript(
-        "CREATE TABLE records (seq INTEGER PRIMARY KEY, time FLOAT NOT NULL, stream TEXT NOT NULL,"
-        " kind TEXT NOT NULL, payload BLOB NOT NULL);"
-        "CREATE INDEX idx_records_stream ON records (stream);"
-        "CREATE INDEX idx_records_kind ON records (kind);"
-        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);"
-        "INSERT INTO meta VALUES ('schema_version', '1');"
-    )
     rows = frame_rows(1, 3) + [snapshot_row(4)] + frame_rows(5, 6)
-    conn.executemany("INSERT INTO records VALUES (?, ?, ?, ?, ?)", rows)
-    conn.commit()
-    conn.close()
+    write_rows_journal(path, 1, rows)
     with open_reader(path) as reader:
         assert reader.records() == [r.row_to_record(x) for x in rows]
         assert reader.last_snapshot().seq == 4
