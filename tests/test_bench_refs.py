@@ -36,6 +36,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_arms_are_named_and_checked(capsys):
     assert _args("--against", "smg-rust, smg-python,smg-rust").against == ["smg-rust", "smg-python"]
+    assert _args("--against", "grpclib-floor,smg-rust").against == ["grpclib-floor", "smg-rust"]
     for bad in ("smg-go", "", "smg-rust,enginelink"):
         with pytest.raises(SystemExit) as exit_:
             _args("--against", bad)
@@ -50,6 +51,25 @@ def test_a_missing_reference_venv_says_how_to_make_it(tmp_path, monkeypatch, cap
     assert "run tools/setup-bench-refs" in err and str(tmp_path / "nowhere") in err
     # --target makes no sense beside arms the bench starts itself.
     assert bench.run(_args("--against", "smg-rust", "--target", "127.0.0.1:1")) == 2
+
+
+def test_the_floor_goes_with_the_sim_engine_only(capsys):
+    """grpclib-floor has no engine: beside a real engine's alternation it would measure nothing comparable."""
+    for engine in ("vllm", "mlx"):
+        assert bench.run(_args("--engine", engine, "--against", "grpclib-floor")) == 2
+        assert "grpclib-floor has no engine behind it" in capsys.readouterr().err
+
+
+def test_the_floor_sends_as_many_messages_per_call_as_enginelink():
+    from enginelink.tools.bench_floor_servicer import chunk_sizes
+
+    messages = bench_refs.floor_messages
+    assert messages(128, 34.7) == 4 and messages(128, 41.0) == 3
+    assert messages(128, 1.0) == 128  # an engine at one token per step: a message per token
+    assert messages(8, 1.6) == 5 and messages(8, 500.0) == 1  # never fewer than one
+    assert messages(8, 0.0) == 1  # enginelink sent no chunk (a run of errors): one message
+    assert chunk_sizes(128, 3) == [43, 43, 42] and chunk_sizes(8, 5) == [2, 2, 2, 1, 1]
+    assert chunk_sizes(3, 5) == [1, 1, 1] and chunk_sizes(0, 4) == []  # never an empty chunk
 
 
 def test_pooled_ratio_is_the_geometric_mean_with_an_interval():
@@ -94,21 +114,21 @@ def test_the_rust_shim_reads_the_models_facts(test_model_dir):
     assert model_facts(test_model_dir, None, 8)["max_context_length"] == config["max_position_embeddings"]
 
 
-def _run_against(test_model_dir, arms: str, timeout_s: float) -> dict:
+def _run_against(test_model_dir, arms: str, timeout_s: float, requests: int = 16, concurrency: int = 4) -> dict:
     result = subprocess.run(
         [str(VENV_BIN / "enginelink"), "bench", "--model", str(test_model_dir), "--json", "--against", arms,
-         "--requests", "16", "--max-tokens", "8", "--concurrency", "4", "--rounds", "2"],
+         "--requests", str(requests), "--max-tokens", "8", "--concurrency", str(concurrency), "--rounds", "2"],
         capture_output=True, text=True, timeout=timeout_s,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout)
 
 
-def _check_arm(result: dict, arm: str) -> None:
+def _check_arm(result: dict, arm: str, requests: int = 16) -> None:
     runs = result["runs"][arm]
     assert len(runs) == 2  # one per repetition
     for run in runs:
-        assert run["tokens"] == 16 * 8 and run["short"] == 0
+        assert run["tokens"] == requests * 8 and run["short"] == 0
         # A short run of the Rust servicer may cost less than one clock tick (10 ms): measured, maybe 0.
         assert run["servicer_cpu_s"] is not None and run["servicer_cpu_s"] >= 0
         assert run["servicer_rss_mib"] > 0
@@ -140,3 +160,18 @@ def test_python_reference_beside_enginelink_on_the_sim_engine(test_model_dir):
     report = _run_against(test_model_dir, "smg-python", 900)
     [result] = report["results"]
     _check_arm(result, "smg-python")
+
+
+@pytest.mark.slow
+def test_grpclib_floor_beside_enginelink_on_the_sim_engine(test_model_dir):
+    """The floor needs no reference venv. At 128 streams on the load client's one connection it must
+    accept them all (h2's own limit is 100, over which it resets the connection), and each repetition it
+    sends as many messages per call as enginelink did in that repetition."""
+    report = _run_against(test_model_dir, "grpclib-floor", 300, requests=256, concurrency=128)
+    [result] = report["results"]
+    assert set(result["runs"]) == {"enginelink", "grpclib-floor"}
+    _check_arm(result, "enginelink", requests=256)
+    _check_arm(result, "grpclib-floor", requests=256)
+    for mine, floor in zip(result["runs"]["enginelink"], result["runs"]["grpclib-floor"]):
+        assert floor["messages_per_call"] == bench_refs.floor_messages(8, mine["tokens_per_chunk"])
+        assert floor["tokens_per_chunk"] == pytest.approx(8 / floor["messages_per_call"])  # as the client saw

@@ -47,8 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "smg-python (smg-grpc-servicer 0.14.1); installed by tools/setup-bench-refs. With --engine "
                         "vllm they join the alternation; with --engine mlx, smg-python is the reference MLX servicer "
                         "(tools/setup-mlx --with-reference), a third arm; without either, every arm runs against "
-                        "the zero-cost sim "
-                        "engine (the servicer alone), alternating (tools/bench_refs.py)")
+                        "the zero-cost sim engine (the servicer alone), alternating (tools/bench_refs.py). "
+                        "grpclib-floor (the sim engine only): grpclib with no engine and no work behind it, "
+                        "as many messages per call as enginelink sent, the floor under enginelink's CPU per "
+                        "token (tools/bench_floor_servicer.py)")
     p.add_argument("--rounds", type=int, default=2,
                    help="with --engine vllm, mlx or --against: repetitions per concurrency, the arms alternating "
                         "within each (default 2)")
@@ -200,6 +202,12 @@ def run(args: argparse.Namespace) -> int:
         args.concurrency = [8, 32] if engine == "mlx" else [128]
     if engine in ("vllm", "mlx"):
         from enginelink.tools import bench_engine, bench_mlx
+        from enginelink.tools.bench_refs import FLOOR
+
+        if FLOOR in args.against:
+            print(f"enginelink bench: {FLOOR} has no engine behind it; it goes with the sim engine (no --engine)",
+                  file=sys.stderr)
+            return 2
 
         if args.target is not None or any(c < 1 for c in args.concurrency) or args.rounds < 1:
             print(f"enginelink bench: --engine {engine} needs --concurrency >= 1, --rounds >= 1 and no --target",

@@ -15,6 +15,10 @@ each repetition, so slow drift of a shared machine lands on every arm alike.
 - the sim engine (no ``--engine``): the servicer alone against a zero-cost engine. Every arm's engine
   is the sim engine with the bench's engine arguments; smg-python's ``AsyncLLM`` starts no engine of
   its own (``--data-parallel-size-local 0``) and the sim engine dials it as a remote headless rank.
+- ``grpclib-floor`` (the sim engine only): not a servicer anyone deploys, but the gRPC stack the design
+  card binds enginelink to, with nothing behind it (``tools/bench_floor_servicer.py``). It has no
+  engine; each repetition it streams each call's tokens in as many messages as enginelink sent per call
+  in that repetition, so its CPU per token is the floor under enginelink's at the same calls.
 
 What is compared: tokens/s over the load window, the servicer's CPU per output token (its process
 only; the engine is read apart), its RSS at the end of the window, and, pooled over the repetitions,
@@ -37,7 +41,9 @@ from pathlib import Path
 
 from enginelink.tools.bench_load import Servicer, proc_children
 
-ARMS = ("smg-rust", "smg-python")
+ARMS = ("smg-rust", "smg-python", "grpclib-floor")
+REFERENCES = ("smg-rust", "smg-python")  # the arms installed by tools/setup-bench-refs
+FLOOR = "grpclib-floor"
 REFS_VENV_ENV = "ENGINELINK_BENCH_REFS_VENV"
 SHIM = Path(__file__).resolve().parent / "bench_ref_servicer.py"
 # Where tools/setup-bench-refs puts the references by default.
@@ -96,6 +102,28 @@ class RefServicer(Servicer):
         self.argv = argv
         # Nothing of enginelink's environment may change a reference's behaviour; its own knobs are set here.
         self.env = {**self.env, "SMG_VLLM_SERVICER_KV_EVENTS": "0", "SMG_VLLM_SERVICER_WARMUP": "off"}
+
+
+def floor_messages(max_tokens: int, tokens_per_chunk: float) -> int:
+    """Chunk messages per call for the floor: as many as enginelink sent per call (at least one)."""
+    if tokens_per_chunk <= 0:
+        return 1
+    return max(1, min(max_tokens, round(max_tokens / tokens_per_chunk)))
+
+
+class FloorServicer(Servicer):
+    """``tools/bench_floor_servicer.py`` in a subprocess, from enginelink's own environment."""
+
+    def __init__(self, tmp: Path, messages: int, max_num_seqs: int) -> None:
+        from enginelink.runtime.rpc.fastpath import MAX_CONCURRENT_STREAMS
+
+        # No model and no engine: Servicer's own command is replaced below, so any model_dir will do.
+        super().__init__(argparse.Namespace(engine_args_text="", engine_args=[], concurrency=1, model=None),
+                         tmp, model_dir=tmp, engine_args=[])
+        self.messages = messages
+        self.argv = [sys.executable, "-m", "enginelink.tools.bench_floor_servicer", "--port", str(self.port),
+                     "--messages", str(messages), "--max-num-seqs", str(max_num_seqs),
+                     "--max-streams", str(MAX_CONCURRENT_STREAMS)]
 
 
 def engine_processes(servicer_pid: int) -> list[int]:
@@ -178,21 +206,25 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def format_arm(label: str, runs: list[dict], summary: dict, bases: tuple[str, ...]) -> list[str]:
+def format_arm(label: str, runs: list[dict], summary: dict, bases: tuple[str, ...],
+               tokens_ratio: bool = True) -> list[str]:
+    """The arm's lines; without ``tokens_ratio`` only its CPU per token is compared (an arm with no engine)."""
     us = summary["servicer_us_per_token"]
     rss = summary["servicer_rss_mib"]
     per_core = summary["tokens_per_s_per_core"]
-    lines = [f"      {label:>12s}: {summary['tokens_per_s']:8.0f} tokens/s ("
+    lines = [f"      {label:>13s}: {summary['tokens_per_s']:8.0f} tokens/s ("
              + ", ".join(f"{r['tokens_per_s']:.0f}" for r in runs) + ")"
              + (f"; servicer {us:.1f} us/token" if us is not None else "")
              + (f" ({per_core / 1e3:.1f}k tokens/s per core)" if per_core else "")
              + (f"; RSS {rss:.0f} MiB" if rss is not None else "")]
     for base in bases:
-        if f"vs_{base}" in summary:
-            text = f"        ÷ {base}, per repetition: tokens/s {format_pooled(summary[f'vs_{base}'])}"
-            if f"cpu_vs_{base}" in summary:
-                text += f"; CPU per token {format_pooled(summary[f'cpu_vs_{base}'])}"
-            lines.append(text)
+        parts = []
+        if tokens_ratio and f"vs_{base}" in summary:
+            parts.append(f"tokens/s {format_pooled(summary[f'vs_{base}'])}")
+        if f"cpu_vs_{base}" in summary:
+            parts.append(f"CPU per token {format_pooled(summary[f'cpu_vs_{base}'])}")
+        if parts:
+            lines.append(f"        ÷ {base}, per repetition: " + "; ".join(parts))
     return lines
 
 
@@ -209,8 +241,9 @@ def run_sim(args: argparse.Namespace) -> int:
     from enginelink.tools.bench_load import bench_model_dir, engine_args_of, machine_facts
 
     model_dir = Path(args.model) if args.model else bench_model_dir()
-    arms = ["enginelink", *args.against]
-    refs_python()  # fail before any servicer starts
+    arms = ["enginelink", *args.against]  # enginelink first in each repetition: the floor takes its chunking
+    if any(arm in REFERENCES for arm in arms):
+        refs_python()  # fail before any servicer starts
     results = []
     bad = False
     with tempfile.TemporaryDirectory(prefix="enginelink-bench-") as tmp_name:
@@ -229,6 +262,9 @@ def run_sim(args: argparse.Namespace) -> int:
                     if arm == "enginelink":
                         servicer = Servicer(run_args, where, model_dir=model_dir, engine_args=engine_args,
                                             env={"ENGINELINK_KV_EVENTS": "off", "ENGINELINK_WARMUP": "off"})
+                    elif arm == FLOOR:
+                        messages = floor_messages(args.max_tokens, runs["enginelink"][-1]["tokens_per_chunk"])
+                        servicer = FloorServicer(where, messages, flag_int(engine_args, "--max-num-seqs") or 256)
                     else:
                         where.mkdir(parents=True, exist_ok=True)
                         command = SimLauncher(model_dir, engine_args).command("{handshake}")
@@ -249,11 +285,14 @@ def run_sim(args: argparse.Namespace) -> int:
                            "servicer_cpu_s": report["servicer_cpu_s"], "client_cpu_s": report["client_cpu_s"],
                            "servicer_rss_mib": report.get("servicer_rss_mib"),
                            "tokens_per_chunk": report["tokens_per_chunk"]}
+                    if arm == FLOOR:
+                        run["messages_per_call"] = servicer.messages
                     bad |= bool(run["short"])
                     runs[arm].append(run)
                     us = per_token_us(run, "servicer_cpu_s")
                     print(f"concurrency {concurrency} round {r + 1} {arm:12s} {run['tokens_per_s']:8.0f} tokens/s "
-                          f"({run['tokens']} tokens in {run['wall_s']:.2f} s, {run['short']} short/failed; servicer "
+                          f"({run['tokens']} tokens in {run['wall_s']:.2f} s, {run['tokens_per_chunk']:.1f} per "
+                          f"message, {run['short']} short/failed; servicer "
                           f"{us:.1f} us/token, RSS {run['servicer_rss_mib'] or 0:.0f} MiB; "
                           f"{time.monotonic() - t:.0f} s with start-up)", file=sys.stderr, flush=True)
             results.append({"concurrency": concurrency, "engine_args": engine_args, "runs": runs,
@@ -270,5 +309,9 @@ def run_sim(args: argparse.Namespace) -> int:
         for r in results:
             print(f"  concurrency {r['concurrency']}:")
             for arm in arms:
-                print("\n".join(format_arm(arm, r["runs"][arm], r["arms"][arm], ("enginelink",))))
+                print("\n".join(format_arm(arm, r["runs"][arm], r["arms"][arm], ("enginelink",),
+                                            tokens_ratio=arm != FLOOR)))
+                if arm == FLOOR:
+                    print("        no engine, no work: grpclib alone, chunk messages per call as enginelink's ("
+                          + ", ".join(str(run["messages_per_call"]) for run in r["runs"][arm]) + ")")
     return 1 if bad else 0
