@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -270,3 +271,67 @@ def test_the_contract_path_bench_reports_every_contract(capsys):
     assert set(report["us_per_token"]) == {"vllm", "sglang", "tokenspeed"}
     assert all(v > 0 for v in report["us_per_token"].values())
     assert report["ratio_to_vllm"]["vllm"] == 1.0
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], bench_load.proc_children(pid)
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += bench_load.proc_children(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_servicer_and_engine_the_bench_started(test_model_dir):
+    """``kill`` of a running bench ends it as Ctrl-C does: the servicer and engine it started stop with it
+    (they kept running, orphaned, when SIGTERM's default action ended the bench)."""
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "enginelink"), "bench", "--model", str(test_model_dir), "--against", "grpclib-floor",
+         "--rounds", "1", "--concurrency", "4", "--max-tokens", "16", "--duration-s", "120"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            started = _descendants(proc.pid)
+            commands = [_cmdline(pid) for pid in started]
+            if any("sim_engine" in c for c in commands) and any(" serve " in c for c in commands):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the bench never had its servicer and engine running: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(2.0)  # serving, under load
+        started = _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_running(pid) for pid in started):
+            time.sleep(0.2)
+        left = {pid: _cmdline(pid) for pid in started if _running(pid)}
+        assert not left, f"still running after the bench ended: {left}"
+        assert status == 128 + signal.SIGTERM  # as a shell reports a process ended by SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in started:  # what a failed check left behind
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)

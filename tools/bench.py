@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -193,6 +194,20 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command. A SIGTERM ends it as Ctrl-C does: every servicer and engine it started is stopped
+    (each arm's ``finally``), where the default action left them running, orphaned."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _run(args: argparse.Namespace) -> int:
     engine = getattr(args, "engine", "sim")
     if getattr(args, "wire", "vllm") != "vllm" and (engine != "sim" or args.against):
         print("enginelink bench: --wire goes with the sim engine (no --engine vllm/mlx, no --against)", file=sys.stderr)
