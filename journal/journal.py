@@ -7,8 +7,14 @@ seq, pushes the row into the in-memory ``Ring`` (what ``inspect`` and the
 live fold read) and into a bounded pending-write buffer. ``Journal.run`` is
 the flusher task: every ``flush_interval_s`` it hands pending rows, in
 batches of at most ``flush_batch_max``, to ``Store.write_batch`` in a worker
-thread; when cancelled it does one last, shielded flush (bounded by the
-pending budgets) and closes the file.
+thread, and does not wait for that write: it accounts it (``last_flushed_seq``,
+a failure's counters and health) at the next append or tick, or after
+``WRITE_ACCOUNT_IDLE_S`` with no append. One write is under way at a time. Not waiting saves the
+worker's wake-up of the trio thread after every write, which at a real engine's
+pace (a flush every 50 ms holding a few dozen records) was most of a flush's
+cost on the trio thread. When cancelled it waits, shielded, for the write under
+way, then does one last flush (bounded by the pending budgets) and closes the
+file.
 
 Rules:
 - the hot path never waits on the disk: when the pending buffer is over its
@@ -33,8 +39,10 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -65,6 +73,9 @@ __all__ = [
 ]
 
 FLUSH_INTERVAL_S: Final = 0.05
+# An idle flusher accounts the write it started (``last_flushed_seq``, a failure's counters and health)
+# after this long with no append; any append accounts it at once. One timer wake-up per idle spell.
+WRITE_ACCOUNT_IDLE_S: Final = 1.0
 # 100k records/s over a 50 ms tick is 5k rows; a batch of up to 10k rows is a
 # few milliseconds of SQLite and keeps up with bursts.
 FLUSH_BATCH_MAX: Final = 10_000
@@ -74,6 +85,39 @@ PENDING_RECORDS_MAX: Final = 200_000
 PENDING_BYTES_MAX: Final = 64 * 1024 * 1024
 
 ToThread = Callable[..., Awaitable[Any]]
+# Starts fn in a worker thread and calls deliver(outcome) there when it ends (trio's start_thread_soon).
+StartWrite = Callable[[Callable[[], Any], Callable[[Any], None]], None]
+
+
+class _Write:
+    """One store write under way in a worker thread, which the flusher does not wait for.
+
+    ``deliver`` runs in the worker thread; it wakes the trio thread only when the flusher waits (``wait``).
+    """
+
+    __slots__ = ("batches", "outcome", "_lock", "_waiter", "_token")
+
+    def __init__(self, batches: list[list[Row]]) -> None:
+        self.batches = batches
+        self.outcome: Any = None  # an ``outcome.Outcome`` of ``Journal._write_batches`` once it ended
+        self._lock = threading.Lock()
+        self._waiter: trio.Event | None = None
+        self._token = trio.lowlevel.current_trio_token()
+
+    def deliver(self, outcome: Any) -> None:
+        with self._lock:
+            self.outcome = outcome
+            waiter = self._waiter
+        if waiter is not None:
+            self._token.run_sync_soon(waiter.set)
+
+    async def wait(self) -> Any:
+        with self._lock:
+            if self.outcome is not None:
+                return self.outcome
+            waiter = self._waiter = trio.Event()
+        await waiter.wait()
+        return self.outcome
 
 
 class LiveFoldUnavailable(RuntimeError):
@@ -114,13 +158,15 @@ class Journal:
         pending_records_max: int = PENDING_RECORDS_MAX,
         pending_bytes_max: int = PENDING_BYTES_MAX,
         to_thread: ToThread = trio.to_thread.run_sync,
+        start_write: StartWrite = trio.lowlevel.start_thread_soon,
         lock: JournalLock | None = None,
         keep: int = JOURNAL_KEEP_DEFAULT,
     ) -> None:
         """``path=None`` keeps the journal in memory only (the ring).
 
-        ``to_thread`` runs the blocking store writes; deterministic tests
-        pass an inline runner so writes take no virtual time. ``lock``: the
+        ``start_write`` starts the flusher's store writes (not waited for) and
+        ``to_thread`` runs the final flush's; deterministic tests pass inline
+        runners so writes take no virtual time. ``lock``: the
         path's lock, already held by the caller (who releases it); without
         it the journal takes its own and releases it on ``close``. ``keep``:
         previous runs' files kept beside this one.
@@ -133,6 +179,8 @@ class Journal:
         self.pending_records_max = pending_records_max
         self.pending_bytes_max = pending_bytes_max
         self._to_thread = to_thread
+        self._start_write = start_write
+        self._write: _Write | None = None  # the flusher's write under way, accounted when it is next looked at
         self._ring = Ring(ring_records_max, ring_bytes_max)
         self._pending: deque[Row] = deque()
         self._pending_bytes = 0
@@ -330,28 +378,17 @@ class Journal:
             self.health.written()
 
     async def _flush(self, batches: list[list[Row]]) -> None:
-        finished = False
-        try:
-            errors = await self._to_thread(self._write_batches, batches)
-            finished = True
-        finally:
-            if finished:
-                self._account(batches, errors)
-            else:
-                # Cancelled before the write ran (trio's to_thread checks for
-                # cancellation before it starts a thread, then waits for the
-                # thread it started): the rows go back to the front of the
-                # pending buffer, and the final flush writes them.
-                for batch in reversed(batches):
-                    self._pending.extendleft(reversed(batch))
-                    self._pending_bytes += sum(len(r[4]) for r in batch)
+        """The final flush: written in a worker thread and waited for (the caller shields it)."""
+        self._account(batches, await self._to_thread(self._write_batches, batches))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The flusher. Start it in the servicer's nursery; cancel it to stop.
 
-        Each tick writes one batch, then more while full batches wait. On
-        cancellation (or any exit) it writes everything pending in one
-        shielded worker-thread call, then closes the file. That last flush
+        Each tick starts one batch's write, then more, one after the other,
+        while full batches wait; a write is accounted when the flusher next
+        looks at it (``_finish_write``). On cancellation (or any exit) it waits
+        for the write under way, writes everything pending in one shielded
+        worker-thread call, then closes the file. That last flush
         is bounded by the pending budgets, not by a timer: under a MockClock
         virtual time jumps while a thread works, so a timer would cut it
         short in tests for no reason, and a write in a thread cannot be
@@ -367,20 +404,43 @@ class Journal:
             return
         try:
             while True:
-                if not self._pending:
-                    await self._appended.wait()  # idle: nothing to write, no timer
-                    self._appended = trio.Event()
+                if not self._pending:  # after every tick at a steady pace: it took all there was
+                    self._appended = trio.Event()  # a set from before is stale: its rows were taken
+                    if self._write is not None:
+                        # Not waiting for the write itself (that wake-up is what is saved): it is
+                        # accounted at the next append, or after WRITE_ACCOUNT_IDLE_S of no appends.
+                        with trio.move_on_after(WRITE_ACCOUNT_IDLE_S):
+                            await self._appended.wait()
+                        if not self._pending:  # idle that long: account it now (it ended long ago)
+                            await self._finish_write()
+                    if not self._pending:
+                        await self._appended.wait()  # idle: nothing to write, no timer
                 await trio.sleep(self.flush_interval_s)  # the records of one interval go as one batch
                 while self._pending:
-                    await self._flush([self._take_batch()])
+                    await self._finish_write()  # one at a time; at a steady pace it ended long ago
+                    self._begin_write([self._take_batch()])
                     if len(self._pending) < self.flush_batch_max:
                         break
         finally:
             with trio.CancelScope(shield=True):
+                await self._finish_write()
                 if self._pending and self._store is not None:
                     await self._flush(self._take_all())
             self.close()
             self._running = False
+
+    def _begin_write(self, batches: list[list[Row]]) -> None:
+        write = self._write = _Write(batches)
+        self._start_write(functools.partial(self._write_batches, batches), write.deliver)
+
+    async def _finish_write(self) -> None:
+        """Account the write under way, waiting for it only if it has not ended (no checkpoint then)."""
+        write = self._write
+        if write is None:
+            return
+        outcome = await write.wait()
+        self._write = None
+        self._account(write.batches, outcome.unwrap())
 
     def flush_sync(self) -> None:
         """Write everything pending now, in this thread (tools, tests, no trio)."""
