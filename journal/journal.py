@@ -8,13 +8,13 @@ live fold read) and into a bounded pending-write buffer. ``Journal.run`` is
 the flusher task: every ``flush_interval_s`` it hands pending rows, in
 batches of at most ``flush_batch_max``, to ``Store.write_batch`` in a worker
 thread, and does not wait for that write: it accounts it (``last_flushed_seq``,
-a failure's counters and health) at the next append or tick, or after
-``WRITE_ACCOUNT_IDLE_S`` with no append. One write is under way at a time. Not waiting saves the
-worker's wake-up of the trio thread after every write, which at a real engine's
-pace (a flush every 50 ms holding a few dozen records) was most of a flush's
-cost on the trio thread. When cancelled it waits, shielded, for the write under
-way, then does one last flush (bounded by the pending budgets) and closes the
-file.
+a failure's counters and health) at its next tick, or after
+``WRITE_ACCOUNT_IDLE_S`` with no append. One write is under way at a time.
+Not waiting saves the worker's wake-up of the trio thread after every write,
+which at a real engine's pace (a flush every 50 ms holding a few dozen
+records) was most of a flush's cost on the trio thread. When cancelled it
+waits, shielded, for the write under way, then does one last flush (bounded
+by the pending budgets) and closes the file.
 
 Rules:
 - the hot path never waits on the disk: when the pending buffer is over its
@@ -73,8 +73,8 @@ __all__ = [
 ]
 
 FLUSH_INTERVAL_S: Final = 0.05
-# An idle flusher accounts the write it started (``last_flushed_seq``, a failure's counters and health)
-# after this long with no append; any append accounts it at once. One timer wake-up per idle spell.
+# The flusher accounts the write it started (``last_flushed_seq``, a failure's counters and health) at
+# its next tick; with no append to start one, after this long. One timer wake-up per idle spell.
 WRITE_ACCOUNT_IDLE_S: Final = 1.0
 # 100k records/s over a 50 ms tick is 5k rows; a batch of up to 10k rows is a
 # few milliseconds of SQLite and keeps up with bursts.
@@ -408,7 +408,7 @@ class Journal:
                     self._appended = trio.Event()  # a set from before is stale: its rows were taken
                     if self._write is not None:
                         # Not waiting for the write itself (that wake-up is what is saved): it is
-                        # accounted at the next append, or after WRITE_ACCOUNT_IDLE_S of no appends.
+                        # accounted at the next tick, or after WRITE_ACCOUNT_IDLE_S of no appends.
                         with trio.move_on_after(WRITE_ACCOUNT_IDLE_S):
                             await self._appended.wait()
                         if not self._pending:  # idle that long: account it now (it ended long ago)
