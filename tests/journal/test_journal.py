@@ -140,7 +140,7 @@ async def test_flusher_writes_batches_on_its_interval(tmp_path, autojump_clock):
         assert journal.stats().last_flushed_seq == 4
         await trio.sleep(0.05)  # t = 0.12
         assert writer.log[2:] == [(0.1, [(9, 10)])]
-        assert journal.stats().last_flushed_seq == 8  # 9-10: at the next append, or a second into idling
+        assert journal.stats().last_flushed_seq == 8  # 9-10: at the next tick, or a second into idling
         append_frames(journal, 9)
         await trio.sleep(0.005)
         nursery.cancel_scope.cancel()
