@@ -136,6 +136,12 @@ def stop_strings(stops, limits: InputLimits) -> tuple[str, ...]:
     return tuple(stops)
 
 
+# What the engines' wires (msgpack) carry of a JSON number: int64 and uint64. A larger
+# integer passes ``json.loads`` and then fails only when the request is encoded for the engine.
+JSON_INT_MIN, JSON_INT_MAX = -(2**63), 2**64 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _json_depth(value) -> int:
     """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
     deepest = 0
@@ -152,13 +158,52 @@ def _json_depth(value) -> int:
     return deepest
 
 
+def _json_value_problem(value) -> str | None:
+    """What in a parsed JSON value the engine's wire cannot carry, or None (strict JSON).
+
+    ``json.loads`` takes a lone surrogate escape (``"\\ud800"``: a string that is
+    not UTF-8) and integers of any size; msgpack encodes neither, so such a value
+    would pass validation and fail while the request is encoded for the engine.
+    Non-finite numbers (``NaN``, ``1e999``) are not JSON at all. Iterative: the
+    depth is bounded separately, but a wide value must not cost a deep stack.
+    """
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is str:
+            if not node.isascii() and _SURROGATE.search(node):
+                return "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not UTF-8"
+        elif kind is int:
+            if not JSON_INT_MIN <= node <= JSON_INT_MAX:
+                return "holds an integer outside -2^63 .. 2^64-1, which the engine's wire cannot carry"
+        elif kind is float:
+            if node != node or node in (float("inf"), float("-inf")):
+                return "holds a number too large for a double (or NaN/Infinity), which is not JSON"
+        elif kind is dict:
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif kind is list:
+            stack.extend(node)
+    return None
+
+
+def _not_json_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads_strict(text: str):
+    """``json.loads`` without Python's extensions (``NaN``, ``Infinity``)."""
+    return json.loads(text, parse_constant=_not_json_constant)
+
+
 def parse_json(name: str, text: str, bytes_max: int, knob: str, limits: InputLimits):
-    """Parse client JSON, bounded in size (checked first) and nesting depth."""
+    """Parse client JSON, bounded in size (checked first) and nesting depth, strictly (``_json_value_problem``)."""
     size = utf8_len(text, bytes_max)
     if size > bytes_max:
         raise ClientError(name, f"is {size} bytes; at most {bytes_max} ({knob})")
     try:
-        value = json.loads(text)
+        value = _loads_strict(text)
     except RecursionError:
         # The C parser nests on the stack: far deeper than the limit, refused all the same.
         raise ClientError(name, f"nests deeper than {limits.json_depth} levels (ENGINELINK_MAX_JSON_DEPTH)") from None
@@ -166,13 +211,18 @@ def parse_json(name: str, text: str, bytes_max: int, knob: str, limits: InputLim
         raise ClientError(name, f"is not valid JSON: {error}") from None
     if _json_depth(value) > limits.json_depth:
         raise ClientError(name, f"nests deeper than {limits.json_depth} levels (ENGINELINK_MAX_JSON_DEPTH)")
+    problem = _json_value_problem(value)
+    if problem is not None:
+        raise ClientError(name, problem)
     return value
 
 
 def check_json_nesting(name: str, text: str, limits: InputLimits) -> None:
-    """Refuse JSON nested past the limit; text that is not JSON is left for the engine to judge."""
+    """Refuse JSON nested past the limit or holding what no engine wire carries; text that is not
+    JSON is left for the engine to judge."""
     try:
-        too_deep = _json_depth(json.loads(text)) > limits.json_depth
+        value = _loads_strict(text)
+        too_deep = _json_depth(value) > limits.json_depth
     except RecursionError:
         too_deep = True
     except ValueError:
@@ -181,6 +231,9 @@ def check_json_nesting(name: str, text: str, limits: InputLimits) -> None:
         raise ClientError(
             f"sampling_params.{name}", f"nests deeper than {limits.json_depth} levels (ENGINELINK_MAX_JSON_DEPTH)"
         )
+    problem = _json_value_problem(value)
+    if problem is not None:
+        raise ClientError(f"sampling_params.{name}", problem)
 
 
 def validate_abort_ids(request_ids, limits: InputLimits) -> list[str]:

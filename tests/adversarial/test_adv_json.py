@@ -105,7 +105,59 @@ def test_a_structural_tag_that_is_not_json_is_still_the_engines_to_judge():
     assert call.specs[0].sampling.structured_outputs == {"structural_tag": "<tag> not json"}
 
 
+# JSON that ``json.loads`` takes but no engine wire carries (issue 38, item 1): it passed
+# validation, was admitted, failed while encoded for the engine, and its id stayed in flight.
+NOT_WIRE_JSON = {
+    "lone surrogate": ('{"description":"\\ud800"}', "lone UTF-16 surrogate"),
+    "lone surrogate key": ('{"\\udfff":1}', "lone UTF-16 surrogate"),
+    "integer past uint64": ('{"x":100000000000000000000}', "integer outside"),
+    "integer below int64": ('{"x":-9223372036854775809}', "integer outside"),
+    "NaN": ('{"x":NaN}', "NaN is not JSON"),
+    "Infinity": ('{"x":-Infinity}', "-Infinity is not JSON"),
+    "number past a double": ('{"x":1e999}', "too large for a double"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_WIRE_JSON))
+@pytest.mark.parametrize("field", ["json_schema", "kv_transfer_params_json", "structural_tag"])
+def test_json_the_engine_wire_cannot_carry_is_refused(field, case):
+    text, words = NOT_WIRE_JSON[case]
+    if field == "structural_tag" and words.endswith("is not JSON"):
+        # A structural tag that is not JSON at all goes to the engine as text, its to judge (below).
+        assert validate_generate(_request(**{field: text}), ENGINE, 0.0).request_id == "j"
+        return
+    error = _refused(**{field: text})
+    assert error.field.endswith(field) and words in str(error)
+
+
+def test_json_at_the_wire_s_edges_is_taken():
+    """The largest and smallest integers msgpack carries, a surrogate pair (one character) and non-ASCII."""
+    text = '{"a":18446744073709551615,"b":-9223372036854775808,"c":"\\ud83d\\ude00","d":"é","e":1e308}'
+    for field in ("json_schema", "kv_transfer_params_json"):
+        call = validate_generate(_request(**{field: text}), ENGINE, 0.0)
+        assert call.request_id == "j"
+
+
 # -- over gRPC: JSON, then bytes that are not a message ----------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", ["json_schema", "kv_transfer_params_json"])
+def test_the_issue_s_values_are_refused_and_leave_the_id_free(servicer, field):
+    """The two reproductions of issue 38: INVALID_ARGUMENT each time (never ALREADY_EXISTS), then the id serves."""
+    text = '{"description":"\\ud800"}' if field == "json_schema" else '{"x":100000000000000000000}'
+    request = _request(**{field: text})
+    request.request_id = f"leak-{field}"
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as error:
+            list(servicer.stub.Generate(request, timeout=10))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+        assert field in error.value.details()
+    good = generate_request(request.request_id, [5, 6, 7], max_tokens=2)
+    responses = list(servicer.stub.Generate(good, timeout=10))
+    assert responses[-1].WhichOneof("response") == "complete"
+
+
 
 
 @pytest.mark.slow
