@@ -139,7 +139,7 @@ class RequestCore:
         # The servicer's own warm-up calls stay out of the client-facing metrics.
         metrics = NO_METRICS if spec.request_id.startswith(WARMUP_REQUEST_PREFIX) else self.metrics
         call = Call(spec, now, self.tokenizer, metrics)
-        actions.records.append((now, request_stream(spec.request_id), KIND_CLIENT_GENERATE, {
+        record = (now, request_stream(spec.request_id), KIND_CLIENT_GENERATE, {
             "request_id": spec.request_id,
             "n": spec.n,
             "prompt_tokens": call.prompt_tokens,
@@ -147,15 +147,31 @@ class RequestCore:
             "max_tokens": spec.max_tokens,
             # An Embed call (runtime/requests/embed.py) goes through the same machine; the journal says which.
             **({"task": spec.task} if getattr(spec, "task", None) else {}),
-        }))  # fmt: skip
+        })  # fmt: skip
+        # Registration is all or nothing: a failure part-way (a rank table or a metric that
+        # raises) must not leave the id, an engine id or a rank slot taken by a call nobody holds.
         self.calls[spec.request_id] = call
-        for choice in call.choices:
-            self.by_engine_id[choice.engine_id] = (call, choice)
-        call.metrics.admitted(call.prompt_tokens, spec.n)
-        for choice, engine_spec in zip(call.choices, spec.specs, strict=True):
-            # Each engine request picks its rank, as vLLM's DP front end does for n > 1's children.
-            choice.rank = self.ranks.pick(engine_spec.data_parallel_rank)
+        try:
+            for choice in call.choices:
+                self.by_engine_id[choice.engine_id] = (call, choice)
+            for choice, engine_spec in zip(call.choices, spec.specs, strict=True):
+                # Each engine request picks its rank, as vLLM's DP front end does for n > 1's children.
+                choice.rank = self.ranks.pick(engine_spec.data_parallel_rank)
+            call.metrics.admitted(call.prompt_tokens, spec.n)
+        except Exception:
+            self._unregister(call)
+            raise
+        actions.records.append(record)
         return call
+
+    def _unregister(self, call: Call) -> None:
+        """Undo ``admit``'s registration of a call that never became one: its id, engine ids, rank slots."""
+        for choice in call.choices:
+            self._release_rank(choice)
+            if self.by_engine_id.get(choice.engine_id, (None,))[0] is call:
+                del self.by_engine_id[choice.engine_id]
+        if self.calls.get(call.spec.request_id) is call:
+            del self.calls[call.spec.request_id]
 
     def added(self, call: Call, now: float, actions: Actions) -> None:
         """Every ADD of the call reached the link."""
@@ -175,6 +191,27 @@ class RequestCore:
         call.open_choices = 0
         self._end(call, RequestEvent.FAIL, now, actions)
         actions.wake.append(call)
+
+    def abandon(self, call: Call, sent: int, error: str, now: float, actions: Actions) -> None:
+        """The servicer itself failed between admission and the engine, ``sent`` of the call's ADDs
+        handed over (a request it could not encode for the engine's wire, a record it could not keep):
+        its own fault, so the call fails INTERNAL. The ADDs that went out are aborted; the call's id,
+        engine ids and rank slots are free at once, since no writer ever got the call to free them.
+
+        Whatever step failed, nothing of the call survives: this is what keeps one bad request
+        from holding a slot until the servicer refuses everyone (``IN_FLIGHT_MAX``).
+        """
+        if call.machine.open:
+            self._abort_choices(call.choices[:sent], actions)
+            for choice in call.choices:
+                self._release_rank(choice)
+                self.by_engine_id.pop(choice.engine_id, None)
+            call.failure = Failure("status", f"the servicer failed before the engine got the request ({error})",
+                                   code="INTERNAL")
+            call.open_choices = 0
+            self._end(call, RequestEvent.FAIL, now, actions)
+        self.calls.pop(call.spec.request_id, None)
+        self.release(call)
 
     def _fresh_engine_ids(self, spec: GenerateCall) -> GenerateCall:
         """The call with engine ids no earlier call of this run was cut short under."""

@@ -143,17 +143,28 @@ class RequestHub:
             raise from_refusal(call)
         # The handler's event (grpclib's loop for gRPC handlers); trio code (warm-up, the simulation) passes a trio-side one.
         call.wake = wake if wake is not None else Flag()
-        self._apply(actions, now)
-        for index, (choice, engine_spec) in enumerate(zip(call.choices, call.spec.specs, strict=True)):
-            error = self._send(self.codec.encode_add(engine_spec), choice.rank)
-            if error is not None:
-                actions = Actions()
-                self.core.unreachable(call, index, f"{type(error).__name__}: {error}", now, actions)
-                self._apply(actions, now)
-                return call
-        actions = Actions()
-        self.core.added(call, now, actions)
-        self._apply(actions, now)
+        sent = 0  # ADDs handed to the link so far
+        try:
+            self._apply(actions, now)
+            for index, (choice, engine_spec) in enumerate(zip(call.choices, call.spec.specs, strict=True)):
+                error = self._send(self.codec.encode_add(engine_spec), choice.rank)
+                if error is not None:
+                    actions = Actions()
+                    self.core.unreachable(call, index, f"{type(error).__name__}: {error}", now, actions)
+                    self._apply(actions, now)
+                    return call
+                sent += 1
+            actions = Actions()
+            self.core.added(call, now, actions)
+            self._apply(actions, now)
+        except Exception as error:
+            # Our own failure after admission (a request the codec cannot encode, a journal
+            # that cannot take a record): the caller never gets the call, so nothing would
+            # release it; the core frees it now and the error goes on as our bug (INTERNAL).
+            actions = Actions()
+            self.core.abandon(call, sent, f"{type(error).__name__}: {error}", now, actions)
+            self._apply_abandoned(actions, now)
+            raise
         return call
 
     def on_batch(self, batch: OutputBatch, now: float) -> int:
@@ -264,15 +275,29 @@ class RequestHub:
             for record in actions.records:
                 append(*record)
         for rank, engine_ids in actions.aborts:
-            if len(engine_ids) > 1 and hasattr(self.codec, "encode_aborts"):
-                for frames in self.codec.encode_aborts(engine_ids):  # SGLang: one AbortReq per request
-                    self._send(frames, rank)
-            else:
-                self._send(self.codec.encode_abort(engine_ids), rank)
+            self._send_aborts(engine_ids, rank)
         for call in actions.wake:
             self._wake(call)
         if actions.touched:
             self._write_touched(actions.touched, now)
+
+    def _send_aborts(self, engine_ids: list[str], rank: int) -> None:
+        if len(engine_ids) > 1 and hasattr(self.codec, "encode_aborts"):
+            for frames in self.codec.encode_aborts(engine_ids):  # SGLang: one AbortReq per request
+                self._send(frames, rank)
+        else:
+            self._send(self.codec.encode_abort(engine_ids), rank)
+
+    def _apply_abandoned(self, actions: Actions, now: float) -> None:
+        """An abandoned call's actions (``admit``), each on its own: the ABORTs first (the engine
+        must stop working on what it got), then the records, where the failure may lie."""
+        for rank, engine_ids in actions.aborts:
+            self._send_aborts(engine_ids, rank)
+        for record in actions.records:
+            try:
+                self.journal.append(*record)
+            except Exception as error:
+                log.warning("could not journal an abandoned call's record: %s: %s", type(error).__name__, error)
 
     def _write_touched(self, calls: list[Call], now: float) -> None:
         """Each call an engine frame touched: written from here (``_write_now``) or its writer woken.
