@@ -42,6 +42,7 @@ from enginelink.machines.media_policy import (
     MediaPolicy, MediaRefused, check_address, check_url, redirect_target, shown,
 )  # fmt: skip
 from enginelink.runtime.errors import ClientError, ServicerError, Unavailable
+from enginelink.runtime.requests.local_files import LocalFileRefused, read_regular
 
 # How many connections the fetcher keeps open at once (all origins together).
 POOL_CONNECTIONS_MAX = 64
@@ -302,11 +303,17 @@ def decode_data_url(url: str, cap: int) -> tuple[bytes, str]:
 
 
 async def read_local(url: str, folder: str | None, cap: int) -> tuple[bytes, str]:
-    """A ``file:`` URL's bytes, only when it resolves (symlinks followed) to a file under ``folder``."""
+    """A ``file:`` URL's bytes, only when it resolves (symlinks followed) to a regular file under ``folder``.
+
+    Never a FIFO, device or directory, and never a blocking open (``local_files.py``): a FIFO
+    under the folder used to hold a worker thread past every timeout. The thread is abandoned
+    when the fetch's time runs out, so the call answers in time even if the disk does not."""
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise _CallerFault("bad_url", "a file: URL must name no host")
     path = unquote(parts.path)
+    if "\x00" in path:
+        raise _CallerFault("bad_url", "a file: URL whose path holds a NUL byte (%00)")
 
     def read() -> bytes:
         root = os.path.realpath(folder or "/nonexistent")
@@ -314,17 +321,16 @@ async def read_local(url: str, folder: str | None, cap: int) -> tuple[bytes, str
         if os.path.commonpath([root, real]) != root:
             raise _CallerFault("outside_local_path", "a file: URL outside ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH")
         try:
-            with open(real, "rb") as handle:
-                if not os.path.isfile(real):
-                    raise _CallerFault("bad_url", "a file: URL that names no regular file")
-                data = handle.read(cap + 1)
+            data = read_regular(real, cap=cap).data
+        except LocalFileRefused as error:
+            raise _CallerFault("bad_url", f"a file: URL that names no regular file (it {error})") from None
         except OSError as error:
             raise _CallerFault("bad_url", f"a file: URL that cannot be read ({error.strerror})") from None
         if len(data) > cap:
             raise _CallerFault("too_large", f"is over {cap} bytes (SMG_VLLM_MM_MAX_ITEM_BYTES)")
         return data
 
-    return await trio.to_thread.run_sync(read), ""
+    return await trio.to_thread.run_sync(read, abandon_on_cancel=True), ""
 
 
 # -- is it what it says --------------------------------------------------------------

@@ -214,6 +214,26 @@ async def test_file_urls_only_under_the_allowed_folder(tmp_path):
     assert "must name no host" in str(await _refused(service, f"file://evil.example{inside}/cat.png"))
 
 
+async def test_file_urls_to_a_fifo_a_device_or_a_folder_are_refused_at_once(tmp_path):
+    """Issue 38, item 3: open() of a FIFO blocked the fetch's thread past every timeout."""
+    inside = tmp_path / "media"
+    inside.mkdir()
+    os.mkfifo(inside / "pipe.png")
+    (inside / "folder.png").mkdir()
+    service = _service(allowed_local_path=str(inside), fetch_timeout_s=30.0)
+    with trio.fail_after(5):
+        for name, words in (("pipe.png", "a FIFO"), ("folder.png", "a directory")):
+            error = await _refused(service, f"file://{inside}/{name}")
+            assert "media_refs.items[0]" in str(error) and words in str(error), str(error)
+
+
+async def test_a_nul_in_a_file_url_is_the_callers_fault(tmp_path):
+    """Issue 38, item 6: ``%00`` reached realpath ("embedded null byte") and was INTERNAL."""
+    service = _service(allowed_local_path=str(tmp_path))
+    error = await _refused(service, f"file://{tmp_path}/cat%00.png")
+    assert "media_refs.items[0]" in str(error) and "NUL" in str(error)
+
+
 # -- sizes, counts, saturation -------------------------------------------------------
 
 

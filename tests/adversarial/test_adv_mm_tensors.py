@@ -4,9 +4,10 @@ Attacked several ways each: a tensor's dtype (unknown, a width that does
 not match its bytes) and shape (too few bytes, too many, batched rows that
 do not match the items); a shared-memory handle that does not exist, that
 climbs out of /dev/shm (``..``, an absolute path, a nested name), that is a
-symlink to a file elsewhere, a directory, shorter than it claims, larger
-than the request's budget; a remote handle; a pixel-less batch without
-``kv_transfer_params``. Over gRPC (``enginelink serve``, sim engine) each is
+symlink to a file elsewhere, a directory, a FIFO, shorter than it claims,
+larger than the request's budget, that names another process's file; a
+remote handle; a pixel-less batch without ``kv_transfer_params``. A segment
+is removed only when its request is good (issue 38, items 2 and 3). Over gRPC (``enginelink serve``, sim engine) each is
 INVALID_ARGUMENT and a good request on the same servicer still generates.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
+import time
 import uuid
 
 import grpc
@@ -62,7 +65,7 @@ def shm_segment():
     made = []
 
     def make(data: bytes) -> str:
-        name = f"el-test-{uuid.uuid4().hex}"
+        name = f"smg-mm-el-test-{uuid.uuid4().hex}"
         with open(f"/dev/shm/{name}", "wb") as handle:
             handle.write(data)
         made.append(name)
@@ -115,7 +118,8 @@ def test_a_shared_memory_segment_is_read_once_and_unlinked(shm_segment):
 
 
 @pytest.mark.parametrize("name,words", [
-    ("el-test-does-not-exist", "cannot be opened under /dev/shm"),
+    ("smg-mm-el-test-does-not-exist", "cannot be opened under /dev/shm"),
+    ("el-test-not-the-routers", "must name a segment the router wrote"),
     ("../../etc/passwd", "must be one file name under /dev/shm"),
     ("/etc/passwd", "must be one file name under /dev/shm"),
     ("a/b", "must be one file name"),
@@ -131,7 +135,7 @@ def test_a_handle_that_is_missing_or_outside_dev_shm_is_refused(name, words):
 def test_a_symlink_or_directory_in_dev_shm_is_refused(tmp_path):
     target = tmp_path / "secret"
     target.write_bytes(_f32(8))
-    link, folder = f"el-test-{uuid.uuid4().hex}", f"el-test-{uuid.uuid4().hex}"
+    link, folder = f"smg-mm-el-test-{uuid.uuid4().hex}", f"smg-mm-el-test-{uuid.uuid4().hex}"
     os.symlink(target, f"/dev/shm/{link}")
     os.mkdir(f"/dev/shm/{folder}")
     try:
@@ -145,11 +149,94 @@ def test_a_symlink_or_directory_in_dev_shm_is_refused(tmp_path):
 
 def test_a_handle_shorter_than_it_claims_or_over_the_budget_is_refused(shm_segment):
     name = shm_segment(_f32(4))
-    assert "the segment holds 16" in str(_refused(_request(x=_via_shm(name, 32))))
+    assert "holds 16 bytes, fewer than the 32 claimed" in str(_refused(_request(x=_via_shm(name, 32))))
+    assert os.path.exists(f"/dev/shm/{name}")  # refused: not consumed
     name = shm_segment(_f32(8))
     error = _refused(_request(x=_via_shm(name, 32)), bytes_max=16)
     assert "ENGINELINK_MM_MAX_TENSOR_BYTES" in str(error)
     assert os.path.exists(f"/dev/shm/{name}")  # refused before it was opened
+
+
+def test_another_processs_file_is_never_removed(tmp_path):
+    """Issue 38, item 2: a handle naming another process's segment with a wrong size was refused,
+    but only after the file was unlinked: any client could delete any file directly in /dev/shm."""
+    victim = f"el-victim-{uuid.uuid4().hex}"  # not in the router's naming
+    with open(f"/dev/shm/{victim}", "wb") as handle:
+        handle.write(b"someone else's")
+    try:
+        for nbytes in (7, 14, 4096):
+            error = _refused(_request(x=_via_shm(victim, nbytes)))
+            assert "must name a segment the router wrote" in str(error)
+            with open(f"/dev/shm/{victim}", "rb") as handle:
+                assert handle.read() == b"someone else's"
+    finally:
+        os.unlink(f"/dev/shm/{victim}")
+
+
+def test_a_segment_is_kept_when_its_request_is_refused(shm_segment):
+    """A segment in the router's naming is removed only once its whole request is good: the size it
+    claims wrong, or another tensor of the request refused, and it stays."""
+    wrong_size = shm_segment(_f32(8))
+    _refused(_request(x=_via_shm(wrong_size, 64)))
+    good = shm_segment(_f32(8))
+
+    def bad_grid(request):
+        request.mm_inputs.model_specific_tensors["image_grid_thw"].dtype = "complex64"
+
+    _refused(_request(x=_via_shm(good, 32), y=bad_grid))
+    _refused(_request(x=_via_shm(good, 32), y=lambda r: r.mm_inputs.mm_placeholders.add(offset=40, length=2)))
+    for name in (wrong_size, good):
+        assert os.path.getsize(f"/dev/shm/{name}") == 32, name
+    build_features(batches_of(_request(x=_via_shm(good, 32))), PROMPT, 1 << 30)
+    assert not os.path.exists(f"/dev/shm/{good}")  # consumed by the good request
+
+
+def test_a_segment_swapped_after_the_read_is_not_removed(shm_segment):
+    from enginelink.runtime.requests.local_files import read_regular, remove_if_same
+
+    name = shm_segment(_f32(8))
+    path = f"/dev/shm/{name}"
+    read = read_regular(path, nbytes=32)
+    os.unlink(path)
+    with open(path, "wb") as handle:  # another file under the same name
+        handle.write(b"new")
+    assert remove_if_same(path, read) is False
+    assert open(path, "rb").read() == b"new"
+
+
+def _release_after(path: str, seconds: float) -> threading.Thread:
+    """After ``seconds``, open the FIFO's write end once: a reader stuck in open() (the bug) comes back."""
+
+    def release():
+        deadline = time.monotonic() + seconds + 30
+        time.sleep(seconds)
+        while time.monotonic() < deadline:
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                return
+            except OSError:  # ENXIO: no reader yet; ENOENT: the test is over
+                if not os.path.exists(path):
+                    return
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_fifo_is_refused_at_once_and_never_blocks():
+    """Issue 38, item 3: any local user can mkfifo in /dev/shm; opening it blocked a worker thread past every timeout."""
+    name = f"smg-mm-el-test-{uuid.uuid4().hex}"
+    os.mkfifo(f"/dev/shm/{name}")
+    try:
+        _release_after(f"/dev/shm/{name}", 5)
+        started = time.monotonic()
+        error = _refused(_request(x=_via_shm(name, 32)))
+        assert time.monotonic() - started < 2, "the read waited on the FIFO"
+        assert "a FIFO" in str(error)
+        assert os.path.exists(f"/dev/shm/{name}")
+    finally:
+        os.unlink(f"/dev/shm/{name}")
 
 
 def test_remote_and_empty_payloads_are_refused():
@@ -187,7 +274,7 @@ def test_over_grpc_bad_tensors_are_invalid_argument_and_a_good_one_generates(ser
         request.mm_inputs.pixel_values.dtype = "float64"
 
     def missing_shm(request):
-        _via_shm("el-test-nope", 32)(request)
+        _via_shm("smg-mm-el-test-nope", 32)(request)
 
     def outside(request):
         _via_shm("../../etc/passwd", 32)(request)
