@@ -75,10 +75,10 @@ class LinkView(msgspec.Struct):
     pid: int | None = None
     facts: dict[str, Any] = {}
     # What the launch set: the engine's nice value and autogroup, the servicer's
-    # scheduling policy (the ``priority`` handshake step; engine_process.lower_priority).
+    # scheduling policy (the ``priority`` handshake step; placement.lower_priority).
     priority: dict[str, Any] = {}
     # Which CPUs the engine binds and where the servicer runs (the ``placement``
-    # handshake step; engine_process.place_front_end).
+    # handshake step; placement.place_front_end).
     placement: dict[str, Any] = {}
     # The engine's DP ranks, one entry each (rank, instance_id, …): the ``engine.facts`` record's ``ranks``.
     ranks: list[dict[str, Any]] = []

@@ -17,6 +17,7 @@ import zmq
 
 from enginelink.machines.link import LinkState
 from enginelink.runtime.engine import engine_link as el
+from enginelink.runtime.engine.zmq_transport import receive_frames
 from enginelink.runtime.engine.zmq_trio import LOST_EDGE_RECHECK_S, make_socket
 from enginelink.wire.vllm import EngineCoreOutput, EngineCoreOutputs, VllmCodec, encode_outputs
 from tests.harness import ListJournal
@@ -56,7 +57,7 @@ async def test_frames_reach_the_hub_in_order(pair):
     push, pull = pair
     link, seen = make_link()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(link._receive_loop, pull)
+        nursery.start_soon(receive_frames, pull, link)
         for token in range(200):
             push.send_multipart(frame("a", token))
             if token % 50 == 0:
@@ -72,7 +73,7 @@ async def test_a_lost_edge_costs_at_most_the_recheck_interval(pair):
     push, pull = pair
     link, seen = make_link()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(link._receive_loop, pull)
+        nursery.start_soon(receive_frames, pull, link)
         await trio.sleep(0.05)  # the loop is parked on the fd
         push.send_multipart(frame("a", 7))
         time.sleep(0.05)  # blocking: ZeroMQ's I/O thread delivers while trio does not look
@@ -95,7 +96,7 @@ async def test_a_frame_it_cannot_read_ends_the_loop_and_says_so(pair):
     push.send_multipart([b"\xc1 not msgpack"])
     push.send_multipart(frame("a", 2))
     with trio.fail_after(2):
-        await link._receive_loop(pull)  # returns by itself: the link failed
+        await receive_frames(pull, link)  # returns by itself: the link failed
     assert seen == [("a", 1)]
     assert len(failures) == 1 and "engine sent a frame enginelink cannot read" in failures[0]
     assert link.machine.state is LinkState.FAILED
@@ -116,7 +117,7 @@ async def test_each_wake_up_ends_with_one_frames_done_after_its_last_frame():
         for token in range(queued):
             push.send_multipart(frame("a", token))
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(link._receive_loop, pull)
+            nursery.start_soon(receive_frames, pull, link)
             with trio.fail_after(2):
                 await wait_for(done, 3)
             nursery.cancel_scope.cancel()
@@ -137,6 +138,6 @@ async def test_a_frame_that_fails_the_link_still_ends_the_wake_up_with_frames_do
     push.send_multipart(frame("a", 1))
     push.send_multipart([b"\xc1 not msgpack"])
     with trio.fail_after(2):
-        await link._receive_loop(pull)
+        await receive_frames(pull, link)
     # Frame 1's writes were held for the wake-up's end: they still go out.
     assert seen == [("a", 1)] and done and done[-1] == 1

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from enginelink.runtime.engine.engine_process import session_members
+from enginelink.runtime.engine.session import session_members
 from tests.harness import Servicer, engine_pid, generate_request, wait_until
 from tests.test_lifecycle import PROMPT, SLOW_ENGINE, StreamReader
 

@@ -16,7 +16,8 @@ import trio
 
 from enginelink.machines.sim_core import SimConfig, ready_response
 from enginelink.runtime.engine.engine_link import EngineIncompatible, LinkFailed
-from enginelink.runtime.engine.memory_link import MemoryLink
+from enginelink.runtime.engine.engine_link import EngineLink
+from enginelink.runtime.engine.memory_link import MemoryLink, MemoryTransport
 from enginelink.wire import vllm
 from tests.harness import ListJournal
 
@@ -24,15 +25,15 @@ HELLO = vllm.encode_handshake_status(vllm.HandshakeStatus(status="HELLO"))
 READY = vllm.encode_handshake_status(vllm.HandshakeStatus(status="READY"))
 
 
-class ScriptedEngine(MemoryLink):
-    """A memory link whose engine says ``script``: (socket, payload) pairs, in order."""
+class ScriptedTransport(MemoryTransport):
+    """A memory transport whose engine says ``script``: (socket, payload) pairs, in order."""
 
-    def __init__(self, script, **kwargs) -> None:
-        super().__init__(name="vllm-0", config=SimConfig(), journal=ListJournal(), **kwargs)
+    def __init__(self, script) -> None:
+        super().__init__(SimConfig())
         self.script = script
 
     async def _engine_handshake(self) -> None:
-        identity = self.handshake_wire.identity(0)
+        identity = self.link.handshake_wire.identity(0)
         for socket, payload in self.script:
             await self._hs_to_link_tx.send((socket, identity, payload))
             if payload is HELLO:
@@ -40,7 +41,12 @@ class ScriptedEngine(MemoryLink):
         await trio.sleep_forever()
 
 
-async def _run(link: MemoryLink) -> Exception | None:
+def ScriptedEngine(script) -> EngineLink:
+    """A memory link whose engine says ``script``."""
+    return MemoryLink(name="vllm-0", config=SimConfig(), journal=ListJournal(), transport=ScriptedTransport(script))
+
+
+async def _run(link: EngineLink) -> Exception | None:
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             try:
@@ -51,7 +57,7 @@ async def _run(link: MemoryLink) -> Exception | None:
     return None
 
 
-def _errors(link: MemoryLink) -> list[str]:
+def _errors(link: EngineLink) -> list[str]:
     return [payload["message"] for _, _, kind, payload in link.journal.records if kind == "error"]
 
 

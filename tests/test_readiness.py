@@ -47,7 +47,7 @@ async def test_a_failure_and_the_end_of_the_lifetime_turn_it_off_for_good():
     link.on_transition = readiness.follow
     link.step(LinkEvent.HANDSHAKE_DONE)
     link.step(LinkEvent.WARMUP_DONE)
-    link._fail("engine process 1 exited with status 1")  # the link's own failure path
+    link.fail("engine process 1 exited with status 1")  # the link's own failure path
     assert link.machine.state is LinkState.FAILED and sink.values == [False, True, False]
     serving_again = Readiness(LinkState.SERVING, sink)
     serving_again.close()  # the servicer's finally, with the link still saying "serving"

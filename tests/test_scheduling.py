@@ -20,9 +20,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from enginelink.journal.store import open_reader
 from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
-from enginelink.runtime.engine.engine_process import (
-    ENGINE_NICE_DEFAULT, autogroup_nice, cpu_list, describe_placement, session_members,
-)
+from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, autogroup_nice, cpu_list, describe_placement
+from enginelink.runtime.engine.session import session_members
 from enginelink.runtime.rpc.fastpath import MAX_CONCURRENT_STREAMS, READY_CALLBACKS_MAX
 from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape
 
@@ -218,7 +217,7 @@ def test_without_autogroups_only_the_nice_value_is_set(monkeypatch):
     """In a container the kernel prints an empty /proc/PID/autogroup: the launch goes on with nice alone."""
     import subprocess
 
-    from enginelink.runtime.engine import engine_process
+    from enginelink.runtime.engine import placement as engine_process
 
     monkeypatch.setattr(engine_process, "autogroup_nice", lambda pid: None)
     child = subprocess.Popen(["sleep", "30"], start_new_session=True)

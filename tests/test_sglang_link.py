@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import pytest
 import trio
 
-from enginelink.runtime.engine.engine_link import LinkFailed, Supervision
+from enginelink.runtime.engine.engine_link import EngineLink, LinkFailed, Supervision
 from enginelink.runtime.engine.launchers import redact_args
-from enginelink.runtime.engine.sglang_link import SglangLink
+from enginelink.runtime.engine.sglang_link import SglangTransport
 from enginelink.wire import codecs
 from tests.harness import ListJournal
 
@@ -46,8 +46,9 @@ class FakeScheduler:
 
 async def _start(launcher, monkeypatch, socket_dir):
     monkeypatch.setenv("SMG_ZMQ_SOCKET_DIR", str(socket_dir))
-    link = SglangLink(name="sglang-0", launcher=launcher, codec=codecs.get("sglang"), journal=ListJournal(),
-                      supervision=Supervision(startup_timeout_s=20, stop_grace_s=2), max_model_len=4096)
+    link = EngineLink(name="sglang-0", launcher=launcher, codec=codecs.get("sglang"), journal=ListJournal(),
+                      supervision=Supervision(startup_timeout_s=20, stop_grace_s=2),
+                      transport=SglangTransport(launcher, max_model_len=4096))
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             try:

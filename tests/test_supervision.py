@@ -22,7 +22,8 @@ import pytest
 import trio
 
 from enginelink.runtime.engine import engine_link as el
-from enginelink.runtime.engine import engine_process as ep
+from enginelink.runtime.engine import session as engine_session
+from enginelink.runtime.engine import socket_files
 from enginelink.runtime.engine.launchers import redact_args
 from enginelink.wire.vllm import VllmCodec
 from tests.harness import VENV_BIN, Servicer, alive, engine_pid, free_port, generate_request
@@ -76,7 +77,7 @@ async def test_startup_ceiling_bounds_an_engine_that_never_dials(socket_dir, mon
     steps = [p["step"] for _, kind, p in link.journal.records if kind == "engine.handshake"]
     assert steps.count("startup_extended") >= 2
     # The engine's whole session (the forked child too) is gone.
-    assert ep.session_members(link.process.pid) == []
+    assert engine_session.session_members(link.process.pid) == []
     assert not list(socket_dir.iterdir()), "socket files left behind"
 
 
@@ -116,7 +117,7 @@ def test_stale_files_go_and_live_ones_stay(tmp_path):
     for path in (stale, stale_facts, live, mine, other):
         os.utime(path, (old, old), follow_symlinks=False)
     try:
-        removed = ep.remove_stale_files(tmp_path)
+        removed = socket_files.remove_stale_files(tmp_path)
     finally:
         listener.close()
     assert sorted(removed) == sorted([stale, stale_facts])
@@ -131,16 +132,16 @@ def test_an_unreaped_or_unnamed_owner_is_not_alive(tmp_path):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     try:
-        assert ep.pid_alive(os.getpid())
-        assert not ep.pid_alive(child.pid)  # exited, not yet reaped
-        assert not ep.pid_alive(-1) and not ep.pid_alive(0) and not ep.pid_alive(None)
+        assert socket_files.pid_alive(os.getpid())
+        assert not socket_files.pid_alive(child.pid)  # exited, not yet reaped
+        assert not socket_files.pid_alive(-1) and not socket_files.pid_alive(0) and not socket_files.pid_alive(None)
     finally:
         child.wait()
     dead_owned = tmp_path / f"enginelink-{child.pid}-vllm-0-facts.json"
     dead_owned.write_text("{}")
     old = time.time() - 60
     os.utime(dead_owned, (old, old))
-    assert ep.remove_stale_files(tmp_path) == [dead_owned]
+    assert socket_files.remove_stale_files(tmp_path) == [dead_owned]
 
 
 def test_silence_with_requests_in_flight_fails_the_link(tmp_path, test_model_dir):

@@ -94,8 +94,13 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
                 max_tokens: int, prompt_tokens: int, log_path: Path, front_end_us: float = 0.0) -> dict:
     import msgspec
     import zmq
-    from enginelink.runtime.engine.engine_process import (
-        PLACEMENT_CHOICES, PLACEMENT_DEFAULT, describe_placement, lower_priority, own_threads, place_front_end,
+    from enginelink.runtime.engine.placement import (
+        PLACEMENT_CHOICES,
+        PLACEMENT_DEFAULT,
+        describe_placement,
+        lower_priority,
+        own_threads,
+        place_front_end,
         set_affinity,
     )
     from enginelink.tools.serve import _engine_nice, _env_choice, _vllm_launcher
@@ -126,7 +131,7 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
         env = {**os.environ, **env}
         env.pop("ENGINELINK_ENGINE_FACTS", None)
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        # The same engine as enginelink runs: its priority too (runtime/engine/engine_process.py).
+        # The same engine as enginelink runs: its priority too (runtime/engine/placement.py).
         lower_priority(process.pid, engine_nice)
 
         # Handshake: HELLO -> init -> ready response (inputs) + READY (handshake).
@@ -157,7 +162,7 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
                 got_response = True
         placed = "off (ENGINELINK_PLACEMENT=off)"
         if placement == "auto":
-            # The placement enginelink gives its engine and itself (runtime/engine/engine_process.py), the
+            # The placement enginelink gives its engine and itself (runtime/engine/placement.py), the
             # driver standing in for the servicer: off the CPUs the engine binds.
             placed = describe_placement(place_front_end(process.pid), front_end="the driver")
 

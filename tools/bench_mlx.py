@@ -67,7 +67,7 @@ def _flag(engine_args: list[str], name: str, default: int) -> int:
 
 def measure_raw(python: str, model_dir: Path, engine_args: list[str], concurrency: int, requests: int,
                 max_tokens: int, prompt_tokens: int) -> dict:
-    from enginelink.runtime.engine.engine_process import lower_priority
+    from enginelink.runtime.engine.placement import lower_priority
     from enginelink.tools.serve import _engine_nice
 
     plan = {"model": str(model_dir), "concurrency": concurrency, "requests": requests, "max_tokens": max_tokens,
@@ -124,7 +124,7 @@ class ReferenceServicer:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        from enginelink.runtime.engine.engine_process import lower_priority
+        from enginelink.runtime.engine.placement import lower_priority
         from enginelink.tools.bench_load import wait_serving
         from enginelink.tools.serve import _engine_nice
 

@@ -140,7 +140,7 @@ def give_engine_its_priority(servicer: RefServicer, levels: int) -> None:
     """The priority enginelink gives its engine (``ENGINELINK_ENGINE_NICE``), so every arm runs alike."""
     if levels <= 0:
         return
-    from enginelink.runtime.engine.engine_process import NICE_MAX, lower_priority
+    from enginelink.runtime.engine.placement import NICE_MAX, lower_priority
 
     for pid in engine_processes(servicer.process.pid):
         try:

@@ -36,7 +36,8 @@ from enginelink.journal.journal import FLUSH_INTERVAL_S
 from enginelink.journal.store import Reader, StoreError, open_reader
 from enginelink.journal.store_health import read_health
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
-from enginelink.runtime.engine.engine_process import describe_placement, describe_priority, pid_alive
+from enginelink.runtime.engine.placement import describe_placement, describe_priority
+from enginelink.runtime.engine.socket_files import pid_alive
 
 T = TypeVar("T")
 

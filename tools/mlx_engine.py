@@ -42,7 +42,7 @@ from enginelink.tools.sim_engine import IDLE_POLL_MS, _handshake, _Lifetime
 from enginelink.wire import vllm
 from enginelink.wire.engine import WireError
 
-# runtime/engine/engine_link.py's ENGINE_FACTS_ENV (that module needs trio, which this venv lacks;
+# runtime/engine/zmq_transport.py's ENGINE_FACTS_ENV (that module needs trio, which this venv lacks;
 # tests/mlx/test_mlx_units.py checks the two agree).
 ENGINE_FACTS_ENV = "ENGINELINK_ENGINE_FACTS"
 

@@ -135,7 +135,7 @@ def _env_int(name: str, expected: str) -> int | None:
 
 
 def _engine_nice() -> int:
-    from enginelink.runtime.engine.engine_process import ENGINE_NICE_DEFAULT, NICE_MAX
+    from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, NICE_MAX
 
     levels = _env_int("ENGINELINK_ENGINE_NICE", f"a whole number of nice levels, 0 to {NICE_MAX}")
     if levels is None:
@@ -249,8 +249,8 @@ def _metrics_port(args: argparse.Namespace) -> int | None:
 
 
 def _check_socket_dir() -> None:
-    from enginelink.runtime.engine.engine_link import socket_dir
-    from enginelink.runtime.engine.engine_process import SocketDirError
+    from enginelink.runtime.engine.socket_files import socket_dir
+    from enginelink.runtime.engine.socket_files import SocketDirError
 
     try:
         socket_dir()
@@ -260,8 +260,8 @@ def _check_socket_dir() -> None:
 
 def _kv_events(engine: str, engine_args: list[str]):
     """The engine args with the KV-event publisher turned on (unless off or given), and the relay's plan."""
-    from enginelink.runtime.engine.engine_link import SOCKET_PREFIX, socket_dir
-    from enginelink.runtime.engine.engine_process import SocketDirError
+    from enginelink.runtime.engine.socket_files import SOCKET_PREFIX, socket_dir
+    from enginelink.runtime.engine.socket_files import SocketDirError
     from enginelink.runtime.kv.kv_config import KvConfigError, plan_kv_events
 
     try:
@@ -346,11 +346,14 @@ def _gc_policy():
 
 
 def build_config(args: argparse.Namespace):
-    from enginelink.runtime.engine.engine_process import (
-        PLACEMENT_CHOICES, PLACEMENT_DEFAULT, SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT,
+    from enginelink.runtime.engine.placement import (
+        PLACEMENT_CHOICES,
+        PLACEMENT_DEFAULT,
+        SERVICER_SCHED_CHOICES,
+        SERVICER_SCHED_DEFAULT,
     )
     from enginelink.machines.liveness import IDLE_PROBE_INTERVAL_S, IDLE_PROBE_TIMEOUT_S
-    from enginelink.runtime.engine.engine_process import ENGINE_STOP_GRACE_S
+    from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S
     from enginelink.runtime.lifetime.server import ServeConfig
 
     from enginelink.runtime.lifetime.engines import choose

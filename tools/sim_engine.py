@@ -471,7 +471,7 @@ def _serve(core: "_VllmWire | SimWire", inputs: zmq.Socket, outputs: zmq.Socket,
 
 def _write_pd_facts(config: SimConfig, kv_transfer: dict) -> None:
     """Before the handshake, where enginelink reads the engine's facts (as vllm_headless.py does)."""
-    from enginelink.runtime.engine.engine_link import ENGINE_FACTS_ENV
+    from enginelink.runtime.engine.zmq_transport import ENGINE_FACTS_ENV
 
     path = os.environ.get(ENGINE_FACTS_ENV)
     if path:
@@ -482,7 +482,7 @@ def _write_pd_facts(config: SimConfig, kv_transfer: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from enginelink.runtime.engine.engine_link import ENGINE_FACTS_ENV
+    from enginelink.runtime.engine.zmq_transport import ENGINE_FACTS_ENV
     from enginelink.runtime.engine.vllm_headless import report_refused_arguments
 
     parser = argparse.ArgumentParser(prog="python -m enginelink.tools.sim_engine", description=__doc__.splitlines()[0])

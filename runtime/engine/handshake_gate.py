@@ -5,7 +5,7 @@ anything else, so it is the one an intruder on the host would aim at. The
 rules it keeps:
 
 - reachable only from this host's owner: it is an ipc socket in the private
-  0700 socket directory (``engine_process.socket_dir``), never tcp; vLLM's
+  0700 socket directory (``socket_files.socket_dir``), never tcp; vLLM's
   headless engine and the sim engine dial any ZeroMQ address, ipc included;
 - open only while the engine starts: the link closes it, and removes its
   file, as soon as the handshake is done (the engine closes its side too);
@@ -36,7 +36,7 @@ from typing import Callable
 
 import zmq
 
-from enginelink.runtime.engine.engine_process import session_of
+from enginelink.runtime.engine.session import session_of
 from enginelink.runtime.engine.zmq_trio import has_message, wait_fd
 
 log = logging.getLogger("enginelink.link")

@@ -1,11 +1,13 @@
 """An engine link in memory: the sim engine core behind the real vLLM wire, on trio's clock.
 
 What it is for: deterministic simulation of the whole servicer (``tests/sim``).
-``MemoryLink`` is an ``EngineLink`` whose transport is memory instead of ZMQ
-sockets and whose engine process is a trio task instead of a process. Only
-the transport is replaced: handshake journaling, ``step``, ``utility``, the
-start-up and silence supervision, the process watcher and ``_fail`` are
-EngineLink's own code, so the simulation exercises them.
+``MemoryLink(...)`` is an ``EngineLink`` whose transport (``MemoryTransport``)
+is memory instead of ZMQ sockets and whose engine process is a trio task
+instead of a process. Only the transport is replaced: handshake journaling,
+``step``, ``utility``, the frame handling and every watch of the supervision
+(start-up bound, process, dropped connection, silence, idle probe:
+``supervision.py``) are the production link's own code, so the simulation
+exercises them.
 
 Theory of operation:
 - the wire: ``send`` puts the frames the hub's ``VllmCodec`` encoded on a
@@ -32,8 +34,9 @@ reading and answering but stays alive (the silence supervision must notice);
 frame for engine ids nobody asked for (late outputs); ``disconnect()`` the
 engine core exits while its launcher process lives (vLLM's EngineCore
 killed): its sockets close, so sends to it fail as ROUTER_MANDATORY makes
-them fail, and the link notices the dropped connection after
-``DISCONNECT_GRACE_S``, as ``EngineLink._watch_disconnect`` does;
+them fail, and the transport reports the dropped connection to the
+supervision (``wait_disconnected``), which fails the link after
+``DISCONNECT_GRACE_S``;
 ``hang_startup`` (a constructor flag) it never sends its ready response.
 
 Rules: no I/O, no threads, time only from ``trio.current_time()``; every
@@ -49,10 +52,11 @@ from dataclasses import dataclass, field
 import trio
 import zmq
 
-from enginelink.journal.records import KIND_ENGINE_FACTS, link_stream
-from enginelink.machines.link import LinkEvent
-from enginelink.runtime.engine.engine_link import DISCONNECT_GRACE_S, FRAMES_PER_WAKEUP, EngineLink, LinkFailed, Supervision
 from enginelink.machines.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
+from enginelink.runtime.engine.engine_link import EngineLink
+from enginelink.runtime.engine.link_errors import LinkFailed
+from enginelink.runtime.engine.supervision import Supervision
+from enginelink.runtime.engine.zmq_transport import FRAMES_PER_WAKEUP
 from enginelink.wire import vllm
 from enginelink.wire.engine import EngineDead, WireError
 
@@ -74,7 +78,7 @@ class MemoryEngineOptions:
 
 
 class _SimProcess:
-    """What EngineLink reads of a ``trio.Process``: pid, returncode, wait()."""
+    """What the link and its supervision read of a ``trio.Process``: pid, returncode, wait()."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -91,26 +95,33 @@ class _SimProcess:
         return self.returncode
 
 
-class MemoryLink(EngineLink):
-    def __init__(
-        self,
-        *,
-        name: str,
-        config: SimConfig,
-        journal,
-        supervision: Supervision | None = None,
-        options: MemoryEngineOptions | None = None,
-        hooks: SimHooks | None = None,
-    ) -> None:
-        super().__init__(name=name, launcher=None, codec=vllm.VllmCodec(), journal=journal, supervision=supervision)
+def MemoryLink(*, name: str, config: SimConfig, journal, supervision: Supervision | None = None,
+               options: "MemoryEngineOptions | None" = None, hooks: SimHooks | None = None,
+               transport: "MemoryTransport | None" = None) -> EngineLink:
+    """An ``EngineLink`` to the sim core in memory (its transport: ``link.transport``, with the faults)."""
+    transport = transport or MemoryTransport(config, options, hooks)
+    link = EngineLink(name=name, codec=vllm.VllmCodec(), journal=journal, supervision=supervision,
+                      transport=transport)
+    link.expected_ranks = (config.engine_index,)  # one engine core, one rank
+    return link
+
+
+class MemoryTransport:
+    # The sim core answers vLLM's side-effect-free utility call: the idle probe runs, as in production.
+    idle_probes = True
+
+    def __init__(self, config: SimConfig, options: MemoryEngineOptions | None = None,
+                 hooks: SimHooks | None = None) -> None:
         self.config = config
         self.options = options or MemoryEngineOptions()
         self.core = SimEngineCore(config, hooks)
-        self.expected_ranks = (config.engine_index,)  # one engine core, one rank
+        self.link: EngineLink | None = None
+        self.process: _SimProcess | None = None
         self._connected = False
         self._engine_scope: trio.CancelScope | None = None
         self._engine_running = False
         self._core_gone = False  # the engine core exited, its launcher lives on (``disconnect``)
+        self._disconnected = trio.Event()
         self._exit_status = 0
         self._silent = False
         # Each direction: (due time, item) on the wire, delivered in order once due.
@@ -128,7 +139,7 @@ class MemoryLink(EngineLink):
         self.frames_sent_by_engine = 0
         self.inputs_refused = 0  # inputs the engine could not take (WireError), as sim_engine logs them
 
-    # -- EngineLink's public interface --------------------------------------------
+    # -- the transport ---------------------------------------------------------------
 
     def send(self, frames: list[bytes], rank: int = 0) -> None:
         """Send one request frame set to the engine; never blocks (as a NOBLOCK socket send).
@@ -148,40 +159,60 @@ class MemoryLink(EngineLink):
             raise zmq.Again() from None
         self.send_seq = seq
 
-    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Launch the engine task, handshake (then ``started``), receive until the engine goes."""
+    async def start(self, link: EngineLink, nursery: trio.Nursery) -> LinkFailed | None:
+        """Launch the engine task and hand-shake; the failure if it did not come up."""
+        self.link = link
         opts = self.options
-        self._journal_handshake("launch", {"argv": list(opts.argv), "handshake_port": 0})
-        failure: LinkFailed | None = None
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                self.process = _SimProcess(opts.pid)
-                self._progress_at = trio.current_time()
-                nursery.start_soon(self._deliver, self._to_engine_wire, self._engine_inbox_tx)
-                nursery.start_soon(self._deliver, self._from_engine_wire, self._link_inbox_tx)
-                nursery.start_soon(self._engine_process)
-                nursery.start_soon(self._watch_process)
-                nursery.start_soon(self._supervise_startup)
-                failure = await self._memory_start_up()
-                if failure is None:
-                    self._connected = True
-                    self.step(LinkEvent.HANDSHAKE_DONE)
-                    task_status.started()
-                    nursery.start_soon(self._watch_silence)
-                    await self._memory_receive_loop()
-                nursery.cancel_scope.cancel()
-            if failure is not None:
-                raise failure
-        finally:
-            self._connected = False
-            await self.stop_engine()
+        link.journal_handshake("launch", {"argv": list(opts.argv), "handshake_port": 0})
+        self.process = _SimProcess(opts.pid)
+        link.adopt(nursery, self.process)
+        nursery.start_soon(self._deliver, self._to_engine_wire, self._engine_inbox_tx)
+        nursery.start_soon(self._deliver, self._from_engine_wire, self._link_inbox_tx)
+        nursery.start_soon(self._engine_process)
+        failure = await link.run_handshake(self._handshake)
+        if failure is not None:
+            return failure
+        link.read_facts(None)
+        failure = link.check_compatible()
+        if failure is None:
+            self._connected = True
+        return failure
 
-    async def _end_process(self, process) -> None:
+    async def receive(self, link: EngineLink) -> None:
+        """``zmq_transport.receive_frames`` reading the memory channel."""
+        rx = self._link_inbox
+        while True:
+            frames = await rx.receive()
+            handled = 0
+            while frames is not None:
+                if not link.handle_frames(frames):
+                    link.on_frames_done(trio.current_time())
+                    return
+                handled += 1
+                if handled >= FRAMES_PER_WAKEUP:
+                    break
+                try:
+                    frames = rx.receive_nowait()
+                except trio.WouldBlock:
+                    frames = None
+            link.last_frame_at = trio.current_time()
+            link.on_frames_done(link.last_frame_at)
+            await trio.lowlevel.checkpoint()
+
+    async def wait_disconnected(self) -> None:
+        await self._disconnected.wait()
+
+    async def stop_process(self, process, grace_s: float) -> None:
         """SIGTERM: the sim engine exits at once with status 0; wait until it has."""
         if process.returncode is None:
             self._end_engine(0)
         await process.wait()
+
+    def close(self) -> None:
+        self._connected = False
+
+    def remove_files(self) -> None:
+        """No files: memory."""
 
     # -- faults ----------------------------------------------------------------------
 
@@ -213,23 +244,13 @@ class MemoryLink(EngineLink):
 
     def disconnect(self) -> bool:
         """The engine core exits; its launcher process stays alive (until stopped)."""
-        if not self.engine_alive or self._nursery is None:
+        if not self.engine_alive:
             return False
         self._core_gone = True
         if self._engine_scope is not None:
             self._engine_scope.cancel()
-        if self._handshake_done:
-            self._nursery.start_soon(self._notice_disconnect)
+        self._disconnected.set()  # the supervision's watch_disconnect hears it (once the link serves)
         return True
-
-    async def _notice_disconnect(self) -> None:
-        """``EngineLink._watch_disconnect`` after it saw the engine's connection drop."""
-        await trio.sleep(DISCONNECT_GRACE_S)
-        if self.machine.live and self._stop_done is None:
-            self._fail(
-                f"engine closed its output connection (its engine core exited) while its "
-                f"launcher process {self.process.pid} still runs"
-            )
 
     def garbage(self) -> bool:
         """One output frame nobody can decode."""
@@ -283,7 +304,7 @@ class MemoryLink(EngineLink):
     async def _engine_handshake(self) -> None:
         """The engine's side: HELLO and READY on the handshake socket, the ready response on the input one."""
         opts = self.options
-        identity = self.handshake_wire.identity(self.config.engine_index)
+        identity = self.link.handshake_wire.identity(self.config.engine_index)
         hello = vllm.HandshakeStatus(status="HELLO", local=False, headless=True)
         await self._hs_to_link_tx.send(("handshake", identity, vllm.encode_handshake_status(hello)))
         vllm.decode_handshake_init(await self._hs_to_engine_rx.receive())
@@ -385,24 +406,12 @@ class MemoryLink(EngineLink):
         self.frames_sent_by_engine += 1
         return True
 
-    # -- the link side -------------------------------------------------------------------
+    # -- the handshake ------------------------------------------------------------------
 
-    async def _memory_start_up(self) -> LinkFailed | None:
-        """Handshake; the failure, if the engine did not come up (as ``EngineLink._start_up``)."""
-        failure = await self._run_handshake(self._memory_handshake)
-        if failure is not None:
-            return failure
-        self.journal.append(
-            trio.current_time(),
-            link_stream(self.name),
-            KIND_ENGINE_FACTS,
-            {"link": self.name, "pid": self.process.pid, "facts": self.ready},
-        )
-        return self._check_compatible()
-
-    async def _memory_handshake(self) -> None:
-        """The handshake machine fed from the memory "sockets" (``EngineLink._handshake_with``'s loop)."""
-        machine = self._new_handshake("memory://in", "memory://out")
+    async def _handshake(self) -> None:
+        """The handshake machine fed from the memory "sockets" (``ZmqTransport._handshake_with``'s loop)."""
+        link = self.link
+        machine = link.new_handshake("memory://in", "memory://out")
 
         def send_init(identity: bytes, payload: bytes) -> None:
             self._hs_to_engine_tx.send_nowait(payload)
@@ -410,27 +419,6 @@ class MemoryLink(EngineLink):
         while machine.done is None:
             socket, identity, payload = await self._hs_to_link_rx.receive()
             if socket == "input":
-                self._apply(machine.on_ready_response(identity, payload), send_init)
+                link.apply_handshake(machine.on_ready_response(identity, payload), send_init)
             else:
-                self._apply(machine.on_status(identity, payload), send_init)
-
-    async def _memory_receive_loop(self) -> None:
-        """``EngineLink._receive_loop`` reading the memory channel."""
-        rx = self._link_inbox
-        while True:
-            frames = await rx.receive()
-            handled = 0
-            while frames is not None:
-                if not self._handle_frames(frames):
-                    self.on_frames_done(trio.current_time())
-                    return
-                handled += 1
-                if handled >= FRAMES_PER_WAKEUP:
-                    break
-                try:
-                    frames = rx.receive_nowait()
-                except trio.WouldBlock:
-                    frames = None
-            self.last_frame_at = trio.current_time()
-            self.on_frames_done(self.last_frame_at)
-            await trio.lowlevel.checkpoint()
+                link.apply_handshake(machine.on_status(identity, payload), send_init)

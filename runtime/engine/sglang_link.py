@@ -9,13 +9,15 @@ arrives as one JSON line on a pipe whose write end the engine process
 inherits (the sim's ``--ready-fd``; the real launcher forwards its
 ``multiprocessing`` pipe the same way, ``runtime/engine/sglang_headless.py``).
 
-Everything else is ``EngineLink``'s (this class only replaces ``run`` and
-``send``): the process in its own session, its output relayed with secrets
-hidden, the start-up bound (silence extended while the process lives, the
-ceiling), the process watch, the dropped-connection watch, the silence
-limit, the receive loop and the bounded stop. Readiness is the line with
-``status == "ready"``; the pipe closing first, a line that is not JSON, a
-line over ``READY_LINE_MAX_BYTES`` or another status fail the start-up.
+``SglangTransport`` is this wire's transport of an ``EngineLink``; everything
+else is the link's and its supervision's (``supervision.py``): the process
+in its own session, its output relayed with secrets hidden, the start-up
+bound (silence extended while the process lives, the ceiling), the process
+watch, the dropped-connection watch, the silence limit and the bounded stop;
+the receive loop is the ZeroMQ transport's (``zmq_transport.receive_frames``).
+Readiness is the line with ``status == "ready"``; the pipe closing first, a
+line that is not JSON, a line over ``READY_LINE_MAX_BYTES`` or another
+status fail the start-up.
 
 Not on this wire: the idle liveness probe (SGLang has no side-effect-free
 control call to ask: flush and profile change the engine; ``HealthCheck``
@@ -29,20 +31,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import trio
 import zmq
 
-from enginelink.runtime.engine.engine_link import _MONITOR_EVENTS, EngineLink, LinkFailed
-from enginelink.runtime.engine.engine_output import Redactor
-from enginelink.runtime.engine.engine_process import (
-    SOCKET_PREFIX,
-    remove_stale_files,
-    socket_dir,
-)
-from enginelink.runtime.engine.launchers import launch_secrets
+from enginelink.runtime.engine.session import stop_session
+from enginelink.runtime.engine.link_errors import LinkFailed
+from enginelink.runtime.engine.zmq_transport import MONITOR_EVENTS, link_paths, receive_frames, wait_disconnected
 from enginelink.runtime.engine.zmq_trio import make_socket
 from enginelink.wire.sglang import SGLANG_VERSION
 
@@ -91,16 +87,45 @@ def ready_facts(report: dict, max_model_len: int | None) -> dict:
     return facts
 
 
-class SglangLink(EngineLink):
-    """``EngineLink`` for a wire whose engine connects to us and reports readiness on a pipe."""
+class SglangTransport:
+    """The engine connects to our PUSH/PULL and reports readiness on a pipe it inherits."""
 
     # SGLang has no control call without side effects to probe an idle scheduler with.
     idle_probes = False
 
-    def __init__(self, *, max_model_len: int | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, launcher, max_model_len: int | None = None) -> None:
+        self.launcher = launcher
         self.max_model_len = max_model_len  # the model directory's, a cap on what the report implies
+        self._context = zmq.Context.instance()
+        self._sockets: list[zmq.Socket] = []
         self._push: zmq.Socket | None = None
+        self._outputs: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._paths: list[Path] = []
+
+    async def start(self, link, nursery) -> LinkFailed | None:
+        """Bind, launch, wait for the ready report; the failure if the engine did not come up."""
+        push = make_socket(self._context, zmq.PUSH)
+        outputs = make_socket(self._context, zmq.PULL)
+        self._sockets = [push, outputs]
+        in_path, out_path = self._paths = link_paths(link.name, "in.sock", "out.sock")
+        push.bind(f"ipc://{in_path}")
+        outputs.bind(f"ipc://{out_path}")
+        self._monitor = outputs.get_monitor_socket(MONITOR_EVENTS)
+        self._sockets.append(self._monitor)
+        read_fd, write_fd = os.pipe()
+        async with trio.lowlevel.FdStream(read_fd) as pipe:  # the stream owns our end
+            try:
+                argv, env = self.launcher.scheduler_command(f"ipc://{in_path}", f"ipc://{out_path}", write_fd)
+                await link.launch(nursery, argv, env, {"inputs": f"ipc://{in_path}", "outputs": f"ipc://{out_path}",
+                                                       "readiness": "ready_fd"}, pass_fds=(write_fd,))
+            finally:
+                os.close(write_fd)  # the engine's now: EOF on our end means it is gone
+            failure = await link.run_handshake(lambda: self._await_ready(link, pipe))
+        if failure is None:
+            link.read_facts(None)  # journals the facts (the report is all of them)
+            self._push, self._outputs = push, outputs
+        return failure
 
     def send(self, frames: list[bytes], rank: int = 0) -> None:
         """One message to the scheduler (its single rank); never blocks."""
@@ -110,67 +135,26 @@ class SglangLink(EngineLink):
             raise LinkFailed(f"the engine has no DP rank {rank}")
         self._push.send_multipart(frames, zmq.NOBLOCK)
 
-    async def _probe_while_idle(self) -> None:
-        return  # no side-effect-free control call on this wire (module docstring)
+    async def receive(self, link) -> None:
+        await receive_frames(self._outputs, link)
 
-    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Bind, launch, wait for the ready report (then ``started``), receive until the engine goes."""
-        push = make_socket(self._context, zmq.PUSH)
-        outputs = make_socket(self._context, zmq.PULL)
-        monitor = None
-        read_fd = write_fd = -1
-        try:
-            directory = socket_dir()
-            for path in remove_stale_files(directory):
-                log.info("removed stale %s (nothing was bound to it)", path)
-            base = directory / f"{SOCKET_PREFIX}{os.getpid()}-{self.name}"
-            in_path, out_path = Path(f"{base}-in.sock"), Path(f"{base}-out.sock")
-            self._paths = [in_path, out_path]
-            push.bind(f"ipc://{in_path}")
-            outputs.bind(f"ipc://{out_path}")
-            monitor = outputs.get_monitor_socket(_MONITOR_EVENTS)
-            read_fd, write_fd = os.pipe()
-            argv, env = self.launcher.scheduler_command(f"ipc://{in_path}", f"ipc://{out_path}", write_fd)
-            engine_env = {**os.environ, **env}
-            self._redactor = redactor = Redactor(launch_secrets(argv, engine_env))
-            shown_argv = [redactor.line(arg) for arg in self.launcher.redacted(argv)]
-            self._journal_handshake("launch", {"argv": shown_argv, "inputs": f"ipc://{in_path}",
-                                               "outputs": f"ipc://{out_path}", "readiness": "ready_fd"})
-            failure: LinkFailed | None = None
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                for warning in getattr(self.launcher, "warnings", ()):
-                    log.warning("%s", warning)
-                self.process = await trio.lowlevel.open_process(
-                    argv, env=engine_env, start_new_session=True, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, pass_fds=(write_fd,))
-                os.close(write_fd)  # the engine's now: EOF on our end means it is gone
-                write_fd = -1
-                self._process_started(nursery, redactor)
-                pipe = trio.lowlevel.FdStream(read_fd)
-                read_fd = -1  # the stream owns it
-                async with pipe:
-                    failure = await self._run_handshake(lambda: self._await_ready(pipe))
-                if failure is None:
-                    self._read_facts(Path(os.devnull))  # journals the facts (the report is all of them)
-                    self._push = push
-                    await self._serve_outputs(nursery, task_status, outputs, monitor)
-                nursery.cancel_scope.cancel()
-            if failure is not None:
-                raise failure
-        finally:
-            self._push = None
-            for fd in (read_fd, write_fd):
-                if fd >= 0:
-                    os.close(fd)
-            for sock in (push, outputs, monitor):
-                if sock is not None:
-                    sock.close(linger=0)
-            await self._stop_engine_relaying()
-            for path in self._paths:
-                path.unlink(missing_ok=True)
+    async def wait_disconnected(self) -> None:
+        await wait_disconnected(self._monitor)
 
-    async def _await_ready(self, pipe: trio.lowlevel.FdStream) -> None:
+    async def stop_process(self, process, grace_s: float) -> None:
+        await stop_session(process, grace_s)
+
+    def close(self) -> None:
+        self._push = self._outputs = None
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._sockets = []
+
+    def remove_files(self) -> None:
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+
+    async def _await_ready(self, link, pipe: trio.lowlevel.FdStream) -> None:
         """Read the ready report's line; ``LinkFailed`` when it is not a ready report."""
         buffer = b""
         while b"\n" not in buffer:
@@ -187,8 +171,8 @@ class SglangLink(EngineLink):
             raise LinkFailed(f"the engine's ready report is not JSON: {line[:200]!r}") from None
         if not isinstance(report, dict) or report.get("status") != "ready":
             raise LinkFailed(f"the engine reported {str(report)[:300]} instead of ready")
-        self._journal_handshake("ready", report)
-        self.ready = ready_facts({**launch_facts(getattr(self.launcher, "extra_args", [])), **report},
+        link.journal_handshake("ready", report)
+        link.ready = ready_facts({**launch_facts(getattr(self.launcher, "extra_args", [])), **report},
                                  self.max_model_len)
-        self.rank_ready = {0: self.ready}
-        self.ranks.set_ranks((0,))
+        link.rank_ready = {0: link.ready}
+        link.ranks.set_ranks((0,))

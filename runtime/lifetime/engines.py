@@ -3,8 +3,9 @@
 ``enginelink serve --engine E --wire W``: ``CHOICES[(E, W)]`` names the wire's
 codec (``wire/codecs.py``) and the gRPC contract served in front of it;
 ``CONTRACTS[name]`` is that contract's service (its edge encodes the hub's
-messages) and the link class that starts the engine on that wire (a
-handshake, or SGLang's ready report on a pipe: ``wire/codecs.readiness``).
+messages) and the transport its engine link starts the engine through (vLLM's
+ZeroMQ wire with its handshake, or SGLang's ready report on a pipe:
+``wire/codecs.readiness``; ``runtime/engine/engine_link.py``).
 A new engine or wire is one row here (and its launcher in ``tools/serve.py``);
 anything not in the table is refused before any engine starts.
 """
@@ -12,10 +13,10 @@ anything not in the table is refused before any engine starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Callable, Final
 
-from enginelink.runtime.engine.engine_link import EngineLink
-from enginelink.runtime.engine.sglang_link import SglangLink
+from enginelink.runtime.engine.sglang_link import SglangTransport
+from enginelink.runtime.engine.zmq_transport import ZmqTransport
 from enginelink.runtime.rpc.grpc_mlx import MlxEngineService
 from enginelink.runtime.rpc.grpc_sglang import SglangSchedulerService
 from enginelink.runtime.rpc.grpc_tokenspeed import TokenSpeedSchedulerService
@@ -31,15 +32,19 @@ class Choice:
 @dataclass(frozen=True)
 class Contract:
     service: type  # the grpclib service: (app, frame_writes, kv_relay)
-    link: type  # EngineLink or a subclass for the wire's start-up
+    # The link's transport, given the launcher and the model's context length (runtime/engine/engine_link.py).
+    transport: Callable[..., object]
     health_name: str  # the service name grpc.health.v1 answers for (besides "")
 
 
 CONTRACTS: Final[dict[str, Contract]] = {
-    "vllm": Contract(VllmEngineService, EngineLink, "vllm.grpc.engine.VllmEngine"),
-    "mlx": Contract(MlxEngineService, EngineLink, "mlx.grpc.engine.MlxEngine"),
-    "sglang": Contract(SglangSchedulerService, SglangLink, "sglang.grpc.scheduler.SglangScheduler"),
-    "tokenspeed": Contract(TokenSpeedSchedulerService, EngineLink, "tokenspeed.grpc.scheduler.TokenSpeedScheduler"),
+    "vllm": Contract(VllmEngineService, lambda launcher, max_model_len: ZmqTransport(launcher),
+                     "vllm.grpc.engine.VllmEngine"),
+    "mlx": Contract(MlxEngineService, lambda launcher, max_model_len: ZmqTransport(launcher),
+                    "mlx.grpc.engine.MlxEngine"),
+    "sglang": Contract(SglangSchedulerService, SglangTransport, "sglang.grpc.scheduler.SglangScheduler"),
+    "tokenspeed": Contract(TokenSpeedSchedulerService, lambda launcher, max_model_len: ZmqTransport(launcher),
+                           "tokenspeed.grpc.scheduler.TokenSpeedScheduler"),
 }
 
 CHOICES: Final[dict[tuple[str, str], Choice]] = {

@@ -44,7 +44,7 @@ from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.lifetime.gc_policy import GcPolicy
 from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
-from enginelink.runtime.engine.engine_process import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
+from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
 from enginelink.runtime.rpc.grpc_limits import GrpcLimits
 from enginelink.runtime.rpc.fastpath import FrameWrites, GrpcServer, run_ready_callbacks_together
@@ -75,7 +75,7 @@ class ServeConfig:
     idle_probe_timeout_s: float = 30.0  # an unanswered probe fails the link after this
     engine_nice: int = ENGINE_NICE_DEFAULT  # nice levels below the servicer
     servicer_sched: str = SERVICER_SCHED_DEFAULT  # the servicer's policy once the engine runs
-    placement: str = PLACEMENT_DEFAULT  # keep off the CPUs the engine binds (engine_process.place_front_end)
+    placement: str = PLACEMENT_DEFAULT  # keep off the CPUs the engine binds (placement.place_front_end)
     warmup: WarmupSetting = field(default_factory=lambda: WarmupSetting(WarmupLevel.FULL, 300.0))
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # no endpoint unless asked
@@ -233,13 +233,11 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
 
 
 def _new_link(config: ServeConfig, journal) -> EngineLink:
-    """The engine link: ZMQ sockets and the engine's process, supervised (the contract's link class)."""
-    link_class = CONTRACTS[config.contract].link
-    extra = {} if link_class is EngineLink else {"max_model_len": config.model.max_position_embeddings}
-    return link_class(
-        **extra,
+    """The engine link: the engine's process through the contract's transport, supervised."""
+    return EngineLink(
         name=f"{config.launcher.engine}-0",
         launcher=config.launcher,
+        transport=CONTRACTS[config.contract].transport(config.launcher, config.model.max_position_embeddings),
         codec=codecs.get(config.codec),
         journal=journal,
         supervision=Supervision(

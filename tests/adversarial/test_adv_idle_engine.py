@@ -24,7 +24,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from enginelink.runtime.engine.engine_process import session_members
+from enginelink.runtime.engine.session import session_members
 from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape, wait_until
 
 pytestmark = pytest.mark.slow

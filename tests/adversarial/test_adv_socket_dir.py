@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.engine.engine_process import IPC_PATH_MAX, SOCKET_NAME_MAX, SocketDirError, socket_dir
+from enginelink.runtime.engine.socket_files import IPC_PATH_MAX, SOCKET_NAME_MAX, SocketDirError, socket_dir
 from tests.harness import VENV_BIN, free_port
 
 OTHER_UID = 54321

@@ -8,6 +8,7 @@ import trio
 from enginelink.machines.link import LinkEvent
 from enginelink.machines.liveness import IdleProbe, ProbeFailed, ProbeSend, ProbeTiming, ProbeWait
 from enginelink.runtime.engine import engine_link as el
+from enginelink.runtime.engine.supervision import Supervisor
 from enginelink.wire.vllm import VllmCodec
 
 TIMING = ProbeTiming(interval_s=5.0, timeout_s=10.0)
@@ -96,12 +97,13 @@ def engine(monkeypatch):
         now = trio.current_time()
         state["sent"].append(now)
         if state["answer"]:
-            self.last_frame_at = now + 0.01  # the engine's reply arrives 10 ms later
-            for rank in self.rank_heard_at:  # from every DP rank that is not frozen
+            link = self.link
+            link.last_frame_at = now + 0.01  # the engine's reply arrives 10 ms later
+            for rank in link.rank_heard_at:  # from every DP rank that is not frozen
                 if rank not in state["frozen_ranks"]:
-                    self.rank_heard_at[rank] = now + 0.01
+                    link.rank_heard_at[rank] = now + 0.01
 
-    monkeypatch.setattr(el.EngineLink, "_send_probe", send_probe)
+    monkeypatch.setattr(Supervisor, "_send_probe", send_probe)
     return state
 
 
@@ -112,7 +114,7 @@ async def test_a_frozen_idle_engine_fails_the_link_at_interval_plus_timeout(auto
     start = trio.current_time()
     engine["answer"] = False  # frozen from the start
     with trio.move_on_after(60):
-        await link._probe_while_idle()
+        await link.supervisor.probe_while_idle()
     assert engine["sent"] == [start + 5.0]
     assert [now - start for _, now in failures] == [15.0]
     assert "ENGINELINK_IDLE_PROBE_TIMEOUT_SECS" in failures[0][0]
@@ -125,7 +127,7 @@ async def test_an_answering_idle_engine_is_probed_every_interval_and_stays_up(au
     link = serving_link(ProbeTiming(interval_s=5.0, timeout_s=10.0))
     start = trio.current_time()
     with trio.move_on_after(31):
-        await link._probe_while_idle()
+        await link.supervisor.probe_while_idle()
     gaps = [round(b - a, 2) for a, b in zip([start, *engine["sent"]], engine["sent"])]
     # Each probe 5 s after the last frame (the previous answer, 10 ms after its probe).
     assert gaps[0] == 5.0 and all(5.0 <= gap <= 6.0 for gap in gaps[1:]), gaps
@@ -143,7 +145,7 @@ async def test_one_frozen_dp_rank_among_answering_ones_fails_the_link_naming_it(
     failures = []
     link.on_failure = lambda message, now: failures.append((message, now))
     with trio.move_on_after(60):
-        await link._probe_while_idle()
+        await link.supervisor.probe_while_idle()
     assert engine["sent"] == [start + 5.0]
     assert [now - start for _, now in failures] == [15.0]
     assert "DP rank 1 answered no liveness probe" in failures[0][0]
@@ -154,12 +156,12 @@ async def test_no_probe_while_requests_are_in_flight(autojump_clock, engine):
     link.load_probe = lambda: (1, 0)
     engine["answer"] = False
     with trio.move_on_after(100):
-        await link._probe_while_idle()
+        await link.supervisor.probe_while_idle()
     assert engine["sent"] == [] and link.machine.state.value == "serving"
 
 
 async def test_probes_off_means_no_probe_task_at_all(autojump_clock, engine):
     link = serving_link(ProbeTiming(interval_s=0.0, timeout_s=10.0))
     start = trio.current_time()
-    await link._probe_while_idle()  # returns at once: nothing left polling every 50 ms
+    await link.supervisor.probe_while_idle()  # returns at once: nothing left polling every 50 ms
     assert trio.current_time() == start and engine["sent"] == []

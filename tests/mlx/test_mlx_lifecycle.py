@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from enginelink.runtime.engine.engine_process import ENGINE_STOP_GRACE_S, session_members
+from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S, session_members
 from tests.harness import engine_pid, wait_until
 from tests.mlx.conftest import START_TIMEOUT_S, mlx_request as generate_request, mlx_servicer
 from tests.test_engine_stop import STOP_BOUND_OVER_GRACE_S

@@ -32,6 +32,7 @@ from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.hub import Call, RequestHub
+from enginelink.runtime.engine.engine_link import EngineLink
 from enginelink.runtime.engine.memory_link import MemoryLink
 from enginelink.runtime.engine.model_dir import ModelFacts
 from enginelink.runtime.lifetime.warmup import TrioWake
@@ -54,16 +55,16 @@ class Admission:
 
 
 class ObservedHub(RequestHub):
-    def __init__(self, *, shell: MemoryLink, **kwargs) -> None:
+    def __init__(self, *, shell: EngineLink, **kwargs) -> None:
         super().__init__(**kwargs)
         self.shell = shell
         self.admissions: list[Admission] = []
         self.by_wake: dict[object, Admission] = {}
 
     def admit(self, spec, now, *, wake=None):
-        first = self.shell.send_seq + 1
+        first = self.shell.transport.send_seq + 1
         call = super().admit(spec, now, wake=wake)
-        admission = Admission(call, list(range(first, self.shell.send_seq + 1)), now)
+        admission = Admission(call, list(range(first, self.shell.transport.send_seq + 1)), now)
         self.admissions.append(admission)
         if wake is not None:
             self.by_wake[wake] = admission
@@ -252,7 +253,8 @@ class SimServicer:
         link = self.link
         state = link.machine.state.value
         applied = {
-            "kill": link.kill, "core_dead": link.core_dead, "garbage": link.garbage, "disconnect": link.disconnect,
-            "silence": link.silence, "stray": link.stray,
+            "kill": link.transport.kill, "core_dead": link.transport.core_dead, "garbage": link.transport.garbage,
+            "disconnect": link.transport.disconnect,
+            "silence": link.transport.silence, "stray": link.transport.stray,
         }[kind]()  # fmt: skip
         self.faults.append(FaultRecord(trio.current_time(), kind, applied, state))

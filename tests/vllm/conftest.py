@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.engine.engine_process import session_members
+from enginelink.runtime.engine.session import session_members
 from enginelink.runtime.engine.launchers import LauncherError, default_vllm_python
 from tests.harness import ReferenceAnswers, Servicer, end_process, wait_until
 

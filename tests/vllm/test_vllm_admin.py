@@ -11,7 +11,8 @@ from smg_grpc_proto.generated import common_pb2
 
 from enginelink.journal.records import KIND_ENGINE_FACTS, KIND_ENGINE_HANDSHAKE
 from enginelink.journal.store import open_reader
-from enginelink.runtime.engine.engine_process import ENGINE_NICE_DEFAULT, cpu_list, session_members
+from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, cpu_list
+from enginelink.runtime.engine.session import session_members
 from tests.harness import engine_pid
 
 pytestmark = pytest.mark.vllm

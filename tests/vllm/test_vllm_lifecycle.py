@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from enginelink.runtime.engine.engine_process import ENGINE_STOP_GRACE_S
-from enginelink.runtime.engine.engine_process import session_members
+from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S
+from enginelink.runtime.engine.session import session_members
 from tests.harness import Servicer, engine_pid, free_port, frozen, generate_request, scrape, wait_until
 from tests.test_engine_stop import STOP_BOUND_OVER_GRACE_S
 from tests.test_lifecycle import StreamReader

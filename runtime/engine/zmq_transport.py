@@ -1,0 +1,250 @@
+"""The ZeroMQ transport of an engine link: vLLM's headless wire (and TokenSpeed's and the MLX engine's).
+
+Its part of the link's lifetime (``EngineLink.run`` calls it):
+
+- ``start``: remove stale ipc socket files (only those nothing live is bound
+  to); bind the handshake ROUTER, the input ROUTER and the output PULL (ipc
+  sockets in a private 0700 directory; a TCP handshake on loopback for an
+  engine that dials only TCP); launch the engine in its own session
+  (``EngineLink.launch``: its output relayed with secrets hidden, its
+  process watched, its start-up bounded), which dials the handshake socket;
+  feed every rank's handshake messages (HELLO → init addresses → ready
+  response on the input socket and READY on the handshake socket, in either
+  order) to the link's handshake machine; read the engine's facts file;
+  close the handshake socket (nobody may reach it any more);
+- ``send``: one request frame set to one DP rank's identity, never blocking
+  (``ROUTER_MANDATORY``: an unknown identity raises);
+- ``receive``: the receive loop, each output frame handed to the link once;
+- ``wait_disconnected``: returns when the engine's connection to the output
+  socket dropped (a socket monitor; only connections that completed the
+  ZMTP handshake count, so a stranger probing for stale files is ignored);
+- ``stop_process``: the engine's whole session stopped, bounded;
+- ``close``: close every socket; ``remove_files``: remove its files.
+
+Frames from anyone but the engine on the handshake socket are ignored and
+journaled (``runtime/engine/handshake_gate.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from enginelink.runtime.engine.session import stop_session
+
+from enginelink.runtime.engine.socket_files import SOCKET_PREFIX, remove_stale_files, socket_dir
+from enginelink.runtime.engine.handshake_gate import (
+    HANDSHAKE_MESSAGE_MAX_BYTES,
+    HandshakeGate,
+    bound_handshake_socket,
+    bound_input_socket,
+    poll_engine_from,
+    receive_from_engine,
+)
+from enginelink.runtime.engine.link_errors import LinkFailed
+from enginelink.runtime.engine.zmq_trio import has_message, make_socket, recv_multipart, wait_fd
+
+log = logging.getLogger("enginelink.link")
+
+# Frames handled per wake-up before yielding, so writers get to coalesce.
+FRAMES_PER_WAKEUP = 64
+# The handshake is a one-off: polling it keeps the code simple.
+HANDSHAKE_POLL_S = 0.01
+# Where the link asks an engine to write the config facts its ready response lacks.
+ENGINE_FACTS_ENV = "ENGINELINK_ENGINE_FACTS"
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+)
+MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+for _event in _HANDSHAKE_FAILED:
+    MONITOR_EVENTS |= _event
+
+
+def link_paths(name: str, *suffixes: str) -> list[Path]:
+    """This process's socket files of link ``name`` (``enginelink-<pid>-<name>-<suffix>``), stale ones removed first."""
+    directory = socket_dir()
+    for path in remove_stale_files(directory):
+        log.info("removed stale %s (nothing was bound to it)", path)
+    base = directory / f"{SOCKET_PREFIX}{os.getpid()}-{name}"
+    return [Path(f"{base}-{suffix}") for suffix in suffixes]
+
+
+async def receive_frames(outputs: zmq.Socket, link) -> None:
+    """Hand each output frame to the link until it says the link failed.
+
+    Asks EVENTS before each read instead of reading until zmq.Again: at one
+    frame per wake-up (every engine step) the loop then costs one trio step
+    and no exception per frame, where it cost two and three."""
+    fd = outputs.getsockopt(zmq.FD)
+    while True:
+        handled = 0
+        while handled < FRAMES_PER_WAKEUP and has_message(outputs):
+            try:
+                frames = outputs.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:  # EVENTS said a message was there; do not trust it blindly
+                break
+            if not link.handle_frames(frames):
+                link.on_frames_done(trio.current_time())
+                return
+            handled += 1
+        if handled:
+            link.last_frame_at = trio.current_time()
+            link.on_frames_done(link.last_frame_at)
+        if handled == FRAMES_PER_WAKEUP:
+            await trio.lowlevel.checkpoint()  # more waiting: let the writers run first
+        else:
+            await wait_fd(fd)
+
+
+async def wait_disconnected(monitor: zmq.Socket) -> None:
+    """Return when a connection that completed the ZMTP handshake drops.
+
+    A bare connect (another process probing for stale socket files) fails its
+    handshake and is ignored. Events queue in the monitor from before the
+    launch, so they are read here in the order they happened."""
+    unresolved: list[int] = []  # accepted fds, oldest first, handshake not yet done
+    engine_fds: set[int] = set()
+    while True:
+        event = parse_monitor_message(await recv_multipart(monitor))
+        kind, value = event["event"], event["value"]
+        if kind == zmq.EVENT_ACCEPTED:
+            unresolved.append(value)
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if unresolved:
+                engine_fds.add(unresolved.pop(0))
+        elif kind in _HANDSHAKE_FAILED:
+            if unresolved:
+                unresolved.pop(0)
+        elif kind == zmq.EVENT_DISCONNECTED:
+            if value in unresolved:
+                unresolved.remove(value)
+            if value in engine_fds:
+                return
+
+
+class ZmqTransport:
+    """vLLM's headless wire over ipc sockets, to an engine process of its own session."""
+
+    idle_probes = True  # the wire has a side-effect-free utility call (machines/liveness.py)
+
+    def __init__(self, launcher) -> None:
+        self.launcher = launcher
+        self._context = zmq.Context.instance()
+        self._sockets: list[zmq.Socket] = []
+        self._input: zmq.Socket | None = None
+        self._outputs: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._identities: dict[int, bytes] = {}
+        self._paths: list[Path] = []
+
+    async def start(self, link, nursery: trio.Nursery) -> LinkFailed | None:
+        """Bind, launch, handshake; the failure if the engine did not come up."""
+        handshake = make_socket(self._context, zmq.ROUTER)
+        inputs = make_socket(self._context, zmq.ROUTER)
+        outputs = make_socket(self._context, zmq.PULL)
+        self._sockets = [handshake, inputs, outputs]
+        inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        bound_input_socket(inputs)
+        in_path, out_path, hs_path, facts_path = self._paths = link_paths(
+            link.name, "in.sock", "out.sock", "hs.sock", "facts.json")
+        link.facts_path = facts_path
+        facts_path.unlink(missing_ok=True)
+        bound_handshake_socket(handshake)
+        hs_address = f"ipc://{hs_path}"
+        if getattr(self.launcher, "handshake_transport", "ipc") == "tcp":
+            # An engine that dials only TCP (TokenSpeed: --data-parallel-address/-rpc-port):
+            # a free loopback port; its INIT still names the ipc data sockets.
+            handshake.bind("tcp://127.0.0.1:*")
+            hs_address = handshake.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            handshake.bind(hs_address)
+        inputs.bind(f"ipc://{in_path}")
+        outputs.bind(f"ipc://{out_path}")
+        self._monitor = outputs.get_monitor_socket(MONITOR_EVENTS)
+        self._sockets.append(self._monitor)
+        argv, env = self.launcher.command(hs_address)
+        await link.launch(nursery, argv, {**env, ENGINE_FACTS_ENV: str(facts_path)},
+                          {"handshake": hs_address, "handshake_message_max_bytes": HANDSHAKE_MESSAGE_MAX_BYTES})
+        failure = await link.run_handshake(
+            lambda: self._handshake(link, handshake, inputs, f"ipc://{in_path}", f"ipc://{out_path}"))
+        # The engine is up (or gone): nobody may reach the handshake socket any more.
+        handshake.close(linger=0)
+        hs_path.unlink(missing_ok=True)
+        if failure is not None:
+            return failure
+        link.read_facts(facts_path)
+        failure = link.check_compatible()
+        if failure is None:
+            self._identities = {rank: link.handshake_wire.identity(rank) for rank in link.ranks.ranks}
+            self._input, self._outputs = inputs, outputs
+        return failure
+
+    def send(self, frames: list[bytes], rank: int) -> None:
+        if self._input is None:
+            raise LinkFailed("engine link is not connected")
+        identity = self._identities.get(rank)
+        if identity is None:
+            raise LinkFailed(f"the engine has no DP rank {rank}")
+        self._input.send_multipart([identity, *frames], zmq.NOBLOCK)
+
+    async def receive(self, link) -> None:
+        await receive_frames(self._outputs, link)
+
+    async def wait_disconnected(self) -> None:
+        await wait_disconnected(self._monitor)
+
+    async def stop_process(self, process, grace_s: float) -> None:
+        """Stop the engine's whole session, bounded (``session.stop_session``); we never outlive it."""
+        await stop_session(process, grace_s)
+
+    def close(self) -> None:
+        """Close every socket (before the engine is stopped, so nothing more is sent to it)."""
+        self._input = self._outputs = None
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._sockets = []
+
+    def remove_files(self) -> None:
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+
+    async def _handshake(self, link, handshake, inputs, in_address: str, out_address: str) -> None:
+        machine = link.new_handshake(in_address, out_address)
+        gate = HandshakeGate(link.process.pid, link.journal_handshake, machine.identities, machine.is_hello)
+        try:
+            await self._handshake_with(link, machine, gate, handshake, inputs)
+        finally:
+            summary = gate.summary()
+            if summary is not None:
+                link.journal_handshake("strangers", summary)
+
+    @staticmethod
+    async def _handshake_with(link, machine, gate: HandshakeGate, handshake, inputs) -> None:
+        """Feed the machine every rank's messages until it is done (``machines/handshake.py``).
+
+        The ranks start together and their steps interleave, so each message is
+        filed by the identity that sent it; a rank's ready response and READY
+        come within the same 0.1 s in either order, so both sockets are polled.
+        """
+
+        def send_init(identity: bytes, payload: bytes) -> None:
+            handshake.send_multipart([identity, payload])
+
+        first = await receive_from_engine(handshake, gate)  # nothing to poll for before the first HELLO
+        while machine.done is None:
+            judged = first or poll_engine_from(handshake, gate)
+            first = None
+            if judged is not None:
+                link.apply_handshake(machine.on_status(*judged), send_init)
+            response = poll_engine_from(inputs, gate) if machine.done is None else None
+            if response is not None:
+                link.apply_handshake(machine.on_ready_response(*response), send_init)
+            if judged is None and response is None:
+                await trio.sleep(HANDSHAKE_POLL_S)
