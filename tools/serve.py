@@ -83,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (default: none; SMG_VLLM_SERVICER_METRICS_PORT)")
     p.add_argument("--metrics-host", default=None,
-                   help="metrics host (default 127.0.0.1; SMG_VLLM_SERVICER_METRICS_HOST)")
+                   help="metrics host (default: SMG_VLLM_SERVICER_METRICS_HOST, else the gRPC --host, as the "
+                        "reference's)")
     p.add_argument("--log-level", default=os.environ.get("ENGINELINK_LOG_LEVEL", "INFO"), metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default INFO; ENGINELINK_LOG_LEVEL)")
     p.add_argument("--mm-processor", choices=["inprocess"], default=None,
@@ -424,7 +425,9 @@ def build_config(args: argparse.Namespace):
         servicer_sched=_env_choice("ENGINELINK_SERVICER_SCHED", SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT),
         placement=_env_choice("ENGINELINK_PLACEMENT", PLACEMENT_CHOICES, PLACEMENT_DEFAULT),
         warmup=_warmup(),
-        metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or "127.0.0.1",
+        # As the reference's: the flag, its variable, else the gRPC listener's host (a scraper reaches
+        # /metrics wherever it reaches the gRPC port, e.g. under `vllm serve --grpc`, which binds 0.0.0.0).
+        metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or args.host,
         metrics_port=_metrics_port(args),
         kv_events=kv_events,
         grpc_limits=_grpc_limits(),
