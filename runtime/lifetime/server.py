@@ -48,6 +48,7 @@ from enginelink.runtime.engine.engine_process import ENGINE_NICE_DEFAULT, PLACEM
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
 from enginelink.runtime.rpc.grpc_limits import GrpcLimits
 from enginelink.runtime.rpc.fastpath import FrameWrites, GrpcServer, run_ready_callbacks_together
+from enginelink.runtime.rpc.reflection import with_reflection
 from enginelink.runtime.lifetime.engines import CONTRACTS
 from enginelink.runtime.kv.kv_config import KvPlan
 from enginelink.runtime.engine.launchers import EngineLauncher
@@ -257,7 +258,7 @@ def _new_link(config: ServeConfig, journal) -> EngineLink:
 
 
 class GrpcFront:
-    """The grpclib server: the engine service and grpc.health.v1, on the bound socket."""
+    """The grpclib server: the engine service, grpc.health.v1 and server reflection, on the bound socket."""
 
     def __init__(self, config: ServeConfig, sock: socket.socket, status: ServiceStatus) -> None:
         self.config = config
@@ -275,7 +276,8 @@ class GrpcFront:
         # grpclib names the service by the servicer object; "" (overall) gets
         # the same check, so liveness and readiness agree.
         health = Health({engine_service: [self.status]})
-        self.server = server = GrpcServer([engine_service, health], limits=config.grpc_limits, fast_path=config.fast_path)
+        self.server = server = GrpcServer(with_reflection([engine_service, health]), limits=config.grpc_limits,
+                                          fast_path=config.fast_path)
         if metrics is not None:
             metrics.add_gauges("grpc", frame_writes.stats)
             metrics.add_gauges("grpc", server.guard.read)
