@@ -24,6 +24,7 @@ from enginelink.runtime.engine.launchers import (
     VllmLauncher,
     default_vllm_python,
     flag_value,
+    flag_values,
 )
 from enginelink.runtime.engine.model_dir import ModelDirError, read_model_facts
 from enginelink.runtime.requests.inputs import InputKnobError, input_limits
@@ -91,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fetch media_refs URLs on this worker (default off; SMG_VLLM_MM_PROCESSOR)")
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="accept file: media refs under DIR (default none; ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
+                   help="fetch http(s) media refs (and their redirects) from these hosts only, matched exactly "
+                        "as vLLM does (default: vLLM's own --allowed-media-domains among the engine arguments, "
+                        "else ENGINELINK_ALLOWED_MEDIA_DOMAINS, else any public host)")
     p.set_defaults(engine_args=[])
 
 
@@ -439,6 +444,25 @@ def build_config(args: argparse.Namespace):
     )
 
 
+def _allowed_media_domains(args: argparse.Namespace) -> None:
+    """``--allowed-media-domains`` for the servicer's own fetcher: enginelink's flag, else vLLM's among the
+    engine arguments (``vllm serve ... --allowed-media-domains``), as ``ENGINELINK_ALLOWED_MEDIA_DOMAINS``;
+    two different lists are refused rather than one silently dropped."""
+    from enginelink.runtime.requests.media import ALLOWED_DOMAINS_ENV, allowed_domains
+
+    ours = getattr(args, "allowed_media_domains", None)
+    engines = flag_values(list(getattr(args, "engine_args", [])), "--allowed-media-domains")
+    if ours is not None and engines is not None and \
+            allowed_domains(" ".join(ours), "--allowed-media-domains") != allowed_domains(" ".join(engines)):
+        raise ConfigError(f"--allowed-media-domains {' '.join(ours)} and the engine argument "
+                          f"--allowed-media-domains {' '.join(engines)} differ; give one list")
+    chosen = ours if ours is not None else engines
+    if chosen is not None:
+        if not allowed_domains(" ".join(chosen), "--allowed-media-domains"):
+            raise ConfigError("--allowed-media-domains: no domain given")
+        os.environ[ALLOWED_DOMAINS_ENV] = ",".join(chosen)
+
+
 def run(args: argparse.Namespace) -> int:
     level = str(args.log_level).strip().upper()
     if level not in LOG_LEVELS:
@@ -454,7 +478,12 @@ def run(args: argparse.Namespace) -> int:
                            ("allowed_local_media_path", "ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH")):
             if getattr(args, flag, None) is not None:
                 os.environ[name] = getattr(args, flag)
-        media_settings()  # SMG_VLLM_MM_* and the media-host knobs: a bad one is refused here
+        _allowed_media_domains(args)
+        settings = media_settings()  # SMG_VLLM_MM_* and the media-host knobs: a bad one is refused here
+        if settings.enabled and not settings.allowed_domains:
+            logging.getLogger("enginelink").warning(
+                "--mm-processor %s with no --allowed-media-domains: this worker fetches media from any public "
+                "host the router forwards", settings.processor)
     except (ConfigError, InputKnobError, MediaKnobError) as error:
         print(f"enginelink serve: {error}", file=sys.stderr)
         return 2
