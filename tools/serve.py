@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+import msgspec
 import trio
 
 from enginelink.journal.files import default_journal_path, journal_keep
@@ -71,9 +72,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(SglangScheduler) or tokenspeed (TokenSpeedScheduler); default: the engine's own (sim: vllm; ENGINELINK_WIRE). "
                         "The sim engine speaks every wire")
     p.add_argument("--model", type=Path, default=None,
-                   help="model directory (default: the tiny test model, built on first use under the state dir)")
+                   help="model directory, or Hugging Face model id (ORG/NAME, resolved as vLLM does: HF_HOME, "
+                        "HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN) (default: the tiny test model, built on first use "
+                        "under the state dir)")
+    p.add_argument("--revision", default=None,
+                   help="the Hub id's branch, tag or commit (default: the engine's --revision, else main)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory or Hub id, when not the model's (default: the engine's --tokenizer, "
+                        "else the model's)")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the Hugging Face cache to read and fetch into (default: the engine's --download-dir, else "
+                        "HF_HUB_CACHE, else HF_HOME/hub)")
     p.add_argument("--served-model-name", default=None,
-                   help="model id clients send (default: the engine's --served-model-name, else the directory's name)")
+                   help="model id clients send (default: the engine's --served-model-name, else the Hub id, else the "
+                        "directory's name)")
     p.add_argument("--host", default=os.environ.get("ENGINELINK_HOST", "127.0.0.1"),
                    help="gRPC host, the first address it resolves to (default 127.0.0.1; ENGINELINK_HOST)")
     p.add_argument("--port", type=int, default=int(os.environ.get("ENGINELINK_PORT", "50051")),
@@ -351,6 +363,59 @@ def _gc_policy():
         raise ConfigError(str(error)) from None
 
 
+def _hub_setting(args: argparse.Namespace, setting: str) -> str | None:
+    """enginelink's own flag for a Hub setting, else the engine's argument of the same meaning (``vllm serve ID
+    --revision R`` hands its flags over as engine arguments)."""
+    from enginelink.runtime.engine.model_source import engine_setting
+
+    ours = getattr(args, setting, None)
+    value = ours if ours is not None else engine_setting(args.engine, list(args.engine_args), setting)
+    # ``--hf-token`` alone means the stored login (huggingface_hub's default), not the next flag.
+    return None if value is None or value.startswith("--") else value
+
+
+def _model(args: argparse.Namespace):
+    """(the model's source, the tokenizer's source or None, the model's facts), or ConfigError."""
+    from enginelink.runtime.engine.model_dir import TOKENIZER_FILES
+    from enginelink.runtime.engine.model_source import ModelSource, ModelSourceError, resolve_model
+
+    download_dir, token = _hub_setting(args, "download_dir"), _hub_setting(args, "token")
+    revision = _hub_setting(args, "revision")
+    try:
+        if args.model is None:
+            local = default_model_dir()
+            source = ModelSource(given=str(local), local_dir=local)
+        else:
+            source = resolve_model(args.model, revision=revision, download_dir=download_dir, token=token,
+                                   mlx=args.engine == "mlx")
+        name = _hub_setting(args, "tokenizer")
+        tokenizer = None if name is None else resolve_model(
+            name, revision=_hub_setting(args, "tokenizer_revision") or revision, download_dir=download_dir,
+            token=token)  # as vLLM: the tokenizer's revision defaults to the model's
+        model = read_model_facts(source.local_dir)
+    except (ModelSourceError, ModelDirError) as error:
+        raise ConfigError(str(error)) from None
+    changes = {"model_path": source.name} if source.repo_id else {}
+    if tokenizer is not None:
+        if not any((tokenizer.local_dir / file).is_file() for file in TOKENIZER_FILES):
+            raise ConfigError(f"--tokenizer {name}: {tokenizer.local_dir} holds none of {', '.join(TOKENIZER_FILES)}")
+        changes["tokenizer_path"] = str(tokenizer.local_dir)
+    return source, tokenizer, msgspec.structs.replace(model, **changes) if changes else model
+
+
+def _engine_model(args: argparse.Namespace, source, tokenizer, engine_args: list[str]) -> tuple[str, list[str]]:
+    """The model argument the engine is launched with (``ModelSource.for_engine``: the Hub id, or the local
+    snapshot), and its arguments with enginelink's own Hub flags added where the engine lacks them."""
+    from enginelink.runtime.engine.model_source import engine_flags
+
+    engine_model = source.for_engine(args.engine)
+    settings = {"tokenizer": tokenizer.for_engine(args.engine) if tokenizer is not None and
+                getattr(args, "tokenizer", None) is not None else None}
+    if engine_model == source.repo_id:  # the engine resolves the id itself: the same revision, the same cache
+        settings.update(revision=getattr(args, "revision", None), download_dir=getattr(args, "download_dir", None))
+    return engine_model, engine_args + engine_flags(args.engine, engine_args, settings)
+
+
 def build_config(args: argparse.Namespace):
     from enginelink.runtime.engine.engine_process import (
         PLACEMENT_CHOICES, PLACEMENT_DEFAULT, SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT,
@@ -365,11 +430,8 @@ def build_config(args: argparse.Namespace):
         choice = choose(args.engine, getattr(args, "wire", None))
     except KeyError as error:
         raise ConfigError(error.args[0]) from None
-    model_dir = args.model or default_model_dir()
-    try:
-        model = read_model_facts(model_dir)
-    except ModelDirError as error:
-        raise ConfigError(str(error)) from None
+    source, tokenizer, model = _model(args)
+    model_dir = source.local_dir
     if args.engine == "mlx":  # one rank, no KV-event publisher (mlx-lm has neither)
         engine_args, kv_events, ranks = list(args.engine_args), None, (0,)
     elif args.engine == "tokenspeed":  # its --kv-events-config is its own: relayed only when that is verified
@@ -389,23 +451,26 @@ def build_config(args: argparse.Namespace):
     if choice.codec == "sglang" and len(ranks) != 1:
         raise ConfigError(f"--wire sglang: one scheduler rank (got DP ranks {list(ranks)}); SGLang's DP "
                           "controller is not driven: run one enginelink per rank")
+    engine_model, engine_args = _engine_model(args, source, tokenizer, engine_args)
     if args.engine == "mlx":
         launcher = _mlx_launcher(model_dir, engine_args)
     elif args.engine == "sglang":
-        launcher = _sglang_launcher(model_dir, engine_args)
+        launcher = _sglang_launcher(engine_model, engine_args)
     elif args.engine == "vllm":
         _node_rank(engine_args)
         engine_args = _capture_cap(engine_args)
-        launcher = _vllm_launcher(model_dir, engine_args)
+        launcher = _vllm_launcher(engine_model, engine_args)
     elif args.engine == "tokenspeed":
-        launcher = _tokenspeed_launcher(model_dir, engine_args)
+        launcher = _tokenspeed_launcher(engine_model, engine_args)
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args, engine=choice.codec)
     launcher.ranks = ranks
     return ServeConfig(
         launcher=launcher,
         model=model,
-        served_model_name=args.served_model_name or flag_value(engine_args, "--served-model-name") or model_dir.name,
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or flag_value(engine_args, "--served-model-name")
+        or source.repo_id or model_dir.name,
         host=args.host,
         port=args.port,
         journal_path=args.journal or default_journal_path(args.port),

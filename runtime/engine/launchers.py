@@ -290,7 +290,7 @@ class VllmLauncher:
     """A real vLLM engine: ``runtime/engine/vllm_headless.py`` run by the vLLM venv's python."""
 
     python: str
-    model_dir: Path
+    model_dir: Path | str  # a directory, or a Hub id the engine resolves itself (model_source.py)
     extra_args: list[str] = field(default_factory=list)
     # The release the launch check verified; the ready response must say the same.
     checked_version: str = ""

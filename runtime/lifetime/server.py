@@ -62,6 +62,9 @@ class ServeConfig:
     launcher: EngineLauncher
     model: ModelFacts
     served_model_name: str
+    # The directory the model's facts were read from (a Hub id's snapshot: runtime/engine/model_source.py);
+    # None: the launcher's. The media processor reads the model's processor files there.
+    model_dir: Path | None = None
     host: str = "127.0.0.1"
     port: int = 50051
     journal_path: Path | None = None
@@ -223,7 +226,7 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
             "version": _version(),
         },
         where=f"{config.host}:{config.port}",
-        media_processor=_media_processor(config.launcher),
+        media_processor=_media_processor(config.launcher, config.model_dir),
         kv_events=config.kv_events,
         metrics_host=config.metrics_host,
         metrics_port=config.metrics_port,
@@ -293,9 +296,9 @@ class GrpcFront:
             await trio_asyncio.aio_as_trio(self.server.wait_closed)()
 
 
-def _media_processor(launcher) -> tuple[str, object] | None:
+def _media_processor(launcher, model_dir: Path | None = None) -> tuple[str, object] | None:
     """(model dir, the vLLM venv's python) for the media processor helper: a real vLLM engine's only."""
-    python, model_dir = getattr(launcher, "python", None), getattr(launcher, "model_dir", None)
+    python, model_dir = getattr(launcher, "python", None), model_dir or getattr(launcher, "model_dir", None)
     if launcher.engine != "vllm" or not python or model_dir is None:
         return None
     return str(model_dir), lambda: python
