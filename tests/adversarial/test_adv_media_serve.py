@@ -124,12 +124,6 @@ def test_allowed_loopback_is_fetched_and_the_origins_faults_are_unavailable(allo
     assert allowing.stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
 
 
-def _sample(samples: dict[str, float], name: str, *labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include every one of ``labels``."""
-    return sum(value for key, value in samples.items()
-               if key.split("{")[0] == name and all(label in key for label in labels))  # fmt: skip
-
-
 def test_the_allowed_media_domains_are_enforced_at_every_hop(domains, origin):
     error = _status(domains, _request(origin.url("/cat.png")))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()  # fetched: the domain is allowed
@@ -143,3 +137,10 @@ def test_the_allowed_media_domains_are_enforced_at_every_hop(domains, origin):
     assert "media_refs.items[0]" in error.details() and "redirected to" in error.details()
     assert "/other.png" not in origin.hits and "/redirected.png" not in origin.hits
     assert _sample(scrape(domains.metrics_port), "smg_servicer_media_refusals_total", 'reason="domain"') == 2
+
+
+def _sample(samples: dict[str, float], name: str, *labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include every one of ``labels``."""
+    return sum(value for key, value in samples.items()
+               if key.split("{")[0] == name and all(label in key for label in labels))  # fmt: skip
+
