@@ -143,4 +143,3 @@ def _sample(samples: dict[str, float], name: str, *labels: str) -> float:
     """The sum of ``name``'s samples whose labels include every one of ``labels``."""
     return sum(value for key, value in samples.items()
                if key.split("{")[0] == name and all(label in key for label in labels))  # fmt: skip
-
