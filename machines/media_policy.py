@@ -6,7 +6,8 @@ make the worker reach what only the worker can reach: its own loopback, the
 cloud metadata service (link-local 169.254.169.254), the private network it
 sits in. This module decides, with no I/O:
 
-- ``check_url``: the scheme is one this worker accepts, the URL parses, and a
+- ``check_url``: the scheme is one this worker accepts, the URL parses, its
+  host is one of the operator's allowed domains (when there is a list), and a
   host given as a literal (an IP, ``localhost``) is public;
 - ``classify_address``: why an address is not public (``None``: it is). The
   shell calls it on every address a name resolves to, right before it
@@ -21,6 +22,14 @@ metrics label) and a message naming what was refused; the caller decides the
 status (a refused URL is the client's fault). ``allow_private`` (the
 operator's ``SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS=1``) turns the address checks
 off and nothing else.
+
+``allowed_domains`` (vLLM's ``--allowed-media-domains``) means what it means
+to vLLM's ``MediaConnector``, which the reference servicer's fetcher is: the
+URL's host must be one of the names exactly (no subdomains: ``example.com``
+does not allow ``cdn.example.com``), compared without case (a hostname has
+none) and without a trailing dot. vLLM checks the first URL only; here every
+redirect's target is checked too, so an allowed origin cannot hand the fetch
+to another host. An allowed host still passes the address checks.
 """
 
 from __future__ import annotations
@@ -76,6 +85,8 @@ class MediaPolicy:
     # ``file`` URLs are fetched only under this folder; None: ``file`` is not accepted.
     allowed_local_path: str | None = None
     redirects_max: int = 5
+    # http(s) hosts fetched from, as ``normalize_domain`` gives them; empty: any (the address checks still apply).
+    allowed_domains: tuple[str, ...] = ()
 
     @property
     def schemes(self) -> tuple[str, ...]:
@@ -159,6 +170,12 @@ def check_url(url: str, policy: MediaPolicy) -> MediaUrl:
     host = (parts.hostname or "").rstrip(".")
     if not host:
         raise MediaRefused("bad_url", "url names no host")
+    if policy.allowed_domains and normalize_domain(host) not in policy.allowed_domains:
+        raise MediaRefused(
+            "domain",
+            f"host {host!r} is not one of the allowed media domains ({', '.join(policy.allowed_domains)}; "
+            "--allowed-media-domains)",
+        )
     if not policy.allow_private:
         if host in LOOPBACK_NAMES or host.endswith(".localhost"):
             raise MediaRefused(
@@ -170,6 +187,11 @@ def check_url(url: str, policy: MediaPolicy) -> MediaUrl:
         if literal is not None:
             check_address(host, literal, policy)
     return MediaUrl(url=url, scheme=scheme, host=host, port=port)
+
+
+def normalize_domain(name: str) -> str:
+    """A host name as the allowed-domains check compares it: no case, no trailing dot, no IPv6 brackets."""
+    return name.strip().strip("[]").rstrip(".").lower()
 
 
 def redirect_target(url: str, location: str | None, hops: int, policy: MediaPolicy) -> MediaUrl:

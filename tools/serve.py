@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+import msgspec
 import trio
 
 from enginelink.journal.files import default_journal_path, journal_keep
@@ -24,6 +25,7 @@ from enginelink.runtime.engine.launchers import (
     VllmLauncher,
     default_vllm_python,
     flag_value,
+    flag_values,
 )
 from enginelink.runtime.engine.model_dir import ModelDirError, read_model_facts
 from enginelink.runtime.requests.inputs import InputKnobError, input_limits
@@ -70,9 +72,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(SglangScheduler) or tokenspeed (TokenSpeedScheduler); default: the engine's own (sim: vllm; ENGINELINK_WIRE). "
                         "The sim engine speaks every wire")
     p.add_argument("--model", type=Path, default=None,
-                   help="model directory (default: the tiny test model, built on first use under the state dir)")
+                   help="model directory, or Hugging Face model id (ORG/NAME, resolved as vLLM does: HF_HOME, "
+                        "HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN) (default: the tiny test model, built on first use "
+                        "under the state dir)")
+    p.add_argument("--revision", default=None,
+                   help="the Hub id's branch, tag or commit (default: the engine's --revision, else main)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory or Hub id, when not the model's (default: the engine's --tokenizer, "
+                        "else the model's)")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the Hugging Face cache to read and fetch into (default: the engine's --download-dir, else "
+                        "HF_HUB_CACHE, else HF_HOME/hub)")
     p.add_argument("--served-model-name", default=None,
-                   help="model id clients send (default: the engine's --served-model-name, else the directory's name)")
+                   help="model id clients send (default: the engine's --served-model-name, else the Hub id, else the "
+                        "directory's name)")
     p.add_argument("--host", default=os.environ.get("ENGINELINK_HOST", "127.0.0.1"),
                    help="gRPC host, the first address it resolves to (default 127.0.0.1; ENGINELINK_HOST)")
     p.add_argument("--port", type=int, default=int(os.environ.get("ENGINELINK_PORT", "50051")),
@@ -83,13 +96,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (default: none; SMG_VLLM_SERVICER_METRICS_PORT)")
     p.add_argument("--metrics-host", default=None,
-                   help="metrics host (default 127.0.0.1; SMG_VLLM_SERVICER_METRICS_HOST)")
+                   help="metrics host (default: SMG_VLLM_SERVICER_METRICS_HOST, else the gRPC --host, as the "
+                        "reference's)")
     p.add_argument("--log-level", default=os.environ.get("ENGINELINK_LOG_LEVEL", "INFO"), metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default INFO; ENGINELINK_LOG_LEVEL)")
     p.add_argument("--mm-processor", choices=["inprocess"], default=None,
                    help="fetch media_refs URLs on this worker (default off; SMG_VLLM_MM_PROCESSOR)")
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="accept file: media refs under DIR (default none; ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
+                   help="fetch http(s) media refs (and their redirects) from these hosts only, matched exactly "
+                        "as vLLM does (default: vLLM's own --allowed-media-domains among the engine arguments, "
+                        "else ENGINELINK_ALLOWED_MEDIA_DOMAINS, else any public host)")
     p.set_defaults(engine_args=[])
 
 
@@ -345,6 +363,59 @@ def _gc_policy():
         raise ConfigError(str(error)) from None
 
 
+def _hub_setting(args: argparse.Namespace, setting: str) -> str | None:
+    """enginelink's own flag for a Hub setting, else the engine's argument of the same meaning (``vllm serve ID
+    --revision R`` hands its flags over as engine arguments)."""
+    from enginelink.runtime.engine.model_source import engine_setting
+
+    ours = getattr(args, setting, None)
+    value = ours if ours is not None else engine_setting(args.engine, list(args.engine_args), setting)
+    # ``--hf-token`` alone means the stored login (huggingface_hub's default), not the next flag.
+    return None if value is None or value.startswith("--") else value
+
+
+def _model(args: argparse.Namespace):
+    """(the model's source, the tokenizer's source or None, the model's facts), or ConfigError."""
+    from enginelink.runtime.engine.model_dir import TOKENIZER_FILES
+    from enginelink.runtime.engine.model_source import ModelSource, ModelSourceError, resolve_model
+
+    download_dir, token = _hub_setting(args, "download_dir"), _hub_setting(args, "token")
+    revision = _hub_setting(args, "revision")
+    try:
+        if args.model is None:
+            local = default_model_dir()
+            source = ModelSource(given=str(local), local_dir=local)
+        else:
+            source = resolve_model(args.model, revision=revision, download_dir=download_dir, token=token,
+                                   mlx=args.engine == "mlx")
+        name = _hub_setting(args, "tokenizer")
+        tokenizer = None if name is None else resolve_model(
+            name, revision=_hub_setting(args, "tokenizer_revision") or revision, download_dir=download_dir,
+            token=token)  # as vLLM: the tokenizer's revision defaults to the model's
+        model = read_model_facts(source.local_dir)
+    except (ModelSourceError, ModelDirError) as error:
+        raise ConfigError(str(error)) from None
+    changes = {"model_path": source.name} if source.repo_id else {}
+    if tokenizer is not None:
+        if not any((tokenizer.local_dir / file).is_file() for file in TOKENIZER_FILES):
+            raise ConfigError(f"--tokenizer {name}: {tokenizer.local_dir} holds none of {', '.join(TOKENIZER_FILES)}")
+        changes["tokenizer_path"] = str(tokenizer.local_dir)
+    return source, tokenizer, msgspec.structs.replace(model, **changes) if changes else model
+
+
+def _engine_model(args: argparse.Namespace, source, tokenizer, engine_args: list[str]) -> tuple[str, list[str]]:
+    """The model argument the engine is launched with (``ModelSource.for_engine``: the Hub id, or the local
+    snapshot), and its arguments with enginelink's own Hub flags added where the engine lacks them."""
+    from enginelink.runtime.engine.model_source import engine_flags
+
+    engine_model = source.for_engine(args.engine)
+    settings = {"tokenizer": tokenizer.for_engine(args.engine) if tokenizer is not None and
+                getattr(args, "tokenizer", None) is not None else None}
+    if engine_model == source.repo_id:  # the engine resolves the id itself: the same revision, the same cache
+        settings.update(revision=getattr(args, "revision", None), download_dir=getattr(args, "download_dir", None))
+    return engine_model, engine_args + engine_flags(args.engine, engine_args, settings)
+
+
 def build_config(args: argparse.Namespace):
     from enginelink.runtime.engine.placement import (
         PLACEMENT_CHOICES,
@@ -362,11 +433,8 @@ def build_config(args: argparse.Namespace):
         choice = choose(args.engine, getattr(args, "wire", None))
     except KeyError as error:
         raise ConfigError(error.args[0]) from None
-    model_dir = args.model or default_model_dir()
-    try:
-        model = read_model_facts(model_dir)
-    except ModelDirError as error:
-        raise ConfigError(str(error)) from None
+    source, tokenizer, model = _model(args)
+    model_dir = source.local_dir
     if args.engine == "mlx":  # one rank, no KV-event publisher (mlx-lm has neither)
         engine_args, kv_events, ranks = list(args.engine_args), None, (0,)
     elif args.engine == "tokenspeed":  # its --kv-events-config is its own: relayed only when that is verified
@@ -386,23 +454,26 @@ def build_config(args: argparse.Namespace):
     if choice.codec == "sglang" and len(ranks) != 1:
         raise ConfigError(f"--wire sglang: one scheduler rank (got DP ranks {list(ranks)}); SGLang's DP "
                           "controller is not driven: run one enginelink per rank")
+    engine_model, engine_args = _engine_model(args, source, tokenizer, engine_args)
     if args.engine == "mlx":
         launcher = _mlx_launcher(model_dir, engine_args)
     elif args.engine == "sglang":
-        launcher = _sglang_launcher(model_dir, engine_args)
+        launcher = _sglang_launcher(engine_model, engine_args)
     elif args.engine == "vllm":
         _node_rank(engine_args)
         engine_args = _capture_cap(engine_args)
-        launcher = _vllm_launcher(model_dir, engine_args)
+        launcher = _vllm_launcher(engine_model, engine_args)
     elif args.engine == "tokenspeed":
-        launcher = _tokenspeed_launcher(model_dir, engine_args)
+        launcher = _tokenspeed_launcher(engine_model, engine_args)
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args, engine=choice.codec)
     launcher.ranks = ranks
     return ServeConfig(
         launcher=launcher,
         model=model,
-        served_model_name=args.served_model_name or flag_value(engine_args, "--served-model-name") or model_dir.name,
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or flag_value(engine_args, "--served-model-name")
+        or source.repo_id or model_dir.name,
         host=args.host,
         port=args.port,
         journal_path=args.journal or default_journal_path(args.port),
@@ -427,7 +498,9 @@ def build_config(args: argparse.Namespace):
         servicer_sched=_env_choice("ENGINELINK_SERVICER_SCHED", SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT),
         placement=_env_choice("ENGINELINK_PLACEMENT", PLACEMENT_CHOICES, PLACEMENT_DEFAULT),
         warmup=_warmup(),
-        metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or "127.0.0.1",
+        # As the reference's: the flag, its variable, else the gRPC listener's host (a scraper reaches
+        # /metrics wherever it reaches the gRPC port, e.g. under `vllm serve --grpc`, which binds 0.0.0.0).
+        metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or args.host,
         metrics_port=_metrics_port(args),
         kv_events=kv_events,
         grpc_limits=_grpc_limits(),
@@ -437,6 +510,25 @@ def build_config(args: argparse.Namespace):
         codec=choice.codec,
         contract=choice.contract,
     )
+
+
+def _allowed_media_domains(args: argparse.Namespace) -> None:
+    """``--allowed-media-domains`` for the servicer's own fetcher: enginelink's flag, else vLLM's among the
+    engine arguments (``vllm serve ... --allowed-media-domains``), as ``ENGINELINK_ALLOWED_MEDIA_DOMAINS``;
+    two different lists are refused rather than one silently dropped."""
+    from enginelink.runtime.requests.media import ALLOWED_DOMAINS_ENV, allowed_domains
+
+    ours = getattr(args, "allowed_media_domains", None)
+    engines = flag_values(list(getattr(args, "engine_args", [])), "--allowed-media-domains")
+    if ours is not None and engines is not None and \
+            allowed_domains(" ".join(ours), "--allowed-media-domains") != allowed_domains(" ".join(engines)):
+        raise ConfigError(f"--allowed-media-domains {' '.join(ours)} and the engine argument "
+                          f"--allowed-media-domains {' '.join(engines)} differ; give one list")
+    chosen = ours if ours is not None else engines
+    if chosen is not None:
+        if not allowed_domains(" ".join(chosen), "--allowed-media-domains"):
+            raise ConfigError("--allowed-media-domains: no domain given")
+        os.environ[ALLOWED_DOMAINS_ENV] = ",".join(chosen)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -454,7 +546,12 @@ def run(args: argparse.Namespace) -> int:
                            ("allowed_local_media_path", "ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH")):
             if getattr(args, flag, None) is not None:
                 os.environ[name] = getattr(args, flag)
-        media_settings()  # SMG_VLLM_MM_* and the media-host knobs: a bad one is refused here
+        _allowed_media_domains(args)
+        settings = media_settings()  # SMG_VLLM_MM_* and the media-host knobs: a bad one is refused here
+        if settings.enabled and not settings.allowed_domains:
+            logging.getLogger("enginelink").warning(
+                "--mm-processor %s with no --allowed-media-domains: this worker fetches media from any public "
+                "host the router forwards", settings.processor)
     except (ConfigError, InputKnobError, MediaKnobError) as error:
         print(f"enginelink serve: {error}", file=sys.stderr)
         return 2

@@ -315,6 +315,32 @@ def make_test_model(out_dir: Path, *, force: bool = False) -> Path:
     return out_dir
 
 
+def hub_commit(repo_id: str) -> str:
+    """The commit the test model is filed under in a Hub cache: 40 hex digits (what huggingface_hub takes
+    as a commit), the same for the same recipe and id."""
+    import hashlib
+
+    return hashlib.sha1(f"enginelink-test-model {RECIPE_VERSION} {repo_id}".encode()).hexdigest()
+
+
+def place_in_hub_cache(model_dir: Path, cache_dir: Path, repo_id: str, *, ref: str = "main") -> Path:
+    """File ``model_dir``'s files in the Hugging Face cache ``cache_dir`` as ``repo_id``'s snapshot on
+    ``ref`` (``models--ORG--NAME/snapshots/COMMIT/…``, ``refs/REF``), as ``hf download`` would leave it
+    (files copied, not linked to blobs: readers go through the snapshot); the snapshot's path.
+
+    What a machine without the Hub needs to serve a Hub id offline (``HF_HUB_OFFLINE=1``)."""
+    commit = hub_commit(repo_id)
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in sorted(Path(model_dir).iterdir()):
+        if file.is_file() and file.name != MARKER_NAME:
+            shutil.copyfile(file, snapshot / file.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)  # last: a ref names a complete snapshot
+    return snapshot
+
+
 def default_test_model_path() -> Path:
     """Where ``enginelink serve`` builds and keeps the test model: the state dir's ``test-model``."""
     import platformdirs
@@ -330,6 +356,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vision", action="store_true",
                         help="build the tiny vision-language model instead (BLIP-2 on the text model's shape; "
                              "needs the vLLM venv's torch and transformers: tools/test_vision_model.py); DIR required")
+    parser.add_argument("--hub-id", default=None, metavar="ORG/NAME",
+                        help="also file the model in the Hugging Face cache as this Hub id's snapshot on main, so "
+                             "`enginelink serve --model ORG/NAME` (or `vllm serve ORG/NAME`) finds it offline; "
+                             "prints the snapshot's path")
+    parser.add_argument("--hub-cache", type=Path, default=None, metavar="CACHE",
+                        help="the Hugging Face cache for --hub-id (default: huggingface_hub's, HF_HUB_CACHE or "
+                             "HF_HOME/hub)")
     parser.add_argument("--print-path", action="store_true",
                         help="print DIR (default: the path `enginelink serve` uses) and build nothing, "
                              "e.g. for the router's --model-path")
@@ -358,5 +391,15 @@ def run(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         print(f"make-test-model: {exc}", file=sys.stderr)
         return 1
+    if getattr(args, "hub_id", None):
+        from huggingface_hub import constants
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(args.hub_id)
+        except HFValidationError as exc:
+            print(f"make-test-model: --hub-id {args.hub_id!r}: {exc}", file=sys.stderr)
+            return 2
+        path = place_in_hub_cache(path, args.hub_cache or Path(constants.HF_HUB_CACHE), args.hub_id)
     print(path)
     return 0

@@ -97,7 +97,7 @@ def add_flags(parser: Any) -> None:
                             help=f"the servicer's Prometheus /metrics port (default: ${METRICS_PORT_ENV}, else none)")
     if "--metrics-host" not in actions:
         parser.add_argument("--metrics-host", default=None,
-                            help=f"the metrics host (default: ${METRICS_HOST_ENV}, else 127.0.0.1)")
+                            help=f"the metrics host (default: ${METRICS_HOST_ENV}, else the gRPC --host)")
 
 
 class _LauncherLoader(importlib.abc.Loader):

@@ -254,6 +254,22 @@ def flag_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
+def flag_values(argv: list[str], flag: str) -> list[str] | None:
+    """The values of the last ``--flag V [V ...]`` / ``--flag=V`` in ``argv`` (an argparse ``nargs="+"``
+    flag: values run to the next ``-`` word); None if absent."""
+    values = None
+    for index, arg in enumerate(argv):
+        if arg.startswith(flag + "="):
+            values = [arg.split("=", 1)[1]]
+        elif arg == flag:
+            values = []
+            for word in argv[index + 1:]:
+                if word.startswith("-"):
+                    break
+                values.append(word)
+    return values
+
+
 def default_vllm_python() -> str:
     """The interpreter that has vLLM: ``ENGINELINK_VLLM_PYTHON``, then the venv
     ``ENGINELINK_VLLM_VENV``, then the checkout's ``.venv-vllm`` (tools/setup-vllm),
@@ -274,7 +290,7 @@ class VllmLauncher:
     """A real vLLM engine: ``runtime/engine/vllm_headless.py`` run by the vLLM venv's python."""
 
     python: str
-    model_dir: Path
+    model_dir: Path | str  # a directory, or a Hub id the engine resolves itself (model_source.py)
     extra_args: list[str] = field(default_factory=list)
     # The release the launch check verified; the ready response must say the same.
     checked_version: str = ""

@@ -52,7 +52,7 @@ def check_sglang() -> tuple[str, str, str | None]:
 @dataclass
 class SglangLauncher:
     python: str
-    model_dir: Path
+    model_dir: Path | str  # a directory, or a Hub id the engine resolves itself (model_source.py)
     extra_args: list[str] = field(default_factory=list)
     checked_version: str = ""
     engine: str = "sglang"

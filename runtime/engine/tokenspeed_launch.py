@@ -56,7 +56,7 @@ class TokenSpeedLauncher:
     """A real TokenSpeed engine, ``python -m tokenspeed.runtime.entrypoints.engine`` (= ``ts serve --headless``)."""
 
     python: str
-    model_dir: Path
+    model_dir: Path | str  # a directory, or a Hub id the engine resolves itself (model_source.py)
     extra_args: list[str] = field(default_factory=list)
     # The release the launch check verified ("0.1.1"); the ready response must say tokenspeed-<it>.
     release: str = ""

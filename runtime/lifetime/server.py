@@ -48,6 +48,7 @@ from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, PLACEMENT_D
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
 from enginelink.runtime.rpc.grpc_limits import GrpcLimits
 from enginelink.runtime.rpc.fastpath import FrameWrites, GrpcServer, run_ready_callbacks_together
+from enginelink.runtime.rpc.reflection import with_reflection
 from enginelink.runtime.lifetime.engines import CONTRACTS
 from enginelink.runtime.kv.kv_config import KvPlan
 from enginelink.runtime.engine.launchers import EngineLauncher
@@ -61,6 +62,9 @@ class ServeConfig:
     launcher: EngineLauncher
     model: ModelFacts
     served_model_name: str
+    # The directory the model's facts were read from (a Hub id's snapshot: runtime/engine/model_source.py);
+    # None: the launcher's. The media processor reads the model's processor files there.
+    model_dir: Path | None = None
     host: str = "127.0.0.1"
     port: int = 50051
     journal_path: Path | None = None
@@ -222,7 +226,7 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
             "version": _version(),
         },
         where=f"{config.host}:{config.port}",
-        media_processor=_media_processor(config.launcher),
+        media_processor=_media_processor(config.launcher, config.model_dir),
         kv_events=config.kv_events,
         metrics_host=config.metrics_host,
         metrics_port=config.metrics_port,
@@ -255,7 +259,7 @@ def _new_link(config: ServeConfig, journal) -> EngineLink:
 
 
 class GrpcFront:
-    """The grpclib server: the engine service and grpc.health.v1, on the bound socket."""
+    """The grpclib server: the engine service, grpc.health.v1 and server reflection, on the bound socket."""
 
     def __init__(self, config: ServeConfig, sock: socket.socket, status: ServiceStatus) -> None:
         self.config = config
@@ -273,7 +277,8 @@ class GrpcFront:
         # grpclib names the service by the servicer object; "" (overall) gets
         # the same check, so liveness and readiness agree.
         health = Health({engine_service: [self.status]})
-        self.server = server = GrpcServer([engine_service, health], limits=config.grpc_limits, fast_path=config.fast_path)
+        self.server = server = GrpcServer(with_reflection([engine_service, health]), limits=config.grpc_limits,
+                                          fast_path=config.fast_path)
         if metrics is not None:
             metrics.add_gauges("grpc", frame_writes.stats)
             metrics.add_gauges("grpc", server.guard.read)
@@ -289,9 +294,9 @@ class GrpcFront:
             await trio_asyncio.aio_as_trio(self.server.wait_closed)()
 
 
-def _media_processor(launcher) -> tuple[str, object] | None:
+def _media_processor(launcher, model_dir: Path | None = None) -> tuple[str, object] | None:
     """(model dir, the vLLM venv's python) for the media processor helper: a real vLLM engine's only."""
-    python, model_dir = getattr(launcher, "python", None), getattr(launcher, "model_dir", None)
+    python, model_dir = getattr(launcher, "python", None), model_dir or getattr(launcher, "model_dir", None)
     if launcher.engine != "vllm" or not python or model_dir is None:
         return None
     return str(model_dir), lambda: python

@@ -32,6 +32,7 @@ sees a request without its media.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from smg_grpc_proto.generated import common_pb2
 
-from enginelink.machines.media_policy import MediaPolicy
+from enginelink.machines.media_policy import MediaPolicy, normalize_domain
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
 from enginelink.runtime.requests.media_fetch import Fetcher
 from enginelink.runtime.requests.media_processor import MediaProcessor
@@ -51,6 +52,9 @@ FETCH_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 # The modalities a media ref may name, by the proto's enum value.
 MODALITIES = {common_pb2.IMAGE: "image", common_pb2.VIDEO: "video", common_pb2.AUDIO: "audio"}
 PROCESSORS = ("", "inprocess")
+# The allowed media domains, as ``serve`` sets it from ``--allowed-media-domains`` (its own flag, or vLLM's
+# among the engine arguments).
+ALLOWED_DOMAINS_ENV = "ENGINELINK_ALLOWED_MEDIA_DOMAINS"
 
 
 class MediaKnobError(ValueError):
@@ -70,6 +74,8 @@ class MediaSettings:
     redirects_max: int = 5  # ENGINELINK_MM_MAX_REDIRECTS
     allow_private: bool = False  # SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS=1
     allowed_local_path: str | None = None  # ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH: file: URLs under it only
+    # ENGINELINK_ALLOWED_MEDIA_DOMAINS / --allowed-media-domains: http(s) hosts fetched from; empty: any.
+    allowed_domains: tuple[str, ...] = ()
     bytes_in_flight_max: int = 1 << 30  # ENGINELINK_MM_MAX_BYTES_IN_FLIGHT: fetched bytes held by all jobs
     # Router tensors (mm_inputs, runtime/requests/mm_tensors.py): all of one request's, inline and shm.
     tensor_bytes_max: int = 1 << 30  # ENGINELINK_MM_MAX_TENSOR_BYTES
@@ -84,7 +90,7 @@ class MediaSettings:
     @property
     def policy(self) -> MediaPolicy:
         return MediaPolicy(allow_private=self.allow_private, allowed_local_path=self.allowed_local_path,
-                           redirects_max=self.redirects_max)  # fmt: skip
+                           redirects_max=self.redirects_max, allowed_domains=self.allowed_domains)  # fmt: skip
 
 
 def _whole(environ, name: str, default: int, minimum: int = 1) -> int:
@@ -98,6 +104,28 @@ def _whole(environ, name: str, default: int, minimum: int = 1) -> int:
     if value < minimum:
         raise MediaKnobError(f"{name}={text!r}: must be at least {minimum}")
     return value
+
+
+def allowed_domains(text: str, source: str = ALLOWED_DOMAINS_ENV) -> tuple[str, ...]:
+    """Host names separated by commas or blanks (``--allowed-media-domains``' values, or its variable's),
+    normalized and deduplicated; a URL or a host with a port is refused, naming ``source``."""
+    names: list[str] = []
+    for word in text.replace(",", " ").split():
+        name = normalize_domain(word)
+        if "/" in name or "@" in name or (":" in name and not _ipv6(name)) or not name:
+            raise MediaKnobError(f"{source}: {word!r} is not a host name; give names such as example.com "
+                                 "(no scheme, port or path)")
+        if name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+def _ipv6(name: str) -> bool:
+    try:
+        ipaddress.IPv6Address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def media_settings_from(environ: Mapping[str, str]) -> MediaSettings:
@@ -121,6 +149,7 @@ def media_settings_from(environ: Mapping[str, str]) -> MediaSettings:
         redirects_max=_whole(environ, "ENGINELINK_MM_MAX_REDIRECTS", MediaSettings.redirects_max, minimum=0),
         allow_private=allow in ("1", "true"),
         allowed_local_path=local,
+        allowed_domains=allowed_domains(environ.get(ALLOWED_DOMAINS_ENV, "")),
         bytes_in_flight_max=_whole(environ, "ENGINELINK_MM_MAX_BYTES_IN_FLIGHT", MediaSettings.bytes_in_flight_max),
         tensor_bytes_max=_whole(environ, "ENGINELINK_MM_MAX_TENSOR_BYTES", MediaSettings.tensor_bytes_max),
         processor_start_timeout_s=float(_whole(environ, "ENGINELINK_MM_PROCESSOR_START_TIMEOUT_S",

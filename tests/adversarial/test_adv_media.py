@@ -169,6 +169,44 @@ async def test_redirects_within_public_hosts_are_followed_up_to_the_budget(origi
     assert "more than 3 redirects" in str(error)
 
 
+# -- --allowed-media-domains -----------------------------------------------------------
+
+
+async def test_only_the_allowed_domains_are_fetched_from(origin):
+    names = {"cdn.example": [[PUBLIC]], "other.example": [[PUBLIC]], "a.cdn.example": [[PUBLIC]]}
+    service = _service(origin, names=names, allowed_domains=("cdn.example",))
+    [item] = await _fetch(service, f"http://CDN.example:{origin.port}/cat.png")
+    assert item.data == PNG
+    for index, host in enumerate(("other.example", "a.cdn.example")):
+        error = await _refused(service, f"http://cdn.example:{origin.port}/cat.png",
+                               f"http://{host}:{origin.port}/refused.png")
+        assert error.field == "media_refs.items[1]", error.field
+        assert f"host {host!r} is not one of the allowed media domains (cdn.example" in str(error)
+    assert "/refused.png" not in origin.hits  # refused before any connection
+
+
+async def test_a_redirect_out_of_the_allowed_domains_is_refused_before_it_is_fetched(origin):
+    origin.redirect("/away", f"http://other.example:{origin.port}/cat.png")
+    origin.redirect("/stay", f"http://cdn.example:{origin.port}/cat.png", status=301)
+    registry = CollectorRegistry()
+    service = _service(origin, names={"cdn.example": [[PUBLIC]], "other.example": [[PUBLIC]]},
+                       allowed_domains=("cdn.example",), registry=registry)
+    error = await _refused(service, f"http://cdn.example:{origin.port}/away")
+    assert error.field == "media_refs.items[0]"
+    assert "redirected to" in str(error) and "'other.example' is not one of the allowed media domains" in str(error)
+    assert origin.hits == ["/away"]  # the redirect's target was never asked for
+    [item] = await _fetch(service, f"http://cdn.example:{origin.port}/stay")  # within the list: followed
+    assert item.data == PNG
+    assert registry.get_sample_value("smg_servicer_media_refusals_total", {"reason": "domain"}) == 1
+
+
+def test_the_allowed_domains_knob():
+    settings = media_settings_from({"ENGINELINK_ALLOWED_MEDIA_DOMAINS": "Example.com, cdn.example.org. example.com"})
+    assert settings.allowed_domains == ("example.com", "cdn.example.org")
+    assert settings.policy.allowed_domains == ("example.com", "cdn.example.org")
+    assert media_settings_from({}).allowed_domains == ()
+
+
 # -- the allow knob ------------------------------------------------------------------
 
 
@@ -377,6 +415,8 @@ def _closed_port() -> int:
     ({"SMG_VLLM_MM_MAX_ITEM_BYTES": "32MiB"}, "expected a whole number"),
     ({"SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS": "yes please"}, "expected 1 or 0"),
     ({"ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH": "relative/dir"}, "must be an absolute path"),
+    ({"ENGINELINK_ALLOWED_MEDIA_DOMAINS": "https://example.com"}, "not a host name"),
+    ({"ENGINELINK_ALLOWED_MEDIA_DOMAINS": "example.com:443"}, "not a host name"),
 ])  # fmt: skip
 def test_bad_media_knobs_are_refused_at_start(env, words):
     from enginelink.runtime.requests.media import MediaKnobError

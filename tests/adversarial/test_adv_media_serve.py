@@ -43,6 +43,16 @@ def allowing(tmp_path_factory, test_model_dir):
         yield running
 
 
+@pytest.fixture(scope="module")
+def domains(tmp_path_factory, test_model_dir):
+    """Media on, loopback allowed as an address, and only the host 127.0.0.1 allowed as a domain (the flags)."""
+    servicer = limited_servicer(tmp_path_factory.mktemp("media-domains"), test_model_dir,
+                                {"SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS": "1"})
+    servicer.argv += ["--mm-processor", "inprocess", "--allowed-media-domains", "127.0.0.1"]
+    with shared(servicer) as running:
+        yield running
+
+
 def _request(*urls: str) -> pb.GenerateRequest:
     request = generate_request("media-1", [5, 6, 7], max_tokens=2)
     for url in urls:
@@ -112,6 +122,21 @@ def test_allowed_loopback_is_fetched_and_the_origins_faults_are_unavailable(allo
     assert _sample(samples, "smg_servicer_media_fetch_seconds_count", 'scheme="http"') >= 3
     assert _sample(samples, "smg_servicer_media_jobs_in_flight_max") == 64
     assert allowing.stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
+
+
+def test_the_allowed_media_domains_are_enforced_at_every_hop(domains, origin):
+    error = _status(domains, _request(origin.url("/cat.png")))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()  # fetched: the domain is allowed
+    error = _status(domains, _request(origin.url("/cat.png"), origin.url("/other.png", host="localhost")))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "media_refs.items[1]" in error.details()
+    assert "'localhost' is not one of the allowed media domains (127.0.0.1" in error.details()
+    origin.redirect("/to-localhost", f"http://localhost:{origin.port}/redirected.png")
+    error = _status(domains, _request(origin.url("/to-localhost")))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "media_refs.items[0]" in error.details() and "redirected to" in error.details()
+    assert "/other.png" not in origin.hits and "/redirected.png" not in origin.hits
+    assert _sample(scrape(domains.metrics_port), "smg_servicer_media_refusals_total", 'reason="domain"') == 2
 
 
 def _sample(samples: dict[str, float], name: str, *labels: str) -> float:

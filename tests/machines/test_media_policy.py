@@ -72,3 +72,53 @@ def test_redirects_resolve_relative_locations_and_keep_the_budget():
         redirect_target("https://cdn.example/a", "", 1, POLICY)
     with pytest.raises(MediaRefused, match="redirected to 'http://10.0.0.1/x'"):
         redirect_target("https://cdn.example/a", "http://10.0.0.1/x", 1, POLICY)
+
+
+# -- --allowed-media-domains: vLLM's MediaConnector semantics (exact host), at every hop ----------------------
+
+DOMAINS = MediaPolicy(allowed_domains=("example.com", "images.example.org", "93.184.216.34", "2606:4700::1111"))
+
+
+@pytest.mark.parametrize("url", [
+    "https://example.com/cat.png", "http://EXAMPLE.com:8080/cat.png", "https://example.com./cat.png",
+    "https://images.example.org/a.png", "http://93.184.216.34/x.png", "http://[2606:4700::1111]/x.png",
+    "data:image/png;base64,AAAA",  # not fetched from a host: not a domain's business (vLLM's neither)
+])  # fmt: skip
+def test_an_allowed_host_passes(url):
+    assert check_url(url, DOMAINS).url == url
+
+
+@pytest.mark.parametrize("url,host", [
+    ("https://cdn.example.com/cat.png", "cdn.example.com"),  # no subdomains, as vLLM
+    ("https://example.org/cat.png", "example.org"),  # the parent of an allowed name
+    ("https://example.com.evil.test/cat.png", "example.com.evil.test"),
+    ("https://evilexample.com/cat.png", "evilexample.com"),
+    ("https://user:pw@evil.test/example.com", "evil.test"),  # the host, not the text
+    ("http://93.184.216.35/x.png", "93.184.216.35"),
+])  # fmt: skip
+def test_a_host_outside_the_list_is_refused_naming_it(url, host):
+    with pytest.raises(MediaRefused) as refused:
+        check_url(url, DOMAINS)
+    assert refused.value.reason == "domain"
+    assert repr(host) in str(refused.value) and "--allowed-media-domains" in str(refused.value)
+
+
+def test_every_redirect_is_held_to_the_list():
+    assert redirect_target("https://example.com/a", "/b", 1, DOMAINS).url == "https://example.com/b"
+    assert redirect_target("https://example.com/a", "https://images.example.org/b", 1, DOMAINS).host == \
+        "images.example.org"
+    with pytest.raises(MediaRefused) as refused:
+        redirect_target("https://example.com/a", "https://cdn.example.com/b", 1, DOMAINS)
+    assert refused.value.reason == "domain" and "redirected to" in str(refused.value)
+
+
+def test_an_allowed_host_still_passes_the_address_checks():
+    policy = MediaPolicy(allowed_domains=("localhost", "127.0.0.1"))
+    for url in ("http://localhost/x.png", "http://127.0.0.1/x.png"):
+        with pytest.raises(MediaRefused) as refused:
+            check_url(url, policy)
+        assert refused.value.reason == "loopback"
+    allowing = MediaPolicy(allowed_domains=("127.0.0.1",), allow_private=True)
+    assert check_url("http://127.0.0.1/x.png", allowing).host == "127.0.0.1"
+    with pytest.raises(MediaRefused, match="not one of the allowed media domains"):
+        check_url("http://localhost/x.png", allowing)
