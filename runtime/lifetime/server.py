@@ -240,7 +240,7 @@ def _new_link(config: ServeConfig, journal) -> EngineLink:
         **extra,
         name=f"{config.launcher.engine}-0",
         launcher=config.launcher,
-        codec=codecs.get(config.codec),
+        codec=codecs.get(config.codec, getattr(config.launcher, "wire_release", None)),  # the vLLM release checked
         journal=journal,
         supervision=Supervision(
             startup_timeout_s=config.startup_timeout_s,
