@@ -58,6 +58,15 @@ FILLED_REQUEST: Final = ("request_id", "prompt_token_ids", "mm_features", "sampl
 FILLED_POOLING: Final = ("use_activation", "task", "skip_reading_prefix_cache", "output_kind")
 # The utility methods enginelink calls (liveness probe, FlushCache / warm-up, the profiler RPCs).
 CALLED_METHODS: Final = ("is_sleeping", "reset_prefix_cache", "profile")
+# The engine arguments enginelink writes on the engine's command line or reads from it (the KV-event
+# publisher, the capture cap, DP ranks, the launcher's own settings, the facts it reports).
+ENGINE_ARGS: Final = (
+    "kv_events_config", "max_cudagraph_capture_size", "compilation_config", "cudagraph_capture_sizes",
+    "data_parallel_size", "data_parallel_size_local", "data_parallel_rank", "data_parallel_start_rank",
+    "data_parallel_address", "data_parallel_rpc_port", "node_rank", "nnodes", "kv_cache_memory_bytes",
+    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_logprobs", "enforce_eager",
+    "served_model_name", "structured_outputs_config", "speculative_config", "disable_log_stats", "shutdown_timeout",
+)
 # Request type bytes, output kinds and event types the codec writes or reads.
 REQUEST_TYPES: Final = {"ADD": vllm.REQ_ADD.hex(), "ABORT": vllm.REQ_ABORT.hex(), "UTILITY": vllm.REQ_UTILITY.hex()}
 OUTPUT_KINDS: Final = {"DELTA": vllm.OUTPUT_KIND_DELTA, "FINAL_ONLY": vllm.OUTPUT_KIND_FINAL_ONLY}
@@ -195,6 +204,8 @@ def speakable(layout: dict) -> list[str]:
         problems.append(f"KVEventBatch of vLLM {release} is {_field_names(layout, 'KVEventBatch')}")
     methods = layout.get("methods", {})
     problems += [f"vLLM {release} has no utility method {m!r}" for m in CALLED_METHODS if m not in methods]
+    args = set(layout.get("engine_args", ()))
+    problems += [f"vLLM {release} has no engine argument --{a.replace('_', '-')}" for a in ENGINE_ARGS if a not in args]
     return problems
 
 

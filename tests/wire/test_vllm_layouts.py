@@ -341,3 +341,8 @@ def test_layout_files_are_json_the_tool_would_write():
     for release in vllm_layout.WINDOW:
         text = (vllm_layout.RELEASES_DIR / f"{release}.json").read_text()
         assert vllm_layouts.render(json.loads(text)) == text
+
+
+def test_the_docs_page_shows_what_the_layout_files_say():
+    page = (Path(__file__).parents[2] / "docs" / "vllm-releases.md").read_text()
+    assert vllm_layouts.docs_tables() in page, "run python -m enginelink.tools.vllm_layouts --docs into the page"
