@@ -20,6 +20,7 @@ import pytest
 
 from enginelink.wire import vllm, vllm_layout, vllm_release
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
+from tests.wire import vllm_front_end
 
 pytestmark = pytest.mark.vllm
 
@@ -74,3 +75,11 @@ def test_vllms_decoder_reads_the_int32_prompt_array_written_for_0_34(described):
     assert read == {"prompt": PROMPT_0_34, "dtype": "int32", "max_tokens": 5, "block_hashes": None,
                     "request_id": "r34"}
     assert len(msgspec.msgpack.decode(payload)) == 23
+
+
+def test_the_structured_output_rules_are_the_installed_releases(vllm_python):
+    done = subprocess.run([vllm_python, "-c", vllm_front_end.FRONT_END,
+                           json.dumps([vllm_front_end.SCHEMAS, vllm_front_end.CHOICES])],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == vllm_front_end.ours("0.32.0")

@@ -30,6 +30,7 @@ from tests.vllm.test_vllm_generate import GREEDY_TOKENS, TEXTS, generate, same
 from tests.vllm.test_vllm_generate import _long_stream, _sent_to_engine
 from tests.vllm.test_vllm_logprobs import _compare, _mine
 from tests.vllm_0_28.conftest import RELEASE, vllm_0_28_python
+from tests.wire import vllm_front_end
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,14 +57,17 @@ def test_the_installed_release_is_its_layout_file_and_its_decoder_reads_our_requ
                         sampling=SamplingSpec(max_tokens=3, temperature=0.0, eos_token_ids=(2,), logprobs=2))
     (_, payload) = vllm.VllmCodec(release=vllm_release.for_release(RELEASE)).encode_add(spec)
     assert len(msgspec.msgpack.decode(payload)) == 21
-    done = subprocess.run([vllm_0_28_python(), "-c", DESCRIBE_AND_DECODE, str(vllm_layout.__file__)], input=payload,
-                          capture_output=True, timeout=300)
+    battery = json.dumps([vllm_front_end.SCHEMAS, vllm_front_end.CHOICES])
+    done = subprocess.run([vllm_0_28_python(), "-c", DESCRIBE_AND_DECODE, str(vllm_layout.__file__), battery],
+                          input=payload, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
-    installed, read = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    installed, read, front_end = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert installed["release"] == RELEASE
     assert vllm_layout.compare(vllm_layout.load(RELEASE), installed) == []
     assert read == {"request_id": "r1", "prompt_token_ids": [5, 6, 7], "max_tokens": 3, "logprobs": 2, "eos": 2,
                     "output_kind": 1, "client_index": 0}
+    # vLLM 0.28.0's own structured-output rules (xgrammar's unsupported schemas, choice escaping) are enginelink's.
+    assert front_end == vllm_front_end.ours(RELEASE)
 
 
 DESCRIBE_AND_DECODE = """
@@ -78,7 +82,11 @@ s = r.sampling_params
 read = {"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids), "max_tokens": s.max_tokens,
         "logprobs": s.logprobs, "eos": s._eos_token_id, "output_kind": s.output_kind.value,
         "client_index": r.client_index}
-print(json.dumps([layout.installed(), read]))
+from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
+from vllm.v1.structured_output.utils import choice_as_grammar
+schemas, choices = json.loads(sys.argv[2])
+front_end = [[has_xgrammar_unsupported_json_features(s) for s in schemas], [choice_as_grammar(c) for c in choices]]
+print(json.dumps([layout.installed(), read, front_end]))
 """
 
 
