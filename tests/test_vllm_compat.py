@@ -22,7 +22,7 @@ import sys
 import pytest
 
 from enginelink.runtime.engine import vllm_compat
-from enginelink.wire import vllm_layout
+from enginelink.wire import vllm, vllm_layout
 from tests.harness import VENV_BIN, free_port
 from tests.test_operator import refused_with_one_line
 
@@ -94,6 +94,8 @@ def test_ready_response_version_must_be_the_checked_release():
     problem = vllm_compat.check_ready({"vllm_version": "0.33.0"}, "0.32.0")
     assert problem and "says vLLM 0.33.0" in problem and "verified vLLM 0.32.0" in problem
     assert "(none)" in vllm_compat.check_ready({}, "0.32.0")
+    # The handshake machine reads the release the same way: a local build label is not another release.
+    assert vllm.VllmHandshake.version(vllm.ReadyResponse(vllm_version="0.33.0+cu129")) == "0.33.0"
 
 
 # -- the CLI: refused before anything starts -------------------------------------------------------

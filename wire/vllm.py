@@ -612,7 +612,8 @@ class VllmHandshake:
 
     @staticmethod
     def version(ready: ReadyResponse) -> str:
-        return ready.vllm_version
+        # The release without a local build label ("0.32.0+cu129" is 0.32.0): what the launch check verified.
+        return ready.vllm_version.split("+", 1)[0]
 
     @staticmethod
     def foreign(version: str) -> str | None:
