@@ -38,7 +38,6 @@ import msgspec
 from enginelink.wire import vllm_arrays
 from enginelink.wire.engine import (
     EngineDead,
-    FinishReason,
     GenerateSpec,
     HandshakeStep,
     LogprobRows,

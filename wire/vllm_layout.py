@@ -37,9 +37,12 @@ Rules:
 
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
 import enum
 import functools
+import hashlib
 import importlib
 import inspect
 import json
@@ -122,13 +125,9 @@ def plain(value: Any) -> Any:
     return {"expr": None}  # not a plain value (an instance, a function): not compared
 
 
-def digest(function: "ast.FunctionDef") -> str:
+def digest(function: ast.FunctionDef) -> str:
     """A function's syntax tree, hashed: the same for the same code, whatever its comments,
     docstrings or layout."""
-    import ast
-    import copy
-    import hashlib
-
     tree = copy.deepcopy(function)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
@@ -340,7 +339,6 @@ def installed() -> dict:
 
 
 def _digest_of(function: Any) -> str:
-    import ast
     import textwrap
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(function))))
