@@ -49,6 +49,9 @@ VLLM_SHARED_SCOPE = "real vLLM: the session's engine"
 VLLM_OWN_SCOPE = "real vLLM: own engines"
 # The vision model's engine (minutes on CPU: BLIP-2's encoder) runs beside the other two scopes.
 VLLM_VISION_SCOPE = "real vLLM: vision"
+# vLLM 0.28.0 (the oldest release supported): one module on one engine and its offline reference,
+# each with a 64 MiB KV cache, started and stopped within the module (a few minutes, beside the rest).
+VLLM_0_28_SCOPE = "real vLLM 0.28.0"
 # MLX's engine and, after it on the same worker, the real SGLang launcher run up to the engine launch
 # (no scheduler; minutes of SGLang imports). Apart, the two scopes were one more heavy worker on 2
 # cores: three CI runs in a row then lost servicers that could not even bind their port in 60 s.
@@ -61,8 +64,9 @@ ENGINE_SCOPES = (
     (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py"), ()),
     (VLLM_SHARED_SCOPE, ("tests/vllm/",), ("vllm_stack", "vllm_quiet")),
     (MLX_SCOPE, ("tests/mlx/", "tests/sglang/"), ("mlx_stack",)),
+    (VLLM_0_28_SCOPE, ("tests/vllm_0_28/",), ("vllm_0_28",)),
 )
-VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE)
+VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE, VLLM_0_28_SCOPE)
 # The simulation's seed sweeps (tests/sim: 400 seeds a module, each a second or so of CPU, on
 # a session fixture only): one scope per SEED_CHUNK seeds, so one module's sweep is not one
 # worker's minutes-long tail while the other workers are idle.

@@ -1,116 +1,153 @@
 """The launch-time guard between enginelink's vLLM codec and the installed vLLM release.
 
-``compare`` is pure and driven here with layouts that drift the ways a vLLM
-release can; the CLI test shows the promised refusal end to end, with a fake
-release's layout (the ``ENGINELINK_VLLM_LAYOUT_FILE`` test hook), so it needs
-no vLLM installation.
+Every release from 0.28.0 to 0.34.0 is accepted as its layout file says; an
+installed build whose structs are not its release's is refused naming the
+field; a release outside the window is refused before anything starts (one
+line naming the release and the window, exit 2), unless
+``--allow-untested-vllm`` / ``ENGINELINK_ALLOW_UNTESTED_VLLM=1`` is given and
+its layout is one the codec can speak. The CLI tests use a fake release's
+layout (the ``ENGINELINK_VLLM_LAYOUT_FILE`` test hook) or a fake vLLM package
+(the version read without importing vLLM), so they need no vLLM installation.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import json
+import os
+import stat
 import subprocess
+import sys
 
 import pytest
 
 from enginelink.runtime.engine import vllm_compat
-from enginelink.wire.vllm import LAYOUT
+from enginelink.wire import vllm, vllm_layout
 from tests.harness import VENV_BIN, free_port
+from tests.test_operator import refused_with_one_line
+
+WINDOW = "0.28.0 to 0.34.0"
 
 
-def release(version: str = "0.32.0", **changes) -> dict:
-    layout = copy.deepcopy(dict(LAYOUT))
-    layout["version"] = version
-    layout.update(changes)
-    return layout
+def layout(version: str = "0.32.0", like: str = "0.32.0") -> dict:
+    """An installed release's layout: ``like``'s, saying it is ``version``."""
+    out = copy.deepcopy(vllm_layout.load(like))
+    out["release"] = version
+    return out
 
 
-def test_the_codec_matches_its_own_release():
-    assert vllm_compat.compare(LAYOUT, release()) == []
-    assert vllm_compat.check(release(), "/venv/bin/python") is None
+def move(out: dict, struct: str, a: int, b: int) -> dict:
+    fields = out["structs"][struct]["fields"]
+    fields[a], fields[b] = fields[b], fields[a]
+    return out
 
 
-def test_a_moved_request_field_is_named_with_the_release():
-    request = list(LAYOUT["request"])
-    request[9], request[10] = request[10], request[9]
-    problems = vllm_compat.compare(LAYOUT, release("0.33.0", request=request))
-    assert problems == [
-        "EngineCoreRequest field 9 is 'prompt_is_token_ids' in vLLM 0.33.0, 'prompt_embeds' in enginelink's codec",
-        "EngineCoreRequest field 10 is 'prompt_embeds' in vLLM 0.33.0, 'prompt_is_token_ids' in enginelink's codec",
-    ]
+@pytest.mark.parametrize("release", vllm_layout.WINDOW)
+def test_every_release_of_the_window_is_accepted_as_its_layout_file_says(release):
+    checked = vllm_compat.check(layout(release, release), "/venv/bin/python")
+    assert checked.version == release and checked.warning is None
+    assert checked.release.release == release
 
 
-def test_a_shorter_or_stricter_request_is_refused():
-    shorter = release("0.31.0", request=LAYOUT["request"][:21])
-    assert vllm_compat.compare(LAYOUT, shorter) == [
-        "EngineCoreRequest has 21 fields in vLLM 0.31.0; enginelink sends 22 (field 21 'kv_hints' does not exist there)"
-    ]
-    stricter = release("0.34.0", request=LAYOUT["request"] + ["new_required"], request_required=23)
-    assert vllm_compat.compare(LAYOUT, stricter) == [
-        "EngineCoreRequest needs 23 fields in vLLM 0.34.0; enginelink sends 22"
-    ]
-
-
-def test_appended_fields_are_compatible():
-    newer = release(
-        "0.32.1",
-        request=LAYOUT["request"] + ["later_field"],
-        outputs=LAYOUT["outputs"] + ["later_field"],
-        output=LAYOUT["output"] + ["later_field"],
-        sampling_keys=LAYOUT["sampling_keys"] + ["later_key"],
-    )
-    assert vllm_compat.compare(LAYOUT, newer) == []
-    warning = vllm_compat.check(newer, "/venv/bin/python")
-    assert warning and "0.32.1" in warning and "not a release enginelink was tested with" in warning
-
-
-def test_output_fields_sampling_keys_and_finish_reasons_are_checked():
-    output = list(LAYOUT["output"])
-    output[5], output[6] = output[6], output[5]
-    sampling = [k for k in LAYOUT["sampling_keys"] if k != "_eos_token_id"]
-    reasons = {**LAYOUT["finish_reasons"], "ABORT": 7, "TIMEOUT": 5}
-    problems = vllm_compat.compare(LAYOUT, release("0.40.0", output=output, sampling_keys=sampling,
-                                                   finish_reasons=reasons))
-    assert "EngineCoreOutput field 5 is 'stop_reason' in vLLM 0.40.0, 'finish_reason' in enginelink's codec" in problems
-    assert "SamplingParams has no key '_eos_token_id' in vLLM 0.40.0; enginelink sends it" in problems
-    assert "FinishReason ABORT is 7 in vLLM 0.40.0, 2 in enginelink's codec" in problems
-    assert "FinishReason TIMEOUT is 5 in vLLM 0.40.0, unknown in enginelink's codec" in problems
-
-
-def test_check_raises_incompatible_naming_release_field_and_supported():
-    request = list(LAYOUT["request"])
-    request[3] = "sampling"
+def test_a_build_whose_structs_are_not_its_releases_is_refused_naming_the_field():
     with pytest.raises(vllm_compat.Incompatible) as refused:
-        vllm_compat.check(release("0.33.0", request=request), "/opt/vllm/bin/python")
+        vllm_compat.check(move(layout("0.32.0"), "EngineCoreRequest", 9, 10), "/opt/vllm/bin/python")
     message = str(refused.value)
-    assert "the vLLM at /opt/vllm/bin/python is vLLM 0.33.0" in message
-    assert "EngineCoreRequest field 3 is 'sampling' in vLLM 0.33.0, 'sampling_params'" in message
-    assert "Supported vLLM releases: 0.32.0." in message
+    assert "the vLLM at /opt/vllm/bin/python says it is vLLM 0.32.0" in message
+    assert "EngineCoreRequest field 9 is 'prompt_is_token_ids' in the installed vLLM 0.32.0, 'prompt_embeds'" in message
+
+
+@pytest.mark.parametrize("version", ["0.27.1", "0.35.0", "1.0.0"])
+def test_a_release_outside_the_window_is_refused_naming_it_and_the_window(version):
+    with pytest.raises(vllm_compat.Incompatible) as refused:
+        vllm_compat.check(layout(version), "/venv/bin/python")
+    assert str(refused.value) == (
+        f"vLLM {version} at /venv/bin/python is outside the vLLM releases enginelink supports ({WINDOW}); run a "
+        "release of the window, or allow an untested one with --allow-untested-vllm "
+        "(ENGINELINK_ALLOW_UNTESTED_VLLM=1), which then checks its wire layout first")
+
+
+def test_an_allowed_untested_release_runs_when_the_codec_speaks_its_layout():
+    newer = layout("0.35.0", like="0.34.0")
+    newer["structs"]["EngineCoreOutput"]["fields"].append({"name": "later", "required": False, "default": None})
+    checked = vllm_compat.check(newer, "/venv/bin/python", allow_untested=True)
+    assert checked.version == "0.35.0" and checked.release.prompt_ids_array
+    assert "not a release enginelink was tested with (0.28.0 to 0.34.0)" in checked.warning
+    # ... and is refused, naming the field, when it cannot.
+    with pytest.raises(vllm_compat.Incompatible) as refused:
+        vllm_compat.check(move(layout("0.35.0"), "EngineCoreOutput", 5, 6), "/venv/bin/python", allow_untested=True)
+    assert "EngineCoreOutput field 5 is 'stop_reason' in vLLM 0.35.0, 'finish_reason' in enginelink's codec" in str(
+        refused.value)
+
+
+def test_the_allow_variable_takes_yes_or_no():
+    assert vllm_compat.allow_untested_from_env({}) is False
+    assert vllm_compat.allow_untested_from_env({"ENGINELINK_ALLOW_UNTESTED_VLLM": "1"}) is True
+    assert vllm_compat.allow_untested_from_env({"ENGINELINK_ALLOW_UNTESTED_VLLM": "0"}) is False
+    with pytest.raises(vllm_compat.Incompatible, match="expected 1 or 0"):
+        vllm_compat.allow_untested_from_env({"ENGINELINK_ALLOW_UNTESTED_VLLM": "maybe"})
 
 
 def test_ready_response_version_must_be_the_checked_release():
-    assert vllm_compat.check_ready({"vllm_version": "0.32.0"}, "0.32.0") is None
+    assert vllm_compat.check_ready({"vllm_version": "0.28.0"}, "0.28.0") is None
+    assert vllm_compat.check_ready({"vllm_version": "0.32.0+cpu"}, "0.32.0") is None
     problem = vllm_compat.check_ready({"vllm_version": "0.33.0"}, "0.32.0")
     assert problem and "says vLLM 0.33.0" in problem and "verified vLLM 0.32.0" in problem
     assert "(none)" in vllm_compat.check_ready({}, "0.32.0")
+    # The handshake machine reads the release the same way: a local build label is not another release.
+    assert vllm.VllmHandshake.version(vllm.ReadyResponse(vllm_version="0.33.0+cu129")) == "0.33.0"
 
 
-def test_serve_refuses_a_fake_release_before_any_engine_starts(tmp_path, test_model_dir):
-    request = list(LAYOUT["request"])
-    request[9], request[10] = request[10], request[9]
-    fake = tmp_path / "vllm-0.33.0-layout.json"
-    fake.write_text(json.dumps(release("0.33.0", request=request)))
-    done = subprocess.run(
-        [str(VENV_BIN / "enginelink"), "serve", "--engine", "vllm", "--model", str(test_model_dir),
-         "--port", str(free_port()), "--journal", str(tmp_path / "journal.sqlite")],
-        capture_output=True, text=True, timeout=60,
-        env={**os.environ, "ENGINELINK_VLLM_LAYOUT_FILE": str(fake),
-             "ENGINELINK_VLLM_PYTHON": str(tmp_path / "no-such-python")},
-    )
-    assert done.returncode == 2, done.stderr
-    assert "vLLM 0.33.0" in done.stderr
-    assert "EngineCoreRequest field 9 is 'prompt_is_token_ids' in vLLM 0.33.0, 'prompt_embeds'" in done.stderr
-    assert "Supported vLLM releases: 0.32.0" in done.stderr
+# -- the CLI: refused before anything starts -------------------------------------------------------
+
+
+def serve(tmp_path, model_dir, *flags: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(VENV_BIN / "enginelink"), "serve", "--engine", "vllm", "--model", str(model_dir),
+         "--port", str(free_port()), "--journal", str(tmp_path / "journal.sqlite"), *flags],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+
+
+def fake_vllm_python(tmp_path, version: str) -> str:
+    """An interpreter whose vLLM says ``version`` and cannot be imported (the check must not import it)."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("raise SystemExit('vllm was imported')\n")
+    (site / "vllm" / "_version.py").write_text(f"__version__ = version = '{version}'\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    return str(python)
+
+
+def test_serve_refuses_a_release_outside_the_window_before_importing_it(tmp_path, test_model_dir):
+    python = fake_vllm_python(tmp_path, "0.27.1")
+    done = serve(tmp_path, test_model_dir, env={"ENGINELINK_VLLM_PYTHON": python})
+    line = refused_with_one_line(done)
+    assert line == (f"enginelink serve: vLLM 0.27.1 at {python} is outside the vLLM releases enginelink supports "
+                    f"({WINDOW}); run a release of the window, or allow an untested one with --allow-untested-vllm "
+                    "(ENGINELINK_ALLOW_UNTESTED_VLLM=1), which then checks its wire layout first")
     assert not (tmp_path / "journal.sqlite").exists(), "refused before the servicer started"
+
+
+@pytest.mark.parametrize("allow", [["--allow-untested-vllm"], []], ids=["flag", "variable"])
+def test_serve_with_untested_allowed_checks_the_layout_first(tmp_path, test_model_dir, allow):
+    fake = tmp_path / "vllm-0.35.0-layout.json"
+    fake.write_text(json.dumps(move(layout("0.35.0"), "EngineCoreOutputs", 2, 3)))
+    env = {"ENGINELINK_VLLM_LAYOUT_FILE": str(fake), "ENGINELINK_VLLM_PYTHON": str(tmp_path / "no-such-python")}
+    if not allow:
+        env["ENGINELINK_ALLOW_UNTESTED_VLLM"] = "1"
+    line = refused_with_one_line(serve(tmp_path, test_model_dir, *allow, env=env))
+    assert "vLLM 0.35.0 at" in line and "outside the releases enginelink supports (0.28.0 to 0.34.0)" in line
+    assert "EngineCoreOutputs field 2 is 'timestamp' in vLLM 0.35.0, 'scheduler_stats' in enginelink's codec" in line
+    assert not (tmp_path / "journal.sqlite").exists(), "refused before the servicer started"
+
+
+def test_serve_refuses_a_relabelled_build_of_a_supported_release(tmp_path, test_model_dir):
+    fake = tmp_path / "vllm-0.30.0-layout.json"
+    fake.write_text(json.dumps(move(layout("0.30.0", like="0.30.0"), "EngineCoreRequest", 9, 10)))
+    done = serve(tmp_path, test_model_dir, env={"ENGINELINK_VLLM_LAYOUT_FILE": str(fake),
+                                                "ENGINELINK_VLLM_PYTHON": str(tmp_path / "no-such-python")})
+    line = refused_with_one_line(done)
+    assert "says it is vLLM 0.30.0, but its engine structs are not vLLM 0.30.0's" in line
+    assert "EngineCoreRequest field 9 is 'prompt_is_token_ids' in the installed vLLM 0.30.0" in line

@@ -26,7 +26,7 @@ ENGINE_ARGV = """
 import argparse, json, sys
 from enginelink.runtime.engine.launchers import VllmLauncher
 from enginelink.tools import serve
-serve._vllm_launcher = lambda model_dir, engine_args: VllmLauncher("/venv/bin/python", model_dir, engine_args)
+serve._vllm_launcher = lambda model_dir, engine_args, *_: VllmLauncher("/venv/bin/python", model_dir, engine_args)
 parser = argparse.ArgumentParser()
 serve.add_arguments(parser)
 args = parser.parse_args(["--engine", "vllm", "--model", sys.argv[1]])

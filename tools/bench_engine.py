@@ -111,7 +111,7 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
     engine_nice = _engine_nice()
     placement = _env_choice("ENGINELINK_PLACEMENT", PLACEMENT_CHOICES, PLACEMENT_DEFAULT)
     own_cpus = os.sched_getaffinity(0)
-    codec = vllm_wire.VllmCodec()
+    codec = vllm_wire.VllmCodec(release=launcher.wire_release)  # the installed release, as serve speaks it
     vocab = vocab_size(model_dir)
     rng = random.Random()
     ctx = zmq.Context()

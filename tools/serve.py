@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--engine", choices=list(ENGINES), default=os.environ.get("ENGINELINK_ENGINE", "sim"),
                    help="engine to launch headless: sim, the embedded deterministic engine, vllm, a real "
-                        "vLLM 0.32 from its own venv, mlx, mlx-lm 0.31.3 from its own venv (tools/setup-mlx) "
+                        "vLLM 0.28.0-0.34.0 from its own venv, mlx, mlx-lm 0.31.3 from its own venv (tools/setup-mlx) "
                         "behind the same wire (served as mlx.grpc.engine.MlxEngine), sglang, an SGLang 0.5.23 scheduler from its own venv "
                         "(tools/setup-sglang; needs a GPU), or tokenspeed, TokenSpeed 0.1.1 (`ts serve --headless`) "
                         "from its own venv (tools/setup-tokenspeed; needs a GPU) (default sim; ENGINELINK_ENGINE)")
@@ -108,6 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fetch http(s) media refs (and their redirects) from these hosts only, matched exactly "
                         "as vLLM does (default: vLLM's own --allowed-media-domains among the engine arguments, "
                         "else ENGINELINK_ALLOWED_MEDIA_DOMAINS, else any public host)")
+    p.add_argument("--allow-untested-vllm", action="store_true",
+                   help="--engine vllm: run a vLLM release outside 0.28.0-0.34.0 when its wire layout matches "
+                        "enginelink's codec (default: refused; ENGINELINK_ALLOW_UNTESTED_VLLM=1; docs/vllm-releases.md)")
     p.set_defaults(engine_args=[])
 
 
@@ -163,18 +166,19 @@ def _engine_nice() -> int:
     return levels
 
 
-def _vllm_launcher(model_dir: Path, engine_args: list[str]) -> VllmLauncher:
-    """The real vLLM engine, after checking its release speaks our codec's wire."""
-    from enginelink.runtime.engine.vllm_compat import Incompatible, check_installed
+def _vllm_launcher(model_dir: Path | str, engine_args: list[str], allow_untested: bool = False) -> VllmLauncher:
+    """The real vLLM engine, after checking its release is one enginelink speaks (docs/vllm-releases.md)."""
+    from enginelink.runtime.engine.vllm_compat import Incompatible, allow_untested_from_env, check_installed
 
     try:
         python = default_vllm_python()
-        version, warning = check_installed(python)
+        checked = check_installed(python, allow_untested=allow_untested or allow_untested_from_env())
     except (LauncherError, Incompatible) as error:
         raise ConfigError(str(error)) from None
-    if warning:
-        logging.getLogger("enginelink").warning("%s", warning)
-    return VllmLauncher(python=python, model_dir=model_dir, extra_args=engine_args, checked_version=version)
+    if checked.warning:
+        logging.getLogger("enginelink").warning("%s", checked.warning)
+    return VllmLauncher(python=python, model_dir=model_dir, extra_args=engine_args, checked_version=checked.version,
+                        wire_release=checked.release)
 
 
 def _mlx_launcher(model_dir: Path, engine_args: list[str]):
@@ -462,7 +466,7 @@ def build_config(args: argparse.Namespace):
     elif args.engine == "vllm":
         _node_rank(engine_args)
         engine_args = _capture_cap(engine_args)
-        launcher = _vllm_launcher(engine_model, engine_args)
+        launcher = _vllm_launcher(engine_model, engine_args, getattr(args, "allow_untested_vllm", False))
     elif args.engine == "tokenspeed":
         launcher = _tokenspeed_launcher(engine_model, engine_args)
     else:

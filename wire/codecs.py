@@ -37,12 +37,15 @@ NAMES: Final = tuple(_FACTORIES)
 READINESS: Final[dict[str, str]] = {"vllm": "handshake", "tokenspeed": "handshake", "sglang": "ready_fd"}
 
 
-def get(name: str) -> EngineCodec:
-    """The codec of engine wire ``name`` (one of ``NAMES``)."""
+def get(name: str, release: object = None) -> EngineCodec:
+    """The codec of engine wire ``name`` (one of ``NAMES``); for vLLM, speaking ``release``
+    (``wire/vllm_release.py``'s ``ReleaseWire``; None: the canonical structs, vLLM 0.32.0's)."""
     try:
         factory = _FACTORIES[name]
     except KeyError:
         raise KeyError(f"unknown engine codec {name!r}; known: {', '.join(NAMES)}") from None
+    if release is not None and name == "vllm":
+        return VllmCodec(release=release)
     return factory()
 
 

@@ -1,6 +1,10 @@
-"""The vLLM 0.32.0 headless EngineCore wire, as a sans-io msgspec codec.
+"""The vLLM headless EngineCore wire, as a sans-io msgspec codec.
 
-Both ends of the wire live here, so the servicer and the sim engine can never
+The structs here are vLLM 0.32.0's (the canonical ones); every release from
+0.28.0 to 0.34.0 is spoken through them, what a release does differently
+(request fields, prompt ids as an array, utility arguments) coming from its
+layout file (``wire/vllm_release.py``, ``wire/vllm_layout.py``). Both ends
+of the wire live here, so the servicer and the sim engine can never
 disagree about it: the front-end side (``VllmCodec``, the ``EngineCodec`` the
 runtime uses), the handshake messages, and the engine side (``decode_input``,
 ``encode_outputs``) that the sim engine speaks. Facts come from
@@ -34,7 +38,6 @@ import msgspec
 from enginelink.wire import vllm_arrays
 from enginelink.wire.engine import (
     EngineDead,
-    FinishReason,
     GenerateSpec,
     HandshakeStep,
     LogprobRows,
@@ -408,12 +411,20 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs | EngineDead:
 
 
 class VllmCodec:
-    """``EngineCodec`` for vLLM 0.32.0 headless engines (front-end side)."""
+    """``EngineCodec`` for vLLM headless engines (front-end side).
+
+    ``release`` is what one release does differently (``wire/vllm_release.py``,
+    from its layout): the request's fields and their order, prompt ids as an
+    array, utility arguments. None: the canonical structs as declared here
+    (vLLM 0.32.0), which is also what journal replay decodes with.
+    """
 
     name: str = "vllm"
 
-    def __init__(self, client_index: int = 0) -> None:
+    def __init__(self, client_index: int = 0, release: Any = None) -> None:
         self.client_index = client_index
+        # A ReleaseWire (not imported here: vllm_release builds on this module).
+        self.release = release
 
     # Prefix-cache hits of a request, read from its first output's prefill stats.
     cached_tokens = staticmethod(cached_tokens)
@@ -429,12 +440,18 @@ class VllmCodec:
         )
 
     def encode_add(self, spec: GenerateSpec) -> list[bytes]:
-        return [REQ_ADD, _ENCODER.encode(request_for(spec, self.client_index))]
+        request = request_for(spec, self.client_index)
+        if self.release is not None:
+            return [REQ_ADD, _ENCODER.encode(self.release.request(request))]
+        return [REQ_ADD, _ENCODER.encode(request)]
 
     def encode_abort(self, request_ids: Sequence[str]) -> list[bytes]:
         return [REQ_ABORT, _ENCODER.encode(list(request_ids))]
 
     def encode_utility(self, call_id: int, method: str, args: Sequence[object]) -> list[bytes]:
+        """ValueError when the release cannot take ``args`` (``ReleaseWire.utility_args``)."""
+        if self.release is not None:
+            args = self.release.utility_args(method, args)
         return [REQ_UTILITY, _ENCODER.encode([self.client_index, call_id, method, list(args)])]
 
     def decode_output(self, frames: Sequence[bytes]) -> OutputBatch | EngineDead:
@@ -594,7 +611,8 @@ class VllmHandshake:
 
     @staticmethod
     def version(ready: ReadyResponse) -> str:
-        return ready.vllm_version
+        # The release without a local build label ("0.32.0+cu129" is 0.32.0): what the launch check verified.
+        return ready.vllm_version.split("+", 1)[0]
 
     @staticmethod
     def foreign(version: str) -> str | None:
@@ -636,12 +654,30 @@ def decode_input(request_type: bytes, payload: bytes) -> EngineInput:
     front end (START_DP_WAVE, EXECUTOR_FAILED, WAKEUP) and for bad payloads.
     """
     if request_type == REQ_ADD:
-        return AddRequest(_decode(_REQUEST_DECODER, payload, "EngineCoreRequest"))
+        try:
+            return AddRequest(_REQUEST_DECODER.decode(payload))
+        except msgspec.DecodeError:
+            return AddRequest(_decode(_REQUEST_DECODER, _prompt_ids_as_list(payload), "EngineCoreRequest"))
     if request_type == REQ_ABORT:
         return AbortRequest(_decode(_ABORT_DECODER, payload, "abort list"))
     if request_type == REQ_UTILITY:
         return UtilityCall(*_decode(_UTILITY_DECODER, payload, "utility call"))
     raise WireError(f"unsupported vLLM request type {bytes(request_type)!r}")
+
+
+def _prompt_ids_as_list(payload: bytes) -> bytes:
+    """A request whose prompt ids are an int32 array (vLLM 0.34.0's front end) as one with a list:
+    the sim engine reads every release's request with the canonical struct."""
+    try:
+        fields = msgspec.msgpack.decode(payload)
+        ids = fields[1]
+        if isinstance(fields, list) and isinstance(ids, list) and len(ids) == 3 and isinstance(ids[0], str):
+            view, _ = vllm_arrays.read_array(ids, [payload])
+            fields[1] = view.tolist()
+            return _ENCODER.encode(fields)
+    except (msgspec.DecodeError, IndexError, WireError):
+        pass
+    return payload
 
 
 def encode_outputs(outputs: EngineCoreOutputs, writer: vllm_arrays.ArrayWriter | None = None) -> list[bytes]:
@@ -662,26 +698,3 @@ def utility_success(call_id: int, result: object) -> UtilityOutput:
 def utility_failure(call_id: int, method: str, error: str) -> UtilityOutput:
     # vLLM's EngineCoreProc._invoke_utility_method wording.
     return UtilityOutput(call_id, f"Call to {method} method failed: {error}")
-
-
-# --------------------------------------------------------------------------
-# Layout declaration, for the launch-time check against an installed vLLM (§10)
-# --------------------------------------------------------------------------
-
-
-def _names(struct: type[msgspec.Struct]) -> list[str]:
-    return [f.encode_name for f in msgspec.structs.fields(struct)]
-
-
-LAYOUT: Final = {
-    "version": VLLM_VERSION,
-    "request": _names(EngineCoreRequest),
-    "request_required": sum(
-        1 for f in msgspec.structs.fields(EngineCoreRequest) if f.required
-    ),
-    "outputs": _names(EngineCoreOutputs),
-    "output": _names(EngineCoreOutput),
-    "sampling_keys": _names(SamplingParams),
-    "pooling": _names(PoolingParams),
-    "finish_reasons": {r.name: r.value for r in FinishReason},
-}

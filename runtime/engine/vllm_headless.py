@@ -5,7 +5,6 @@ Run BY PATH with the vLLM venv's python (enginelink is not installed there):
     VENV/bin/python vllm_headless.py --handshake ipc:///PRIVATE/DIR/hs.sock \
         [--facts PATH] -- --model DIR [vLLM engine args...]
         (--facts defaults to $ENGINELINK_ENGINE_FACTS, which enginelink sets)
-    VENV/bin/python vllm_headless.py --print-layout
 
 It does what ``vllm serve DIR --headless`` does for one node
 (reference/vllm-engine-wire.md §1): build the engine config from vLLM's own
@@ -22,8 +21,6 @@ Rules:
   ``vllm serve --headless`` does (vLLM's ``shutdown_timeout``, capped at half
   of ``ENGINELINK_ENGINE_STOP_GRACE_SECS``); then the launcher leaves at once
   (``os._exit``), well before enginelink's grace runs out;
-- ``--print-layout`` prints the installed release's positional struct layouts
-  (reference §10), which enginelink compares with its codec before launch;
 - ``--facts`` writes the resolved engine config facts that the ready response
   lacks (kv cache dtype, served name, profiler) as JSON, before the engines start.
 """
@@ -63,31 +60,6 @@ def core_stop_window_s(shutdown_timeout: float) -> float:
     except ValueError:
         grace = STOP_GRACE_DEFAULT_S
     return max(0.0, min(float(shutdown_timeout), grace / 2))
-
-
-def print_layout() -> int:
-    import vllm
-    from vllm.pooling_params import PoolingParams
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-
-    print(
-        json.dumps(
-            {
-                "version": vllm.__version__,
-                "request": list(EngineCoreRequest.__struct_fields__),
-                "request_required": len(EngineCoreRequest.__struct_fields__)
-                - len(EngineCoreRequest.__struct_defaults__),
-                "outputs": list(EngineCoreOutputs.__struct_fields__),
-                "output": list(EngineCoreOutput.__struct_fields__),
-                "sampling_keys": list(SamplingParams.__struct_fields__),
-                "pooling": list(PoolingParams.__struct_fields__),
-                "finish_reasons": {r.name: r.value for r in FinishReason},
-            }
-        ),
-        flush=True,
-    )
-    return 0
 
 
 def _watch_parent(parent: int) -> None:
@@ -245,13 +217,10 @@ def main(argv: list[str]) -> int:
     else:
         own, engine_argv = argv, []
     parser = argparse.ArgumentParser(prog="vllm_headless.py")
-    parser.add_argument("--print-layout", action="store_true")
     parser.add_argument("--handshake", help="enginelink's handshake ROUTER: ipc://PATH (what enginelink passes) or tcp://HOST:PORT")
     parser.add_argument("--facts", default=os.environ.get("ENGINELINK_ENGINE_FACTS"),
                         help="write resolved engine facts (JSON) here (default: $ENGINELINK_ENGINE_FACTS)")
     args = parser.parse_args(own)
-    if args.print_layout:
-        return print_layout()
     if not args.handshake:
         parser.error("--handshake is required")
     parent = os.getppid()

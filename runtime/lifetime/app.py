@@ -89,6 +89,7 @@ class App:
             # The engine's --max-logprobs (its facts; vLLM's default when it does not say).
             max_logprobs=int(ready.get("max_logprobs", LOGPROBS_MAX)),
             grammar_backend=str(ready.get("structured_outputs_backend") or DEFAULT_BACKEND),
+            engine_release=str(ready.get("vllm_version") or ""),
         )
 
     @property

@@ -242,7 +242,7 @@ def _new_link(config: ServeConfig, journal) -> EngineLink:
         name=f"{config.launcher.engine}-0",
         launcher=config.launcher,
         transport=CONTRACTS[config.contract].transport(config.launcher, config.model.max_position_embeddings),
-        codec=codecs.get(config.codec),
+        codec=codecs.get(config.codec, getattr(config.launcher, "wire_release", None)),  # the vLLM release checked
         journal=journal,
         supervision=Supervision(
             startup_timeout_s=config.startup_timeout_s,

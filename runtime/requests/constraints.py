@@ -1,4 +1,4 @@
-"""Structured-output constraints: checked, and shaped as vLLM 0.32's own front end hands them to its engine.
+"""Structured-output constraints: checked, and shaped as vLLM's own front end hands them to its engine.
 
 Why this exists. vLLM's EngineCore does not validate or route a constraint
 itself: its front end (``SamplingParams._validate_structured_outputs``) picks
@@ -15,7 +15,11 @@ module does its part:
 - ``auto`` is resolved as vLLM resolves it: ``xgrammar``, unless the JSON
   schema uses a feature xgrammar does not enforce (``_xgrammar_unsupported``,
   vLLM's list), then ``guidance``, or ``outlines`` when guidance cannot
-  either; ``_backend_was_auto`` is set as vLLM sets it. vLLM also falls back
+  either; ``_backend_was_auto`` is set as vLLM sets it. vLLM's list of
+  those features grew release by release (0.28.0 to 0.32.0;
+  docs/vllm-releases.md): the engine's own release decides which applies
+  (``release``, the ready response's ``vllm_version``; the newest list when
+  it does not say), as it decides how a ``choice`` is escaped. vLLM also falls back
   when xgrammar fails to *compile* a regex, grammar or schema; that needs
   xgrammar itself, which this venv does not have (it pulls in torch), so such
   a constraint goes to the engine as ``xgrammar`` and its compile error comes
@@ -60,8 +64,10 @@ class Constraint:
         return f"sampling_params.{self.kind}"
 
 
-def constraint_of(sp, limits: InputLimits, configured_backend: str = DEFAULT_BACKEND) -> Constraint | None:
-    """The call's constraint (``sp``: the contract's SamplingParams), or None; ClientError if refused."""
+def constraint_of(sp, limits: InputLimits, configured_backend: str = DEFAULT_BACKEND,
+                  release: str = "") -> Constraint | None:
+    """The call's constraint (``sp``: the contract's SamplingParams), or None; ClientError if refused.
+    ``release``: the vLLM release the engine runs, whose front end's rules apply (""; the newest)."""
     kind = sp.WhichOneof("constraint")
     if kind is None:
         return None
@@ -69,7 +75,8 @@ def constraint_of(sp, limits: InputLimits, configured_backend: str = DEFAULT_BAC
     params = _params(kind, sp, name, limits)
     backend = configured_backend or DEFAULT_BACKEND
     was_auto = backend == "auto"
-    if kind == "json_schema" and _xgrammar_unsupported(params["json"]):
+    minor = vllm_minor(release)
+    if kind == "json_schema" and _xgrammar_unsupported(params["json"], minor):
         if backend == "xgrammar":
             raise ClientError(name, "uses a JSON Schema feature the engine's grammar backend (xgrammar) does not "
                                     "enforce (multipleOf, uniqueItems, contains, an unknown string format, a pattern "
@@ -79,8 +86,20 @@ def constraint_of(sp, limits: InputLimits, configured_backend: str = DEFAULT_BAC
     if backend == "auto":
         backend = "xgrammar"
     if backend == "xgrammar" and kind == "choice":
-        params = {"grammar": choice_as_grammar(params["choice"])}
+        params = {"grammar": choice_as_grammar(params["choice"], minor)}
     return Constraint(kind, params, backend, was_auto)
+
+
+# The newest rules: vLLM 0.32.0's, unchanged to 0.34.0 (and what an engine that names no release gets).
+NEWEST_MINOR = 32
+
+
+def vllm_minor(release: str) -> int:
+    """``0.28.0`` -> 28: which release's front-end rules apply; another engine's or none: the newest."""
+    parts = release.split(".")
+    if len(parts) >= 2 and parts[0] == "0" and parts[1].isdigit():
+        return min(int(parts[1]), NEWEST_MINOR)
+    return NEWEST_MINOR
 
 
 def _params(kind: str, sp, name: str, limits: InputLimits) -> dict:
@@ -122,21 +141,24 @@ def _params(kind: str, sp, name: str, limits: InputLimits) -> dict:
     raise ClientError("sampling_params.constraint", f"unknown constraint kind {kind!r}")
 
 
-def choice_as_grammar(choices: list[str]) -> str:
-    """vLLM 0.32's ``choice_as_grammar`` (v1/structured_output/utils.py): one EBNF alternative per choice."""
-    escapes = {"\\": r"\\", '"': r"\"", "\n": r"\n", "\r": r"\r", "\t": r"\t"}
+def choice_as_grammar(choices: list[str], minor: int = NEWEST_MINOR) -> str:
+    """vLLM's ``choice_as_grammar`` (v1/structured_output/utils.py): one EBNF alternative per choice.
+    Before 0.31.0 only quotes and backslashes were escaped; since, control characters too."""
+    escapes = {"\\": r"\\", '"': r"\""}
+    if minor >= 31:
+        escapes.update({"\n": r"\n", "\r": r"\r", "\t": r"\t"})
 
     def escape(ch: str) -> str:
         if ch in escapes:
             return escapes[ch]
-        if ord(ch) < 0x20 or ord(ch) == 0x7F:
+        if minor >= 31 and (ord(ch) < 0x20 or ord(ch) == 0x7F):
             return f"\\u{ord(ch):04x}"
         return ch
 
     return "root ::= " + " | ".join('"' + "".join(map(escape, c)) + '"' for c in choices)
 
 
-# -- vLLM 0.32's schema feature checks (backend_xgrammar.py, backend_guidance.py) -------------
+# -- vLLM's schema feature checks (backend_xgrammar.py, backend_guidance.py), release by release --
 
 # The string formats xgrammar enforces (backend_xgrammar.py STRING_SUPPORTED_FORMATS).
 _XGRAMMAR_FORMATS = frozenset({
@@ -158,25 +180,35 @@ def _pattern_with_length(schema: dict) -> bool:
     return ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema)
 
 
-def _xgrammar_unsupported_here(obj: dict) -> bool:
-    types = _types(obj)
+def _xgrammar_unsupported_here(obj: dict, minor: int = NEWEST_MINOR) -> bool:
+    """One schema node against ``has_xgrammar_unsupported_json_features`` of vLLM 0.<minor>."""
+    if minor >= 31:
+        types = _types(obj)
+    else:  # before 0.31.0 only a single "type" string counted
+        types = {obj["type"]} if isinstance(obj.get("type"), str) else set()
     if types & {"integer", "number"} and "multipleOf" in obj:
         return True
     if "array" in types and any(k in obj for k in ("uniqueItems", "contains", "minContains", "maxContains")):
         return True
-    if "string" in types and ("format" in obj and obj["format"] not in _XGRAMMAR_FORMATS or _pattern_with_length(obj)):
+    if "string" in types and "format" in obj and obj["format"] not in _XGRAMMAR_FORMATS:
         return True
-    if "object" in types and "propertyNames" in obj:
-        names = obj.get("propertyNames")
-        if isinstance(names, dict) and _pattern_with_length(names):
-            return True
-        if "patternProperties" in obj or "properties" in obj or obj.get("unevaluatedProperties", True) is not True:
-            return True
-    if "object" in types and isinstance(obj.get("patternProperties"), dict):
-        if "properties" in obj or len(obj["patternProperties"]) > 1:
-            return True
+    if minor >= 29 and "string" in types and _pattern_with_length(obj):
+        return True
     all_of = obj.get("allOf")
-    return isinstance(all_of, list) and len(all_of) >= 2
+    if minor >= 32 and isinstance(all_of, list) and len(all_of) >= 2:
+        return True
+    if "object" not in types:
+        return False
+    if minor <= 29:
+        return "patternProperties" in obj or "propertyNames" in obj
+    names = obj.get("propertyNames")
+    if isinstance(names, dict) and _pattern_with_length(names):
+        return True
+    if "propertyNames" in obj:
+        others = "patternProperties" in obj or "properties" in obj or obj.get("unevaluatedProperties", True) is not True
+        if others or (minor <= 31 and isinstance(obj.get("additionalProperties"), dict)):
+            return True
+    return isinstance(obj.get("patternProperties"), dict) and ("properties" in obj or len(obj["patternProperties"]) > 1)
 
 
 def _any_node(schema: Any, test) -> bool:
@@ -193,9 +225,9 @@ def _any_node(schema: Any, test) -> bool:
     return False
 
 
-def _xgrammar_unsupported(schema: dict) -> bool:
-    """vLLM's ``has_xgrammar_unsupported_json_features``."""
-    return _any_node(schema, _xgrammar_unsupported_here)
+def _xgrammar_unsupported(schema: dict, minor: int = NEWEST_MINOR) -> bool:
+    """vLLM's ``has_xgrammar_unsupported_json_features`` (that of 0.<minor>)."""
+    return _any_node(schema, lambda obj: _xgrammar_unsupported_here(obj, minor))
 
 
 def _guidance_unsupported(schema: dict) -> bool:

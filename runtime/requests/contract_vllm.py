@@ -61,7 +61,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     logprobs = _logprobs(sp, "logprobs", "sample", limits)
     prompt_logprobs = _logprobs(sp, "prompt_logprobs", "prompt", limits)
     logit_bias = check_logit_bias(sp, limits)
-    constraint = constraint_of(sp, inputs, limits.grammar_backend)
+    constraint = constraint_of(sp, inputs, limits.grammar_backend, limits.engine_release)
     # PD: the JSON field or the legacy message, checked as the reference does (runtime/requests/kv_transfer.py).
     kv_transfer_params = kv_transfer.params_from_request(request, inputs)
     dp_rank = _dp_rank(request, limits)

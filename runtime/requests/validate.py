@@ -44,6 +44,8 @@ class EngineLimits:
     max_logprobs: int = LOGPROBS_MAX
     # The engine's structured-output backend (its --structured-outputs-config), "auto" by default.
     grammar_backend: str = DEFAULT_BACKEND
+    # The engine's release (its ready response's vllm_version): whose front-end rules apply.
+    engine_release: str = ""
     inputs: InputLimits = field(default_factory=input_limits)
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import array
+import copy
 import struct
 
 import msgspec
 import pytest
 
-from enginelink.runtime.engine.vllm_compat import compare
-from enginelink.wire import vllm, vllm_arrays
+from enginelink.wire import vllm, vllm_arrays, vllm_layout, vllm_release
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec, WireError
 from enginelink.wire.vllm_arrays import ArrayWriter, Tensor, decode_tensor
 
@@ -61,15 +61,20 @@ def test_a_generate_request_still_carries_no_pooling_params():
     assert decoded[4] is None and decoded[3]["max_tokens"] == 3
 
 
-def test_layout_declares_vllms_pooling_fields_and_compare_catches_a_move():
-    assert vllm.LAYOUT["pooling"] == VLLM_POOLING_FIELDS
-    moved = dict(vllm.LAYOUT, pooling=["dimensions", "use_activation", *VLLM_POOLING_FIELDS[2:]])
-    problems = compare(vllm.LAYOUT, moved)
-    assert problems == [
-        "PoolingParams field 0 is 'dimensions' in vLLM 0.32.0, 'use_activation' in enginelink's codec",
-        "PoolingParams field 1 is 'use_activation' in vLLM 0.32.0, 'dimensions' in enginelink's codec",
-    ]
-    assert compare(vllm.LAYOUT, {k: v for k, v in vllm.LAYOUT.items() if k != "pooling"}) == []
+def test_layout_declares_vllms_pooling_fields_and_a_move_is_spoken_by_name():
+    layout = vllm_layout.load("0.32.0")
+    assert [f["name"] for f in layout["structs"]["PoolingParams"]["fields"]] == VLLM_POOLING_FIELDS
+    assert [f.name for f in msgspec.structs.fields(vllm.PoolingParams)] == VLLM_POOLING_FIELDS
+    # A release that swaps two pooling fields gets them swapped on the wire: values go by name.
+    moved = copy.deepcopy(layout)
+    fields = moved["structs"]["PoolingParams"]["fields"]
+    fields[0], fields[1] = fields[1], fields[0]
+    (_, payload) = vllm.VllmCodec(release=vllm_release.for_layout(moved)).encode_add(embed_spec())
+    assert unpack(payload)[4] == [None, True, None, None, "embed", False, False, None, None, 2]
+    # A release whose pooling params need a field enginelink does not know cannot be spoken.
+    fields.insert(3, {"name": "new_required", "required": True})
+    assert vllm_release.speakable(moved) == [
+        "PoolingParams field 'new_required' is required in vLLM 0.32.0; enginelink does not know it"]
 
 
 def outputs_with(pooled, writer: ArrayWriter | None = None) -> list[bytes]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from enginelink.wire import codecs, vllm
+from enginelink.wire import codecs, vllm, vllm_layout
 from enginelink.wire.engine import (
     EngineDead,
     GenerateSpec,
@@ -231,14 +231,24 @@ def test_ready_response_has_the_25_keys_in_order():
     assert (partial.max_model_len, partial.vllm_version, partial.block_size) == (64, "0.31.0", 16)
 
 
-def test_layout_declares_the_positional_structs():
-    layout = vllm.LAYOUT
-    assert len(layout["request"]) == 22 and layout["request_required"] == 9
-    assert layout["request"][:2] == ["request_id", "prompt_token_ids"] and layout["request"][-1] == "kv_hints"
-    assert len(layout["output"]) == 18 and layout["output"][5:7] == ["finish_reason", "stop_reason"]
-    assert len(layout["outputs"]) == 9 and layout["outputs"][4] == "utility_output"
-    assert "_eos_token_id" in layout["sampling_keys"] and "eos_token_id" not in layout["sampling_keys"]
-    assert layout["finish_reasons"] == {"STOP": 0, "LENGTH": 1, "ABORT": 2, "ERROR": 3, "REPETITION": 4}
+def test_the_canonical_structs_are_vllm_0_32_0s_layout():
+    """wire/vllm.py declares 0.32.0's structs; its layout file (read from the wheel) must agree."""
+    layout = vllm_layout.load(vllm.VLLM_VERSION)
+
+    def names(struct: str) -> list[str]:
+        return [f["name"] for f in layout["structs"][struct]["fields"]]
+
+    for ours, theirs in ((vllm.EngineCoreRequest, "EngineCoreRequest"), (vllm.EngineCoreOutput, "EngineCoreOutput"),
+                         (vllm.EngineCoreOutputs, "EngineCoreOutputs"), (vllm.PoolingParams, "PoolingParams"),
+                         (vllm.UtilityOutput, "UtilityOutput")):
+        assert [f.encode_name for f in msgspec.structs.fields(ours)] == names(theirs), theirs
+    assert len(names("EngineCoreRequest")) == 22 and names("EngineCoreRequest")[-1] == "kv_hints"
+    assert sum(f["required"] for f in layout["structs"]["EngineCoreRequest"]["fields"]) == 9
+    assert names("EngineCoreOutput")[5:7] == ["finish_reason", "stop_reason"]
+    assert "_eos_token_id" in names("SamplingParams") and "eos_token_id" not in names("SamplingParams")
+    assert layout["enums"]["FinishReason"] == {"STOP": 0, "LENGTH": 1, "ABORT": 2, "ERROR": 3, "REPETITION": 4}
+    assert [f["name"] for f in layout["structs"]["EngineCoreReadyResponse"]["fields"]] == list(
+        vllm.ReadyResponse.__struct_fields__)
 
 
 def test_stats_map_with_nulls_and_unknown_keys_decodes():
