@@ -206,7 +206,8 @@ _REFERENCE_OTHER = [
          "warned at start-up", _WARN_TEST,
          why="it sizes the Rust servicer's tokio runtime; enginelink's servicer is one trio thread"),
     Knob("SMG_PAIRING_PROTOCOL", HONOURED, "PD pairing protocol advertised in GetServerInfo",
-         "advertised as given", "tests/test_kv_transfer.py::test_server_fields_from_the_engine_facts_and_the_pairing_protocol_env"),
+         "advertised as given",
+         "tests/test_kv_transfer.py::test_server_fields_from_the_engine_facts_and_the_pairing_protocol_env"),
     Knob("SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS", HONOURED, "1 lets media fetches reach non-public addresses",
          "honoured, checked at connect time",
          "tests/adversarial/test_adv_media.py::test_the_allow_knob_lets_loopback_through_and_nothing_else_changes",
@@ -357,8 +358,15 @@ def names(setting: str, contract: str) -> tuple[str, ...]:
 
 
 def closest(name: str) -> str | None:
-    """The known name nearest to ``name`` (difflib), if any is near."""
-    close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.6)
+    """The known name nearest to ``name`` (difflib), if any is near: judged on what follows the shared
+    prefix (every name shares ``SMG_`` or ``ENGINELINK_``, which would make anything look near), else on
+    the whole name, for a word put under the other prefix."""
+    prefix = next((p for p in PREFIXES if name.startswith(p)), "")
+    rests = {known[len(prefix):]: known for known in BY_NAME if prefix and known.startswith(prefix)}
+    close = difflib.get_close_matches(name[len(prefix):], list(rests), n=1, cutoff=0.6)
+    if close:
+        return rests[close[0]]
+    close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.8)
     return close[0] if close else None
 
 

@@ -94,15 +94,16 @@ def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 
 def add_servicer_impl_argument(parser: argparse.ArgumentParser, *, env: str, help: str,
-                               action: type[argparse.Action] | None = None) -> None:
+                               export: bool = False) -> None:
     """``--servicer-impl`` where missing, else ``enginelink`` added to the reference's own flag's choices
-    (its plugin registered first): the flag then means the same with or without the reference installed."""
+    (its plugin registered first): the flag then means the same with or without the reference installed.
+    With ``export`` the value also goes to ``env``, for a launcher whose namespace drops it."""
     existing = _actions(parser).get(SERVICER_IMPL_FLAG)
     if existing is None:
         kwargs: dict[str, Any] = {"dest": "servicer_impl", "default": None, "type": _choice,
                                   "choices": (*REFERENCE_IMPLS, IMPL), "help": f"{help} (default: ${env})"}
-        if action is not None:
-            kwargs["action"] = action
+        if export:
+            kwargs.update(action=EnvStoreAction, env_name=env)
         parser.add_argument(SERVICER_IMPL_FLAG, **kwargs)
     elif existing.choices is not None and IMPL not in existing.choices:
         existing.choices = (*existing.choices, IMPL)
@@ -128,13 +129,14 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, *, port_env: str, hos
     ``export`` their values also go to ``port_env`` / ``host_env``. Returns whether they were added."""
     if METRICS_PORT_FLAG in _actions(parser):
         return False
-    extra: dict[str, Any] = {}
-    parser.add_argument(METRICS_PORT_FLAG, dest="metrics_port", type=int, default=None,
-                        **({"action": EnvStoreAction, "env_name": port_env} if export else extra),
+
+    def exported(env: str) -> dict[str, Any]:
+        return {"action": EnvStoreAction, "env_name": env} if export else {}
+
+    parser.add_argument(METRICS_PORT_FLAG, dest="metrics_port", type=int, default=None, **exported(port_env),
                         help=f"the servicer's Prometheus /metrics port (default: ${port_env}, else no endpoint)")
     if METRICS_HOST_FLAG not in _actions(parser):
-        parser.add_argument(METRICS_HOST_FLAG, dest="metrics_host", default=None,
-                            **({"action": EnvStoreAction, "env_name": host_env} if export else extra),
+        parser.add_argument(METRICS_HOST_FLAG, dest="metrics_host", default=None, **exported(host_env),
                             help=f"the metrics listener's host (default: ${host_env})")
     return True
 

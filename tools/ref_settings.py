@@ -74,9 +74,8 @@ class Resolved:
         """The start-up line: every setting a flag or a variable decided, and which did."""
         decided = [f"{name}={value.value} ({value.label})" for name, value in self.values.items()
                    if value.source != DEFAULT]
-        if not decided:
-            return "settings (flag > ENGINELINK_* > SMG_* > default): all at their defaults"
-        return "settings (flag > ENGINELINK_* > SMG_* > default): " + ", ".join(decided) + "; the rest at their defaults"
+        head = "settings (flag > ENGINELINK_* > SMG_* > default): "
+        return head + (", ".join(decided) + "; the rest at their defaults" if decided else "all at their defaults")
 
     def media_line(self) -> str:
         """The reference's own start-up line for worker-side media processing, with its source."""
