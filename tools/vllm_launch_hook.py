@@ -47,12 +47,15 @@ PTH_LINE = ("import importlib.util as _u; _s = _u.find_spec('enginelink.tools.vl
 
 def launched_module(argv: list[str]) -> str | None:
     """The module of ``python [options] -m MODULE ...``, from the interpreter's original command line."""
-    for index, word in enumerate(argv[1:], start=1):
+    words = iter(argv[1:])
+    for word in words:
         if word == "-m":
-            return argv[index + 1] if index + 1 < len(argv) else None
+            return next(words, None)
         if word.startswith("-m") and len(word) > 2:
             return word[2:]
-        if word == "-c" or not word.startswith("-"):
+        if word in ("-X", "-W"):  # the interpreter's options that take a value
+            next(words, None)
+        elif word == "-c" or not word.startswith("-"):
             return None
     return None
 
