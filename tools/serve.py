@@ -469,25 +469,27 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
 
 
 def reference_settings(args: argparse.Namespace) -> ref_settings.Resolved:
-    """The reference's flags and variables for this start, and its start-up lines: which implementation
-    (under a launcher), worker-side media processing, every setting a flag or variable decided (and which),
-    then one WARNING per variable that cannot apply (``tools/knobs.py``)."""
+    """The reference's flags and variables for this start (``tools/ref_settings.py``)."""
     from enginelink.runtime.lifetime.engines import choose
 
     try:
         choice = choose(args.engine, getattr(args, "wire", None))
     except KeyError as error:
         raise ConfigError(error.args[0]) from None
-    ref = ref_settings.resolve(args, os.environ, choice.contract, args.engine)
+    return ref_settings.resolve(args, os.environ, choice.contract, args.engine)
+
+
+def log_reference_settings(args: argparse.Namespace, ref: ref_settings.Resolved) -> None:
+    """The start-up lines, once the configuration is accepted (a refused one prints only its refusal): which
+    implementation (under a launcher), worker-side media processing, every setting a flag or a variable
+    decided (and which), then one WARNING per variable that cannot apply here (``tools/knobs.py``)."""
     log = logging.getLogger("enginelink")
     if getattr(args, "servicer_impl_source", None):
         log.info("servicer implementation: %s (source=%s)", ref_flags.IMPL, args.servicer_impl_source)
-    if not ref.refusals:
-        log.info("%s", ref.media_line())
-        log.info("%s", ref.line())
+    log.info("%s", ref.media_line())
+    log.info("%s", ref.line())
     for line in ref.warnings:
         log.warning("%s", line)
-    return ref
 
 
 def run(args: argparse.Namespace) -> int:
@@ -511,6 +513,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, InputKnobError, MediaKnobError) as error:
         print(f"enginelink serve: {error}", file=sys.stderr)
         return 2
+    log_reference_settings(args, ref)
     from enginelink.runtime.lifetime import core
     from enginelink.runtime.lifetime.server import serve
 
