@@ -173,9 +173,11 @@ def parse_warmup_knob(
     )
 
 
-def warmup_setting(environ: Mapping[str, str], default_budget_s: float = DEFAULT_BUDGET_S) -> WarmupSetting:
-    """The setting from the environment: ``ENGINELINK_WARMUP``, else the reference's knob."""
-    for knob in (OWN_KNOB, KNOB):
+def warmup_setting(environ: Mapping[str, str], default_budget_s: float = DEFAULT_BUDGET_S,
+                   knobs: tuple[str, ...] = (OWN_KNOB, KNOB)) -> WarmupSetting:
+    """The setting from the environment: the first of ``knobs`` set (``ENGINELINK_WARMUP``, else the
+    reference's knob; the caller names the served engine's, ``tools/knobs.py``)."""
+    for knob in knobs:
         value = environ.get(knob)
         if value and value.strip():
             return parse_warmup_knob(value, default_budget_s, knob=knob)

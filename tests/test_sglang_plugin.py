@@ -73,7 +73,7 @@ def test_the_entry_points_import_is_answered_with_enginelinks_and_serve_grpc_run
             module.serve_grpc(object())  # what asyncio.run(serve_grpc(server_args)) evaluates first
         assert exited.value.code == 2
         assert ran == [["serve", "--engine", "sglang", "--model", "/models/tiny", "--host", "127.0.0.1",
-                        "--port", "31001", "--", "--mem-fraction-static", "0.8"]]
+                        "--port", "31001", "--servicer-impl-source", "env", "--", "--mem-fraction-static", "0.8"]]
         assert os.environ["ENGINELINK_SGLANG_PYTHON"] == sys.executable
     finally:
         os.environ.pop("ENGINELINK_SGLANG_PYTHON", None)

@@ -34,9 +34,23 @@ def test_ts_serves_command_line_becomes_serve_engine_tokenspeed():
     assert translate(["--host", "127.0.0.1", "--port", "50051", "--model-path", "/m", "--tp-size", "1",
                       "--rl-control-port", "4242"]) == [
         "serve", "--engine", "tokenspeed", "--host", "127.0.0.1", "--port", "50051", "--model", "/m",
-        "--", "--tp-size", "1", "--rl-control-port", "4242"]
+        "--servicer-impl-source", "TS_SERVE_ENGINE_MODULE", "--", "--tp-size", "1", "--rl-control-port", "4242"]
     assert translate(["--host=0.0.0.0", "--port=1", "--model=/w"]) == [
-        "serve", "--engine", "tokenspeed", "--host", "0.0.0.0", "--port", "1", "--model", "/w"]
+        "serve", "--engine", "tokenspeed", "--host", "0.0.0.0", "--port", "1", "--model", "/w",
+        "--servicer-impl-source", "TS_SERVE_ENGINE_MODULE"]
+
+
+def test_the_references_servicer_flags_reach_the_servicer():
+    """``python -m smg_grpc_servicer.tokenspeed`` takes --servicer-impl, --metrics-port and --metrics-host ahead of
+    TokenSpeed's flags: here they are enginelink serve's, and never reach the engine's arguments."""
+    serve_args = translate(["--host", "h", "--port", "1", "--model-path", "/m", "--metrics-port", "9100",
+                            "--metrics-host=0.0.0.0", "--servicer-impl", "enginelink", "--tp-size", "2"])
+    assert serve_args == ["serve", "--engine", "tokenspeed", "--host", "h", "--port", "1", "--model", "/m",
+                          "--metrics-port", "9100", "--metrics-host", "0.0.0.0",
+                          "--servicer-impl-source", "TS_SERVE_ENGINE_MODULE", "--", "--tp-size", "2"]
+    for impl in ("rust", "python"):
+        with pytest.raises(ValueError, match=f"--servicer-impl {impl} asks for the reference servicer's"):
+            translate(["--host", "h", "--port", "1", "--model-path", "/m", "--servicer-impl", impl])
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -44,6 +58,7 @@ def test_ts_serves_command_line_becomes_serve_engine_tokenspeed():
     (["--host", "h", "--port", "x", "--model-path", "/m"], "not a port number"),
     (["--host", "h", "--port", "1"], "--model-path is missing"),
     (["--host", "h", "--port", "1", "--model-path"], "--model-path needs a value"),
+    (["--host", "h", "--port", "1", "--model-path", "/m", "--servicer-impl=rust"], "asks for the reference"),
 ])
 def test_a_command_line_it_cannot_read_exits_2_saying_why(argv, words):
     done = subprocess.run([sys.executable, "-m", MODULE, *argv], capture_output=True, text=True, timeout=60)

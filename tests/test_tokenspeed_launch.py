@@ -25,7 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from enginelink.runtime.engine import engine_compat
 from enginelink.runtime.engine.launchers import LauncherError
 from enginelink.runtime.engine.tokenspeed_launch import ENGINE_MODULE, TokenSpeedLauncher, check_engine_args
-from tests.harness import Servicer
+from tests.harness import Servicer, free_port
 from tests.router.test_router_e2e import journal
 from tests.test_operator import refused_with_one_line, serve
 from tests.wire.engine_venvs import LAYOUTS, side_python_or_skip
@@ -132,6 +132,31 @@ def test_the_launch_path_end_to_end_through_a_stand_in_interpreter(tmp_path, tes
         launches = [p["message"] for _, _, kind, p in journal(servicer)
                     if kind == "engine.handshake" and p["step"] == "launch"]
         assert launches and launches[-1]["handshake"] == f"tcp://127.0.0.1:{port}"
+
+
+def test_the_reference_handshake_port_pins_the_handshake(tmp_path, test_model_dir):
+    """SMG_TOKENSPEED_SERVICER_HANDSHAKE_PORT: the TCP port TokenSpeed's ranks dial, as the reference pins it;
+    a port already taken is refused before anything starts."""
+    stand_in = tmp_path / "ts-python"
+    stand_in.write_text(STAND_IN.replace("{python}", sys.executable).replace("{module}", ENGINE_MODULE))
+    stand_in.chmod(0o755)
+    recorded = tmp_path / "argv.json"
+    pinned = free_port()
+    env = {"ENGINELINK_TOKENSPEED_PYTHON": str(stand_in), "ENGINELINK_TOKENSPEED_LAYOUT_FILE": str(LAYOUT_FILE),
+           "TS_STAND_IN_ARGV": str(recorded), "ENGINELINK_WARMUP": "off",
+           "SMG_TOKENSPEED_SERVICER_HANDSHAKE_PORT": str(pinned)}
+    with Servicer(tmp_path, model_dir=test_model_dir, extra=["--engine", "tokenspeed"], env=env,
+                  health_service=SERVICE) as servicer:
+        argv = json.loads(recorded.read_text())
+        assert argv[argv.index("--data-parallel-rpc-port") + 1] == str(pinned)
+        launches = [p["message"] for _, _, kind, p in journal(servicer)
+                    if kind == "engine.handshake" and p["step"] == "launch"]
+        assert launches[-1]["handshake"] == f"tcp://127.0.0.1:{pinned}"
+        assert f"handshake_port={pinned} (SMG_TOKENSPEED_SERVICER_HANDSHAKE_PORT)" in servicer.log()
+        # Taken (by the servicer above): one line, exit 2.
+        line = refused_with_one_line(serve(tmp_path, "--engine", "tokenspeed", "--model", test_model_dir,
+                                           "--port", free_port(), env=env))
+        assert f"SMG_TOKENSPEED_SERVICER_HANDSHAKE_PORT={pinned}: the handshake port is not free" in line
 
 
 def test_the_installed_0_1_1_release_passes_the_launch_check(tmp_path):

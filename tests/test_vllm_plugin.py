@@ -7,6 +7,7 @@ router) is tests/vllm/test_vllm_launcher_plugin.py; these need no vLLM.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import pytest
 
@@ -130,3 +131,88 @@ def test_a_bad_knob_on_a_headless_parse_is_a_usage_error(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         vllm_plugin.after_parse(parser, None, parsed)
     assert exit_.value.code == 2 and CAPTURE_CAP_ENV in capsys.readouterr().err
+
+
+# -- the reference's flags (issue 32 item 3) ---------------------------------------------------
+
+
+def test_the_references_flags_join_a_grpc_parser_and_reach_the_servicer():
+    from enginelink.tools import ref_flags, ref_settings
+
+    parser = serve_parser()
+    ref_flags.add_media_arguments(parser)  # vLLM's own engine flags, as its parser defines them
+    vllm_plugin.add_flags(parser)
+    args = ["/models/m", "--grpc", "--servicer-impl", "enginelink", "--mm-processor", "InProcess",
+            "--mm-max-items", "3", "--mm-max-item-bytes", "1000", "--mm-fetch-timeout-ms", "500",
+            "--allowed-local-media-path", "/media", "--allowed-media-domains", "a.example", "b.example",
+            "--metrics-port", "9000", "--metrics-host", "127.0.0.2", "--max-model-len", "1024"]
+    parsed = parser.parse_args(args)
+    parsed.model = parsed.model_tag  # as vllm serve's subcommand sets it
+    kept, unused = split_engine_args(parser, args, ENGINE_DESTS | {"allowed_local_media_path",
+                                                                  "allowed_media_domains"})
+    # The servicer's flags are not the engine's; vLLM's media flags are both.
+    assert kept == ["--allowed-local-media-path", "/media", "--allowed-media-domains", "a.example", "b.example",
+                    "--max-model-len", "1024"]
+    assert unused == []
+    ns = serve_namespace(parsed, kept, selected_by="flag")
+    assert (ns.mm_processor, ns.mm_max_items, ns.allowed_media_domains) == ("inprocess", 3, ["a.example",
+                                                                                          "b.example"])
+    assert ns.servicer_impl_source == "flag"
+    ref = ref_settings.resolve(ns, {"SMG_VLLM_MM_MAX_ITEMS": "9", "SMG_VLLM_MM_MAX_INFLIGHT": "4"}, "vllm", "vllm")
+    assert {k: ref.source(k) for k in ("mm_processor", "mm_max_items", "mm_max_inflight", "mm_max_item_bytes",
+                                       "metrics_port", "metrics_host")} == {
+        "mm_processor": "flag", "mm_max_items": "flag", "mm_max_inflight": "SMG_VLLM_MM_MAX_INFLIGHT",
+        "mm_max_item_bytes": "flag", "metrics_port": "flag", "metrics_host": "flag"}
+    assert ref.exports["ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH"] == "/media"
+
+
+def test_the_stock_launchers_own_parser_serves_grpc_when_it_runs_as_main(monkeypatch):
+    """``python -m vllm.entrypoints.launchers.grpc_server``: no --grpc, its --port, run as __main__; with the
+    reference installed its module is the running one, and selecting enginelink rebinds its serve_grpc."""
+    import types
+
+    stock = argparse.ArgumentParser()
+    stock.add_argument("--port", type=int, default=50051)
+    stock.add_argument("--model")
+    assert not vllm_plugin.serves_grpc(stock)  # any other program's parser is left alone
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="vllm.entrypoints.launchers.grpc_server")
+    main.serve_grpc = "the stock one"
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(vllm_plugin, "_handover", None)
+    monkeypatch.setenv("SMG_VLLM_SERVICER_IMPL", "enginelink")
+    assert vllm_plugin.serves_grpc(stock)
+    vllm_plugin.add_flags(stock)
+    parsed = stock.parse_args(["--model", "/m", "--mm-processor", "inprocess"])
+    vllm_plugin.after_parse(stock, ["--model", "/m", "--mm-processor", "inprocess"], parsed)
+    assert vllm_plugin.handover().source == "env"
+    from enginelink.tools import vllm_grpc_launcher
+    assert main.serve_grpc is vllm_grpc_launcher.serve_grpc
+
+
+@pytest.mark.parametrize("argv, env, taken", [
+    (["python", "-m", "vllm.entrypoints.launchers.grpc_server", "--servicer-impl", "enginelink"], {}, True),
+    (["python", "-X", "dev", "-m", "vllm.entrypoints.grpc_server", "--model", "m"],
+     {"SMG_VLLM_SERVICER_IMPL": "enginelink"}, True),
+    (["python", "-mvllm.entrypoints.grpc_server", "--servicer-impl=enginelink"], {}, True),
+    (["python", "-m", "vllm.entrypoints.launchers.grpc_server", "--servicer-impl", "python"],
+     {"SMG_VLLM_SERVICER_IMPL": "enginelink"}, False),  # the flag wins
+    (["python", "-m", "vllm.entrypoints.launchers.grpc_server"], {}, False),  # not selected
+    (["python", "-m", "vllm.entrypoints.launchers.grpc_server", "--servicer-impl", "enginelink"],
+     {"VLLM_PLUGINS": "someone-else"}, False),  # VLLM_PLUGINS leaves enginelink out
+    (["python", "-m", "vllm.entrypoints.cli.main", "--servicer-impl", "enginelink"], {}, False),
+    (["python", "-c", "-m vllm.entrypoints.grpc_server", "--servicer-impl", "enginelink"], {}, False),
+    (["python", "script.py", "-m", "vllm.entrypoints.grpc_server"], {"SMG_VLLM_SERVICER_IMPL": "enginelink"}, False),
+])  # fmt: skip
+def test_the_start_up_hook_takes_only_a_selected_python_m_launcher(argv, env, taken, monkeypatch):
+    from enginelink.tools import vllm_launch_hook
+
+    before = list(sys.meta_path)
+    try:
+        assert vllm_launch_hook.install(argv, env) is taken
+        assert (sys.meta_path != before) is taken
+        if taken:
+            spec = sys.meta_path[0].find_spec(vllm_launch_hook.TARGET)
+            assert spec.origin == str(vllm_launch_hook.SUBSTITUTE) and spec.loader.get_code(spec.name)
+    finally:
+        sys.meta_path[:] = before

@@ -30,6 +30,7 @@ from enginelink.runtime.engine.launchers import (
 from enginelink.runtime.engine.model_dir import ModelDirError, read_model_facts
 from enginelink.runtime.requests.inputs import InputKnobError, input_limits
 from enginelink.runtime.requests.media import MediaKnobError, media_settings
+from enginelink.tools import knobs, ref_flags, ref_settings
 
 
 class ConfigError(Exception):
@@ -94,23 +95,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="journal file (default: journal-<port>.sqlite under the state dir); the last "
                         "ENGINELINK_JOURNAL_KEEP runs' files are kept beside it as .prev, .prev2, ...")
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus /metrics on this port (default: none; SMG_VLLM_SERVICER_METRICS_PORT)")
+                   help="serve Prometheus /metrics on this port (default: SMG_<ENGINE>_SERVICER_METRICS_PORT of the "
+                        "served contract, else SMG_VLLM_SERVICER_METRICS_PORT, else none)")
     p.add_argument("--metrics-host", default=None,
-                   help="metrics host (default: SMG_VLLM_SERVICER_METRICS_HOST, else the gRPC --host, as the "
-                        "reference's)")
+                   help="metrics host (default: SMG_<ENGINE>_SERVICER_METRICS_HOST, else "
+                        "SMG_VLLM_SERVICER_METRICS_HOST, else the gRPC --host, as the reference's)")
     p.add_argument("--log-level", default=os.environ.get("ENGINELINK_LOG_LEVEL", "INFO"), metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default INFO; ENGINELINK_LOG_LEVEL)")
-    p.add_argument("--mm-processor", choices=["inprocess"], default=None,
-                   help="fetch media_refs URLs on this worker (default off; SMG_VLLM_MM_PROCESSOR)")
-    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                   help="accept file: media refs under DIR (default none; ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH)")
-    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
-                   help="fetch http(s) media refs (and their redirects) from these hosts only, matched exactly "
-                        "as vLLM does (default: vLLM's own --allowed-media-domains among the engine arguments, "
-                        "else ENGINELINK_ALLOWED_MEDIA_DOMAINS, else any public host)")
+    # The reference servicer's media flags, and vLLM's own (docs/compatibility.md says what each does here).
+    ref_flags.add_mm_arguments(p)
+    ref_flags.add_media_arguments(p)
     p.add_argument("--allow-untested-vllm", action="store_true",
                    help="--engine vllm: run a vLLM release outside 0.28.0-0.34.0 when its wire layout matches "
                         "enginelink's codec (default: refused; ENGINELINK_ALLOW_UNTESTED_VLLM=1; docs/vllm-releases.md)")
+    # Which launcher selected enginelink, and how (flag, env, module): its start-up line (docs/launchers.md).
+    p.add_argument("--servicer-impl-source", default=None, help=argparse.SUPPRESS)
     p.set_defaults(engine_args=[])
 
 
@@ -248,26 +247,56 @@ def _journal_keep() -> int:
         raise ConfigError(str(error)) from None
 
 
-def _warmup():
+def _warmup(contract: str):
     from enginelink.machines.warmup import WarmupKnobError, warmup_setting
 
     try:
-        return warmup_setting(os.environ)
+        return warmup_setting(os.environ, knobs=knobs.names("warmup", contract))
     except WarmupKnobError as error:
         raise ConfigError(str(error)) from None
 
 
-def _metrics_port(args: argparse.Namespace) -> int | None:
-    port = args.metrics_port
-    if port is None:
-        port = _env_int("SMG_VLLM_SERVICER_METRICS_PORT", "a port number")
-        if port is None:
-            return None
+def _port(setting: ref_settings.Value, what: str) -> int | None:
+    """A port setting (a flag's int, or a variable's text), 1..65535; None when unset."""
+    if setting.value is None:
+        return None
+    try:
+        port = int(setting.value)
+    except ValueError:
+        raise ConfigError(f"{setting.label}={setting.value!r}: expected a port number") from None
     if not 0 < port < 65536:
-        raise ConfigError(f"metrics port {port}: expected 1..65535")
-    if port == args.port:
+        raise ConfigError(f"{what} {port} ({setting.label}): expected 1..65535")
+    return port
+
+
+def _handshake_port(ref: ref_settings.Resolved) -> int | None:
+    """TokenSpeed's TCP handshake port when pinned (SMG_TOKENSPEED_SERVICER_HANDSHAKE_PORT; 0: a free one),
+    checked free now: a port in use is the operator's to change, exit 2 before anything starts."""
+    import socket
+
+    setting = ref.values.get("handshake_port")
+    if setting is None or str(setting.value).strip() == "0":
+        return None
+    port = _port(setting, "handshake port")
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as error:
+            raise ConfigError(f"{setting.label}={port}: the handshake port is not free ({error.strerror})") from None
+    return port
+
+
+def _metrics_port(args: argparse.Namespace, ref: ref_settings.Resolved) -> int | None:
+    port = _port(ref.values["metrics_port"], "metrics port")
+    if port is not None and port == args.port:
         raise ConfigError(f"metrics port {port} is the gRPC port; pick another --metrics-port")
     return port
+
+
+def _seconds(setting: str, contract: str, default: float, positive: bool = False) -> float:
+    """A seconds setting from its variables (``knobs.names``: ENGINELINK_* first, then the contract's SMG_*)."""
+    names = knobs.names(setting, contract)
+    return (_env_positive if positive else _env_seconds)(*names, default=default)
 
 
 def _check_socket_dir() -> None:
@@ -280,7 +309,7 @@ def _check_socket_dir() -> None:
         raise ConfigError(str(error)) from None
 
 
-def _kv_events(engine: str, engine_args: list[str]):
+def _kv_events(engine: str, engine_args: list[str], contract: str):
     """The engine args with the KV-event publisher turned on (unless off or given), and the relay's plan."""
     from enginelink.runtime.engine.socket_files import SOCKET_PREFIX, socket_dir
     from enginelink.runtime.engine.socket_files import SocketDirError
@@ -292,7 +321,8 @@ def _kv_events(engine: str, engine_args: list[str]):
         raise ConfigError(str(error)) from None
     try:
         return plan_kv_events(engine, engine_args, os.environ, socket_dir=directory,
-                              prefix=f"{SOCKET_PREFIX}{os.getpid()}-{engine}")  # fmt: skip
+                              prefix=f"{SOCKET_PREFIX}{os.getpid()}-{engine}",
+                              knobs=knobs.names("kv_events", contract))  # fmt: skip
     except KvConfigError as error:
         raise ConfigError(str(error)) from None
 
@@ -420,7 +450,7 @@ def _engine_model(args: argparse.Namespace, source, tokenizer, engine_args: list
     return engine_model, engine_args + engine_flags(args.engine, engine_args, settings)
 
 
-def build_config(args: argparse.Namespace):
+def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = None):
     from enginelink.runtime.engine.placement import (
         PLACEMENT_CHOICES,
         PLACEMENT_DEFAULT,
@@ -437,6 +467,8 @@ def build_config(args: argparse.Namespace):
         choice = choose(args.engine, getattr(args, "wire", None))
     except KeyError as error:
         raise ConfigError(error.args[0]) from None
+    if ref is None:
+        ref = ref_settings.resolve(args, os.environ, choice.contract, args.engine)
     source, tokenizer, model = _model(args)
     model_dir = source.local_dir
     if args.engine == "mlx":  # one rank, no KV-event publisher (mlx-lm has neither)
@@ -446,7 +478,7 @@ def build_config(args: argparse.Namespace):
         _check_socket_dir()  # as _kv_events does for the others: exit 2 before anything starts
         ranks = _engine_ranks(args.engine, engine_args)
     else:
-        engine_args, kv_events = _kv_events(args.engine, list(args.engine_args))
+        engine_args, kv_events = _kv_events(args.engine, list(args.engine_args), choice.contract)
         ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
     if choice.contract == "sglang":
         from enginelink.runtime.rpc.grpc_sglang import health_check_timeout_s
@@ -469,6 +501,7 @@ def build_config(args: argparse.Namespace):
         launcher = _vllm_launcher(engine_model, engine_args, getattr(args, "allow_untested_vllm", False))
     elif args.engine == "tokenspeed":
         launcher = _tokenspeed_launcher(engine_model, engine_args)
+        launcher.handshake_port = _handshake_port(ref)
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args, engine=choice.codec)
     launcher.ranks = ranks
@@ -482,30 +515,24 @@ def build_config(args: argparse.Namespace):
         port=args.port,
         journal_path=args.journal or default_journal_path(args.port),
         journal_keep=_journal_keep(),
-        startup_timeout_s=_env_seconds(
-            "ENGINELINK_STARTUP_TIMEOUT_SECS", "SMG_VLLM_SERVICER_STARTUP_TIMEOUT_SECS", default=1800.0
-        ),
-        startup_ceiling_s=_env_seconds(
-            "ENGINELINK_STARTUP_CEILING_SECS", "SMG_VLLM_SERVICER_STARTUP_CEILING_SECS", default=14400.0
-        ),
-        silence_timeout_s=_env_positive(
-            "ENGINELINK_SILENCE_TIMEOUT_SECS", "SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS", default=300.0
-        ),
-        prefill_tokens_per_s=_env_positive(
-            "ENGINELINK_PREFILL_TOKENS_PER_SEC", "SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", default=2000.0
-        ),
-        drain_s=_env_seconds("ENGINELINK_DRAIN_SECS", "SMG_VLLM_SERVICER_DRAIN_SECS", default=5.0),
+        # ENGINELINK_* first, then the served contract's SMG_<ENGINE>_SERVICER_*, then SMG_VLLM_SERVICER_*.
+        startup_timeout_s=_seconds("startup_timeout_s", choice.contract, 1800.0),
+        startup_ceiling_s=_seconds("startup_ceiling_s", choice.contract, 14400.0),
+        silence_timeout_s=_seconds("silence_timeout_s", choice.contract, 300.0, positive=True),
+        prefill_tokens_per_s=_seconds("prefill_tokens_per_s", choice.contract, 2000.0, positive=True),
+        drain_s=_seconds("drain_s", choice.contract, 5.0),
         engine_stop_grace_s=_env_seconds("ENGINELINK_ENGINE_STOP_GRACE_SECS", default=ENGINE_STOP_GRACE_S),
         idle_probe_s=_env_seconds("ENGINELINK_IDLE_PROBE_SECS", default=IDLE_PROBE_INTERVAL_S),
         idle_probe_timeout_s=_env_positive("ENGINELINK_IDLE_PROBE_TIMEOUT_SECS", default=IDLE_PROBE_TIMEOUT_S),
         engine_nice=_engine_nice(),
         servicer_sched=_env_choice("ENGINELINK_SERVICER_SCHED", SERVICER_SCHED_CHOICES, SERVICER_SCHED_DEFAULT),
         placement=_env_choice("ENGINELINK_PLACEMENT", PLACEMENT_CHOICES, PLACEMENT_DEFAULT),
-        warmup=_warmup(),
-        # As the reference's: the flag, its variable, else the gRPC listener's host (a scraper reaches
-        # /metrics wherever it reaches the gRPC port, e.g. under `vllm serve --grpc`, which binds 0.0.0.0).
-        metrics_host=args.metrics_host or os.environ.get("SMG_VLLM_SERVICER_METRICS_HOST") or args.host,
-        metrics_port=_metrics_port(args),
+        warmup=_warmup(choice.contract),
+        # As the reference's: --metrics-host, else the contract's SMG_*_METRICS_HOST, else SMG_VLLM_*'s, else
+        # the gRPC listener's host (a scraper reaches /metrics wherever it reaches the gRPC port, e.g. under
+        # `vllm serve --grpc`, which binds 0.0.0.0).
+        metrics_host=ref.get("metrics_host") or args.host,
+        metrics_port=_metrics_port(args, ref),
         kv_events=kv_events,
         grpc_limits=_grpc_limits(),
         fast_path=_fast_path(),
@@ -535,6 +562,30 @@ def _allowed_media_domains(args: argparse.Namespace) -> None:
         os.environ[ALLOWED_DOMAINS_ENV] = ",".join(chosen)
 
 
+def reference_settings(args: argparse.Namespace) -> ref_settings.Resolved:
+    """The reference's flags and variables for this start (``tools/ref_settings.py``)."""
+    from enginelink.runtime.lifetime.engines import choose
+
+    try:
+        choice = choose(args.engine, getattr(args, "wire", None))
+    except KeyError as error:
+        raise ConfigError(error.args[0]) from None
+    return ref_settings.resolve(args, os.environ, choice.contract, args.engine)
+
+
+def log_reference_settings(args: argparse.Namespace, ref: ref_settings.Resolved) -> None:
+    """The start-up lines, once the configuration is accepted (a refused one prints only its refusal): which
+    implementation (under a launcher), worker-side media processing, every setting a flag or a variable
+    decided (and which), then one WARNING per variable that cannot apply here (``tools/knobs.py``)."""
+    log = logging.getLogger("enginelink")
+    if getattr(args, "servicer_impl_source", None):
+        log.info("servicer implementation: %s (source=%s)", ref_flags.IMPL, args.servicer_impl_source)
+    log.info("%s", ref.media_line())
+    log.info("%s", ref.line())
+    for line in ref.warnings:
+        log.warning("%s", line)
+
+
 def run(args: argparse.Namespace) -> int:
     level = str(args.log_level).strip().upper()
     if level not in LOG_LEVELS:
@@ -543,13 +594,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = build_config(args)
+        ref = reference_settings(args)
+        if ref.refusals:  # a feature enginelink does not have: one line each, before anything starts
+            for line in ref.refusals:
+                print(f"enginelink serve: {line}", file=sys.stderr)
+            return 2
+        # The flags of the media knobs stand for their variables, which the media settings read.
+        os.environ.update(ref.exports)
+        config = build_config(args, ref)
         input_limits()  # the ENGINELINK_MAX_* request-input knobs: a bad one is refused here
-        # The reference's flags for the media knobs stand for their environment variables.
-        for flag, name in (("mm_processor", "SMG_VLLM_MM_PROCESSOR"),
-                           ("allowed_local_media_path", "ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH")):
-            if getattr(args, flag, None) is not None:
-                os.environ[name] = getattr(args, flag)
         _allowed_media_domains(args)
         settings = media_settings()  # SMG_VLLM_MM_* and the media-host knobs: a bad one is refused here
         if settings.enabled and not settings.allowed_domains:
@@ -559,6 +612,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, InputKnobError, MediaKnobError) as error:
         print(f"enginelink serve: {error}", file=sys.stderr)
         return 2
+    log_reference_settings(args, ref)
     from enginelink.runtime.lifetime import core
     from enginelink.runtime.lifetime.server import serve
 

@@ -14,8 +14,11 @@ this interpreter), exactly as ``enginelink serve --engine sglang`` launches it.
 
 What goes where (:func:`handover_args`): ``--model-path``/``--model`` is
 the model directory; ``--host`` (SGLang's default 127.0.0.1) and ``--port``
-(its default 30000) the gRPC listener; ``--smg-grpc-mode``, ``--grpc-mode``
-and ``--skip-tokenizer-init`` are dropped (enginelink sets the last itself);
+(its default 30000) the gRPC listener; the reference's ``--metrics-port`` and
+``--metrics-host`` the servicer's Prometheus endpoint (else
+``SMG_SGLANG_SERVICER_METRICS_*``); ``--smg-grpc-mode``, ``--grpc-mode``,
+``--servicer-impl`` (it selected enginelink: ``tools/sglang_plugin.py``) and
+``--skip-tokenizer-init`` are dropped (enginelink sets the last itself);
 every other argument goes to the scheduler as given.
 """
 
@@ -29,7 +32,8 @@ __all__ = ["serve_grpc", "handover_args"]
 SGLANG_HOST_DEFAULT = "127.0.0.1"
 SGLANG_PORT_DEFAULT = "30000"
 _DROPPED = ("--smg-grpc-mode", "--grpc-mode", "--skip-tokenizer-init")
-_VALUES = {"--model-path": "model", "--model": "model", "--host": "host", "--port": "port"}
+_VALUES = {"--model-path": "model", "--model": "model", "--host": "host", "--port": "port",
+           "--servicer-impl": "servicer_impl", "--metrics-port": "metrics_port", "--metrics-host": "metrics_host"}
 
 
 def server_arguments(argv: list[str]) -> list[str]:
@@ -37,8 +41,9 @@ def server_arguments(argv: list[str]) -> list[str]:
     return argv[2:] if len(argv) > 1 and argv[1] == "serve" else argv[1:]
 
 
-def handover_args(args: list[str]) -> list[str]:
-    """SGLang's server arguments as ``enginelink serve``'s (without the program and ``serve``)."""
+def handover_args(args: list[str], selected_by: str | None = None) -> list[str]:
+    """SGLang's server arguments as ``enginelink serve``'s (without the program and ``serve``); ``selected_by``
+    (flag, env) is what selected enginelink, for its start-up line."""
     taken = {"host": SGLANG_HOST_DEFAULT, "port": SGLANG_PORT_DEFAULT, "model": None}
     engine: list[str] = []
     index = 0
@@ -60,6 +65,11 @@ def handover_args(args: list[str]) -> list[str]:
     if not taken["model"]:
         raise SystemExit("enginelink: --model-path is required (the model directory the scheduler loads)")
     out = ["--engine", "sglang", "--model", taken["model"], "--host", taken["host"], "--port", taken["port"]]
+    for name in ("metrics_port", "metrics_host"):
+        if taken.get(name):
+            out += [f"--{name.replace('_', '-')}", taken[name]]
+    if selected_by:
+        out += ["--servicer-impl-source", selected_by]
     return [*out, "--", *engine] if engine else out
 
 
@@ -67,5 +77,7 @@ def serve_grpc(server_args=None, model_info=None):
     """Run ``enginelink serve --engine sglang`` with this launcher's arguments; never returns."""
     os.environ.setdefault("ENGINELINK_SGLANG_PYTHON", sys.executable)
     from enginelink.tools.cli import main
+    from enginelink.tools.sglang_plugin import selection
 
-    sys.exit(main(["serve", *handover_args(server_arguments(sys.argv))]))
+    arguments = server_arguments(sys.argv)
+    sys.exit(main(["serve", *handover_args(arguments, selected_by=selection(arguments)[1])]))

@@ -6,9 +6,15 @@ engine servicer as ``<its python> -m $TS_SERVE_ENGINE_MODULE --host H --port P
 default), then waits for ``grpc.health.v1`` ``""`` to say SERVING and puts its
 smg gateway in front. This module takes exactly that command line and becomes
 ``enginelink serve --engine tokenspeed --host H --port P --model M -- [the rest]``:
-the model comes out of ``--model-path`` / ``--model``; every other engine
-argument (``--tp-size``, the ``--rl-control-port`` ts adds, ...) goes to
-TokenSpeed's headless engine as given.
+the model comes out of ``--model-path`` / ``--model``; the reference
+servicer's own flags (``python -m smg_grpc_servicer.tokenspeed`` takes them
+ahead of TokenSpeed's) are the servicer's, never the engine's:
+``--metrics-port`` / ``--metrics-host`` become ``enginelink serve``'s (else
+``SMG_TOKENSPEED_SERVICER_METRICS_*``, which ts passes on in the environment),
+and ``--servicer-impl`` may only say ``enginelink`` (this module is the
+selection: ``python`` or ``rust`` asks for the reference's servicer, exit 2);
+every other engine argument (``--tp-size``, the ``--rl-control-port`` ts
+adds, ...) goes to TokenSpeed's headless engine as given.
 
 Two interpreters are involved, on purpose: ts runs this module with the
 TokenSpeed venv's python, and TokenSpeed's PyPI metadata pins forks of
@@ -29,9 +35,12 @@ from __future__ import annotations
 import os
 import sys
 
-USAGE = "usage: python -m enginelink.tools.tokenspeed_entry --host HOST --port PORT --model-path MODEL [ENGINE ARGS]"
+USAGE = ("usage: python -m enginelink.tools.tokenspeed_entry --host HOST --port PORT --model-path MODEL "
+         "[--metrics-port P] [--metrics-host H] [ENGINE ARGS]")
 # Flags this module reads off ts's command line: (flag, where enginelink takes it).
-_OWN = {"--host": "--host", "--port": "--port", "--model-path": "--model", "--model": "--model"}
+_OWN = {"--host": "--host", "--port": "--port", "--model-path": "--model", "--model": "--model",
+        "--metrics-port": "--metrics-port", "--metrics-host": "--metrics-host", "--servicer-impl": "--servicer-impl"}
+IMPL = "enginelink"
 
 
 def translate(argv: list[str]) -> list[str]:
@@ -56,8 +65,18 @@ def translate(argv: list[str]) -> list[str]:
             raise ValueError(f"{'--model-path' if needed == '--model' else needed} is missing")
     if not taken["--port"].isdigit():
         raise ValueError(f"--port {taken['--port']!r} is not a port number")
+    impl = taken.pop("--servicer-impl", IMPL).strip().lower()
+    if impl != IMPL:
+        raise ValueError(f"--servicer-impl {impl} asks for the reference servicer's {impl} implementation; this "
+                         f"engine module is enginelink's (TS_SERVE_ENGINE_MODULE), which takes --servicer-impl {IMPL} "
+                         "or none")
     serve = ["serve", "--engine", "tokenspeed", "--host", taken["--host"], "--port", taken["--port"],
              "--model", taken["--model"]]
+    for flag in ("--metrics-port", "--metrics-host"):
+        if flag in taken:
+            serve += [flag, taken[flag]]
+    # What selected enginelink, for its start-up line: this module, named by ts's TS_SERVE_ENGINE_MODULE.
+    serve += ["--servicer-impl-source", "TS_SERVE_ENGINE_MODULE"]
     return serve + (["--", *rest] if rest else [])
 
 

@@ -167,6 +167,7 @@ if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in ENGINES:
         sys.exit(f"usage: {sys.argv[0]} {{{','.join(ENGINES)}}}")
     # Run by path, this folder is sys.path[0]: its sglang.py / tokenspeed.py would shadow the engines.
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    # Real paths on both sides: Python resolves a symlinked script's folder, __file__ keeps the link.
+    here = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != here]
     print(json.dumps(installed(sys.argv[1]), sort_keys=True))

@@ -62,6 +62,8 @@ class TokenSpeedLauncher:
     release: str = ""
     engine: str = "tokenspeed"
     handshake_transport: str = "tcp"
+    # The loopback TCP port of that handshake; None: a free one (SMG_TOKENSPEED_SERVICER_HANDSHAKE_PORT pins it).
+    handshake_port: int | None = None
     warnings: list[str] = field(default_factory=list)
     ranks: tuple[int, ...] = (0,)
 

@@ -160,8 +160,9 @@ class ZmqTransport:
         hs_address = f"ipc://{hs_path}"
         if getattr(self.launcher, "handshake_transport", "ipc") == "tcp":
             # An engine that dials only TCP (TokenSpeed: --data-parallel-address/-rpc-port):
-            # a free loopback port; its INIT still names the ipc data sockets.
-            handshake.bind("tcp://127.0.0.1:*")
+            # a loopback port, the one the launcher pins or a free one; its INIT still names
+            # the ipc data sockets.
+            handshake.bind(f"tcp://127.0.0.1:{getattr(self.launcher, 'handshake_port', None) or '*'}")
             hs_address = handshake.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
             handshake.bind(hs_address)

@@ -6,8 +6,9 @@ bad plan with exit 2). It answers the engine arguments to launch with and a
 UNIMPLEMENTED).
 
 Rules (issue 5; ``reference/vllm-engine-wire.md`` §7):
-- on by default. ``SMG_VLLM_SERVICER_KV_EVENTS`` (or ``ENGINELINK_KV_EVENTS``)
-  ``0|off|false|no`` leaves the engine's publisher off;
+- on by default. ``ENGINELINK_KV_EVENTS``, else the served engine's
+  ``SMG_<ENGINE>_SERVICER_KV_EVENTS``, else ``SMG_VLLM_SERVICER_KV_EVENTS``
+  (``tools/knobs.py``), ``0|off|false|no`` leaves the engine's publisher off;
 - a ``--kv-events-config`` the user gave is kept exactly as given, and the
   relay follows what it names (it relays only when the config publishes:
   ``enable_kv_cache_events`` and publisher ``zmq``);
@@ -38,7 +39,7 @@ from enginelink.machines.kv_relay_api import KvRelayConfig
 from enginelink.runtime.engine.launchers import flag_value
 from enginelink.wire import kv_events as kv
 
-KV_EVENTS_ENVS: Final = ("SMG_VLLM_SERVICER_KV_EVENTS", "ENGINELINK_KV_EVENTS")
+KV_EVENTS_ENVS: Final = ("ENGINELINK_KV_EVENTS", "SMG_VLLM_SERVICER_KV_EVENTS")  # serve names the engine's (tools/knobs.py)
 KV_EVENTS_FLAG: Final = "--kv-events-config"
 # Our publisher's topic: anything non-empty works; vLLM's observed config used "kv".
 TOPIC: Final = "kv"
@@ -79,9 +80,10 @@ class KvPlan:
         return tuple(r.rank for r in self.ranks)
 
 
-def kv_events_enabled(env: Mapping[str, str]) -> bool:
-    for name in KV_EVENTS_ENVS:
-        if name in env:
+def kv_events_enabled(env: Mapping[str, str], knobs: tuple[str, ...] = KV_EVENTS_ENVS) -> bool:
+    """On unless the first of ``knobs`` set says off (the caller names the served engine's, ``tools/knobs.py``)."""
+    for name in knobs:
+        if env.get(name, "").strip():  # unset or blank: the next name decides
             value = env[name].strip().lower()
             if value in _OFF:
                 return False
@@ -106,7 +108,7 @@ def engine_ranks(engine: str, engine_args: list[str]) -> tuple[int, ...]:
 
 
 def plan_kv_events(engine: str, engine_args: list[str], env: Mapping[str, str], *, socket_dir: Path,
-                   prefix: str) -> tuple[list[str], KvPlan | None]:  # fmt: skip
+                   prefix: str, knobs: tuple[str, ...] = KV_EVENTS_ENVS) -> tuple[list[str], KvPlan | None]:  # fmt: skip
     """(engine args to launch with, the relay's plan or None when KV events are off).
 
     ``prefix`` names our ipc files (``<socket_dir>/<prefix>-kv…``); it should
@@ -129,7 +131,7 @@ def plan_kv_events(engine: str, engine_args: list[str], env: Mapping[str, str], 
         endpoints = tuple(_explicit_endpoints(config, rank, len(ranks)) for rank in ranks)
         replay = config.replay_endpoint is not None
         return list(engine_args), KvPlan(config, endpoints, True, _with_replay(relay_bounds, replay))
-    if not kv_events_enabled(env):
+    if not kv_events_enabled(env, knobs):
         return list(engine_args), None
     if len(ranks) == 1:
         base = socket_dir / f"{prefix}-kv"

@@ -130,6 +130,8 @@ def _ipv6(name: str) -> bool:
 
 def media_settings_from(environ: Mapping[str, str]) -> MediaSettings:
     processor = environ.get("SMG_VLLM_MM_PROCESSOR", "").strip().lower()
+    if processor == "off":  # the reference's spelling of unset
+        processor = ""
     if processor not in PROCESSORS:
         raise MediaKnobError(f"SMG_VLLM_MM_PROCESSOR={processor!r}: expected one of {', '.join(PROCESSORS[1:])} "
                              "or unset (off)")  # fmt: skip

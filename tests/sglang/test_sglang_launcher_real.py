@@ -232,6 +232,43 @@ def test_with_no_gpu_enginelink_refuses_before_anything_starts(sglang_python, te
     assert "no SGLang installation" not in done.stderr and "gRPC bound" not in done.stderr
 
 
+def test_the_references_flags_on_sglangs_parser_reach_the_servicer(sglang_python, test_model_dir, tmp_path,
+                                                                   socket_dir):
+    """``--servicer-impl enginelink`` selects with no variable set, and the reference's ``--metrics-*`` flags
+    parse on SGLang's own parser and reach the servicer: its start-up lines, and its metrics listener, up
+    before the scheduler's launch fails (this venv has no SGLang server stack); ``SMG_SGLANG_SERVICER_*``
+    names are read; ``--servicer-impl python`` beats the variable (and, the reference's plugin not installed
+    here, nothing adds its flag: SGLang's own parser refuses it)."""
+    fake_gpu = tmp_path / "dev" / "nvidia0"  # past enginelink's no-GPU refusal, to the scheduler's launch
+    fake_gpu.parent.mkdir()
+    fake_gpu.touch()
+    port = sglang_port()
+    done = run(serve_command(sglang_python, test_model_dir, port, "--smg-grpc-mode", "--device", "cpu",
+                             "--servicer-impl", "enginelink", "--metrics-port", str(port + 1),
+                             "--metrics-host", "127.0.0.1"),
+               launcher_env(tmp_path, socket_dir, ENGINELINK_SGLANG_GPU_GLOB=str(fake_gpu.parent / "nvidia[0-9]*"),
+                            SMG_SGLANG_SERVICER_DRAIN_SECS="4", SMG_SGLANG_SERVICER_HANDSHAKE_PORT="5000",
+                            ENGINELINK_ENGINE_NICE="0"))
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, said[-3000:]  # the scheduler's launch failed, after the servicer came up
+    assert "servicer implementation: enginelink (source=flag)" in said
+    assert (f"metrics_port={port + 1} (--metrics-port), metrics_host=127.0.0.1 (--metrics-host), "
+            "drain_s=4 (SMG_SGLANG_SERVICER_DRAIN_SECS)") in said
+    assert ("SMG_SGLANG_SERVICER_HANDSHAKE_PORT cannot apply to enginelink: the SGLang scheduler reports ready "
+            "on a pipe") in said
+    assert f"metrics on http://127.0.0.1:{port + 1}/metrics" in said
+    records = journal(tmp_path / "state" / "enginelink" / f"journal-{port}.sqlite")
+    launch = next(payload["message"] for kind, payload in records
+                  if kind == "engine.handshake" and payload["step"] == "launch")
+    assert not {"--servicer-impl", "--metrics-port", "--metrics-host"} & set(launch["argv"])  # not the scheduler's
+    done = run(serve_command(sglang_python, test_model_dir, sglang_port(), "--smg-grpc-mode", "--device", "cpu",
+                             "--servicer-impl", "python"),
+               launcher_env(tmp_path / "second", socket_dir, SMG_SGLANG_SERVICER_IMPL="enginelink"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "sglang serve: error: unrecognized arguments: --servicer-impl python" in done.stderr
+    assert_enginelink_never_started(done, tmp_path / "second")
+
+
 def test_not_selected_the_reference_path_runs(sglang_python, test_model_dir, tmp_path, socket_dir):
     """The plugin is installed but inert: SGLang's own gRPC entry point imports the reference package."""
     done = run(serve_command(sglang_python, test_model_dir, sglang_port(), "--smg-grpc-mode", "--device", "cpu"),

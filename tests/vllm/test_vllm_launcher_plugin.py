@@ -219,3 +219,118 @@ def test_a_two_node_engine_on_loopback_and_its_worker_probe(vllm_command, test_m
             os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
         worker_log.close()
+
+
+# -- the reference's flags under every vLLM launcher (issue 32 item 3) -------------------------
+
+# What the vLLM venv's interpreters import at start in these tests: the start-up hook's .pth line
+# (tools/vllm_launch_hook.py), as tools/setup-vllm-plugin installs it, and with DUMP, enginelink's
+# serve.run replaced by a dump of what it was handed and how it resolves it.
+SITECUSTOMIZE = """
+import os, site
+site.addsitedir(os.path.join(os.path.dirname(__file__), "pth"))
+if os.path.exists(os.path.join(os.path.dirname(__file__), "DUMP")):
+    import json, sys
+    import enginelink.tools.serve as serve
+    from enginelink.tools import ref_settings
+
+    def dump(args):
+        ref = ref_settings.resolve(args, os.environ, "vllm", args.engine)
+        print("SERVE " + json.dumps({"namespace": {k: v for k, v in vars(args).items() if k != "model"},
+                                     "model": str(args.model), "sources": {k: v.label for k, v in ref.values.items()},
+                                     "refusals": ref.refusals}), flush=True)
+        return 0
+
+    serve.run = dump
+"""
+
+
+def tree_site(tmp: Path, dump: bool) -> str:
+    """A PYTHONPATH for the vLLM venv that runs this checkout's enginelink (the venv's editable install may be
+    another checkout's) and installs the start-up hook; ``dump``: serve.run only reports what it got."""
+    from enginelink.tools.vllm_launch_hook import PTH_LINE
+
+    root = tmp / ("site-dump" if dump else "site")
+    (root / "enginelink").mkdir(parents=True)
+    (root / "pth").mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    for folder in ("journal", "machines", "proto", "runtime", "tools", "wire"):
+        (root / "enginelink" / folder).symlink_to(repo / folder)
+    (root / "pth" / "enginelink-vllm-launcher.pth").write_text(PTH_LINE)
+    (root / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    if dump:
+        (root / "DUMP").write_text("")
+    return str(root)
+
+
+def launch_forms(vllm_command: Path, vllm_python: str, model: Path) -> dict[str, list[str]]:
+    return {"vllm serve": [str(vllm_command), "serve", str(model), "--grpc"],
+            "python -m launchers.grpc_server": [vllm_python, "-m", "vllm.entrypoints.launchers.grpc_server",
+                                                "--model", str(model)],
+            "python -m grpc_server": [vllm_python, "-m", "vllm.entrypoints.grpc_server", "--model", str(model)]}
+
+
+@pytest.mark.parametrize("form", ["vllm serve", "python -m launchers.grpc_server", "python -m grpc_server"])
+def test_the_references_flags_reach_the_servicer_under_each_vllm_launcher(form, vllm_command, vllm_python,
+                                                                           test_model_dir, tmp_path):
+    """Every flag the reference's plugin adds, on each of vLLM's gRPC launchers, parsed by vLLM's own parser
+    and handed to enginelink's servicer with its source; the variables behind them where no flag is given."""
+    argv = [*launch_forms(vllm_command, vllm_python, test_model_dir)[form], "--port", "50999",
+            "--max-model-len", "1024", "--enforce-eager", "--servicer-impl", "enginelink",
+            "--mm-processor", "inprocess", "--mm-max-items", "3", "--mm-max-item-bytes", "65536",
+            "--mm-fetch-timeout-ms", "900", "--mm-video-fetch-timeout-ms", "1900", "--mm-turbojpeg", "prefer",
+            "--allowed-local-media-path", str(tmp_path), "--metrics-port", "9123", "--metrics-host", "127.0.0.2"]
+    env = {**os.environ, "PYTHONPATH": tree_site(tmp_path, dump=True), "SMG_VLLM_MM_MAX_INFLIGHT": "5"}
+    env.pop("SMG_VLLM_SERVICER_IMPL", None)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("SERVE ")]
+    got = json.loads(line[len("SERVE "):])
+    assert got["model"] == str(test_model_dir) and got["namespace"]["port"] == 50999
+    assert got["namespace"]["servicer_impl_source"] == "flag"
+    assert got["sources"] == {
+        "mm_processor": "--mm-processor", "mm_max_inflight": "SMG_VLLM_MM_MAX_INFLIGHT",
+        "mm_max_item_bytes": "--mm-max-item-bytes", "mm_max_items": "--mm-max-items", "mm_redis_url": "default",
+        "mm_sidecar_timeout_ms": "default", "mm_sidecar_max_queue": "default", "mm_sidecar_namespace": "default",
+        "mm_turbojpeg": "--mm-turbojpeg", "mm_fetch_timeout_ms": "--mm-fetch-timeout-ms",
+        "mm_video_fetch_timeout_ms": "--mm-video-fetch-timeout-ms",
+        "allowed_local_media_path": "--allowed-local-media-path", "metrics_port": "--metrics-port",
+        "metrics_host": "--metrics-host"}
+    assert got["refusals"] == []
+    # The engine gets its own arguments (vLLM's media flag among them), never the servicer's.
+    assert got["namespace"]["engine_args"] == ["--max-model-len", "1024", "--enforce-eager",
+                                               "--allowed-local-media-path", str(tmp_path)]
+    assert "vllm serve flags that enginelink's servicer does not use" not in done.stderr
+    # vLLM's own --allowed-media-domains / --media-io-kwargs, and a sidecar flag: the servicer refuses them.
+    done = subprocess.run([*argv, "--allowed-media-domains", "example.com", "--media-io-kwargs", '{"image": {}}',
+                           "--mm-redis-url", "redis://r:6379/0"], capture_output=True, text=True, timeout=300, env=env)
+    got = json.loads([line for line in done.stdout.splitlines() if line.startswith("SERVE ")][0][len("SERVE "):])
+    assert got["namespace"]["allowed_media_domains"] == ["example.com"]
+    assert [refusal.split(":")[0] for refusal in got["refusals"]] == [
+        "--mm-redis-url configures the Redis media sidecar (--mm-processor redis)",
+        "--allowed-media-domains with --mm-processor inprocess", "--media-io-kwargs with --mm-processor inprocess"]
+
+
+def test_python_m_the_stock_launcher_serves_enginelink_selected_by_the_environment(vllm_command, vllm_python,
+                                                                                   test_model_dir, tmp_path):
+    """``python -m vllm.entrypoints.launchers.grpc_server`` without the reference package installed: the
+    start-up hook answers the module, enginelink serves, the start-up lines say what decided."""
+    launcher = Servicer(tmp_path, env={"PYTHONPATH": tree_site(tmp_path, dump=False), "ENGINELINK_WARMUP": "off",
+                                       "ENGINELINK_ENGINE_NICE": "0", "SMG_VLLM_SERVICER_IMPL": "enginelink",
+                                       "SMG_VLLM_SERVICER_DRAIN_SECS": "2"})
+    launcher.argv = [vllm_python, "-m", "vllm.entrypoints.launchers.grpc_server", "--model", str(test_model_dir),
+                     "--host", "127.0.0.1", "--port", str(launcher.port), "--max-model-len", "1024",
+                     "--enforce-eager", "--max-num-seqs", "8", "--mm-processor", "off"]
+    try:
+        launcher.start(timeout_s=2 * START_TIMEOUT_S)
+        replies = list(launcher.stub.Generate(generate_request("stock", [318, 283, 1552, 10], max_tokens=4,
+                                                               ignore_eos=True, temperature=0.0), timeout=120))
+        assert len(replies[-1].complete.output_ids) == 4
+        log = launcher.log()
+        assert "servicer implementation: enginelink (source=env)" in log
+        assert "worker-side media processing: off (source=flag)" in log
+        assert "mm_processor=off (--mm-processor), drain_s=2 (SMG_VLLM_SERVICER_DRAIN_SECS)" in log
+        launcher.signal(signal.SIGTERM)
+        assert launcher.wait(timeout_s=60) == 0, launcher.log()[-3000:]
+    finally:
+        launcher.stop()
