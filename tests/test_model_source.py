@@ -177,7 +177,7 @@ from enginelink.runtime.engine.mlx_launch import MlxLauncher
 from enginelink.runtime.engine.sglang_launch import SglangLauncher
 from enginelink.runtime.engine.tokenspeed_launch import TokenSpeedLauncher
 from enginelink.tools import serve
-serve._vllm_launcher = lambda m, a: VllmLauncher("/py", m, a)
+serve._vllm_launcher = lambda m, a, allow_untested=False: VllmLauncher("/py", m, a)
 serve._sglang_launcher = lambda m, a: SglangLauncher("/py", m, a)
 serve._tokenspeed_launcher = lambda m, a: TokenSpeedLauncher("/py", m, a)
 serve._mlx_launcher = lambda m, a: MlxLauncher("/py", m, a)

@@ -115,8 +115,6 @@ def test_metrics_flag_then_the_contracts_name_then_the_vllm_name():
     (["--mm-sidecar-timeout-ms", "5"], {}, "--mm-sidecar-timeout-ms configures the Redis media sidecar"),
     (["--mm-sidecar-max-queue", "5"], {}, "--mm-sidecar-max-queue configures the Redis media sidecar"),
     (["--mm-sidecar-namespace", "n"], {}, "--mm-sidecar-namespace configures the Redis media sidecar"),
-    (["--mm-processor", "inprocess", "--allowed-media-domains", "example.com"], {},
-     "--allowed-media-domains with --mm-processor inprocess: enginelink's media fetcher does not enforce"),
     (["--mm-processor", "inprocess", "--media-io-kwargs", '{"image": {}}'], {},
      "--media-io-kwargs with --mm-processor inprocess: enginelink's media processor does not apply"),
 ])  # fmt: skip
@@ -125,6 +123,9 @@ def test_a_feature_enginelink_lacks_is_refused_naming_it(argv, env, words):
     assert words in refusal
     # Without worker-side fetching, the engine's own media flags ask nothing of the servicer.
     assert not resolve("--allowed-media-domains", "example.com", "--media-io-kwargs", "{}").refusals
+    # The servicer's fetcher enforces the allow-list (machines/media_policy.py), so with it on it is taken.
+    ref = resolve("--mm-processor", "inprocess", "--allowed-media-domains", "example.com", "cdn.example")
+    assert not ref.refusals and ref.get("allowed_media_domains") == "example.com,cdn.example"
     # A Rust-pipeline-only flag is a warning, not a refusal.
     ref = resolve("--mm-turbojpeg", "REQUIRE")
     assert not ref.refusals and ref.get("mm_turbojpeg") == "require"

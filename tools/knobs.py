@@ -289,6 +289,10 @@ _OWN = {
     "ENGINELINK_MAX_KV_TRANSFER_PARAMS_BYTES": ("kv_transfer_params_json bytes", ""),
     "ENGINELINK_MAX_JSON_DEPTH": ("JSON nesting depth", ""),
     "ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH": ("`--allowed-local-media-path`'s fallback", ""),
+    "ENGINELINK_ALLOWED_MEDIA_DOMAINS": ("`--allowed-media-domains`' fallback: the media fetcher's host allow-list",
+                                         "tests/test_allowed_media_domains.py::test_the_variable_stands_when_no_flag_is_given"),
+    "ENGINELINK_ALLOW_UNTESTED_VLLM": ("`--allow-untested-vllm`: run a vLLM release outside 0.28.0-0.34.0 whose "
+                                       "layout the codec speaks", "tests/test_vllm_compat.py::test_the_allow_variable_takes_yes_or_no"),
     "ENGINELINK_MM_MAX_REDIRECTS": ("redirects per media item", ""),
     "ENGINELINK_MM_MAX_BYTES_IN_FLIGHT": ("fetched media bytes held", ""),
     "ENGINELINK_MM_MAX_TENSOR_BYTES": ("router tensor bytes per request", ""),
@@ -317,6 +321,13 @@ _OWN_TOOLING = {
     "ENGINELINK_SIM_SEED": "one simulation seed (tests/sim)",
     "ENGINELINK_SIM_SEEDS": "simulation seeds per sweep (tests/sim)",
     "ENGINELINK_SIM_LOG": "keep the servicer's INFO log in simulation sweeps",
+    "ENGINELINK_VLLM_PLUGIN": "tools/setup-vllm: install enginelink into the vLLM venv (the plugin)",
+    "ENGINELINK_VLLM_0_28": "tests/vllm_0_28: the release those tests run",
+    "ENGINELINK_VLLM_0_28_VENV": "the vLLM 0.28.0 venv (tools/setup-vllm-0.28)",
+    "ENGINELINK_VLLM_0_28_PYTHON": "the vLLM 0.28.0 engine's interpreter (tests/vllm_0_28)",
+    "ENGINELINK_VLLM_WHEELS": "a folder of vLLM wheels for tools/vllm_layouts.py --check (tests/wire)",
+    "ENGINELINK_SKIP_VLLM_0_28": "tools/run-tests leaves the vLLM 0.28.0 venv out",
+    "ENGINELINK_REQUIRE_VLLM_0_28": "a missing vLLM 0.28.0 install fails its tests instead of skipping them",
     **{f"ENGINELINK_SKIP_{e}": f"tools/run-tests leaves the {e.title()} venv out" for e in
        ("VLLM", "MLX", "SGLANG", "TOKENSPEED")},
     **{f"ENGINELINK_REQUIRE_{e}": f"a missing {e.title()} install fails its tests instead of skipping them" for e in
