@@ -265,6 +265,15 @@ _OWN = {
     "ENGINELINK_ENGINE_STOP_GRACE_SECS": ("engine stop grace", ""),
     "ENGINELINK_IDLE_PROBE_SECS": ("idle liveness probe period", ""),
     "ENGINELINK_IDLE_PROBE_TIMEOUT_SECS": ("idle liveness probe bound", ""),
+    "ENGINELINK_ENGINE_RESTARTS": ("`serve --engine-restarts`' default: engine restarts within the window, each "
+                                   "resuming the open streams (0: off; docs/resume.md)",
+                                   "tests/test_resume_serve.py::test_the_restart_knobs_come_from_flags_then_variables"),
+    "ENGINELINK_ENGINE_RESTART_WINDOW_SECS": ("`serve --engine-restart-window`' default: the window of the restart "
+                                              "count", "tests/test_resume_serve.py::test_the_restart_knobs_come_from_flags_then_variables"),
+    "ENGINELINK_RESUME_TIMEOUT_SECS": ("`serve --resume-timeout`' default: how long a held stream waits for the "
+                                       "restarted engine", "tests/test_resume_serve.py::test_the_restart_knobs_come_from_flags_then_variables"),
+    "ENGINELINK_RESUME_MEDIA_ITEMS_MAX": ("media items a request may carry and still be resumed",
+                                          "tests/test_resume_serve.py::test_the_restart_knobs_come_from_flags_then_variables"),
     "ENGINELINK_ENGINE_NICE": ("engine CPU priority", ""),
     "ENGINELINK_SERVICER_SCHED": ("servicer scheduling policy", ""),
     "ENGINELINK_PLACEMENT": ("CPU placement", ""),

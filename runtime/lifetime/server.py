@@ -40,6 +40,7 @@ from enginelink.journal.files import (
     JOURNAL_KEEP_DEFAULT, JournalBusy, JournalLock, read_run_file, remove_run_file, write_run_file,
 )
 from enginelink.machines.liveness import ProbeTiming
+from enginelink.machines.resume import ResumePolicy
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.lifetime.gc_policy import GcPolicy
@@ -91,6 +92,8 @@ class ServeConfig:
     # The wire's codec and the contract served (runtime/lifetime/engines.py, ``serve --wire``).
     codec: str = "vllm"
     contract: str = "vllm"
+    # Engine restarts and resuming the open streams (docs/resume.md); off by default.
+    resume: ResumePolicy = field(default_factory=ResumePolicy)
 
 
 async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> int:
@@ -233,6 +236,7 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
         metrics_listeners=metrics_listeners,
         readiness_sink=status,
         edge=CONTRACTS[config.contract].service.edge,  # the contract served: its edge encodes the hub's messages
+        resume=config.resume,
     )
 
 
@@ -255,6 +259,7 @@ def _new_link(config: ServeConfig, journal) -> EngineLink:
         engine_nice=config.engine_nice,
         servicer_sched=config.servicer_sched,
         placement=config.placement,
+        resume=config.resume,
     )
 
 
