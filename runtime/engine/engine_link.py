@@ -362,9 +362,12 @@ class EngineLink:
                 await self._stop_done.wait()
             return
         self._stop_done = trio.Event()
+        # After a crash with a restart to follow, what is left of the dead engine (vLLM's launcher outlives
+        # its EngineCore) has nothing to finish: it goes at once, so the restart does not wait the grace.
+        grace_s = 0.0 if self.machine.state is LinkState.RESTARTING else self.supervision.stop_grace_s
         with trio.CancelScope(shield=True):
             try:
-                await self.transport.stop_process(process, self.supervision.stop_grace_s)
+                await self.transport.stop_process(process, grace_s)
             finally:
                 self._stop_done.set()
 
@@ -512,7 +515,7 @@ class EngineLink:
         log.warning("engine died: %s; restarting it (%d of ENGINELINK_ENGINE_RESTARTS=%d in the window)",
                     message, len(self.restart_budget.crashes), self.restart_budget.policy.restarts_max)
         self.step(LinkEvent.CRASH, message)
-        self.on_crash(message, now)
+        self.on_crash(message, trio.current_time())  # the calls are held after the link restarts, as journaled
         if self._nursery is not None:
             # Nothing this engine sends matters any more, its start-up included: stop what is
             # left of it (run's finally), and the composition starts it again.
