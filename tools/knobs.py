@@ -330,6 +330,7 @@ _OWN_TOOLING = {
     "ENGINELINK_SIM_SEED": "one simulation seed (tests/sim)",
     "ENGINELINK_SIM_SEEDS": "simulation seeds per sweep (tests/sim)",
     "ENGINELINK_SIM_LOG": "keep the servicer's INFO log in simulation sweeps",
+    "ENGINELINK_RESUME_EVIDENCE": "tests/vllm/test_vllm_resume.py keeps its inspect view and journal story there",
     "ENGINELINK_VLLM_PLUGIN": "tools/setup-vllm: install enginelink into the vLLM venv (the plugin)",
     "ENGINELINK_VLLM_0_28": "tests/vllm_0_28: the release those tests run",
     "ENGINELINK_VLLM_0_28_VENV": "the vLLM 0.28.0 venv (tools/setup-vllm-0.28)",
