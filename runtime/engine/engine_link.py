@@ -29,8 +29,9 @@ Stopping: the transport closes its sockets, then the engine's whole session
 is stopped while its last words are still relayed, bounded
 (``session.stop_session``; none of its processes may outlive us).
 
-Restarts (docs/resume.md): built with a ``ResumePolicy`` that has restarts
-on, a link whose engine dies while it serves does not fail: ``fail`` asks
+Restarts (docs/resume.md): given a restart budget (``restart_budget``, set
+by the composition when restarts are on), a link whose engine dies while it
+serves does not fail: ``fail`` asks
 the restart budget (``machines/resume.py``) and, with budget left, journals
 the crash, steps ``crash`` (``restarting``), tells ``on_crash`` (the hub
 holds the open calls) and ends this ``run``, which stops what is left of the
@@ -74,7 +75,7 @@ from enginelink.machines.handshake import Action as HandshakeAction
 from enginelink.machines.handshake import EngineHandshake, HandshakeDone, HandshakeRefused, Record, SendInit
 from enginelink.machines.link import LinkEvent, LinkMachine, LinkState
 from enginelink.machines.ranks import RankTable
-from enginelink.machines.resume import ResumePolicy, RestartBudget
+from enginelink.machines.resume import RestartBudget
 from enginelink.runtime.engine.engine_output import RELAY_DRAIN_S, EngineOutputRelay, Redactor
 from enginelink.runtime.engine.placement import (
     ENGINE_NICE_DEFAULT,
@@ -119,11 +120,11 @@ class EngineLink:
         servicer_sched: str = SERVICER_SCHED_DEFAULT,
         placement: str = PLACEMENT_DEFAULT,
         handshake_wire: HandshakeWire | None = None,
-        resume: ResumePolicy | None = None,
     ) -> None:
         self.name = name
-        # Engine restarts (docs/resume.md): None when off, an engine death then fails the link.
-        self.restart_budget = RestartBudget(resume) if resume is not None and resume.enabled else None
+        # Engine restarts (docs/resume.md; the composition sets it from its policy): None when off,
+        # an engine death then fails the link.
+        self.restart_budget: RestartBudget | None = None
         self.starts = 0  # starts of the engine so far (1 + restarts)
         self.last_crash: str | None = None  # why the engine last died with a restart to follow
         self.engine_nice = engine_nice

@@ -111,12 +111,11 @@ class _SimProcess:
 
 def MemoryLink(*, name: str, config: SimConfig, journal, supervision: Supervision | None = None,
                options: "MemoryEngineOptions | None" = None, hooks: SimHooks | None = None,
-               transport: "MemoryTransport | None" = None, resume=None) -> EngineLink:
-    """An ``EngineLink`` to the sim core in memory (its transport: ``link.transport``, with the faults);
-    ``resume``: engine restarts (``machines/resume.py`` ResumePolicy), off when None."""
+               transport: "MemoryTransport | None" = None) -> EngineLink:
+    """An ``EngineLink`` to the sim core in memory (its transport: ``link.transport``, with the faults)."""
     transport = transport or MemoryTransport(config, options, hooks)
     link = EngineLink(name=name, codec=vllm.VllmCodec(), journal=journal, supervision=supervision,
-                      transport=transport, resume=resume)
+                      transport=transport)
     link.expected_ranks = (config.engine_index,)  # one engine core, one rank
     return link
 

@@ -47,7 +47,7 @@ from enginelink.journal.files import JOURNAL_KEEP_DEFAULT, JournalLock
 from enginelink.journal.journal import RING_BYTES_MAX, RING_RECORDS_MAX, Journal
 from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
 from enginelink.machines.link import LinkEvent, LinkState
-from enginelink.machines.resume import ResumePolicy
+from enginelink.machines.resume import RestartBudget, ResumePolicy
 from enginelink.machines.warmup import WarmupSetting
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.lifetime.app import App
@@ -131,8 +131,8 @@ class Composition:
     new_hub: Callable[..., RequestHub] = lambda engine_link, **kwargs: RequestHub(**kwargs)
     # (model dir, the vLLM python's resolver) for media refs' processor helper; None: no processor here.
     media_processor: tuple[str, Callable[[], str]] | None = None
-    # Engine restarts and resuming the open streams (docs/resume.md); off by default. The link is
-    # given the same policy by ``new_link`` (its restart budget); the hub gets it here.
+    # Engine restarts and resuming the open streams (docs/resume.md); off by default. The link gets
+    # its restart budget from it, the hub its resumption.
     resume: ResumePolicy = field(default_factory=ResumePolicy)
 
 
@@ -302,6 +302,8 @@ def compose(plan: Composition) -> Servicer:
     """Build every part of one servicer and wire them; nothing runs yet (call inside trio)."""
     journal = plan.journal.open()
     link = plan.new_link(journal)
+    if plan.resume.enabled:
+        link.restart_budget = RestartBudget(plan.resume)
     metrics = Metrics(plan.served_model_name) if plan.metrics_port is not None else None
     hub = plan.new_hub(
         link,

@@ -259,7 +259,6 @@ def _new_link(config: ServeConfig, journal) -> EngineLink:
         engine_nice=config.engine_nice,
         servicer_sched=config.servicer_sched,
         placement=config.placement,
-        resume=config.resume,
     )
 
 

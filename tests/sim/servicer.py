@@ -131,7 +131,7 @@ class SimServicer:
             model=model,
             served_model_name="test-model",
             new_link=lambda journal: MemoryLink(name=LINK_NAME, config=sc.sim, journal=journal,
-                                                supervision=sc.supervision, options=sc.engine, resume=sc.resume),
+                                                supervision=sc.supervision, options=sc.engine),
             new_hub=lambda shell, **kwargs: ObservedHub(shell=shell, **kwargs),
             warmup=WarmupSetting(sc.warmup_level, sc.warmup_budget_s),
             drain_s=sc.drain_s,
