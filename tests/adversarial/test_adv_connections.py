@@ -250,7 +250,7 @@ def test_clients_are_served_while_an_attacker_reopens_preface_less_connections(f
     from tests.adversarial.attackers import PrefaceReopener, sources
 
     servicer = fair
-    attacker = PrefaceReopener(servicer.port, FAIR_CAP + 16, sources(2, 16), max_opened=6000, max_s=20)
+    attacker = PrefaceReopener(servicer.port, FAIR_CAP + 16, sources(2, 16), max_opened=6000, max_s=20, rate_per_s=300)
     with attacker:
         wait_until(lambda: attacker.opened >= FAIR_CAP + 16, 10, "the attacker's first connections")
         probes = []
@@ -282,7 +282,11 @@ def test_one_peer_holds_at_most_its_share_and_displaces_only_its_own(fair):
             for client in others:
                 assert client.finish(client.start(HEALTH_CHECK, grpc_frame(b""))).status == 0
             assert not any(closed_by_peer(sock, 0.05) for sock in greedy[-FAIR_PER_PEER:])
-            # One more from that peer: none of its own is in its handshake or idle long enough to give way.
+            # One more from that peer: none of its own is in its handshake or idle long enough to give way
+            # (a PING each, answered, however long the calls above took on a loaded machine).
+            for client in others:
+                client.ping()
+                client.wait(lambda c=client: c.pings_acked, 5, "a PING ACK")
             extra = H2Client(servicer.port, source="127.0.0.3")
             extra.wait(lambda: extra.closed, 2, "the connection over the peer's bound closed")
             assert extra.goaway is not None and extra.goaway.additional_data == b"connection limit per peer"
@@ -320,9 +324,11 @@ def test_at_the_cap_the_longest_idle_connection_gives_way_and_a_busy_one_does_no
         assert idle.goaway.additional_data == b"evicted: idle"
         busy.pump(0.0)
         assert not busy.closed and not call.ended
-        # Full again, and nobody idle long enough: the next newcomer is refused.
+        # Full again, and nobody idle long enough (each PING answered: the servicer has seen it).
         for client in clients[1:]:
             client.ping()
+        for i, client in enumerate(clients[1:], start=1):  # PINGs so far: 1 each, 2 the rest, and this one
+            client.wait(lambda c=client, n=2 if i == 1 else 3: c.pings_acked >= n, 5, "a PING ACK")
         refused = H2Client(servicer.port, source="127.0.0.9")
         refused.wait(lambda: refused.closed, 2, "the connection over the cap closed")
         assert refused.goaway is not None and refused.goaway.additional_data == b"connection limit"

@@ -75,14 +75,20 @@ def subscribe_request(loads_first: bool = True) -> bytes:
     return grpc_frame(request.SerializeToString())
 
 
-def non_reader(servicer, loads_first: bool = True):
-    """A subscriber that announces a zero receive window and never opens it: no message can reach it."""
+def non_reader(servicer, loads_first: bool = True, *, held: bool = False, source: str | None = None):
+    """A subscriber that announces a zero receive window and never opens it: no message can reach it.
+
+    ``held``: return once a message to it waits for its window (its response
+    headers, which flow control does not hold, go out with the first message).
+    """
     before = metric(servicer, "smg_servicer_kv_subscribers")
-    client = H2Client(servicer.port, initial_window=0)
+    client = H2Client(servicer.port, initial_window=0, source=source)
     call = client.start(SUBSCRIBE_KV, subscribe_request(loads_first), end=True)
     # Subscribed: the relay counts it (its response headers wait for its first message).
     wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == before + 1, 10, "the subscription")
     client.pump(0.05)
+    if held:
+        client.wait(lambda: call.headers or call.ended, 10, "its first message")
     assert not call.ended, (call.status, call.message)
     return client, call
 
@@ -97,7 +103,7 @@ def stall_servicer(tmp_path_factory, test_model_dir):
 @pytest.mark.slow
 def test_subscribers_that_never_read_end_with_data_loss_and_free_every_slot(stall_servicer):
     servicer = stall_servicer
-    stuck = [non_reader(servicer) for _ in range(4)]
+    stuck = [non_reader(servicer, held=True) for _ in range(4)]  # held one after the other: the first longest
     try:
         # The cap is reached: the one held longest gives way to a new subscriber at once (issue 38,
         # item 5; before, the new one was refused until the stall bound freed a slot).
@@ -224,7 +230,8 @@ def test_the_router_subscribes_and_keeps_its_stream_while_an_attacker_resubscrib
             assert attacker.error is None, attacker.error
             report = attacker.stats()
             assert router.error is None and not router.done.is_set(), (router.code(), router.details(), report)
-            assert len(router.kv_batches()) >= 6 and len(router.snapshot()) > before, report
+            router.wait(lambda sub: len(sub.kv_batches()) >= 6, what="a KV batch of each request")
+            assert len(router.snapshot()) > before, report
             # The attack went on all along: its own subscribers gave way to each other.
             evicted = labelled(scrape(servicer.metrics_port), "smg_servicer_kv_data_loss_total", reason="evicted")
             assert evicted > evicted_before, report
@@ -237,13 +244,11 @@ def test_the_router_subscribes_and_keeps_its_stream_while_an_attacker_resubscrib
 def test_one_peer_holds_at_most_its_share_of_kv_slots(fair_servicer):
     servicer = fair_servicer
     wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == 0, 35, "no subscriber left")
-    greedy = []
+    greedy = [non_reader(servicer, held=True, source="127.0.0.2") for _ in range(FAIR_PER_PEER)]
     try:
-        for _ in range(FAIR_PER_PEER + 1):
-            client = H2Client(servicer.port, initial_window=0, source="127.0.0.2")
-            greedy.append((client, client.start(SUBSCRIBE_KV, subscribe_request(), end=True)))
-            time.sleep(0.2)  # each one's first message is sent, and held, before the next
-        client, call = greedy[0]  # the peer's oldest gave way to its newest
+        client = H2Client(servicer.port, initial_window=0, source="127.0.0.2")
+        greedy.append((client, client.start(SUBSCRIBE_KV, subscribe_request(), end=True)))
+        client, call = greedy[0]  # the peer's one held longest gave way to its newest
         client.finish(call, timeout_s=5)
         assert call.status == DATA_LOSS and "ENGINELINK_KV_MAX_SUBSCRIBERS_PER_PEER" in call.message, call.trailers
         wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == FAIR_PER_PEER, 5, "two left")
