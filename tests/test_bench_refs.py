@@ -162,6 +162,7 @@ def test_python_reference_beside_enginelink_on_the_sim_engine(test_model_dir):
     _check_arm(result, "smg-python")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_grpclib_floor_beside_enginelink_on_the_sim_engine(test_model_dir):
     """The floor needs no reference venv. At 128 streams on the load client's one connection it must

@@ -39,6 +39,7 @@ def test_ts_serves_command_line_becomes_serve_engine_tokenspeed():
         "serve", "--engine", "tokenspeed", "--host", "0.0.0.0", "--port", "1", "--model", "/w"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("argv, words", [
     (["--port", "1", "--model-path", "/m"], "--host is missing"),
     (["--host", "h", "--port", "x", "--model-path", "/m"], "not a port number"),
@@ -51,6 +52,7 @@ def test_a_command_line_it_cannot_read_exits_2_saying_why(argv, words):
     assert words in done.stderr and "usage:" in done.stderr
 
 
+@pytest.mark.process
 def test_it_imports_the_standard_library_only():
     """It runs under the TokenSpeed venv's python, where enginelink's dependencies are not installed."""
     code = (f"import sys; import {MODULE}; "
@@ -72,6 +74,7 @@ def _ts_engine_argv(host: str, port: int, args: list[str]) -> list[str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process
 def test_ts_serve_starts_enginelink_as_its_engine(tmp_path, test_model_dir, socket_dir):
     port = free_port()
     argv = _ts_engine_argv("127.0.0.1", port, ["--model-path", str(test_model_dir), "--step-us", "1000"])

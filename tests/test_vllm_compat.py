@@ -97,6 +97,7 @@ def test_ready_response_version_must_be_the_checked_release():
     assert "(none)" in vllm_compat.check_ready({}, "0.32.0")
 
 
+@pytest.mark.process
 def test_serve_refuses_a_fake_release_before_any_engine_starts(tmp_path, test_model_dir):
     request = list(LAYOUT["request"])
     request[9], request[10] = request[10], request[9]
