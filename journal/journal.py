@@ -55,7 +55,7 @@ from .fold import FoldState, fold, fold_record
 from .records import KIND_ENGINE_FRAME, Record, Row, encode_payload, row_to_record
 from .files import JOURNAL_KEEP_DEFAULT, JournalLock, default_journal_path, rotate
 from .ring import RING_BYTES_MAX, RING_RECORDS_MAX, Ring
-from .store_health import StoreHealth
+from .store_health import StoreHealth, describe_error
 from .store import STORE_BYTES_MAX, STORE_RECORDS_MAX, Store, StoreStats, open_store
 
 __all__ = [
@@ -372,8 +372,8 @@ class Journal:
             else:
                 self._store_errors += 1
                 self._store_dropped += len(batch)
-                self.last_store_error = f"{type(error).__name__}: {error}"
-                self.health.failed(error, len(batch))
+                self.last_store_error = describe_error(error)
+                self.health.failed(error, len(batch), (batch[0][0], batch[-1][0]))
                 continue
             self.health.written()
 

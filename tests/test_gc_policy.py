@@ -38,6 +38,7 @@ def serving_with_metrics(tmp_path, test_model_dir, env: dict[str, str]) -> tuple
     return servicer, metrics_port
 
 
+@pytest.mark.process
 def test_a_serving_servicer_has_frozen_its_start_up_heap_and_collects_young_objects_less_often(tmp_path,
                                                                                               test_model_dir):
     servicer, metrics_port = serving_with_metrics(tmp_path, test_model_dir, {})
@@ -55,6 +56,7 @@ def test_a_serving_servicer_has_frozen_its_start_up_heap_and_collects_young_obje
         servicer.stop()
 
 
+@pytest.mark.process
 def test_the_knobs_give_pythons_own_collector_back(tmp_path, test_model_dir):
     servicer, metrics_port = serving_with_metrics(tmp_path, test_model_dir,
                                                   {"ENGINELINK_GC_FREEZE": "0", "ENGINELINK_GC_YOUNG": "700"})
@@ -67,6 +69,7 @@ def test_the_knobs_give_pythons_own_collector_back(tmp_path, test_model_dir):
         servicer.stop()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("env, named", [
     ({"ENGINELINK_GC_YOUNG": "lots"}, "ENGINELINK_GC_YOUNG='lots'"),
     ({"ENGINELINK_GC_YOUNG": "0"}, "ENGINELINK_GC_YOUNG=0"),

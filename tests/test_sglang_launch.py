@@ -78,6 +78,7 @@ def _layout_file(tmp_path, drift: bool) -> str:
     return str(path)
 
 
+@pytest.mark.process
 def test_serve_refuses_a_wire_the_engine_does_not_speak_and_sglang_dp(tmp_path, socket_dir, test_model_dir):
     done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "vllm", "--wire", "sglang")
     assert done.returncode == 2 and "--engine vllm does not speak --wire sglang; it speaks: vllm" in done.stderr
@@ -89,6 +90,7 @@ def test_serve_refuses_a_wire_the_engine_does_not_speak_and_sglang_dp(tmp_path, 
         assert done.returncode == 2 and f"SGLANG_HEALTH_CHECK_TIMEOUT={value!r}" in done.stderr, done.stderr
 
 
+@pytest.mark.process
 def test_serve_engine_sglang_refuses_before_any_engine_starts(tmp_path, socket_dir, test_model_dir):
     python = tmp_path / "sgl" / "bin" / "python"
     done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sglang", env={"ENGINELINK_SGLANG_PYTHON": str(python)})
@@ -104,6 +106,7 @@ def test_serve_engine_sglang_refuses_before_any_engine_starts(tmp_path, socket_d
     assert no_gpu.returncode == 2 and "needs a CUDA GPU" in no_gpu.stderr, no_gpu.stderr
 
 
+@pytest.mark.process
 def test_sglangs_own_parser_takes_our_arguments_and_the_script_calls_names_the_release_has(tmp_path,
                                                                                           test_model_dir):
     python = side_python_or_skip("sglang")

@@ -92,6 +92,7 @@ def test_an_unselected_process_is_left_alone(monkeypatch):
     assert sys.meta_path == before
 
 
+@pytest.mark.process
 def test_the_real_launcher_loads_plugins_then_imports_the_entry_point_we_answer():
     """The release's own launcher code, read (tests/sglang/test_sglang_launcher_real.py runs it)."""
     import subprocess

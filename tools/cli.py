@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "bench": ("bench", "measure the servicer's overhead per token"),
     "bench-journal": ("bench_journal", "measure the hot-path cost of one journal append"),
     "inspect": ("inspect", "a servicer's state (links, requests in flight, journal), read from its journal"),
-    "journal": ("journal_cmd", "post-mortem on a journal file: show, replay, verify, export"),
+    "journal": ("journal_cmd", "post-mortem on a journal file: show, replay, verify, export, timeline"),
     "worker-probe": ("worker_probe", "liveness of a multi-node engine's worker: attached to its leader's store?"),
 }
 

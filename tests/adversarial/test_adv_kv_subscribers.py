@@ -100,6 +100,7 @@ def stall_servicer(tmp_path_factory, test_model_dir):
         yield running
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_subscribers_that_never_read_end_with_data_loss_and_free_every_slot(stall_servicer):
     servicer = stall_servicer
@@ -139,6 +140,7 @@ def window_servicer(tmp_path_factory, test_model_dir):
         yield running
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_slow_reader_left_behind_by_the_window_ends_while_a_fast_one_continues(window_servicer):
     servicer = window_servicer

@@ -19,7 +19,7 @@ from tests.adversarial.conftest import limited_servicer
 from tests.adversarial.media_origin import PNG, Origin
 from tests.harness import generate_request, scrape, shared
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

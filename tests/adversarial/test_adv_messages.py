@@ -18,6 +18,8 @@ from tests.adversarial.conftest import limited_servicer, metric, rss_bytes
 from tests.adversarial.h2_client import HEALTH_CHECK, H2Client, grpc_frame
 from tests.harness import generate_request, shared
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 LIMIT = 1 << 20
 BUDGET = 3 * LIMIT // 2
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]

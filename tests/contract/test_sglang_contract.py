@@ -24,6 +24,8 @@ from tokenizers import Tokenizer
 from enginelink.journal.store import open_reader
 from tests.harness import Servicer, wait_until
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 TIMEOUT_S = 30
 _ids = itertools.count(1)

@@ -18,6 +18,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from tests.harness import VENV_BIN, Servicer, generate_request, wait_until
 from tests.tools.helpers import PROMPT, Stream, copy_journal, engine_pid, enginelink, inspect_json, journal_has
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 LONG = dict(max_tokens=1500, ignore_eos=True)
 
 

@@ -110,6 +110,7 @@ def peer_results(tmp_path_factory):
     return run_peer("sglang", python, cases, tmp_path_factory.mktemp("sglang-peer"))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("key", list(messages()))
 def test_sglang_decodes_our_bytes_into_equal_structs(peer_results, key):
     result = peer_results[f"decode:{key}"]
@@ -118,6 +119,7 @@ def test_sglang_decodes_our_bytes_into_equal_structs(peer_results, key):
     assert result["equal"], result["diff"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("key", list(messages()))
 def test_we_decode_sglangs_bytes_into_equal_values(peer_results, key):
     result = peer_results[f"encode:{key}"]
@@ -129,6 +131,7 @@ def test_we_decode_sglangs_bytes_into_equal_values(peer_results, key):
     assert result["frames"] == [s.ENCODER.encode(ours)]
 
 
+@pytest.mark.process
 def test_the_installed_layout_is_the_committed_one_and_matches_the_codec():
     python = side_python_or_skip("sglang")
     theirs = installed_layout("sglang", python)
