@@ -133,6 +133,7 @@ def test_a_feature_enginelink_lacks_is_refused_naming_it(argv, env, words):
                             "which enginelink does not run: ignored"]
 
 
+@pytest.mark.process
 def test_serve_exits_2_before_anything_starts_with_one_line_per_refusal(tmp_path):
     line = refused_with_one_line(serve_process(tmp_path, "--mm-processor", "redis", "--port", free_port()))
     assert line.startswith("enginelink serve: --mm-processor=redis: enginelink has no Redis media sidecar yet")
@@ -177,6 +178,7 @@ def test_a_typo_gets_the_closest_known_name(typo, hint):
     assert line == f"{typo} is not a variable enginelink or the reference servicer defines: ignored{hint}"
 
 
+@pytest.mark.process
 def test_the_start_up_lines_say_which_decided(tmp_path, test_model_dir):
     metrics = free_port()
     env = {"SMG_VLLM_SERVICER_DRAIN_SECS": "1", "SMG_SERVICER_WORKER_THREADS": "4", "ENGINELINK_DRAN_SECS": "1",

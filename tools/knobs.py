@@ -325,6 +325,7 @@ _OWN_TOOLING = {
     "ENGINELINK_SIM_SEED": "one simulation seed (tests/sim)",
     "ENGINELINK_SIM_SEEDS": "simulation seeds per sweep (tests/sim)",
     "ENGINELINK_SIM_LOG": "keep the servicer's INFO log in simulation sweeps",
+    "ENGINELINK_FAST_LOOP_CANARY": "tests/test_fast_loop.py: the canary test that must fail under --fast",
     "ENGINELINK_VLLM_PLUGIN": "tools/setup-vllm: install enginelink into the vLLM venv (the plugin)",
     "ENGINELINK_VLLM_0_28": "tests/vllm_0_28: the release those tests run",
     "ENGINELINK_VLLM_0_28_VENV": "the vLLM 0.28.0 venv (tools/setup-vllm-0.28)",

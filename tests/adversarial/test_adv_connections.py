@@ -237,6 +237,7 @@ def generate_stream(servicer, request_id: str, max_tokens: int = 16) -> int:
     return sum(len(r.chunk.token_ids) for r in replies if r.WhichOneof("response") == "chunk")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_clients_are_served_while_an_attacker_reopens_preface_less_connections(fair):
     """The issue's attack: every slot taken by connections that never send the preface, re-opened as they close.
@@ -269,6 +270,7 @@ def test_clients_are_served_while_an_attacker_reopens_preface_less_connections(f
     assert metric(servicer, "smg_servicer_grpc_handshaking_connections_max") == FAIR_HANDSHAKING
 
 
+@pytest.mark.process
 def test_one_peer_holds_at_most_its_share_and_displaces_only_its_own(fair):
     servicer = fair
     greedy = [raw_socket(servicer.port, source="127.0.0.2") for _ in range(3 * FAIR_PER_PEER)]
@@ -301,6 +303,7 @@ def test_one_peer_holds_at_most_its_share_and_displaces_only_its_own(fair):
     assert metric(servicer, "smg_servicer_grpc_connections_per_peer_max") == FAIR_PER_PEER
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_at_the_cap_the_longest_idle_connection_gives_way_and_a_busy_one_does_not(fair):
     servicer = fair

@@ -203,6 +203,7 @@ def subscribe_as_the_router(servicer, deadline_s: float) -> tuple[KvSubscription
     return None, attempts
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_router_subscribes_and_keeps_its_stream_while_an_attacker_resubscribes(fair_servicer):
     """The issue's attack: every slot held by subscribers that never read, each re-subscribing as it is dropped.
@@ -243,6 +244,7 @@ def test_the_router_subscribes_and_keeps_its_stream_while_an_attacker_resubscrib
     assert attempts <= 5, f"{attempts} attempts before the router's subscriber was served"
 
 
+@pytest.mark.process
 def test_one_peer_holds_at_most_its_share_of_kv_slots(fair_servicer):
     servicer = fair_servicer
     wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == 0, 35, "no subscriber left")
