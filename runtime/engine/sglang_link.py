@@ -31,15 +31,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from pathlib import Path
 
 import trio
 import zmq
 
 from enginelink.runtime.engine.session import stop_session
 from enginelink.runtime.engine.link_errors import LinkFailed
-from enginelink.runtime.engine.zmq_transport import MONITOR_EVENTS, link_paths, receive_frames, wait_disconnected
-from enginelink.runtime.engine.zmq_trio import make_socket
+from enginelink.runtime.engine.zmq_transport import IpcSockets, link_paths
 from enginelink.wire.sglang import SGLANG_VERSION
 
 log = logging.getLogger("enginelink.link")
@@ -96,23 +94,17 @@ class SglangTransport:
     def __init__(self, launcher, max_model_len: int | None = None) -> None:
         self.launcher = launcher
         self.max_model_len = max_model_len  # the model directory's, a cap on what the report implies
-        self._context = zmq.Context.instance()
-        self._sockets: list[zmq.Socket] = []
+        self.ipc = IpcSockets()
         self._push: zmq.Socket | None = None
-        self._outputs: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
-        self._paths: list[Path] = []
 
     async def start(self, link, nursery) -> LinkFailed | None:
         """Bind, launch, wait for the ready report; the failure if the engine did not come up."""
-        push = make_socket(self._context, zmq.PUSH)
-        outputs = make_socket(self._context, zmq.PULL)
-        self._sockets = [push, outputs]
-        in_path, out_path = self._paths = link_paths(link.name, "in.sock", "out.sock")
+        ipc = self.ipc
+        push, outputs = ipc.socket(zmq.PUSH), ipc.socket(zmq.PULL)
+        in_path, out_path = ipc.paths = link_paths(link.name, "in.sock", "out.sock")
         push.bind(f"ipc://{in_path}")
         outputs.bind(f"ipc://{out_path}")
-        self._monitor = outputs.get_monitor_socket(MONITOR_EVENTS)
-        self._sockets.append(self._monitor)
+        ipc.watch(outputs)
         read_fd, write_fd = os.pipe()
         async with trio.lowlevel.FdStream(read_fd) as pipe:  # the stream owns our end
             try:
@@ -124,7 +116,7 @@ class SglangTransport:
             failure = await link.run_handshake(lambda: self._await_ready(link, pipe))
         if failure is None:
             link.read_facts(None)  # journals the facts (the report is all of them)
-            self._push, self._outputs = push, outputs
+            self._push, ipc.outputs = push, outputs
         return failure
 
     def send(self, frames: list[bytes], rank: int = 0) -> None:
@@ -136,23 +128,20 @@ class SglangTransport:
         self._push.send_multipart(frames, zmq.NOBLOCK)
 
     async def receive(self, link) -> None:
-        await receive_frames(self._outputs, link)
+        await self.ipc.receive(link)
 
     async def wait_disconnected(self) -> None:
-        await wait_disconnected(self._monitor)
+        await self.ipc.wait_disconnected()
 
     async def stop_process(self, process, grace_s: float) -> None:
         await stop_session(process, grace_s)
 
     def close(self) -> None:
-        self._push = self._outputs = None
-        for sock in self._sockets:
-            sock.close(linger=0)
-        self._sockets = []
+        self._push = None
+        self.ipc.close()
 
     def remove_files(self) -> None:
-        for path in self._paths:
-            path.unlink(missing_ok=True)
+        self.ipc.remove_files()
 
     async def _await_ready(self, link, pipe: trio.lowlevel.FdStream) -> None:
         """Read the ready report's line; ``LinkFailed`` when it is not a ready report."""
