@@ -168,6 +168,13 @@ def _constraint(sp, limits: EngineLimits) -> Constraint | None:
     if kind is None:
         return None
     backend = limits.grammar_backend if limits.grammar_backend not in ("", "auto") else SGLANG_GRAMMAR_BACKEND
+    # What the scheduler would abort, refused ahead of it (its grammar manager: none builds no grammar,
+    # outlines compiles neither EBNF nor structural tags).
+    if backend == "none":
+        raise ClientError(f"sampling_params.{kind}", "this worker's scheduler runs no grammar backend "
+                          "(grammar_backend none: --skip-tokenizer-init or --grammar-backend none)")
+    if backend == "outlines" and kind in ("ebnf_grammar", "structural_tag"):
+        raise ClientError(f"sampling_params.{kind}", "the scheduler's outlines grammar backend cannot compile it")
     if kind != "ebnf_grammar":  # regex, json_schema, structural_tag: the shared checks
         return constraint_of(sp, limits.inputs, backend)
     name, value, cap = "sampling_params.ebnf_grammar", sp.ebnf_grammar, limits.inputs.constraint_bytes
