@@ -147,6 +147,9 @@ class RequestCore:
             "max_tokens": spec.max_tokens,
             # An Embed call (runtime/requests/embed.py) goes through the same machine; the journal says which.
             **({"task": spec.task} if getattr(spec, "task", None) else {}),
+            # The constraint's field and the backend it was sent for, when the call carries one.
+            **({"constraint": spec.constraint, "grammar_backend": spec.grammar_backend}
+               if getattr(spec, "constraint", None) else {}),
         })  # fmt: skip
         # Registration is all or nothing: a failure part-way (a rank table or a metric that
         # raises) must not leave the id, an engine id or a rank slot taken by a call nobody holds.
