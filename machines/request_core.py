@@ -328,6 +328,7 @@ class RequestCore:
                     if matched is not None:
                         choice.matched_str = matched
                         choice.finish_reason = "stop"
+                        choice.reasoning_tokens = getattr(out, "reasoning_tokens", 0)
                         # The engine does not do stop strings: stop it ourselves.
                         self._abort_choices([choice], actions)
                 choice.pending += tokens
@@ -341,6 +342,8 @@ class RequestCore:
             if out.finish_reason is not None and choice.finish_reason is None:
                 # A pooling request's result comes with its finish (vLLM: one output, no tokens).
                 choice.pooled = getattr(out, "pooling_output", None)
+                # Read once, at the end: SGLang's count is a running total (vLLM's outputs have none).
+                choice.reasoning_tokens = getattr(out, "reasoning_tokens", 0)
                 reason = FinishReason(out.finish_reason)
                 # A constraint failure only on the engine's own attribution (its wire names the cause: SGLang's
                 # grammar-attributed abort), never inferred from the call carrying a constraint: vLLM's ERROR

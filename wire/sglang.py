@@ -205,6 +205,9 @@ def request_for(spec: GenerateSpec) -> s.TokenizedGenerateReqInput | s.Tokenized
         stream=True,  # every step's delta: the servicer does its own (non-)streaming
         routed_dp_rank=spec.data_parallel_rank,
         cache_salt=spec.cache_salt,
+        lora_id=spec.lora_id,
+        custom_logit_processor=spec.custom_logit_processor,
+        require_reasoning=spec.require_reasoning,
         **_bootstrap(spec.kv_transfer_params),
     )
 

@@ -98,3 +98,18 @@ def test_a_grammar_abort_is_never_attributed_by_its_wording():
         _feed(core, _aborted_in_batch("w", reason))
         error = from_failure(call.failure)
         assert error.status == status and getattr(error, "trailing_metadata", ()) != (CONSTRAINT_FAILED_METADATA,)
+
+
+def test_the_schedulers_reasoning_token_count_reaches_the_complete():
+    # SGLang counts a choice's thinking tokens (a running total); decoded, then read at the choice's end.
+    from enginelink.runtime.requests.contract_sglang import encode_complete
+
+    core = _core()
+    call = _admit(core, "think")
+    _feed(core, sglang.token_batch(["think"], [[7, 8]], [None], prompt_tokens=[2], completion_tokens=[2],
+                                   reasoning_tokens=[2]))
+    _feed(core, sglang.token_batch(["think"], [[9, 10]], [sglang.finish_length(4)], prompt_tokens=[2],
+                                   completion_tokens=[4], reasoning_tokens=[3]))
+    (complete,) = [m for m in call.take_messages() if type(m).__name__ == "Complete"]
+    assert complete.reasoning_tokens == 3
+    assert encode_complete(complete).complete.reasoning_tokens == 3
