@@ -220,9 +220,9 @@ def test_online_the_id_goes_to_the_engine_with_enginelinks_hub_flags():
     # The engine's own flags (`vllm serve ID --revision R ...`) are kept as given, never doubled.
     _, engine_args = serve._engine_model(args, source, tokenizer, ["--revision", "v1", "--tokenizer=org/tok"])
     assert engine_args == ["--revision", "v1", "--tokenizer=org/tok", "--download-dir", "/d"]
-    args.engine = "sglang"  # run with --skip-tokenizer-init: no tokenizer flag
+    args.engine = "sglang"  # its scheduler keeps its tokenizer (its grammar backend's): SGLang's spelling
     _, engine_args = serve._engine_model(args, source, tokenizer, [])
-    assert engine_args == ["--revision", "v1", "--download-dir", "/d"]
+    assert engine_args == ["--tokenizer-path", "org/tok", "--revision", "v1", "--download-dir", "/d"]
 
 
 @pytest.mark.process

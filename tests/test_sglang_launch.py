@@ -34,18 +34,26 @@ def _launcher(tmp_path, *extra: str) -> SglangLauncher:
 
 def test_the_scheduler_command_names_our_addresses_the_model_and_msgpack_ipc(tmp_path):
     launcher = _launcher(tmp_path, "--tp-size", "2", "--hf-token", "s3cret")
-    argv, env = launcher.scheduler_command("ipc:///d/in.sock", "ipc:///d/out.sock", 7)
+    argv, env = launcher.scheduler_command("ipc:///d/in.sock", "ipc:///d/out.sock", 7, environ={})
     assert argv[:2] == ["/opt/sgl/bin/python", str(SGLANG_HEADLESS_SCRIPT)]
     ours, theirs = argv[2:argv.index("--")], argv[argv.index("--") + 1:]
     assert ours == ["--scheduler-input-ipc", "ipc:///d/in.sock", "--tokenizer-ipc", "ipc:///d/out.sock",
                     "--ready-fd", "7"]
-    assert theirs == ["--model-path", str(tmp_path / "model"), "--skip-tokenizer-init", "--tp-size", "2"]
-    assert env == {"HF_TOKEN": "s3cret", "SGLANG_USE_PICKLE_IPC": "0"}  # the token never on a command line
+    # No --skip-tokenizer-init: the scheduler keeps its tokenizer, so SGLang builds its grammar backend
+    # (tests/sglang/test_sglang_grammar.py); its ranks name a grammar's aborts.
+    assert theirs == ["--model-path", str(tmp_path / "model"), "--tp-size", "2"]
+    assert env == {"HF_TOKEN": "s3cret", "SGLANG_USE_PICKLE_IPC": "0",  # the token never on a command line
+                   "SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS": "1"}
+    # The operator's own choice of the attribution is kept, and so is a --skip-tokenizer-init they give.
+    operator = _launcher(tmp_path, "--skip-tokenizer-init")
+    argv, env = operator.scheduler_command("ipc:///d/in.sock", "ipc:///d/out.sock", 7,
+                                           environ={"SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS": "0"})
+    assert argv[-1] == "--skip-tokenizer-init" and env["SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS"] == "0"
 
 
 @pytest.mark.parametrize("args, words", [
     (["--model-path", "/elsewhere"], "--model-path: enginelink sets it itself"),
-    (["--skip-tokenizer-init"], "--skip-tokenizer-init: enginelink sets it itself"),
+    (["--port", "1"], "--port: enginelink sets it itself"),
     (["--dp-size", "2"], "--dp-size 2: enginelink drives one SGLang scheduler DP rank"),
     (["--data-parallel-size=4"], "--data-parallel-size 4"),
 ])
@@ -118,7 +126,7 @@ def test_sglangs_own_parser_takes_our_arguments_and_the_script_calls_names_the_r
              "print(json.dumps([a.skip_tokenizer_init, a.model_path]))\n")
     done = subprocess.run([python, "-c", probe, json.dumps(theirs)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, str(test_model_dir)]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [False, str(test_model_dir)]
     # The engine module imports the server's whole stack (uvloop, ...), which the struct-only venv lacks:
     # its source is read instead, for every name the headless script calls.
     find = "import importlib.util as u; print(u.find_spec('sglang').submodule_search_locations[0])"

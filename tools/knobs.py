@@ -226,9 +226,13 @@ _REFERENCE_OTHER = [
          "scheduler ranks", "warned at start-up", _WARN_TEST, contracts=("sglang",),
          why="it wires the reference's in-rank ZMQ plugin to its Rust servicer; enginelink drives the "
              "scheduler over SGLang's own sockets"),
-    Knob("SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS", INAPPLICABLE, "turns on the reference's in-rank grammar-abort "
-         "stamping", "warned at start-up", _WARN_TEST, contracts=("sglang",),
-         why="enginelink runs no in-rank plugin; it attributes grammar aborts from the release's own messages"),
+    Knob("SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS", HONOURED, "turns on the in-rank stamping of a grammar's aborts "
+         "(`err_type` GrammarRejectedToken), which the servicer answers FAILED_PRECONDITION + "
+         "`smg-constraint-failed: engine`",
+         "set to 1 for the scheduler ranks unless given (the reference's setdefault); enginelink's SGLang plugin "
+         "(`tools/sglang_grammar_attribution.py`) hooks the grammar paths; 0 leaves those aborts unnamed (INTERNAL)",
+         "tests/sglang/test_sglang_grammar.py::test_a_rejected_token_is_attributed_in_sglangs_own_result_processor",
+         contracts=("sglang",)),
     *(Knob(name, INAPPLICABLE, meaning, "warned at start-up", _WARN_TEST, why=_RDMA_WHY) for name, meaning in (
         ("SMG_MM_PIXEL_RDMA", "turns on the RDMA pixel lane"),
         ("SMG_RDMA_SLOT_BYTES", "size of one RDMA landing slot"),

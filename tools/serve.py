@@ -248,10 +248,12 @@ def _journal_keep() -> int:
 
 
 def _warmup(contract: str):
-    from enginelink.machines.warmup import WarmupKnobError, warmup_setting
+    from enginelink.machines.warmup import DEFAULT_BUDGET_S, TOKENSPEED_BUDGET_S, WarmupKnobError, warmup_setting
 
+    # TokenSpeed's pass includes the chunk remainders (machines/warmup.py): its own default budget.
+    budget_s = TOKENSPEED_BUDGET_S if contract == "tokenspeed" else DEFAULT_BUDGET_S
     try:
-        return warmup_setting(os.environ, knobs=knobs.names("warmup", contract))
+        return warmup_setting(os.environ, budget_s, knobs=knobs.names("warmup", contract))
     except WarmupKnobError as error:
         raise ConfigError(str(error)) from None
 

@@ -125,6 +125,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restart the KV publisher (and empty the cache) once after N batches")
     parser.add_argument("--kv-replay-no-topic", action="store_true",
                         help="answer replay requests without the topic frame (SGLang's form)")
+    # The SGLang / TokenSpeed server arguments the servicer reads back (a real scheduler resolves them; the
+    # sim reports them as given, SGLang's defaults where unset: sim_wire_shell.sglang_server_args).
+    engine = parser.add_argument_group("sglang / tokenspeed server arguments (reported, not enforced)")
+    engine.add_argument("--grammar-backend", default=None, help="the grammar backend it reports (enforces none)")
+    engine.add_argument("--reasoning-parser", default=None, help="the reasoning parser it reports")
+    engine.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="sglang: report running without a tokenizer (so without a grammar backend)")
+    engine.add_argument("--enable-custom-logit-processor", action="store_true",
+                        help="sglang: accept custom logit processors (SGLang's flag; the sim applies none)")
+    engine.add_argument("--constrained-decoding", default=None, choices=("always", "requested"),
+                        help="tokenspeed: the constrained-decoding policy a newer engine declares")
     parser.add_argument("--fault-ignore-sigterm", action="store_true",
                         help="ignore SIGTERM (only SIGKILL or the parent's death stops it), as a stuck launcher")
     parser.add_argument("--fault-stray-child", action="store_true",

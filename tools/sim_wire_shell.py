@@ -10,13 +10,14 @@ the same polling, step timing, KV publishing, signals and parent watch).
   None``), INIT with the addresses, READY on the handshake socket, then the
   ready response on a DEALER to ``inputs[0]``, outputs on a PUSH to
   ``outputs[0]`` (reference ``tokenspeed.md`` §5).
-- SGLang 0.5.23 (a scheduler rank under ``--skip-tokenizer-init``, msgpack
-  IPC): no handshake. The front end binds; the scheduler connects a PULL to
+- SGLang 0.5.23 (a scheduler rank, msgpack IPC): no handshake. The front end binds; the scheduler connects a PULL to
   ``scheduler_input_ipc_name`` and a PUSH to ``tokenizer_ipc_name`` (outputs
   and control replies alike), then reports ``{"status": "ready", ...}``
   through its spawn pipe (``sglang-wire.md`` §1, §5). The sim writes that
   report as one JSON line to ``--ready-fd`` (what a launcher bridging the
-  real scheduler's ``multiprocessing`` pipe would forward), and on stderr.
+  real scheduler's ``multiprocessing`` pipe would forward), and on stderr,
+  with the ``server_args`` enginelink's launch script adds to the real one's
+  (``sglang_server_args``: its SGLang flags as given, SGLang's defaults else).
   The rpc and metrics sockets are not simulated (enginelink uses neither).
 """
 
@@ -105,13 +106,23 @@ def ready_response(config: SimConfig, kv_events_config: dict | None = None) -> t
     )
 
 
-def sglang_ready_report(config: SimConfig, started: float) -> dict:
+def sglang_server_args(args: argparse.Namespace) -> dict:
+    """The resolved server arguments ``runtime/engine/sglang_headless.py`` reports (``REPORTED``), as a
+    scheduler given the sim's SGLang flags would resolve them (an unset grammar backend is xgrammar)."""
+    return {"skip_tokenizer_init": bool(args.skip_tokenizer_init),
+            "grammar_backend": getattr(args, "grammar_backend", None) or "xgrammar",
+            "reasoning_parser": getattr(args, "reasoning_parser", None),
+            "enable_custom_logit_processor": bool(getattr(args, "enable_custom_logit_processor", False)),
+            "tokenizer_path": str(args.model)}
+
+
+def sglang_ready_report(config: SimConfig, started: float, server_args: dict | None = None) -> dict:
     """What ``run_scheduler_process`` sends through its pipe once loaded (the keys a front end reads)."""
     tokens = config.num_gpu_blocks * config.block_size
     return {"status": "ready", "max_total_num_tokens": tokens,
             "max_req_input_len": min(config.max_model_len - 1, tokens - 1),
             "startup_time": started, "max_running_requests": config.max_num_seqs,
-            "is_generation": config.runner != "pooling"}
+            "is_generation": config.runner != "pooling", "server_args": server_args or {}}
 
 
 def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime) -> int:
@@ -127,7 +138,7 @@ def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, l
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 4000)
     outputs.connect(args.tokenizer_ipc)
-    report = json.dumps(sglang_ready_report(config, started))
+    report = json.dumps(sglang_ready_report(config, started, sglang_server_args(args)))
     if args.ready_fd is not None:
         with contextlib.suppress(OSError), os.fdopen(args.ready_fd, "w") as pipe:
             pipe.write(report + "\n")

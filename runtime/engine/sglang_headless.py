@@ -6,10 +6,13 @@ there): ``python sglang_headless.py --scheduler-input-ipc A --tokenizer-ipc B
 launcher does (``reference/sglang-contract.md`` §5.1) with enginelink in the
 TokenizerManager's place: SGLang's own set-up steps of
 ``Engine._launch_subprocesses``, ``PortArgs.init_new`` with the two addresses
-replaced by ours (outputs come to the tokenizer address under
-``--skip-tokenizer-init``), the ranks spawned by SGLang's own
-``Engine._launch_scheduler_processes`` (TP x PP on this node), the first
-rank's ``{"status": "ready", ...}`` written as one JSON line to FD. It then
+replaced by ours (outputs come to the tokenizer address whether or not the
+scheduler keeps its tokenizer: the detokenizer address is ours too), the ranks
+spawned by SGLang's own ``Engine._launch_scheduler_processes`` (TP x PP on this
+node), the first rank's ``{"status": "ready", ...}`` written as one JSON line
+to FD, with ``server_args``: the arguments enginelink reads (``REPORTED``) as
+SGLang resolved them (the grammar backend its scheduler builds, the reasoning
+parser an ``auto`` became, ...; ``resolved_server_args``). It then
 blocks until the schedulers exit; SIGTERM stops them. Requires a CUDA GPU; not runnable on a CPU-only machine (written from
 SGLang's source, verified only up to the release check there).
 """
@@ -19,6 +22,39 @@ import json
 import os
 import signal
 import sys
+
+# The server arguments enginelink's servicer reads (GetServerInfo's labels, the refusals ahead of the
+# scheduler), reported as SGLang resolved them. A bounded list: nothing else (no credentials) leaves.
+REPORTED = ("skip_tokenizer_init", "grammar_backend", "reasoning_parser", "tokenizer_path",
+            "enable_custom_logit_processor", "enable_lora", "lora_paths", "limit_mm_data_per_request",
+            "chunked_prefill_size", "served_model_name")
+_MISSING = object()
+
+
+def resolved_server_args(server_args) -> dict:
+    """``REPORTED`` as the scheduler runs them: SGLang 0.5.23 keeps each argument as typed and records
+    what its resolution decided (an unset ``--grammar-backend`` → ``xgrammar``, ...) in
+    ``_resolved_overrides``, last writer wins (its own serving view reads them so); JSON values only."""
+    overrides = list(getattr(server_args, "_resolved_overrides", None) or ())
+    report = {}
+    for name in REPORTED:
+        value = next((declared[name] for _, declared in reversed(overrides) if name in declared), _MISSING)
+        if value is _MISSING:
+            value = getattr(server_args, name, _MISSING)
+        if value is _MISSING:
+            continue
+        report[name] = json.loads(json.dumps(value, default=str))
+    return report
+
+
+def grammar_attribution_loaded() -> bool:
+    """Whether SGLang's ranks will load enginelink's plugin, whose hooks name a grammar's aborts
+    (``tools/sglang_grammar_attribution.py``; ``SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS`` turns them on)."""
+    from importlib.metadata import entry_points
+
+    allowed = {name.strip() for name in os.environ.get("SGLANG_PLUGINS", "").split(",") if name.strip()}
+    return any(entry.name == "enginelink" and (not allowed or entry.name in allowed)
+               for entry in entry_points(group="sglang.srt.plugins"))
 
 
 def main() -> int:
@@ -43,17 +79,23 @@ def main() -> int:
     server_args.check_server_args()
     engine.resolve_auto_parsers(server_args)
     engine.publish(server_args, role="tokenizer")
+    if os.environ.get("SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS", "").strip() not in ("", "0") \
+            and not grammar_attribution_loaded():
+        print("sglang_headless: enginelink's SGLang plugin is not installed here (tools/setup-sglang-plugin): "
+              "a grammar's aborts stay unnamed and answer INTERNAL, not FAILED_PRECONDITION", file=sys.stderr)
     port_args = PortArgs.init_new(server_args)
     port_args.scheduler_input_ipc_name = args.scheduler_input_ipc
-    # Under --skip-tokenizer-init the scheduler pushes its outputs to the tokenizer address.
+    # Outputs go to the detokenizer address (to the tokenizer's under --skip-tokenizer-init): both are ours.
     port_args.tokenizer_ipc_name = args.tokenizer_ipc
     port_args.detokenizer_ipc_name = args.tokenizer_ipc
     result, procs = engine.Engine._launch_scheduler_processes(server_args, port_args, run_scheduler_process)
     signal.signal(signal.SIGTERM, lambda *_: [proc.terminate() for proc in procs or ()])
     result.wait_for_ready()  # raises when a rank dies before it is ready
     infos = result.scheduler_infos
+    report = dict(infos[0]) if infos else {"status": "no scheduler info"}
+    report["server_args"] = resolved_server_args(server_args)
     with os.fdopen(args.ready_fd, "w") as pipe:
-        pipe.write(json.dumps(infos[0] if infos else {"status": "no scheduler info"}, default=str) + "\n")
+        pipe.write(json.dumps(report, default=str) + "\n")
     result.block_until_scheduler_exits()
     return next((proc.exitcode for proc in procs or () if proc.exitcode), 0)
 

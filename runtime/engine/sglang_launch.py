@@ -3,12 +3,23 @@
 The SGLang venv's python runs ``runtime/engine/sglang_headless.py`` by path
 (enginelink is not installed there). That script builds SGLang's own
 ``ServerArgs`` from the arguments after ``--`` plus what enginelink needs
-(``--model-path DIR``, ``--skip-tokenizer-init``, msgpack IPC through
-``SGLANG_USE_PICKLE_IPC=0``), a ``PortArgs`` whose scheduler input and
+(``--model-path DIR``, msgpack IPC through ``SGLANG_USE_PICKLE_IPC=0``), a
+``PortArgs`` whose scheduler input and
 tokenizer addresses are the ipc sockets the link bound, spawns the scheduler
 ranks (TP x PP on this node) as SGLang's own launcher does, and forwards the
 first rank's ready dict as one JSON line on the fd the link gave it
 (``runtime/engine/sglang_link.py``).
+
+The scheduler keeps its tokenizer, as the reference's headless path does:
+SGLang 0.5.23 builds its grammar backend only then
+(``constrained/grammar_manager.py``: none under ``--skip-tokenizer-init``),
+so structured outputs are enforced; enginelink still sends token ids and
+reads ``output_ids`` (filled whether or not a tokenizer runs), and still
+matches stop strings itself. An operator's ``--skip-tokenizer-init`` is
+passed on: the scheduler then has no grammar backend, which GetServerInfo
+says (``grammar_backend: none``) and every constraint is refused ahead of it.
+``SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS=1`` (unless the operator set it) turns
+on the ranks' grammar attribution (``tools/sglang_grammar_attribution.py``).
 
 Checked before anything starts (exit 2, ``tools/serve.py``):
 - the release check (``engine_compat``): the installed structs against our codec;
@@ -32,8 +43,10 @@ from enginelink.runtime.engine.launchers import LauncherError, flag_value, move_
 
 SGLANG_HEADLESS_SCRIPT = Path(__file__).with_name("sglang_headless.py")
 # Set by enginelink: the operator may not give them (the link owns the addresses and the encoding).
-OWNED_FLAGS = ("--model-path", "--model", "--skip-tokenizer-init", "--port", "--host", "--grpc-mode",
+OWNED_FLAGS = ("--model-path", "--model", "--port", "--host", "--grpc-mode",
                "--smg-grpc-mode", "--tokenizer-worker-num")
+# The reference's switch (scheduler_launcher.py sets it with setdefault) for the ranks' grammar attribution.
+GRAMMAR_ATTRIBUTION_ENV = "SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS"
 DP_FLAGS = ("--dp-size", "--dp", "--data-parallel-size")
 # Where CUDA devices show up; a test may point it elsewhere (ENGINELINK_SGLANG_GPU_GLOB).
 GPU_GLOB_DEFAULT = "/dev/nvidia[0-9]*"
@@ -77,14 +90,16 @@ class SglangLauncher:
                 f"machine has none ({pattern} matches nothing); on a CPU-only machine use "
                 "`enginelink serve --engine sim --wire sglang`")
 
-    def scheduler_command(self, input_address: str, output_address: str,
-                          ready_fd: int) -> tuple[list[str], dict[str, str]]:
+    def scheduler_command(self, input_address: str, output_address: str, ready_fd: int,
+                          environ=os.environ) -> tuple[list[str], dict[str, str]]:
         extra, env, self.warnings = move_secrets(self.extra_args)
+        # No --skip-tokenizer-init: the scheduler's tokenizer is what its grammar backend is built from.
         argv = [self.python, str(SGLANG_HEADLESS_SCRIPT), "--scheduler-input-ipc", input_address,
                 "--tokenizer-ipc", output_address, "--ready-fd", str(ready_fd), "--",
-                "--model-path", str(self.model_dir), "--skip-tokenizer-init", *extra]
+                "--model-path", str(self.model_dir), *extra]
         # msgpack IPC (the codec's encoding), not pickle: SGLang's sock_send reads this.
         env["SGLANG_USE_PICKLE_IPC"] = "0"
+        env[GRAMMAR_ATTRIBUTION_ENV] = environ.get(GRAMMAR_ATTRIBUTION_ENV, "1")
         return argv, env
 
     def redacted(self, argv: list[str]) -> list[str]:

@@ -1,6 +1,6 @@
 """The engine link on SGLang's scheduler wire: no handshake, a ready report on an inherited fd.
 
-SGLang 0.5.23's scheduler (``--skip-tokenizer-init``, msgpack IPC) has no
+SGLang 0.5.23's scheduler (msgpack IPC) has no
 start-up handshake (``reference/sglang-contract.md`` §5.1): the front end
 binds a PUSH at ``scheduler_input_ipc_name`` and a PULL at
 ``tokenizer_ipc_name``; the scheduler connects to both and reports
@@ -37,6 +37,7 @@ import zmq
 
 from enginelink.runtime.engine.session import stop_session
 from enginelink.runtime.engine.link_errors import LinkFailed
+from enginelink.runtime.engine.grammar_labels import sglang_grammar_backend
 from enginelink.runtime.engine.zmq_transport import IpcSockets, link_paths
 from enginelink.wire.sglang import SGLANG_VERSION
 
@@ -82,6 +83,9 @@ def ready_facts(report: dict, max_model_len: int | None) -> dict:
     facts.setdefault("max_num_batched_tokens", int(report.get("chunked_prefill_size") or 0) or context)
     facts.setdefault("engine_version", f"sglang-{SGLANG_VERSION}")
     facts.setdefault("data_parallel_size", 1)
+    # The grammar backend the scheduler built, as its resolved arguments say (none without its tokenizer):
+    # the constraint checks read it under vLLM's name (``app.limits``).
+    facts.setdefault("structured_outputs_backend", sglang_grammar_backend(report.get("server_args") or {}))
     return facts
 
 

@@ -90,6 +90,7 @@ class App:
             max_logprobs=int(ready.get("max_logprobs", LOGPROBS_MAX)),
             grammar_backend=str(ready.get("structured_outputs_backend") or DEFAULT_BACKEND),
             engine_release=str(ready.get("vllm_version") or ""),
+            custom_logit_processors=bool((ready.get("server_args") or {}).get("enable_custom_logit_processor")),
         )
 
     @property

@@ -47,6 +47,8 @@ class EngineLimits:
     # The engine's release (its ready response's vllm_version): whose front-end rules apply.
     engine_release: str = ""
     inputs: InputLimits = field(default_factory=input_limits)
+    # SGLang's --enable-custom-logit-processor (its resolved arguments): the scheduler runs them.
+    custom_logit_processors: bool = False
 
 
 def __getattr__(name: str):
