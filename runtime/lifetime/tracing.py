@@ -1,0 +1,390 @@
+"""Trace continuation: a span per Generate call in the router's trace, exported with the OpenTelemetry SDK.
+
+On only with ``--otlp-traces-endpoint URL`` (vLLM's flag; ``vllm serve
+--grpc --servicer-impl enginelink`` hands vLLM's own over). Off, nothing of
+this module or of OpenTelemetry is imported, and the servicer pays one test
+per Generate call (``app.tracing is None``) and one per journal append
+(``Journal.tap is None``).
+
+On, each Generate call (every contract: ``ContractService.Generate``) gets a
+SERVER span named ``llm_request`` (vLLM's front end's name), whose parent is
+the W3C ``traceparent``/``tracestate`` in the call's gRPC metadata (the SMG
+router sends them when it traces, ``smg launch --enable-trace``), else a new
+trace. The SDK's sampler decides (``OTEL_TRACES_SAMPLER``, default
+parent-based always-on): an unsampled call costs its ``start_span`` and
+nothing more. A sampled call's span is built from the records the servicer
+journals anyway (``trace_fold.py``): events ``admitted``, ``engine.queued``
+(the ADDs went out, with their ranks), ``engine.scheduled`` (where the engine
+reports it), ``first_token`` per choice, a ``chunk`` per engine output with
+its token count (the first ``OTEL_SPAN_EVENT_COUNT_LIMIT`` minus the others;
+the rest counted), ``finished`` per choice with its finish reason,
+``aborted`` with its reason, ``refused``; attributes in vLLM's ``gen_ai.*``
+names where vLLM has one. The span ends when the handler leaves, with its
+gRPC status.
+
+Export never waits on the event loop: ``span.end`` hands the span to the
+SDK's ``BatchSpanProcessor``, a deque bounded by ``OTEL_BSP_MAX_QUEUE_SIZE``
+(2048 by default) that its own thread exports in batches
+(``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``, every ``OTEL_BSP_SCHEDULE_DELAY`` ms)
+through the OTLP/gRPC exporter. Full, the SDK drops the oldest queued span
+for the new one; enginelink counts the drops
+(``smg_servicer_trace_spans_dropped``) and logs the first and then each
+doubling, instead of the SDK's line per span. At exit the queue gets
+``CLOSE_S`` to leave, in a worker thread.
+
+Every ``OTEL_*`` variable is the SDK's own (docs/tracing.md lists the ones
+that matter here), except the protocol: OTLP over gRPC only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+import trio
+
+from enginelink.runtime.lifetime.trace_fold import CallTrace, TraceTap
+
+log = logging.getLogger("enginelink.tracing")
+
+TRACES_ENDPOINT_FLAG = "--otlp-traces-endpoint"
+SPAN_NAME = "llm_request"  # vLLM's front end names its request span so
+TRACER_NAME = "enginelink"
+SERVICE_NAME_DEFAULT = "enginelink"
+# At exit, how long the spans still queued get to reach the collector (a worker thread; abandoned after).
+CLOSE_S = 5.0
+QUEUE_MAX_ENV = "OTEL_BSP_MAX_QUEUE_SIZE"
+QUEUE_MAX_DEFAULT = 2048  # the SDK's default
+BATCH_MAX_ENV = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"
+BATCH_MAX_DEFAULT = 512  # the SDK's default
+PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+INSECURE_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE")
+_QUEUE_FULL = "Queue full, dropping %s."  # the SDK's line per span dropped (opentelemetry.sdk._shared_internal)
+_QUEUE_LOGGER = "opentelemetry.sdk._shared_internal"
+# gRPC status codes that make a server span an error (OpenTelemetry's semantic conventions for gRPC).
+_SERVER_ERRORS = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"})
+
+
+class TracingError(ValueError):
+    """The tracing configuration cannot work; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class TracingPlan:
+    """What ``--otlp-traces-endpoint`` asked: the collector, and what the spans say of this servicer."""
+
+    endpoint: str
+    rpc_service: str = ""  # the contract's gRPC service, e.g. vllm.grpc.engine.VllmEngine
+    model: str = ""  # the served model name
+
+
+def check_settings(environ: Mapping[str, str] = os.environ) -> None:
+    """What would make the exporter fail later, refused at start (exit 2): a protocol other than OTLP/gRPC
+    (rather than ignored), a queue bound that is no number or smaller than the export batch."""
+    for name in PROTOCOL_ENVS:
+        value = environ.get(name, "").strip().lower()
+        if value:
+            if value != "grpc":
+                raise TracingError(f"{name}={value!r}: enginelink exports traces over OTLP/gRPC only (grpc)")
+            break
+    bound = queue_max(environ)
+    batch = _positive(environ, BATCH_MAX_ENV, BATCH_MAX_DEFAULT)
+    if batch > bound:
+        raise TracingError(f"{BATCH_MAX_ENV}={batch} is more than {QUEUE_MAX_ENV}={bound}: a batch comes out of "
+                           "the queue")
+
+
+def queue_max(environ: Mapping[str, str] = os.environ) -> int:
+    """The span queue's bound: ``OTEL_BSP_MAX_QUEUE_SIZE`` (the SDK's variable, read here so that /metrics
+    can show it), else the SDK's default."""
+    return _positive(environ, QUEUE_MAX_ENV, QUEUE_MAX_DEFAULT)
+
+
+def _positive(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise TracingError(f"{name}={raw!r}: expected a positive number of spans")
+    return value
+
+
+class TraceStats(msgspec.Struct, frozen=True):
+    """``/metrics``: ``smg_servicer_trace_<field>``."""
+
+    spans: int  # spans ended and handed to the exporter's queue
+    spans_unsampled: int  # calls the sampler left out (no span recorded)
+    spans_dropped: int  # spans the full queue dropped (OTEL_BSP_MAX_QUEUE_SIZE)
+    queue_max: int  # the queue's bound
+    tap_errors: int  # records the tap could not fold (a bug: logged once)
+
+
+class _QueueFull(logging.Filter):
+    """The SDK logs a WARNING per span it drops from a full queue: counted here, and said at 1, 2, 4, 8, ..."""
+
+    def __init__(self, queue_max: int) -> None:
+        super().__init__()
+        self.queue_max = queue_max
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != _QUEUE_FULL:
+            return True
+        self.dropped += 1
+        if self.dropped & (self.dropped - 1):
+            return False
+        record.msg = ("trace export queue full (OTEL_BSP_MAX_QUEUE_SIZE=%d; the collector is slow or away): "
+                      "%d spans dropped so far")
+        record.args = (self.queue_max, self.dropped)
+        return True
+
+
+class Tracing:
+    """The tracer provider, its batch processor and exporter, and the journal tap that feeds the spans."""
+
+    def __init__(self, plan: TracingPlan, *, wall_time: Callable[[float], float], decode: Callable,
+                 exporter: Any = None, environ: Mapping[str, str] = os.environ) -> None:
+        # Imported here: a servicer without tracing never loads OpenTelemetry.
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        check_settings(environ)
+        self.plan = plan
+        self._wall_time = wall_time
+        self._kind = SpanKind.SERVER
+        self._status, self._error = Status, StatusCode.ERROR
+        self._propagator = TraceContextTextMapPropagator()
+        resource = Resource.create()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({"service.name": SERVICE_NAME_DEFAULT}))
+        limits = SpanLimits()  # OTEL_SPAN_*_LIMIT
+        self.events_max = limits.max_events if limits.max_events is not None else 128
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            # As vLLM's: plaintext unless the endpoint says https (or the SDK's INSECURE variables decide).
+            insecure = None if any(name in environ for name in INSECURE_ENVS) else True
+            exporter = OTLPSpanExporter(endpoint=plan.endpoint, insecure=insecure)
+        self.queue_max = queue_max(environ)
+        self.processor = BatchSpanProcessor(exporter, max_queue_size=self.queue_max)  # the other OTEL_BSP_*: the SDK's
+        self.provider = TracerProvider(resource=resource, span_limits=limits, shutdown_on_exit=False)
+        self.provider.add_span_processor(self.processor)
+        self.tracer = self.provider.get_tracer(TRACER_NAME)
+        self.tap = TraceTap(decode)
+        self._queue_full = _QueueFull(self.queue_max)
+        logging.getLogger(_QUEUE_LOGGER).addFilter(self._queue_full)
+        self.spans = 0
+        self.unsampled = 0
+        self._closed = False
+
+    def attach(self, journal) -> None:
+        """Fold the journal's records into the traced calls' spans from now on."""
+        journal.tap = self.tap
+        self._journal = journal
+
+    def stats(self) -> TraceStats:
+        return TraceStats(self.spans, self.unsampled, self._queue_full.dropped, self.queue_max, self.tap.errors)
+
+    # -- a call ---------------------------------------------------------------------------
+
+    def call(self, metadata: Mapping[str, Any] | None) -> "_CallScope | _Untraced":
+        """The running Generate handler's span, for ``with``: continues ``metadata``'s trace context."""
+        now = trio.current_time()
+        carrier = {}
+        if metadata is not None:
+            for key in ("traceparent", "tracestate"):
+                value = metadata.get(key)
+                if isinstance(value, str):
+                    carrier[key] = value
+        context = self._propagator.extract(carrier) if carrier else None
+        span = self.tracer.start_span(SPAN_NAME, context=context, kind=self._kind, start_time=self._ns(now),
+                                      record_exception=False, set_status_on_exception=False)
+        if not span.is_recording():
+            self.unsampled += 1
+            span.end()
+            return _UNTRACED
+        trace = CallTrace(span, now, self.events_max)
+        return _CallScope(self, trace)
+
+    def end(self, trace: CallTrace, error: BaseException | None) -> None:
+        """The handler left (``error``: how, if not OK): the span gets what the records said, and ends."""
+        now = trio.current_time()
+        span = trace.span
+        try:
+            code = _status_name(error)
+            span.set_attributes(self._attributes(trace, now, code))
+            for name, at, attributes in _events(trace, self.events_max):
+                span.add_event(name, attributes, self._ns(at))
+            if code in _SERVER_ERRORS:
+                span.set_status(self._status(self._error, _describe(error)))
+        finally:
+            span.end(self._ns(now))
+            self.spans += 1
+
+    def _attributes(self, trace: CallTrace, now: float, code: str) -> dict[str, Any]:
+        plan = self.plan
+        attributes: dict[str, Any] = {
+            "rpc.system": "grpc",
+            "rpc.service": plan.rpc_service,
+            "rpc.method": "Generate",
+            "rpc.grpc.status_code": _STATUS_NUMBERS.get(code, 2),
+            "gen_ai.response.model": plan.model,
+            "gen_ai.latency.e2e": now - trace.started_at,
+        }
+        if trace.rid is not None:
+            attributes.update({
+                "gen_ai.request.id": trace.rid,
+                "gen_ai.request.n": trace.n,
+                "gen_ai.request.max_tokens": trace.max_tokens,
+                "gen_ai.usage.prompt_tokens": trace.prompt_tokens,
+                "gen_ai.usage.completion_tokens": trace.tokens_sent if trace.finished else sum(trace.tokens_engine),
+                "enginelink.stream": trace.stream,
+                "enginelink.engine.ranks": trace.ranks,
+                "enginelink.chunks": trace.chunks_total,
+                "enginelink.chunk_events_dropped": trace.chunks_total - len(trace.chunks),
+            })  # fmt: skip
+        firsts = [t for t in trace.first_token_at if t is not None]
+        if firsts:
+            first = min(firsts)
+            attributes["gen_ai.latency.time_to_first_token"] = first - trace.started_at
+            if trace.last_token_at is not None:
+                attributes["gen_ai.latency.time_in_model_decode"] = trace.last_token_at - first
+            if trace.engine_scheduled_at is not None:
+                attributes["gen_ai.latency.time_in_model_prefill"] = first - trace.engine_scheduled_at
+        if trace.engine_scheduled_at is not None and trace.engine_queued_at is not None:
+            attributes["gen_ai.latency.time_in_queue"] = trace.engine_scheduled_at - trace.engine_queued_at
+        if trace.finished:
+            attributes["enginelink.finish_reasons"] = [reason for _, _, reason, _ in sorted(trace.finished,
+                                                                                             key=lambda f: f[1])]
+        if trace.aborted is not None:
+            attributes["enginelink.abort_reason"] = trace.aborted[1]
+        return attributes
+
+    def _ns(self, now: float) -> int:
+        return int(self._wall_time(now) * 1e9)
+
+    # -- the end of the run -------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Every call has ended: the queued spans get ``CLOSE_S`` to leave (a worker thread), then the tap goes."""
+        if self._closed:
+            return
+        self._closed = True
+        journal = getattr(self, "_journal", None)
+        if journal is not None and journal.tap is self.tap:
+            journal.tap = None
+        with trio.move_on_after(CLOSE_S) as scope:
+            await trio.to_thread.run_sync(self.provider.shutdown, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            log.warning("trace export: the collector at %s took more than %.0f s; spans still queued are lost",
+                        self.plan.endpoint, CLOSE_S)
+        logging.getLogger(_QUEUE_LOGGER).removeFilter(self._queue_full)
+
+
+class _CallScope:
+    """``with tracing.call(metadata):`` around a Generate handler's work."""
+
+    __slots__ = ("tracing", "trace", "token")
+
+    def __init__(self, tracing: Tracing, trace: CallTrace) -> None:
+        self.tracing = tracing
+        self.trace = trace
+        self.token = None
+
+    def __enter__(self) -> CallTrace:
+        self.token = self.tracing.tap.begin(self.trace)
+        return self.trace
+
+    def __exit__(self, exc_type, error, tb) -> None:
+        self.tracing.tap.end(self.trace, self.token)
+        self.tracing.end(self.trace, error)
+
+
+class _Untraced:
+    """An unsampled call: nothing to fold, nothing to end."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_UNTRACED = _Untraced()
+
+# grpc.StatusCode's numbers (the span attribute ``rpc.grpc.status_code`` is the number).
+_STATUS_NUMBERS = {
+    "OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4, "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8, "FAILED_PRECONDITION": 9, "ABORTED": 10,
+    "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12, "INTERNAL": 13, "UNAVAILABLE": 14, "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+
+
+def _status_name(error: BaseException | None) -> str:
+    """The gRPC status the call ends with, by the one status map (``runtime/errors.py``)."""
+    if error is None:
+        return "OK"
+    from grpclib.exceptions import GRPCError
+
+    from enginelink.runtime.errors import to_grpc_error
+
+    if isinstance(error, GRPCError):
+        return error.status.name
+    if not isinstance(error, Exception):  # the client went away (asyncio's CancelledError), or we stop
+        return "CANCELLED"
+    return to_grpc_error(error).status.name
+
+
+def _describe(error: BaseException | None) -> str:
+    if error is None:
+        return ""
+    from grpclib.exceptions import GRPCError
+
+    if isinstance(error, GRPCError):
+        return error.message or error.status.name
+    return str(error) or type(error).__name__
+
+
+def _events(trace: CallTrace, events_max: int) -> list[tuple[str, float, dict[str, Any]]]:
+    """The span's events, oldest first, at most ``events_max`` (chunks give way to the call's milestones)."""
+    events: list[tuple[str, float, dict[str, Any]]] = []
+    if trace.refused is not None:
+        at, code, message, whose = trace.refused
+        events.append(("refused", at, {"rpc.grpc.status_code": _STATUS_NUMBERS.get(code, 2), "enginelink.code": code,
+                                       "enginelink.whose": whose, "enginelink.message": message}))
+    if trace.admitted_at is not None:
+        events.append(("admitted", trace.admitted_at, {"gen_ai.request.n": trace.n,
+                                                       "gen_ai.usage.prompt_tokens": trace.prompt_tokens}))
+    if trace.queued_at is not None:
+        events.append(("engine.queued", trace.queued_at, {"enginelink.engine.ranks": trace.ranks}))
+    if trace.engine_scheduled_at is not None:
+        events.append(("engine.scheduled", trace.engine_scheduled_at, {}))
+    for index, at in enumerate(trace.first_token_at):
+        if at is not None:
+            rank = trace.ranks[index] if index < len(trace.ranks) else 0
+            events.append(("first_token", at, {"enginelink.choice": index, "enginelink.engine.rank": rank}))
+    for at, index, reason, tokens in trace.finished:
+        events.append(("finished", at, {"enginelink.choice": index, "enginelink.finish_reason": reason,
+                                        "gen_ai.usage.completion_tokens": tokens}))
+    if trace.aborted is not None:
+        events.append(("aborted", trace.aborted[0], {"enginelink.abort_reason": trace.aborted[1]}))
+    room = max(0, events_max - len(events))
+    for at, index, tokens, rank in trace.chunks[:room]:
+        events.append(("chunk", at, {"enginelink.choice": index, "enginelink.tokens": tokens,
+                                     "enginelink.engine.rank": rank}))
+    events.sort(key=lambda event: event[1])  # stable: a chunk at its first token's time comes after it
+    return events
