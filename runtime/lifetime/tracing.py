@@ -26,11 +26,14 @@ Export never waits on the event loop: ``span.end`` hands the span to the
 SDK's ``BatchSpanProcessor``, a deque bounded by ``OTEL_BSP_MAX_QUEUE_SIZE``
 (2048 by default) that its own thread exports in batches
 (``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``, every ``OTEL_BSP_SCHEDULE_DELAY`` ms)
-through the OTLP/gRPC exporter. Full, the SDK drops the oldest queued span
-for the new one; enginelink counts the drops
-(``smg_servicer_trace_spans_dropped``) and logs the first and then each
-doubling, instead of the SDK's line per span. At exit the queue gets
-``CLOSE_S`` to leave, in a worker thread.
+through the OTLP/gRPC exporter. Full, the SDK would drop the oldest queued
+span for the new one and say so once per 20 s; enginelink keeps it from
+filling instead: it knows how many spans it handed over and how many the
+processor has taken off to export (``_Counted``, around the exporter), and
+a span that would find the queue full is dropped before it is ended (the
+newest, not the oldest), counted (``smg_servicer_trace_spans_dropped``) and
+said at the 1st, 2nd, 4th, 8th, … drop. At exit the queue gets ``CLOSE_S``
+to leave, in a worker thread.
 
 Every ``OTEL_*`` variable is the SDK's own (docs/tracing.md lists the ones
 that matter here), except the protocol: OTLP over gRPC only.
@@ -63,8 +66,6 @@ BATCH_MAX_ENV = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"
 BATCH_MAX_DEFAULT = 512  # the SDK's default
 PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 INSECURE_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE")
-_QUEUE_FULL = "Queue full, dropping %s."  # the SDK's line per span dropped (opentelemetry.sdk._shared_internal)
-_QUEUE_LOGGER = "opentelemetry.sdk._shared_internal"
 # gRPC status codes that make a server span an error (OpenTelemetry's semantic conventions for gRPC).
 _SERVER_ERRORS = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"})
 
@@ -120,31 +121,35 @@ def _positive(environ: Mapping[str, str], name: str, default: int) -> int:
 class TraceStats(msgspec.Struct, frozen=True):
     """``/metrics``: ``smg_servicer_trace_<field>``."""
 
-    spans: int  # spans ended and handed to the exporter's queue
+    spans: int  # spans ended and handed to the export queue
     spans_unsampled: int  # calls the sampler left out (no span recorded)
-    spans_dropped: int  # spans the full queue dropped (OTEL_BSP_MAX_QUEUE_SIZE)
+    spans_dropped: int  # spans dropped because the export queue was full (OTEL_BSP_MAX_QUEUE_SIZE)
+    spans_queued: int  # spans in the export queue now
     queue_max: int  # the queue's bound
     tap_errors: int  # records the tap could not fold (a bug: logged once)
 
 
-class _QueueFull(logging.Filter):
-    """The SDK logs a WARNING per span it drops from a full queue: counted here, and said at 1, 2, 4, 8, ..."""
+class _Counted:
+    """The exporter, counting the spans the batch processor took off its queue to export (its worker
+    thread's count; the trio thread reads it). A ``SpanExporter`` by its methods."""
 
-    def __init__(self, queue_max: int) -> None:
-        super().__init__()
-        self.queue_max = queue_max
-        self.dropped = 0
+    def __init__(self, exporter: Any) -> None:
+        self.exporter = exporter
+        self.taken = 0
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != _QUEUE_FULL:
-            return True
-        self.dropped += 1
-        if self.dropped & (self.dropped - 1):
-            return False
-        record.msg = ("trace export queue full (OTEL_BSP_MAX_QUEUE_SIZE=%d; the collector is slow or away): "
-                      "%d spans dropped so far")
-        record.args = (self.queue_max, self.dropped)
-        return True
+    def export(self, spans):
+        self.taken += len(spans)
+        return self.exporter.export(spans)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+        import inspect
+
+        if "timeout_millis" in inspect.signature(self.exporter.shutdown).parameters:
+            return self.exporter.shutdown(timeout_millis=timeout_millis)
+        return self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
 
 
 class Tracing:
@@ -177,15 +182,16 @@ class Tracing:
             insecure = None if any(name in environ for name in INSECURE_ENVS) else True
             exporter = OTLPSpanExporter(endpoint=plan.endpoint, insecure=insecure)
         self.queue_max = queue_max(environ)
-        self.processor = BatchSpanProcessor(exporter, max_queue_size=self.queue_max)  # the other OTEL_BSP_*: the SDK's
+        self.exporter = _Counted(exporter)
+        # The other OTEL_BSP_* are the SDK's to read.
+        self.processor = BatchSpanProcessor(self.exporter, max_queue_size=self.queue_max)
         self.provider = TracerProvider(resource=resource, span_limits=limits, shutdown_on_exit=False)
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer(TRACER_NAME)
         self.tap = TraceTap(decode)
-        self._queue_full = _QueueFull(self.queue_max)
-        logging.getLogger(_QUEUE_LOGGER).addFilter(self._queue_full)
         self.spans = 0
         self.unsampled = 0
+        self.dropped = 0
         self._closed = False
 
     def attach(self, journal) -> None:
@@ -194,7 +200,12 @@ class Tracing:
         self._journal = journal
 
     def stats(self) -> TraceStats:
-        return TraceStats(self.spans, self.unsampled, self._queue_full.dropped, self.queue_max, self.tap.errors)
+        return TraceStats(self.spans, self.unsampled, self.dropped, self.queued, self.queue_max, self.tap.errors)
+
+    @property
+    def queued(self) -> int:
+        """Spans in the export queue (an overcount by one batch while the worker has one popped but not sent)."""
+        return self.spans - self.exporter.taken
 
     # -- a call ---------------------------------------------------------------------------
 
@@ -220,6 +231,9 @@ class Tracing:
     def end(self, trace: CallTrace, error: BaseException | None) -> None:
         """The handler left (``error``: how, if not OK): the span gets what the records said, and ends."""
         now = trio.current_time()
+        if self.queued >= self.queue_max:
+            self._drop()  # never ended, so never queued: the SDK's queue does not overflow
+            return
         span = trace.span
         try:
             code = _status_name(error)
@@ -231,6 +245,12 @@ class Tracing:
         finally:
             span.end(self._ns(now))
             self.spans += 1
+
+    def _drop(self) -> None:
+        self.dropped += 1
+        if not self.dropped & (self.dropped - 1):  # the 1st, 2nd, 4th, 8th, ...
+            log.warning("trace export queue full (OTEL_BSP_MAX_QUEUE_SIZE=%d; the collector at %s is slow or away): "
+                        "%d spans dropped so far", self.queue_max, self.plan.endpoint, self.dropped)
 
     def _attributes(self, trace: CallTrace, now: float, code: str) -> dict[str, Any]:
         plan = self.plan
@@ -289,7 +309,6 @@ class Tracing:
         if scope.cancelled_caught:
             log.warning("trace export: the collector at %s took more than %.0f s; spans still queued are lost",
                         self.plan.endpoint, CLOSE_S)
-        logging.getLogger(_QUEUE_LOGGER).removeFilter(self._queue_full)
 
 
 class _CallScope:
