@@ -119,19 +119,21 @@ async def test_a_streamed_call_continues_the_clients_trace_with_its_life_as_even
     assert 0 < attributes["gen_ai.latency.time_to_first_token"] <= attributes["gen_ai.latency.e2e"]
     assert attributes["gen_ai.latency.time_in_queue"] >= 0 and attributes["gen_ai.latency.time_in_model_prefill"] >= 0
     # The call's life, in order, within the span: admitted, queued in the engine (its rank), scheduled by
-    # the engine, the first token, a chunk per engine output with its token count, the finish.
-    names = _names(span)
-    assert names[:4] == ["admitted", "engine.queued", "engine.scheduled", "first_token"], names
-    assert names[-1] == "finished" and set(names[4:-1]) == {"chunk"}, names
-    events = {name: attrs for name, _, attrs in span.events}
-    assert events["engine.queued"] == {"enginelink.engine.ranks": [0]}
-    assert events["first_token"] == {"enginelink.choice": 0, "enginelink.engine.rank": 0}
-    assert events["finished"] == {"enginelink.choice": 0, "enginelink.finish_reason": "length",
-                                  "gen_ai.usage.completion_tokens": 12}
-    counts = [attrs["enginelink.tokens"] for name, _, attrs in span.events if name == "chunk"]
-    assert sum(counts) == 12 and attributes["enginelink.chunks"] == len(counts)
+    # the engine, the first token, the finish.
+    assert _names(span) == ["admitted", "engine.queued", "engine.scheduled", "first_token", "finished"]
+    events = {name: (at, attrs) for name, at, attrs in span.events}
+    assert events["engine.queued"][1] == {"enginelink.engine.ranks": [0]}
+    assert events["first_token"][1] == {"enginelink.choice": 0, "enginelink.engine.rank": 0}
+    assert events["finished"][1] == {"enginelink.choice": 0, "enginelink.finish_reason": "length",
+                                     "gen_ai.usage.completion_tokens": 12}
     times = [at for _, at, _ in span.events]
     assert span.start_ns <= times[0] and times == sorted(times) and times[-1] <= span.end_ns
+    # Each chunk (an engine output with tokens): when, after the span's start, and its token count.
+    tokens, offsets = attributes["enginelink.chunk.tokens"], attributes["enginelink.chunk.offsets_ms"]
+    assert sum(tokens) == 12 and len(tokens) == len(offsets) == attributes["enginelink.chunks"]
+    assert offsets == sorted(offsets) and "enginelink.chunk.choices" not in attributes  # one choice
+    first_ms = (events["first_token"][0] - span.start_ns) / 1e6
+    assert abs(offsets[0] - first_ms) < 0.01 and offsets[-1] <= (span.end_ns - span.start_ns) / 1e6
 
 
 async def test_a_call_without_a_trace_context_starts_a_trace_and_an_unsampled_one_is_not_exported(
@@ -154,6 +156,7 @@ async def test_a_call_without_a_trace_context_starts_a_trace_and_an_unsampled_on
 
 async def test_refused_aborted_and_n_2_calls_say_how_they_went(model, receiver, monkeypatch):
     facts, tokenizer = model
+    monkeypatch.setenv("ENGINELINK_TRACE_CHUNKS_MAX", "3")
     async with grpc_pair(facts, tokenizer, fast_path=True) as pair:
         tracing = _trace(pair, receiver.endpoint, monkeypatch)
         parent = [("traceparent", TRACEPARENT)]
@@ -179,6 +182,11 @@ async def test_refused_aborted_and_n_2_calls_say_how_they_went(model, receiver, 
     assert pair_span.attributes["gen_ai.usage.completion_tokens"] == 8
     assert sorted(a["enginelink.choice"] for n, _, a in pair_span.events if n in ("first_token",)) == [0, 1]
     assert sorted(a["enginelink.choice"] for n, _, a in pair_span.events if n in ("finished",)) == [0, 1]
+    # 8 chunks (4 tokens a choice, one a step), the first 3 listed, with their choices.
+    assert pair_span.attributes["enginelink.chunks"] == 8
+    assert pair_span.attributes["enginelink.chunk.tokens"] == [1, 1, 1]
+    choices = pair_span.attributes["enginelink.chunk.choices"]
+    assert len(choices) == 3 and set(choices) <= {0, 1}
     gone = by_id["hung-up"]
     assert gone.attributes["enginelink.abort_reason"] == "client_gone"
     assert gone.attributes["rpc.grpc.status_code"] == 1  # CANCELLED

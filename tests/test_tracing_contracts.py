@@ -77,13 +77,14 @@ def test_each_contracts_generate_continues_the_callers_trace(tmp_path, test_mode
     assert span.attributes["gen_ai.usage.completion_tokens"] == 6
     names = [name for name, _, _ in span.events]
     assert names[:2] == ["admitted", "engine.queued"] and names[-1] == "finished", names
-    assert "first_token" in names and "chunk" in names
+    assert "first_token" in names and sum(span.attributes["enginelink.chunk.tokens"]) == 6
     # The warm-up's own calls are not traced (no client, no span): only the client's call was exported.
     assert [s.attributes.get("gen_ai.request.id") for s in spans] == [f"{wire}-traced"]
     labels = f'{{model="{test_model_dir.name}",rank="0"}}'
     assert samples[f"smg_servicer_trace_spans{labels}"] == 1
     assert samples[f"smg_servicer_trace_spans_dropped{labels}"] == 0
     assert samples[f"smg_servicer_trace_queue_max{labels}"] == 2048
+    assert samples[f"smg_servicer_trace_chunks_max{labels}"] == 256
 
 
 def test_tracing_is_off_unless_asked_and_a_protocol_it_cannot_speak_is_refused(tmp_path, test_model_dir):

@@ -69,6 +69,7 @@ def test_serve_takes_its_flag_else_a_vllm_engines_and_refuses_two_that_differ():
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTLP/gRPC only"),
     ({"OTEL_BSP_MAX_QUEUE_SIZE": "lots"}, "OTEL_BSP_MAX_QUEUE_SIZE='lots': expected a positive number"),
     ({"OTEL_BSP_MAX_QUEUE_SIZE": "100"}, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=512 is more than OTEL_BSP_MAX_QUEUE_SIZE=100"),
+    ({"ENGINELINK_TRACE_CHUNKS_MAX": "-1"}, "ENGINELINK_TRACE_CHUNKS_MAX='-1': expected 0 to 65536 chunks"),
 ])
 def test_settings_that_would_fail_later_are_refused_at_start(environ, words):
     with pytest.raises(TracingError, match=words.replace("(", r"\(").replace(")", r"\)")):

@@ -9,8 +9,8 @@ its span needs from them:
 
 - ``client.generate``: admitted (n, prompt tokens, max tokens, stream);
 - ``engine.request``: the ADDs went out, queued in the engine, to which ranks;
-- ``engine.frame``: each engine output for one of its choices, a chunk (its
-  token count, its rank); the first with tokens is the choice's first token;
+- ``engine.frame``: each engine output with tokens for one of its choices, a
+  chunk (its time and token count); the first is the choice's first token;
   the engine's own QUEUED/SCHEDULED times where it reports them (vLLM's
   ``EngineCoreEvent``s, on the first output), moved onto the servicer's clock
   by the frame's own timestamp;
@@ -82,7 +82,7 @@ class CallTrace:
         self.first_token_at: list[float | None] = []
         self.last_token_at: float | None = None
         self.tokens_engine: list[int] = []
-        self.chunks: list[tuple[float, int, int, int]] = []  # (time, choice, tokens, rank), the first chunks_max
+        self.chunks: list[tuple[float, int, int]] = []  # (time, choice, tokens), the first chunks_max
         self.chunks_total = 0
         self.chunks_max = chunks_max
         self.finished: list[tuple[float, int, str, int]] = []  # (time, choice, finish reason, tokens sent)
@@ -103,7 +103,7 @@ class CallTrace:
         self.first_token_at = [None] * self.n
         self.tokens_engine = [0] * self.n
 
-    def _output(self, now: float, index: int, tokens: int, rank: int, out: Any, batch: OutputBatch) -> None:
+    def _output(self, now: float, index: int, tokens: int, out: Any, batch: OutputBatch) -> None:
         if self.engine_scheduled_at is None and batch.timestamp:
             events = getattr(out, "events", None)
             if events:
@@ -124,7 +124,7 @@ class CallTrace:
         self.last_token_at = now
         self.chunks_total += 1
         if len(self.chunks) < self.chunks_max:
-            self.chunks.append((now, index, tokens, rank))
+            self.chunks.append((now, index, tokens))
 
 
 class TraceTap:
@@ -239,7 +239,7 @@ class TraceTap:
             if entry is None:
                 continue
             call, index = entry
-            call._output(now, index, len(out.new_token_ids), batch.engine_index, out, batch)
+            call._output(now, index, len(out.new_token_ids), out, batch)
             if out.finish_reason is not None:
                 del by_engine_id[out.request_id]
 

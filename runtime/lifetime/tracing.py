@@ -13,13 +13,17 @@ router sends them when it traces, ``smg launch --enable-trace``), else a new
 trace. The SDK's sampler decides (``OTEL_TRACES_SAMPLER``, default
 parent-based always-on): an unsampled call costs its ``start_span`` and
 nothing more. A sampled call's span is built from the records the servicer
-journals anyway (``trace_fold.py``): events ``admitted``, ``engine.queued``
-(the ADDs went out, with their ranks), ``engine.scheduled`` (where the engine
-reports it), ``first_token`` per choice, a ``chunk`` per engine output with
-its token count (the first ``OTEL_SPAN_EVENT_COUNT_LIMIT`` minus the others;
-the rest counted), ``finished`` per choice with its finish reason,
-``aborted`` with its reason, ``refused``; attributes in vLLM's ``gen_ai.*``
-names where vLLM has one. The span ends when the handler leaves, with its
+journals anyway (``trace_fold.py``): events ``refused``, ``admitted``,
+``engine.queued`` (the ADDs went out, with their ranks),
+``engine.scheduled`` (where the engine reports it), ``first_token`` and
+``finished`` (its finish reason) per choice, ``aborted`` (its reason);
+attributes in vLLM's ``gen_ai.*`` names where vLLM has one, and the chunks
+(each engine output with tokens: its time and token count) as arrays, the
+first ``ENGINELINK_TRACE_CHUNKS_MAX`` of them. Arrays, not an event per
+chunk: a 128-token call's events made a 13 KiB span, and the SDK's
+default batch of 512 such spans (6.7 MB) was refused by a collector's
+default 4 MiB gRPC receive limit; as arrays it is about 2 KiB, and several
+times cheaper to build. The span ends when the handler leaves, with its
 gRPC status.
 
 Export never waits on the event loop: ``span.end`` hands the span to the
@@ -60,6 +64,9 @@ TRACER_NAME = "enginelink"
 SERVICE_NAME_DEFAULT = "enginelink"
 # At exit, how long the spans still queued get to reach the collector (a worker thread; abandoned after).
 CLOSE_S = 5.0
+CHUNKS_MAX_ENV = "ENGINELINK_TRACE_CHUNKS_MAX"
+CHUNKS_MAX_DEFAULT = 256  # chunks listed per span (time and tokens: ~11 bytes each on the wire)
+CHUNKS_MAX_LIMIT = 65_536
 QUEUE_MAX_ENV = "OTEL_BSP_MAX_QUEUE_SIZE"
 QUEUE_MAX_DEFAULT = 2048  # the SDK's default
 BATCH_MAX_ENV = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"
@@ -92,11 +99,26 @@ def check_settings(environ: Mapping[str, str] = os.environ) -> None:
             if value != "grpc":
                 raise TracingError(f"{name}={value!r}: enginelink exports traces over OTLP/gRPC only (grpc)")
             break
+    chunks_max(environ)
     bound = queue_max(environ)
     batch = _positive(environ, BATCH_MAX_ENV, BATCH_MAX_DEFAULT)
     if batch > bound:
         raise TracingError(f"{BATCH_MAX_ENV}={batch} is more than {QUEUE_MAX_ENV}={bound}: a batch comes out of "
                            "the queue")
+
+
+def chunks_max(environ: Mapping[str, str] = os.environ) -> int:
+    """``ENGINELINK_TRACE_CHUNKS_MAX``: chunks listed per span (0: none, only their count)."""
+    raw = environ.get(CHUNKS_MAX_ENV, "").strip()
+    if not raw:
+        return CHUNKS_MAX_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= CHUNKS_MAX_LIMIT:
+        raise TracingError(f"{CHUNKS_MAX_ENV}={raw!r}: expected 0 to {CHUNKS_MAX_LIMIT} chunks")
+    return value
 
 
 def queue_max(environ: Mapping[str, str] = os.environ) -> int:
@@ -126,6 +148,7 @@ class TraceStats(msgspec.Struct, frozen=True):
     spans_dropped: int  # spans dropped because the export queue was full (OTEL_BSP_MAX_QUEUE_SIZE)
     spans_queued: int  # spans in the export queue now
     queue_max: int  # the queue's bound
+    chunks_max: int  # chunks listed per span (ENGINELINK_TRACE_CHUNKS_MAX)
     tap_errors: int  # records the tap could not fold (a bug: logged once)
 
 
@@ -182,6 +205,7 @@ class Tracing:
             insecure = None if any(name in environ for name in INSECURE_ENVS) else True
             exporter = OTLPSpanExporter(endpoint=plan.endpoint, insecure=insecure)
         self.queue_max = queue_max(environ)
+        self.chunks_max = chunks_max(environ)
         self.exporter = _Counted(exporter)
         # The other OTEL_BSP_* are the SDK's to read.
         self.processor = BatchSpanProcessor(self.exporter, max_queue_size=self.queue_max)
@@ -200,7 +224,8 @@ class Tracing:
         self._journal = journal
 
     def stats(self) -> TraceStats:
-        return TraceStats(self.spans, self.unsampled, self.dropped, self.queued, self.queue_max, self.tap.errors)
+        return TraceStats(self.spans, self.unsampled, self.dropped, self.queued, self.queue_max, self.chunks_max,
+                          self.tap.errors)
 
     @property
     def queued(self) -> int:
@@ -225,7 +250,7 @@ class Tracing:
             self.unsampled += 1
             span.end()
             return _UNTRACED
-        trace = CallTrace(span, now, self.events_max)
+        trace = CallTrace(span, now, self.chunks_max)
         return _CallScope(self, trace)
 
     def end(self, trace: CallTrace, error: BaseException | None) -> None:
@@ -272,8 +297,15 @@ class Tracing:
                 "enginelink.stream": trace.stream,
                 "enginelink.engine.ranks": trace.ranks,
                 "enginelink.chunks": trace.chunks_total,
-                "enginelink.chunk_events_dropped": trace.chunks_total - len(trace.chunks),
             })  # fmt: skip
+        if trace.chunks:
+            # The chunks, listed (the first chunks_max): when (ms after the span's start) and how many tokens;
+            # which choice only where there are several.
+            start = trace.started_at
+            attributes["enginelink.chunk.offsets_ms"] = [round((at - start) * 1000, 3) for at, _, _ in trace.chunks]
+            attributes["enginelink.chunk.tokens"] = [tokens for _, _, tokens in trace.chunks]
+            if trace.n > 1:
+                attributes["enginelink.chunk.choices"] = [index for _, index, _ in trace.chunks]
         firsts = [t for t in trace.first_token_at if t is not None]
         if firsts:
             first = min(firsts)
@@ -379,7 +411,8 @@ def _describe(error: BaseException | None) -> str:
 
 
 def _events(trace: CallTrace, events_max: int) -> list[tuple[str, float, dict[str, Any]]]:
-    """The span's events, oldest first, at most ``events_max`` (chunks give way to the call's milestones)."""
+    """The span's events, oldest first: the call's milestones (at most ``events_max``, the SDK's limit, which
+    would otherwise keep the last ones)."""
     events: list[tuple[str, float, dict[str, Any]]] = []
     if trace.refused is not None:
         at, code, message, whose = trace.refused
@@ -401,9 +434,5 @@ def _events(trace: CallTrace, events_max: int) -> list[tuple[str, float, dict[st
                                         "gen_ai.usage.completion_tokens": tokens}))
     if trace.aborted is not None:
         events.append(("aborted", trace.aborted[0], {"enginelink.abort_reason": trace.aborted[1]}))
-    room = max(0, events_max - len(events))
-    for at, index, tokens, rank in trace.chunks[:room]:
-        events.append(("chunk", at, {"enginelink.choice": index, "enginelink.tokens": tokens,
-                                     "enginelink.engine.rank": rank}))
-    events.sort(key=lambda event: event[1])  # stable: a chunk at its first token's time comes after it
-    return events
+    events.sort(key=lambda event: event[1])  # stable: the same time keeps the order above
+    return events[:events_max]
