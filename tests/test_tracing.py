@@ -84,6 +84,12 @@ async def _span_of(receiver: OtlpReceiver, request_id: str):
                                   f"the span of {request_id}"))
 
 
+def _chunks(attributes) -> list[tuple]:
+    """``enginelink.chunk.list`` read back: (ms after the span's start, tokens[, choice]) per chunk."""
+    return [(float(at), *map(int, rest)) for at, *rest in
+            (entry.split(":") for entry in attributes["enginelink.chunk.list"].split())]
+
+
 def _names(span) -> list[str]:
     return [name for name, _, _ in span.events]
 
@@ -128,10 +134,11 @@ async def test_a_streamed_call_continues_the_clients_trace_with_its_life_as_even
                                      "gen_ai.usage.completion_tokens": 12}
     times = [at for _, at, _ in span.events]
     assert span.start_ns <= times[0] and times == sorted(times) and times[-1] <= span.end_ns
-    # Each chunk (an engine output with tokens): when, after the span's start, and its token count.
-    tokens, offsets = attributes["enginelink.chunk.tokens"], attributes["enginelink.chunk.offsets_ms"]
-    assert sum(tokens) == 12 and len(tokens) == len(offsets) == attributes["enginelink.chunks"]
-    assert offsets == sorted(offsets) and "enginelink.chunk.choices" not in attributes  # one choice
+    # Each chunk (an engine output with tokens): when, in ms after the span's start, and its token count.
+    chunks = _chunks(attributes)
+    assert all(len(chunk) == 2 for chunk in chunks)  # one choice: no choice named
+    offsets, tokens = [at for at, _ in chunks], [n for _, n in chunks]
+    assert sum(tokens) == 12 and len(chunks) == attributes["enginelink.chunks"] and offsets == sorted(offsets)
     first_ms = (events["first_token"][0] - span.start_ns) / 1e6
     assert abs(offsets[0] - first_ms) < 0.01 and offsets[-1] <= (span.end_ns - span.start_ns) / 1e6
 
@@ -182,11 +189,10 @@ async def test_refused_aborted_and_n_2_calls_say_how_they_went(model, receiver, 
     assert pair_span.attributes["gen_ai.usage.completion_tokens"] == 8
     assert sorted(a["enginelink.choice"] for n, _, a in pair_span.events if n in ("first_token",)) == [0, 1]
     assert sorted(a["enginelink.choice"] for n, _, a in pair_span.events if n in ("finished",)) == [0, 1]
-    # 8 chunks (4 tokens a choice, one a step), the first 3 listed, with their choices.
+    # 8 chunks (4 tokens a choice, one a step), the first 3 listed, each with its choice.
     assert pair_span.attributes["enginelink.chunks"] == 8
-    assert pair_span.attributes["enginelink.chunk.tokens"] == [1, 1, 1]
-    choices = pair_span.attributes["enginelink.chunk.choices"]
-    assert len(choices) == 3 and set(choices) <= {0, 1}
+    listed = _chunks(pair_span.attributes)
+    assert len(listed) == 3 and all(n == 1 and choice in (0, 1) for _, n, choice in listed), listed
     gone = by_id["hung-up"]
     assert gone.attributes["enginelink.abort_reason"] == "client_gone"
     assert gone.attributes["rpc.grpc.status_code"] == 1  # CANCELLED

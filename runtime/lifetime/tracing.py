@@ -18,13 +18,17 @@ journals anyway (``trace_fold.py``): events ``refused``, ``admitted``,
 ``engine.scheduled`` (where the engine reports it), ``first_token`` and
 ``finished`` (its finish reason) per choice, ``aborted`` (its reason);
 attributes in vLLM's ``gen_ai.*`` names where vLLM has one, and the chunks
-(each engine output with tokens: its time and token count) as arrays, the
-first ``ENGINELINK_TRACE_CHUNKS_MAX`` of them. Arrays, not an event per
-chunk: a 128-token call's events made a 13 KiB span, and the SDK's
-default batch of 512 such spans (6.7 MB) was refused by a collector's
-default 4 MiB gRPC receive limit; as arrays it is about 2 KiB, and several
-times cheaper to build. The span ends when the handler leaves, with its
-gRPC status.
+(each engine output with tokens: its time and token count) listed in one
+string, ``enginelink.chunk.list`` = ``"<ms after the span's start>:<tokens>
+…"`` (``:<choice>`` added where a call has several), the first
+``ENGINELINK_TRACE_CHUNKS_MAX`` of them. One string, not an event per chunk
+nor an array attribute: a 128-token call's events made a 13 KiB span (the
+SDK's default batch of 512 such spans, 6.7 MB, was refused by a collector's
+default 4 MiB gRPC receive limit), and the SDK's Python encoder spent 4-6
+times as long on the span with two arrays (an AnyValue per element, in the
+export thread, which holds the GIL the event loop needs) as with the same
+list as one string (about 1.7 KiB). The span ends when the handler leaves,
+with its gRPC status.
 
 Export never waits on the event loop: ``span.end`` hands the span to the
 SDK's ``BatchSpanProcessor``, a deque bounded by ``OTEL_BSP_MAX_QUEUE_SIZE``
@@ -65,7 +69,7 @@ SERVICE_NAME_DEFAULT = "enginelink"
 # At exit, how long the spans still queued get to reach the collector (a worker thread; abandoned after).
 CLOSE_S = 5.0
 CHUNKS_MAX_ENV = "ENGINELINK_TRACE_CHUNKS_MAX"
-CHUNKS_MAX_DEFAULT = 256  # chunks listed per span (time and tokens: ~11 bytes each on the wire)
+CHUNKS_MAX_DEFAULT = 256  # chunks listed per span (time and tokens: ~9 bytes each)
 CHUNKS_MAX_LIMIT = 65_536
 QUEUE_MAX_ENV = "OTEL_BSP_MAX_QUEUE_SIZE"
 QUEUE_MAX_DEFAULT = 2048  # the SDK's default
@@ -299,13 +303,7 @@ class Tracing:
                 "enginelink.chunks": trace.chunks_total,
             })  # fmt: skip
         if trace.chunks:
-            # The chunks, listed (the first chunks_max): when (ms after the span's start) and how many tokens;
-            # which choice only where there are several.
-            start = trace.started_at
-            attributes["enginelink.chunk.offsets_ms"] = [round((at - start) * 1000, 3) for at, _, _ in trace.chunks]
-            attributes["enginelink.chunk.tokens"] = [tokens for _, _, tokens in trace.chunks]
-            if trace.n > 1:
-                attributes["enginelink.chunk.choices"] = [index for _, index, _ in trace.chunks]
+            attributes["enginelink.chunk.list"] = chunk_list(trace)
         firsts = [t for t in trace.first_token_at if t is not None]
         if firsts:
             first = min(firsts)
@@ -383,6 +381,15 @@ _STATUS_NUMBERS = {
     "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12, "INTERNAL": 13, "UNAVAILABLE": 14, "DATA_LOSS": 15,
     "UNAUTHENTICATED": 16,
 }
+
+
+def chunk_list(trace: CallTrace) -> str:
+    """The listed chunks as ``enginelink.chunk.list``: ``"<ms after the span's start>:<tokens>[:<choice>] …"``
+    (the choice only where the call has several)."""
+    start = trace.started_at
+    if trace.n > 1:
+        return " ".join(f"{(at - start) * 1000:.3f}:{tokens}:{index}" for at, index, tokens in trace.chunks)
+    return " ".join(f"{(at - start) * 1000:.3f}:{tokens}" for at, _, tokens in trace.chunks)
 
 
 def _status_name(error: BaseException | None) -> str:
