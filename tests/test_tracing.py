@@ -231,3 +231,27 @@ async def test_the_mlx_contract_traces_its_calls_too(model, receiver, monkeypatc
     assert span.attributes["rpc.service"] == "mlx.grpc.engine.MlxEngine"
     assert span.attributes["gen_ai.usage.completion_tokens"] == 5
     assert _names(span)[:2] == ["admitted", "engine.queued"] and _names(span)[-1] == "finished"
+
+
+async def test_a_failure_of_tracings_own_never_reaches_the_call(model, receiver, monkeypatch):
+    """A bug in the fold or in filling the span is counted and logged once; the client's call ends as it would."""
+    from enginelink.runtime.lifetime.trace_fold import CallTrace
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in tracing")
+
+    monkeypatch.setattr(CallTrace, "_output", broken)
+    monkeypatch.setattr(Tracing, "_attributes", broken)
+    facts, tokenizer = model
+    async with grpc_pair(facts, tokenizer, fast_path=True) as pair:
+        tracing = _trace(pair, receiver.endpoint, monkeypatch)
+        request = generate_request("unlucky", PROMPT, stream=True, max_tokens=4, ignore_eos=True)
+        replies, code = await trio.to_thread.run_sync(
+            lambda: _call(pair.port, request, [("traceparent", TRACEPARENT)]))
+        spans = await trio.to_thread.run_sync(lambda: _wait_count(receiver, 1))
+        await tracing.aclose()
+        stats = tracing.stats()
+    assert code == grpc.StatusCode.OK and replies[-1].complete.finish_reason == "length"
+    assert sum(len(r.chunk.token_ids) for r in replies if r.WhichOneof("response") == "chunk") == 4
+    assert stats.errors >= 2 and stats.spans == 1  # each output's fold, and the span's attributes
+    assert spans[0].trace_id == TRACE_ID  # it still went out, with what it had

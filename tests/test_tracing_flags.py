@@ -129,3 +129,49 @@ async def test_a_full_queue_drops_spans_at_once_counts_them_and_says_so_at_each_
     assert said[0] == ("trace export queue full (OTEL_BSP_MAX_QUEUE_SIZE=4; the collector at http://unused:4317 "
                        "is slow or away): 1 spans dropped so far")
     assert not [r for r in caplog.records if r.getMessage().startswith("Queue full")]  # the SDK's never overflowed
+
+
+class EncodingExporter:
+    """A collector's view of each batch: its size on the wire, as the OTLP/gRPC exporter would send it."""
+
+    def __init__(self) -> None:
+        self.sizes: list[tuple[int, int]] = []  # (spans, bytes)
+
+    def export(self, spans):
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self.sizes.append((len(spans), len(encode_spans(spans).SerializeToString())))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        pass
+
+    def force_flush(self, timeout_millis=None):
+        return True
+
+
+async def test_a_default_batch_of_long_calls_fits_a_collectors_default_message_limit():
+    """512 spans (the SDK's batch) of calls with 256 chunks each (ENGINELINK_TRACE_CHUNKS_MAX) stay under the
+    4 MiB a gRPC server (the OpenTelemetry Collector's default too) takes in one message; an event per chunk
+    made a 128-chunk call's batch 6.7 MB, which the bench's receiver refused."""
+    exporter = EncodingExporter()
+    tracing = Tracing(TracingPlan("http://unused:4317", rpc_service="vllm.grpc.engine.VllmEngine", model="m"),
+                      wall_time=lambda now: 1.7e9 + now, decode=lambda frames: None, exporter=exporter, environ={})
+
+    class Frame:  # what an output's fold reads of its batch: no engine events here
+        timestamp = 0.0
+
+    for index in range(512):
+        with tracing.call({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}) as trace:
+            trace.rid = f"long-call-{index:08d}"
+            trace._admitted(trace.started_at, {"n": 1, "prompt_tokens": 1000, "max_tokens": 4096, "stream": True})
+            trace.queued_at, trace.ranks = trace.started_at, [0]
+            for step in range(300):
+                trace._output(trace.started_at + 0.05 + step * 0.0123, 0, 1, None, Frame)
+            trace.finished.append((trace.started_at + 4.0, 0, "length", 300))
+    await tracing.aclose()
+    assert sum(spans for spans, _ in exporter.sizes) == 512
+    spans, size = max(exporter.sizes, key=lambda batch: batch[1])
+    assert size < 4 * 1024 * 1024, (spans, size)
+    assert trace.chunks_total == 300 and len(trace.chunks) == 256

@@ -154,7 +154,7 @@ class TraceTap:
         try:
             self._take_frame()
         except Exception as error:
-            self._failed(error)
+            self.failed(error)
         CURRENT.reset(token)
         if call.rid is not None and self.open.get(call.rid) is call:
             del self.open[call.rid]
@@ -168,7 +168,7 @@ class TraceTap:
         try:
             self._record(seq, now, stream, kind, payload)
         except Exception as error:
-            self._failed(error)
+            self.failed(error)
 
     def decoded(self, seq: int, batch: Any) -> None:
         """The link's decode of the engine frame it just journaled as ``seq`` (``Journal.note_decoded``)."""
@@ -178,12 +178,13 @@ class TraceTap:
             try:
                 self._batch(frame[1], batch)
             except Exception as error:
-                self._failed(error)
+                self.failed(error)
 
-    def _failed(self, error: Exception) -> None:
+    def failed(self, error: Exception) -> None:
+        """A failure of tracing's own (a bug): counted, the first logged; never raised into the request path."""
         self.errors += 1
         if self.errors == 1:
-            log.exception("tracing could not fold a journal record (its span will miss it): %s", error)
+            log.exception("tracing failed (its span misses what it could not fold or fill): %s", error)
 
     def _record(self, seq: int, now: float, stream: str, kind: str, payload: Any) -> None:
         if self._frame is not None:

@@ -57,12 +57,13 @@ from typing import Any, Callable
 
 import msgspec
 import trio
+from grpclib.exceptions import GRPCError
 
+from enginelink.runtime.errors import to_grpc_error
 from enginelink.runtime.lifetime.trace_fold import CallTrace, TraceTap
 
 log = logging.getLogger("enginelink.tracing")
 
-TRACES_ENDPOINT_FLAG = "--otlp-traces-endpoint"
 SPAN_NAME = "llm_request"  # vLLM's front end names its request span so
 TRACER_NAME = "enginelink"
 SERVICE_NAME_DEFAULT = "enginelink"
@@ -153,7 +154,7 @@ class TraceStats(msgspec.Struct, frozen=True):
     spans_queued: int  # spans in the export queue now
     queue_max: int  # the queue's bound
     chunks_max: int  # chunks listed per span (ENGINELINK_TRACE_CHUNKS_MAX)
-    tap_errors: int  # records the tap could not fold (a bug: logged once)
+    errors: int  # tracing's own failures (a record it could not fold, a span it could not fill): a bug, the first logged
 
 
 class _Counted:
@@ -220,6 +221,7 @@ class Tracing:
         self.spans = 0
         self.unsampled = 0
         self.dropped = 0
+        self._journal = None
         self._closed = False
 
     def attach(self, journal) -> None:
@@ -229,7 +231,7 @@ class Tracing:
 
     def stats(self) -> TraceStats:
         return TraceStats(self.spans, self.unsampled, self.dropped, self.queued, self.queue_max, self.chunks_max,
-                          self.tap.errors)
+                          self.tap.errors)  # the tap counts every failure of tracing's, its own and end()'s
 
     @property
     def queued(self) -> int:
@@ -271,6 +273,8 @@ class Tracing:
                 span.add_event(name, attributes, self._ns(at))
             if code in _SERVER_ERRORS:
                 span.set_status(self._status(self._error, _describe(error)))
+        except Exception as failure:  # tracing's bug: the span goes out as far as it got, the call never hears of it
+            self.tap.failed(failure)
         finally:
             span.end(self._ns(now))
             self.spans += 1
@@ -331,7 +335,7 @@ class Tracing:
         if self._closed:
             return
         self._closed = True
-        journal = getattr(self, "_journal", None)
+        journal = self._journal
         if journal is not None and journal.tap is self.tap:
             journal.tap = None
         with trio.move_on_after(CLOSE_S) as scope:
@@ -396,10 +400,6 @@ def _status_name(error: BaseException | None) -> str:
     """The gRPC status the call ends with, by the one status map (``runtime/errors.py``)."""
     if error is None:
         return "OK"
-    from grpclib.exceptions import GRPCError
-
-    from enginelink.runtime.errors import to_grpc_error
-
     if isinstance(error, GRPCError):
         return error.status.name
     if not isinstance(error, Exception):  # the client went away (asyncio's CancelledError), or we stop
@@ -410,8 +410,6 @@ def _status_name(error: BaseException | None) -> str:
 def _describe(error: BaseException | None) -> str:
     if error is None:
         return ""
-    from grpclib.exceptions import GRPCError
-
     if isinstance(error, GRPCError):
         return error.message or error.status.name
     return str(error) or type(error).__name__
