@@ -198,6 +198,9 @@ class Journal:
         # The newest engine frame's row while the live fold waits for the link's decode of it.
         self._live_frame: Row | None = None
         self._live_frames_decoded = 0
+        # A reader of every record as it is appended (tracing's: runtime/lifetime/trace_fold.py), with
+        # ``record(seq, now, stream, kind, payload)`` and ``decoded(seq, batch)``; None: none, one test per append.
+        self.tap: Any = None
         self._store: Store | None = None
         self._closed_store_stats: StoreStats | None = None
         self._own_lock: JournalLock | None = None
@@ -227,6 +230,8 @@ class Journal:
         self._ring.push(row)
         if self._live is not None:
             self._fold_live_row(row)
+        if self.tap is not None:
+            self.tap.record(seq, now, stream, kind, payload)
         if self._store is not None:
             pending = self._pending
             if not pending:
@@ -239,12 +244,14 @@ class Journal:
 
     def note_decoded(self, seq: int, decoded: Any) -> None:
         """The link's decode (its ``OutputBatch``) of exactly the bytes of the engine frame it just
-        journaled as ``seq``: the live fold takes it instead of decoding those bytes again. Ignored
+        journaled as ``seq``: the live fold (and a tap) take it instead of decoding those bytes again. Ignored
         without a live fold, or when another record came in between (the fold decoded the frame)."""
         row = self._live_frame
         if row is not None and row[0] == seq:
             self._live_frame = None
             fold_record(self._live, Record(seq, row[1], row[2], row[3], decoded))
+        if self.tap is not None:
+            self.tap.decoded(seq, decoded)
 
     def fold_live(self) -> FoldState:
         """Start the live fold: the returned state is ``fold`` of every record so far, and each append

@@ -288,6 +288,8 @@ _OWN = {
     "ENGINELINK_FAST_PATH": ("the gRPC fast path", ""),
     "ENGINELINK_GC_FREEZE": ("gc.freeze once serving", ""),
     "ENGINELINK_GC_YOUNG": ("young-generation threshold", ""),
+    "ENGINELINK_TRACE_CHUNKS_MAX": ("chunks listed per trace span (`--otlp-traces-endpoint`; docs/tracing.md)",
+                                    "tests/test_tracing.py::test_refused_aborted_and_n_2_calls_say_how_they_went"),
     "ENGINELINK_HEALTH_CHECK_TIMEOUT_SECS": ("SGLang HealthCheck probe bound", ""),
     "ENGINELINK_MAX_REQUEST_ID_BYTES": ("request id length", ""),
     "ENGINELINK_MAX_STOP_STRINGS": ("stop strings per call", ""),

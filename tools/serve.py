@@ -100,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default=None,
                    help="metrics host (default: SMG_<ENGINE>_SERVICER_METRICS_HOST, else "
                         "SMG_VLLM_SERVICER_METRICS_HOST, else the gRPC --host, as the reference's)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="continue the router's trace (its traceparent) with a span per Generate call, exported by "
+                        "OTLP/gRPC to this collector (vLLM's flag; OTEL_* variables as the OpenTelemetry SDK reads "
+                        "them; docs/tracing.md) (default: off; under --engine vllm, vLLM's own among the engine "
+                        "arguments)")
     p.add_argument("--log-level", default=os.environ.get("ENGINELINK_LOG_LEVEL", "INFO"), metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default INFO; ENGINELINK_LOG_LEVEL)")
     # The reference servicer's media flags, and vLLM's own (docs/compatibility.md says what each does here).
@@ -542,7 +547,32 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
         argv=list(sys.argv),
         codec=choice.codec,
         contract=choice.contract,
+        otlp_traces_endpoint=_traces_endpoint(args),
     )
+
+
+def _traces_endpoint(args: argparse.Namespace) -> str | None:
+    """``--otlp-traces-endpoint``: enginelink's flag, else vLLM's among a vLLM engine's arguments (``vllm serve
+    --grpc ... --otlp-traces-endpoint``), as ``--allowed-media-domains``; two different ones are refused. On,
+    the SDK's variables that would fail later are checked now (exit 2)."""
+    ours = getattr(args, "otlp_traces_endpoint", None)
+    engines = flag_value(list(getattr(args, "engine_args", [])), "--otlp-traces-endpoint") \
+        if args.engine == "vllm" else None
+    if ours is not None and engines is not None and ours != engines:
+        raise ConfigError(f"--otlp-traces-endpoint {ours} and the engine argument --otlp-traces-endpoint {engines} "
+                          "differ; give one")
+    endpoint = ours if ours is not None else engines
+    if endpoint is None:
+        return None
+    if not endpoint.strip():
+        raise ConfigError("--otlp-traces-endpoint: no collector given")
+    from enginelink.runtime.lifetime.tracing import TracingError, check_settings
+
+    try:
+        check_settings(os.environ)
+    except TracingError as error:
+        raise ConfigError(str(error)) from None
+    return endpoint.strip()
 
 
 def _allowed_media_domains(args: argparse.Namespace) -> None:

@@ -64,6 +64,8 @@ class App:
     media: object = None
     # Generate/Embed calls whose writer has not returned (runtime/requests/writers.py): a drain waits for them.
     open_writers: int = 0
+    # Trace continuation (runtime/lifetime/tracing.py); None: off, and Generate pays one test for it.
+    tracing: object = None
 
     # -- time ------------------------------------------------------------------------
 

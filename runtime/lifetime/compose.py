@@ -123,6 +123,8 @@ class Composition:
     new_hub: Callable[..., RequestHub] = lambda engine_link, **kwargs: RequestHub(**kwargs)
     # (model dir, the vLLM python's resolver) for media refs' processor helper; None: no processor here.
     media_processor: tuple[str, Callable[[], str]] | None = None
+    # Trace continuation (--otlp-traces-endpoint: runtime/lifetime/tracing.py); None: off.
+    tracing: Any = None
 
 
 @dataclass
@@ -225,6 +227,8 @@ class Servicer:
             front.close()
             with trio.move_on_after(CLOSE_WAIT_S):
                 await front.wait_closed()
+            if self.app.tracing is not None:
+                await self.app.tracing.aclose()  # every call's span ended: the queued ones get a bounded send
             self.journal.append(trio.current_time(), "run", KIND_RUN_STOP, {"exit_status": exit_status, "reason": reason})
 
 
@@ -252,6 +256,11 @@ def compose(plan: Composition) -> Servicer:
                                  labels={"model": plan.served_model_name, "rank": "0"},
                                  model_dir=plan.media_processor[0] if plan.media_processor else None,
                                  processor_python=plan.media_processor[1] if plan.media_processor else None))
+    if plan.tracing is not None:
+        from enginelink.runtime.lifetime.tracing import Tracing  # imports OpenTelemetry: only when tracing
+
+        app.tracing = Tracing(plan.tracing, wall_time=app.wall_time, decode=link.codec.decode_output)
+        app.tracing.attach(journal)
     readiness = Readiness(link.machine.state, plan.readiness_sink)
     link.on_transition = readiness.follow
     kv_relay = _kv_relay(plan, journal, link, hub, app)
@@ -284,6 +293,8 @@ def _watch(metrics: Metrics, servicer: Servicer) -> None:
     metrics.add_gauges("link", lambda: link_stats(link, hub))
     metrics.add_gauges("input_max", input_limits)  # the ENGINELINK_MAX_* request-input bounds
     metrics.add_collector(lambda labels: RankCollector(link.ranks, servicer.app.loads, labels))
+    if servicer.app.tracing is not None:
+        metrics.add_gauges("trace", servicer.app.tracing.stats)
     if servicer.kv_relay is not None:
         relay = servicer.kv_relay
         metrics.add_collector(lambda labels: KvRelayCollector(relay, labels))

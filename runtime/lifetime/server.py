@@ -91,6 +91,7 @@ class ServeConfig:
     # The wire's codec and the contract served (runtime/lifetime/engines.py, ``serve --wire``).
     codec: str = "vllm"
     contract: str = "vllm"
+    otlp_traces_endpoint: str | None = None  # trace continuation's collector (runtime/lifetime/tracing.py); None: off
 
 
 async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> int:
@@ -233,7 +234,18 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
         metrics_listeners=metrics_listeners,
         readiness_sink=status,
         edge=CONTRACTS[config.contract].service.edge,  # the contract served: its edge encodes the hub's messages
+        tracing=_tracing(config),
     )
+
+
+def _tracing(config: ServeConfig):
+    """--otlp-traces-endpoint's plan: a span per Generate call, to that collector; None: off."""
+    if not config.otlp_traces_endpoint:
+        return None
+    from enginelink.runtime.lifetime.tracing import TracingPlan
+
+    return TracingPlan(config.otlp_traces_endpoint, rpc_service=CONTRACTS[config.contract].health_name,
+                       model=config.served_model_name)
 
 
 def _new_link(config: ServeConfig, journal) -> EngineLink:
