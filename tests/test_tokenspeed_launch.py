@@ -184,7 +184,9 @@ def test_without_enable_output_logprobs_a_logprob_request_is_refused_before_the_
         assert launcher.output_logprobs is served
         service = TokenSpeedSchedulerService(app=None, frame_writes=None)
         service.configure(launcher)
-        assert service.server_args == {"engine_args": engine_args}
+        # The engine's arguments, and the grammar labels they resolve to (no --grammar-backend: none).
+        assert service.server_args == {"engine_args": engine_args, "grammar_backend": "none",
+                                       "constrained_decoding_start": "first_token"}
         if served:
             assert service.edge.validate(asks, limits, 0.0).specs[0].sampling.logprobs == 0
         else:

@@ -23,6 +23,8 @@ from enginelink.runtime.lifetime.tracing import CLOSE_S
 from tests.harness import VENV_BIN, Servicer, free_port, generate_request, scrape
 from tests.otlp_receiver import OtlpReceiver
 
+pytestmark = pytest.mark.process  # every test starts a servicer
+
 PROMPT = [318, 283, 1552, 10, 90, 305]
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
