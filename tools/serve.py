@@ -540,6 +540,8 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
         argv=list(sys.argv),
         codec=choice.codec,
         contract=choice.contract,
+        # GetServerInfo's mm_processor_source: a flag's value reaches the media settings as its variable.
+        media_source="flag" if ref.source("mm_processor") == "flag" else None,
     )
 
 

@@ -65,6 +65,8 @@ class ServeConfig:
     # The directory the model's facts were read from (a Hub id's snapshot: runtime/engine/model_source.py);
     # None: the launcher's. The media processor reads the model's processor files there.
     model_dir: Path | None = None
+    # "flag" where --mm-processor decided (the GetServerInfo label and the start-up line say which setting did).
+    media_source: str | None = None
     host: str = "127.0.0.1"
     port: int = 50051
     journal_path: Path | None = None
@@ -227,6 +229,7 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
         },
         where=f"{config.host}:{config.port}",
         media_processor=_media_processor(config.launcher, config.model_dir),
+        media_source=config.media_source,
         kv_events=config.kv_events,
         metrics_host=config.metrics_host,
         metrics_port=config.metrics_port,
@@ -294,12 +297,13 @@ class GrpcFront:
             await trio_asyncio.aio_as_trio(self.server.wait_closed)()
 
 
-def _media_processor(launcher, model_dir: Path | None = None) -> tuple[str, object] | None:
-    """(model dir, the vLLM venv's python) for the media processor helper: a real vLLM engine's only."""
+def _media_processor(launcher, model_dir: Path | None = None) -> tuple[str, object, list[str]] | None:
+    """(model dir, the vLLM venv's python, the engine's arguments) for the media processor helper: a real vLLM
+    engine's only. The helper builds the model's config from the engine's own arguments, as the engine does."""
     python, model_dir = getattr(launcher, "python", None), model_dir or getattr(launcher, "model_dir", None)
     if launcher.engine != "vllm" or not python or model_dir is None:
         return None
-    return str(model_dir), lambda: python
+    return str(model_dir), lambda: python, list(getattr(launcher, "extra_args", None) or [])
 
 
 def _tokenizer_or_none(model: ModelFacts):
