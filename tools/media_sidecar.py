@@ -75,6 +75,11 @@ def _settings(args: argparse.Namespace):
         settings = media_settings_from(environ)
     except MediaKnobError as error:
         raise _Refused(str(error)) from None
+    from enginelink.runtime.engine.launchers import flag_value
+
+    if flag_value(list(args.engine_args), "--media-io-kwargs") is not None:
+        raise _Refused("--media-io-kwargs: enginelink's media processor does not apply vLLM's media-loader options "
+                       "yet (it decodes with their defaults); run the reference's sidecar for them")
     if args.concurrency < 1:
         raise _Refused(f"--concurrency {args.concurrency}: must be at least 1")
     text = environ.get(RESULT_BYTES_ENV, "").strip()

@@ -44,6 +44,7 @@ from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.lifetime.gc_policy import GcPolicy
 from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
+from enginelink.runtime.requests.media import media_record, media_settings
 from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
 from enginelink.runtime.rpc.grpc_limits import GrpcLimits
@@ -226,6 +227,7 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
             "engine": config.launcher.engine,
             "port": config.port,
             "version": _version(),
+            "media": media_record(media_settings(), config.media_source),  # enginelink inspect shows the bounds
         },
         where=f"{config.host}:{config.port}",
         media_processor=_media_processor(config.launcher, config.model_dir),

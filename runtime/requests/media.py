@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ from enginelink.runtime.errors import ClientError, Precondition, ServicerError, 
 from enginelink.runtime.requests.media_fetch import Fetcher
 from enginelink.runtime.requests.media_processor import MediaProcessor
 from enginelink.wire import mm_sidecar
+
+log = logging.getLogger("enginelink.media")
 
 MIB = 1 << 20
 FETCH_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -320,6 +323,18 @@ class MediaMetrics:
         _child(self.sidecar_up, self._labels).set(1 if up else 0)
 
 
+def media_record(settings: MediaSettings, source: str | None = None) -> dict:
+    """The media settings as the journal's run.start keeps them (``enginelink inspect`` shows them): the
+    processor, which setting decided it, and every bound by the setting's name."""
+    bounds = {setting: value for setting, value in media_bounds(settings).values()}
+    bounds.update({"SMG_VLLM_MM_MAX_INFLIGHT": settings.inflight_max,
+                   "ENGINELINK_MM_MAX_BYTES_IN_FLIGHT": settings.bytes_in_flight_max,
+                   "ENGINELINK_MM_PROCESSOR_START_TIMEOUT_S": settings.processor_start_timeout_s,
+                   "ENGINELINK_MM_PROCESS_TIMEOUT_S": settings.process_timeout_s})  # fmt: skip
+    return {"mm_processor": settings.processor or "off", "mm_processor_source": source or settings.processor_source,
+            "bounds": bounds}
+
+
 def media_bounds(settings: MediaSettings) -> dict[str, tuple[str, float]]:
     """The media bounds not already a gauge of their own, by metric name: (the setting, its value)."""
     fetch = {modality: settings.fetch_deadline(modality) for modality in ("image", "video", "audio")}
@@ -389,8 +404,15 @@ class MediaService:
 
     async def run(self) -> None:
         """The media service's own work for the servicer's lifetime: under redis, watching the sidecar."""
-        if self.sidecar is not None:
-            await in_trio(self.sidecar.run)
+        if self.sidecar is None:
+            return
+        if self.processor is None and self.sidecar.fingerprint is None:
+            # No vLLM here to derive the fingerprint (the sim engine, SGLang): never advertised, refs UNAVAILABLE.
+            self.sidecar.why_not = ("this worker's engine has no model processor to derive the sidecar's "
+                                    "fingerprint from (a real vLLM engine's only)")
+            log.warning("--mm-processor redis: %s; media refs are not advertised", self.sidecar.why_not)
+            return
+        await in_trio(self.sidecar.run)
 
     async def aclose(self) -> None:
         if self.processor is not None:
