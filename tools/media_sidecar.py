@@ -74,7 +74,11 @@ def _settings(args: argparse.Namespace):
     try:
         settings = media_settings_from(environ)
     except MediaKnobError as error:
-        raise _Refused(str(error)) from None
+        message = str(error)
+        for flag, name in (("--redis-url", "SMG_VLLM_MM_REDIS_URL"), ("--namespace", "SMG_VLLM_MM_SIDECAR_NAMESPACE")):
+            if getattr(args, flag[2:].replace("-", "_")) is not None and message.startswith(name):
+                message = f"{flag} ({name}){message[len(name):]}"  # the flag gave the value: name it
+        raise _Refused(message) from None
     from enginelink.runtime.engine.launchers import flag_value
 
     if flag_value(list(args.engine_args), "--media-io-kwargs") is not None:

@@ -493,3 +493,23 @@ async def test_the_sidecar_rides_out_a_redis_restart(redis, tmp_path, monkeypatc
         finally:
             await service.aclose()
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("argv, env, words", [
+    (["--redis-url", "http://r:6379"], {}, "--redis-url (SMG_VLLM_MM_REDIS_URL)='http://r:6379': Redis URL must "
+     "specify one of the following schemes"),
+    ([], {"SMG_VLLM_MM_MAX_RESULT_BYTES": "512MiB"}, "SMG_VLLM_MM_MAX_RESULT_BYTES='512MiB': expected a whole number"),
+    ([], {"SMG_VLLM_MM_MAX_ITEM_BYTES": "0"}, "SMG_VLLM_MM_MAX_ITEM_BYTES='0': must be at least 1"),
+    (["--concurrency", "0"], {}, "--concurrency 0: must be at least 1"),
+    (["--", "--media-io-kwargs", "{}"], {}, "--media-io-kwargs: enginelink's media processor does not apply"),
+])  # fmt: skip
+def test_the_sidecar_command_refuses_a_bad_setting_with_exit_2_naming_it(argv, env, words, tmp_path):
+    import os
+    import subprocess
+
+    from tests.harness import VENV_BIN
+
+    done = subprocess.run([str(VENV_BIN / "enginelink"), "media-sidecar", "--model", str(tmp_path), *argv],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **env})  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"enginelink media-sidecar: {words}" or words in done.stderr, done.stderr
