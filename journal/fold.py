@@ -112,6 +112,7 @@ class RunView(msgspec.Struct):
     exit_status: int | None = None
     reason: str | None = None
     engine: str | None = None  # codec name of the engine wire
+    media: dict | None = None  # run.start's media settings: the processor, its source, every bound
 
 
 class FoldState(msgspec.Struct):
@@ -296,6 +297,7 @@ def _apply(st: FoldState, rec: Record) -> None:
             st.run.pid = p["pid"]
             st.run.version = p["version"]
             st.run.engine = p.get("engine")
+            st.run.media = p.get("media")
         case r.KIND_RUN_STOP:
             st.run.stopped_at = rec.time
             st.run.exit_status = p["exit_status"]

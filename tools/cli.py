@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "inspect": ("inspect", "a servicer's state (links, requests in flight, journal), read from its journal"),
     "journal": ("journal_cmd", "post-mortem on a journal file: show, replay, verify, export, timeline"),
     "worker-probe": ("worker_probe", "liveness of a multi-node engine's worker: attached to its leader's store?"),
+    "media-sidecar": ("media_sidecar", "the GPU-free media sidecar for workers under --mm-processor redis (Redis jobs)"),
 }
 
 

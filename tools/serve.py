@@ -548,6 +548,8 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
         codec=choice.codec,
         contract=choice.contract,
         otlp_traces_endpoint=_traces_endpoint(args),
+        # GetServerInfo's mm_processor_source: a flag's value reaches the media settings as its variable.
+        media_source="flag" if ref.source("mm_processor") == "flag" else None,
     )
 
 
@@ -618,6 +620,15 @@ def log_reference_settings(args: argparse.Namespace, ref: ref_settings.Resolved)
         log.warning("%s", line)
 
 
+def _named_by_flag(message: str, ref: ref_settings.Resolved) -> str:
+    """A media setting's refusal names the flag where a flag gave the value (it reached the settings as its
+    variable): ``--mm-sidecar-timeout-ms (SMG_VLLM_MM_SIDECAR_TIMEOUT_MS)='0': ...``."""
+    for spec in ref_flags.MM_FLAGS:
+        if message.startswith(spec.env) and ref.source(f"mm_{spec.setting}") == "flag":
+            return f"{spec.flag} ({spec.env}){message[len(spec.env):]}"
+    return message
+
+
 def run(args: argparse.Namespace) -> int:
     level = str(args.log_level).strip().upper()
     if level not in LOG_LEVELS:
@@ -633,15 +644,20 @@ def run(args: argparse.Namespace) -> int:
             return 2
         # The flags of the media knobs stand for their variables, which the media settings read.
         os.environ.update(ref.exports)
+        _allowed_media_domains(args)
+        # SMG_VLLM_MM_* (every one, the reference's unread ones too), vLLM's fetch deadlines and the media-host
+        # knobs: a bad one is refused here, before anything is made.
+        settings = media_settings()
         config = build_config(args, ref)
         input_limits()  # the ENGINELINK_MAX_* request-input knobs: a bad one is refused here
-        _allowed_media_domains(args)
-        settings = media_settings()  # SMG_VLLM_MM_* and the media-host knobs: a bad one is refused here
         if settings.enabled and not settings.allowed_domains:
             logging.getLogger("enginelink").warning(
                 "--mm-processor %s with no --allowed-media-domains: this worker fetches media from any public "
                 "host the router forwards", settings.processor)
-    except (ConfigError, InputKnobError, MediaKnobError) as error:
+    except MediaKnobError as error:
+        print(f"enginelink serve: {_named_by_flag(str(error), ref)}", file=sys.stderr)
+        return 2
+    except (ConfigError, InputKnobError) as error:
         print(f"enginelink serve: {error}", file=sys.stderr)
         return 2
     log_reference_settings(args, ref)

@@ -44,6 +44,7 @@ from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.lifetime.gc_policy import GcPolicy
 from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
+from enginelink.runtime.requests.media import media_record, media_settings
 from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
 from enginelink.runtime.rpc.grpc_limits import GrpcLimits
@@ -65,6 +66,8 @@ class ServeConfig:
     # The directory the model's facts were read from (a Hub id's snapshot: runtime/engine/model_source.py);
     # None: the launcher's. The media processor reads the model's processor files there.
     model_dir: Path | None = None
+    # "flag" where --mm-processor decided (the GetServerInfo label and the start-up line say which setting did).
+    media_source: str | None = None
     host: str = "127.0.0.1"
     port: int = 50051
     journal_path: Path | None = None
@@ -225,9 +228,11 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
             "engine": config.launcher.engine,
             "port": config.port,
             "version": _version(),
+            "media": media_record(media_settings(), config.media_source),  # enginelink inspect shows the bounds
         },
         where=f"{config.host}:{config.port}",
         media_processor=_media_processor(config.launcher, config.model_dir),
+        media_source=config.media_source,
         kv_events=config.kv_events,
         metrics_host=config.metrics_host,
         metrics_port=config.metrics_port,
@@ -306,12 +311,13 @@ class GrpcFront:
             await trio_asyncio.aio_as_trio(self.server.wait_closed)()
 
 
-def _media_processor(launcher, model_dir: Path | None = None) -> tuple[str, object] | None:
-    """(model dir, the vLLM venv's python) for the media processor helper: a real vLLM engine's only."""
+def _media_processor(launcher, model_dir: Path | None = None) -> tuple[str, object, list[str]] | None:
+    """(model dir, the vLLM venv's python, the engine's arguments) for the media processor helper: a real vLLM
+    engine's only. The helper builds the model's config from the engine's own arguments, as the engine does."""
     python, model_dir = getattr(launcher, "python", None), model_dir or getattr(launcher, "model_dir", None)
     if launcher.engine != "vllm" or not python or model_dir is None:
         return None
-    return str(model_dir), lambda: python
+    return str(model_dir), lambda: python, list(getattr(launcher, "extra_args", None) or [])
 
 
 def _tokenizer_or_none(model: ModelFacts):
