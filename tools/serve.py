@@ -487,9 +487,6 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
             health_check_timeout_s(os.environ)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    if choice.codec == "sglang" and len(ranks) != 1:
-        raise ConfigError(f"--wire sglang: one scheduler rank (got DP ranks {list(ranks)}); SGLang's DP "
-                          "controller is not driven: run one enginelink per rank")
     engine_model, engine_args = _engine_model(args, source, tokenizer, engine_args)
     if args.engine == "mlx":
         launcher = _mlx_launcher(model_dir, engine_args)
@@ -505,6 +502,10 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args, engine=choice.codec)
     launcher.ranks = ranks
+    if choice.codec in ("sglang", "tokenspeed"):
+        from enginelink.runtime.requests.pd_bootstrap import launch_facts
+
+        launcher.launch_facts = launch_facts(choice.codec, engine_args)  # the PD role (--disaggregation-mode)
     return ServeConfig(
         launcher=launcher,
         model=model,

@@ -22,6 +22,7 @@ from enginelink.runtime.errors import ClientError, Precondition, ServicerError, 
 from enginelink.runtime.lifetime.loads import Loads
 from enginelink.runtime.engine.model_dir import ModelFacts
 from enginelink.runtime.engine.tokenizer_bundle import tokenizer_bundle_chunks
+from enginelink.runtime.requests.pd_bootstrap import PdLeg
 from enginelink.runtime.requests.validate import LOGPROBS_MAX, EngineLimits
 
 # The journal stream and id prefix kept for a call refused for its request id.
@@ -90,6 +91,7 @@ class App:
             max_logprobs=int(ready.get("max_logprobs", LOGPROBS_MAX)),
             grammar_backend=str(ready.get("structured_outputs_backend") or DEFAULT_BACKEND),
             engine_release=str(ready.get("vllm_version") or ""),
+            pd_leg=PdLeg.of(ready),  # a prefill/decode leg of SGLang or TokenSpeed (their launch facts)
         )
 
     @property
