@@ -587,10 +587,12 @@ def log_reference_settings(args: argparse.Namespace, ref: ref_settings.Resolved)
         log.warning("%s", line)
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace, prog: str = "enginelink serve"):
+    """The checked configuration, or the exit status (2) of a refused one, said on stderr; logging set up.
+    ``serve`` runs it on a gRPC port, ``headless`` (tools/headless.py) on the router's ZMQ lane."""
     level = str(args.log_level).strip().upper()
     if level not in LOG_LEVELS:
-        print(f"enginelink serve: log level {args.log_level!r}: expected one of {', '.join(LOG_LEVELS)}"
+        print(f"{prog}: log level {args.log_level!r}: expected one of {', '.join(LOG_LEVELS)}"
               " (--log-level, ENGINELINK_LOG_LEVEL)", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -598,7 +600,7 @@ def run(args: argparse.Namespace) -> int:
         ref = reference_settings(args)
         if ref.refusals:  # a feature enginelink does not have: one line each, before anything starts
             for line in ref.refusals:
-                print(f"enginelink serve: {line}", file=sys.stderr)
+                print(f"{prog}: {line}", file=sys.stderr)
             return 2
         # The flags of the media knobs stand for their variables, which the media settings read.
         os.environ.update(ref.exports)
@@ -611,9 +613,16 @@ def run(args: argparse.Namespace) -> int:
                 "--mm-processor %s with no --allowed-media-domains: this worker fetches media from any public "
                 "host the router forwards", settings.processor)
     except (ConfigError, InputKnobError, MediaKnobError) as error:
-        print(f"enginelink serve: {error}", file=sys.stderr)
+        print(f"{prog}: {error}", file=sys.stderr)
         return 2
     log_reference_settings(args, ref)
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    config = prepare(args)
+    if isinstance(config, int):
+        return config
     from enginelink.runtime.lifetime import core
     from enginelink.runtime.lifetime.server import serve
 
