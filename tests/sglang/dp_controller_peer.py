@@ -7,8 +7,9 @@ SGLang's own, called on a controller whose two ranks' sockets record what
 they are sent (``sock_send`` patched), so what is checked is the placement
 itself: which rank each request, abort and control message reaches.
 ``CASES.json``: a list of ``{"frame": HEX, "method": "round_robin" |
-"follow_bootstrap_room"}``; ``RESULTS.json``: per case, the ranks it reached,
-or ``{"error": ...}``. The venv lacks a few modules the controller's module
+"follow_bootstrap_room"}``; ``RESULTS.json``: ``{"cases": per case, the ranks
+it reached or ``{"error": ...}``, "names": what runtime/engine/sglang_headless.py
+calls, as this release has it}``. The venv lacks a few modules the controller's module
 imports for its process set-up (not for dispatching): they are stubbed by name.
 """
 
@@ -20,7 +21,7 @@ import sys
 from unittest import mock
 
 # Imported by data_parallel_controller for its process set-up and the HTTP server it never starts here.
-STUBBED = ("setproctitle", "einops", "uvicorn", "fastapi", "fastapi.responses")
+STUBBED = ("setproctitle", "einops", "uvicorn", "fastapi", "fastapi.responses", "uvloop")
 
 
 def _controller_module():
@@ -30,6 +31,10 @@ def _controller_module():
         except ModuleNotFoundError:
             stub = mock.MagicMock(name=name)
             stub.__path__, stub.__spec__ = [], None
+            if name == "uvloop":  # sglang.srt.entrypoints.engine installs its policy at import
+                import asyncio
+
+                stub.EventLoopPolicy = asyncio.DefaultEventLoopPolicy
             sys.modules[name] = stub
     return importlib.import_module("sglang.srt.managers.data_parallel_controller")
 
@@ -64,8 +69,27 @@ def main() -> int:
             results.append({"type": name, "ranks": list(sent)})
         except Exception as error:  # a refusal of the controller's own (a rank it does not have)
             results.append({"type": type(message).__name__, "error": f"{type(error).__name__}: {error}"})
-    open(sys.argv[2], "w").write(json.dumps(results))
+    open(sys.argv[2], "w").write(json.dumps({"cases": results, "names": _headless_names()}))
     return 0
+
+
+def _headless_names() -> dict:
+    """What ``sglang_headless.py`` calls, read off this release: signatures, attributes."""
+    import inspect
+
+    import sglang.srt.entrypoints.engine as engine
+    from sglang.srt.managers.disagg_service import start_disagg_service
+    from sglang.srt.runtime_context import ParallelContext
+    from sglang.srt.server_args import PortArgs
+
+    return {
+        "launch": list(inspect.signature(engine.Engine._launch_scheduler_processes).parameters)[:3],
+        "port_args": list(inspect.signature(PortArgs.init_new).parameters),
+        "disagg_service": list(inspect.signature(start_disagg_service).parameters),
+        "attn_dp_enabled": hasattr(ParallelContext, "attn_dp_enabled"),
+        "set_up": [name for name in ("configure_logger", "_set_envs_and_config", "load_plugins",
+                                     "resolve_auto_parsers", "publish") if callable(getattr(engine, name, None))],
+    }
 
 
 if __name__ == "__main__":

@@ -61,18 +61,19 @@ def placed(tmp_path_factory):
     done = subprocess.run([python, str(PEER), str(tmp / "cases.json"), str(tmp / "results.json")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((tmp / "results.json").read_text()), rooms
+    results = json.loads((tmp / "results.json").read_text())
+    return results["cases"], rooms, results["names"]
 
 
 def test_a_pin_reaches_its_rank_and_a_rank_the_controller_lacks_is_its_refusal(placed):
-    results, _ = placed
+    results, _, _ = placed
     assert results[0] == {"type": "TokenizedGenerateReqInput", "ranks": [1]}
     assert results[1] == {"type": "TokenizedGenerateReqInput", "ranks": [0]}
     assert results[2]["error"] == "ValueError: DP rank 5 is not active."
 
 
 def test_a_prefill_legs_residue_is_the_rank_sglangs_controller_picks_for_the_room(placed):
-    results, rooms = placed
+    results, rooms, _ = placed
     ours = results[3:3 + len(rooms)]
     sglangs = results[3 + len(rooms):3 + 2 * len(rooms)]
     for room, mine, theirs in zip(rooms, ours, sglangs):
@@ -80,6 +81,16 @@ def test_a_prefill_legs_residue_is_the_rank_sglangs_controller_picks_for_the_roo
 
 
 def test_aborts_and_control_messages_reach_every_rank(placed):
-    results, _ = placed
+    results, _, _ = placed
     assert results[-2] == {"type": "AbortReq", "ranks": [0, 1]}
     assert results[-1] == {"type": "FlushCacheReqInput", "ranks": [0, 1]}
+
+
+def test_what_the_launch_script_calls_is_this_releases(placed):
+    """``sglang_headless.py`` (DP, attention DP, a prefill leg's bootstrap server), name by name."""
+    _, _, names = placed
+    assert names["launch"] == ["cls", "server_args", "port_args"] or names["launch"][:2] == ["server_args", "port_args"]
+    assert names["port_args"] == ["server_args", "dp_rank", "worker_ports"]
+    assert names["disagg_service"] == [] and names["attn_dp_enabled"] is True
+    assert names["set_up"] == ["configure_logger", "_set_envs_and_config", "load_plugins", "resolve_auto_parsers",
+                               "publish"]
