@@ -106,14 +106,20 @@ OTHER_FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("--mm-processor-kwargs, --mm-device-do-normalize", "vLLM / smg's Rust media pipeline",
      "passed to the engine; enginelink's media processor does not read them", ""),
     ("--reasoning-parser, --grammar-backend", "engine", "passed to the engine", ""),
-    ("--tp-size, --dp-size, --attn-dp-size, --chunked-prefill-size, --max-prefill-tokens, "
-     "--max-running-requests, --return-hidden-states-mode", "SGLang, TokenSpeed",
-     "passed to the scheduler (SGLang `--dp-size` > 1 exits 2)", ""),
-    ("--disaggregation-mode, --language-only, --encoder-only, --encoder-bootstrap-port, --encoder-urls, "
-     "--limit-mm-data-per-request", "SGLang, TokenSpeed", "passed to the engine; the disaggregated roles are not "
-     "served (refused per request)", ""),
+    ("--tp-size, --attn-dp-size, --chunked-prefill-size, --max-prefill-tokens, "
+     "--max-running-requests, --return-hidden-states-mode", "SGLang, TokenSpeed", "passed to the scheduler", ""),
+    ("--dp-size", "SGLang, TokenSpeed", "passed to the scheduler; SGLang's N ranks run behind its own DP controller, "
+     "each request carrying enginelink's rank (`routed_dp_rank`)",
+     "tests/contract/test_legs_and_ranks.py::test_sglang_dp_pin_runs_on_its_rank_and_out_of_range_is_refused"),
+    ("--disaggregation-mode, --disaggregation-bootstrap-port, --disaggregation-transfer-backend",
+     "SGLang, TokenSpeed", "passed to the engine; a prefill/decode leg takes the request's bootstrap, "
+     "advertises its role, places a prefill under DP on its room's residue (docs/pd.md)",
+     "tests/contract/test_legs_and_ranks.py::test_sglang_prefill_leg_runs_on_the_rooms_residue_and_prefills_only"),
+    ("--language-only, --encoder-only, --encoder-bootstrap-port, --encoder-urls, --limit-mm-data-per-request",
+     "SGLang, TokenSpeed", "passed to the engine; the encode roles are not served (refused per request)", ""),
     ("--zmq-handshake-address, --zmq-engine-index", "the reference's SGLang headless launcher",
-     "not provided: enginelink drives the scheduler over SGLang's own sockets", ""),
+     "`enginelink headless --engine sglang --zmq-handshake-address ...` (the router's ZMQ lane)",
+     "tests/router/test_router_headless.py::test_the_router_registers_enginelink_as_its_sglang_engine"),
     ("--redis-url, --namespace, --concurrency", "the reference's media sidecar",
      "`enginelink media-sidecar` takes the same (the engine's own arguments after `--`); either sidecar serves "
      "either worker", "tests/adversarial/test_adv_media_sidecar.py::test_enginelinks_sidecar_serves_a_job_with_"

@@ -413,6 +413,8 @@ def render_links(links: list[dict[str, Any]]) -> list[str]:
         pid = f"engine pid {link['engine_pid']}"
         if link["engine_alive"] is not None:
             pid += " (alive)" if link["engine_alive"] else " (gone)"
+        if link["facts"].get("address"):  # the router link of `enginelink headless`: where it dialled
+            pid = f"router {link['facts']['address']}"
         lasting = "" if link["for_s"] is None else f" (for {link['for_s']} s)"
         lines.append(f"  {link['name']:<10} {link['state']:<11} since t={link['since_t']} s{lasting}  {pid}")
         if facts:

@@ -494,9 +494,6 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
             health_check_timeout_s(os.environ)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    if choice.codec == "sglang" and len(ranks) != 1:
-        raise ConfigError(f"--wire sglang: one scheduler rank (got DP ranks {list(ranks)}); SGLang's DP "
-                          "controller is not driven: run one enginelink per rank")
     engine_model, engine_args = _engine_model(args, source, tokenizer, engine_args)
     if args.engine == "mlx":
         launcher = _mlx_launcher(model_dir, engine_args)
@@ -512,6 +509,10 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args, engine=choice.codec)
     launcher.ranks = ranks
+    if choice.codec in ("sglang", "tokenspeed"):
+        from enginelink.runtime.requests.pd_bootstrap import launch_facts
+
+        launcher.launch_facts = launch_facts(choice.codec, engine_args)  # the PD role (--disaggregation-mode)
     return ServeConfig(
         launcher=launcher,
         model=model,
@@ -629,10 +630,12 @@ def _named_by_flag(message: str, ref: ref_settings.Resolved) -> str:
     return message
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace, prog: str = "enginelink serve"):
+    """The checked configuration, or the exit status (2) of a refused one, said on stderr; logging set up.
+    ``serve`` runs it on a gRPC port, ``headless`` (tools/headless.py) on the router's ZMQ lane."""
     level = str(args.log_level).strip().upper()
     if level not in LOG_LEVELS:
-        print(f"enginelink serve: log level {args.log_level!r}: expected one of {', '.join(LOG_LEVELS)}"
+        print(f"{prog}: log level {args.log_level!r}: expected one of {', '.join(LOG_LEVELS)}"
               " (--log-level, ENGINELINK_LOG_LEVEL)", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -640,7 +643,7 @@ def run(args: argparse.Namespace) -> int:
         ref = reference_settings(args)
         if ref.refusals:  # a feature enginelink does not have: one line each, before anything starts
             for line in ref.refusals:
-                print(f"enginelink serve: {line}", file=sys.stderr)
+                print(f"{prog}: {line}", file=sys.stderr)
             return 2
         # The flags of the media knobs stand for their variables, which the media settings read.
         os.environ.update(ref.exports)
@@ -655,12 +658,19 @@ def run(args: argparse.Namespace) -> int:
                 "--mm-processor %s with no --allowed-media-domains: this worker fetches media from any public "
                 "host the router forwards", settings.processor)
     except MediaKnobError as error:
-        print(f"enginelink serve: {_named_by_flag(str(error), ref)}", file=sys.stderr)
+        print(f"{prog}: {_named_by_flag(str(error), ref)}", file=sys.stderr)
         return 2
     except (ConfigError, InputKnobError) as error:
-        print(f"enginelink serve: {error}", file=sys.stderr)
+        print(f"{prog}: {error}", file=sys.stderr)
         return 2
     log_reference_settings(args, ref)
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    config = prepare(args)
+    if isinstance(config, int):
+        return config
     from enginelink.runtime.lifetime import core
     from enginelink.runtime.lifetime.server import serve
 

@@ -22,6 +22,7 @@ crossings are start/stop of the server and rare utility calls, never per token.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -337,3 +338,42 @@ def _version() -> str:
         return version("enginelink")
     except PackageNotFoundError:
         return "unknown"
+
+
+async def serve_headless(config: ServeConfig, lane, task_status=trio.TASK_STATUS_IGNORED) -> int:
+    """``enginelink headless``: the same servicer with the router's ZMQ lane as its front
+    (``runtime/lifetime/router_front.py``), no gRPC port; ``lane`` is its ``LaneConfig``.
+
+    The journal, metrics, engine link, hub and warm-up are ``serve``'s; the run file is keyed by the
+    router's handshake port, so ``enginelink inspect --port <that port>`` finds the journal."""
+    from enginelink.runtime.lifetime.router_front import RouterFront
+    from enginelink.runtime.requests.contract_lane import LANE_EDGE
+
+    port = int(lane.handshake_address.rsplit(":", 1)[1])
+    lock = _lock_journal(config)
+    try:
+        metrics_listeners = await _bind_metrics(config)
+        plan = JournalPlan(config.journal_path, lock, config.journal_keep)
+        status = ServiceStatus()  # readiness still follows the link (metrics); no health service reads it
+        composition = dataclasses.replace(_composition(config, plan, metrics_listeners, status), edge=LANE_EDGE,
+                                          where=f"the router's ZMQ lane at {lane.handshake_address}")
+        composition.run_record["port"] = port
+        servicer = compose(composition)
+        front = RouterFront(lane)
+
+        def on_serving() -> None:
+            config.gc_policy.apply()
+            front.on_serving()
+
+        if config.journal_path is not None:
+            write_run_file(port, config.journal_path, host="zmq")
+        try:
+            async with trio_asyncio.open_loop():
+                signals = lambda: trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)  # noqa: E731
+                return await servicer.run(front, signals, _OnServing(task_status, on_serving))
+        finally:
+            if config.journal_path is not None:
+                remove_run_file(port)
+    finally:
+        if lock is not None:
+            lock.release()
