@@ -92,6 +92,10 @@ KIND_ENGINE_KV_RELEASE: Final = "engine.kv_release"
 KIND_ENGINE_RESTART: Final = "engine.restart"
 KIND_ENGINE_HELD: Final = "engine.held"
 KIND_ENGINE_RESUME: Final = "engine.resume"
+# The router's direct ZMQ lane (``enginelink headless``): its handshake messages, and each request
+# message it sent (type byte + payload, as received).
+KIND_ROUTER_HANDSHAKE: Final = "router.handshake"
+KIND_ROUTER_FRAME: Final = "router.frame"
 KIND_ERROR: Final = "error"
 KIND_INTERNAL_ERROR: Final = "internal_error"
 KIND_SNAPSHOT: Final = "snapshot"
@@ -117,6 +121,8 @@ KINDS: Final = frozenset(
         KIND_ENGINE_RESTART,
         KIND_ENGINE_HELD,
         KIND_ENGINE_RESUME,
+        KIND_ROUTER_HANDSHAKE,
+        KIND_ROUTER_FRAME,
         KIND_ERROR,
         KIND_INTERNAL_ERROR,
         KIND_SNAPSHOT,
@@ -129,10 +135,11 @@ KINDS: Final = frozenset(
 
 # Kinds whose payload is stored as the raw bytes given (wire frames: decoding
 # them is the codec's job, and only when someone asks).
-RAW_KINDS: Final = frozenset({KIND_ENGINE_FRAME})
+RAW_KINDS: Final = frozenset({KIND_ENGINE_FRAME, KIND_ROUTER_FRAME})
 
 MACHINE_LINK: Final = "link"
 MACHINE_REQUEST: Final = "request"
+MACHINE_ROUTER: Final = "router"  # the router link of ``enginelink headless`` (machines/router_link.py)
 
 RUN_STREAM: Final = "run"
 

@@ -96,6 +96,10 @@ def unresumable(spec: GenerateSpec, generated: int, policy: ResumePolicy) -> str
     if generated >= spec.sampling.max_tokens:
         return "it had generated all of its max_tokens (the engine's finish was lost with it)"
     kv = spec.kv_transfer_params
+    if kv is not None and kv.get("bootstrap_room") is not None:
+        # SGLang's and TokenSpeed's legs run at once and meet by room (runtime/requests/pd_bootstrap.py):
+        # the other leg's engine was mid-transfer with the dead one and would not pair with a new one.
+        return "an SGLang/TokenSpeed PD leg: its KV transfer is paired by bootstrap room with the dead engine"
     if kv is not None and (kv.get("do_remote_prefill") or generated):
         return ("a PD decode leg: its KV came from a prefill worker, which no longer holds it"
                 if kv.get("do_remote_prefill") else "a PD leg past its first token")

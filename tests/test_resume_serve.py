@@ -37,6 +37,7 @@ def _journal(path) -> list[r.Record]:
         return list(reader.iter_records(after_seq=0))
 
 
+@pytest.mark.process  # a servicer and its sim engine: the full suite only (tests/fast_loop.py)
 @pytest.mark.parametrize("wire", ["vllm", "tokenspeed", "sglang"])
 def test_an_engine_killed_under_greedy_streams_is_restarted_and_every_stream_completes_whole(tmp_path, test_model_dir,
                                                                                              wire):

@@ -186,3 +186,15 @@ def test_a_pd_decode_leg_fails_at_the_crash_naming_why():
     assert call.failure.message.startswith("engine process 7 exited with status -9; the request is not resumed: "
                                            "a PD decode leg")
     assert failed.wake == [call]
+
+
+def test_an_sglang_or_tokenspeed_pd_leg_is_not_resumed_even_before_its_first_token():
+    """Both legs of an SGLang/TokenSpeed pair run at once and meet by bootstrap room: a leg re-sent to a
+    new engine would wait on (decode) or send to (prefill) a peer whose transfer the crash broke."""
+    policy = ResumePolicy(restarts_max=1)
+    for mode in ("prefill", "decode"):
+        leg = GenerateSpec(request_id=mode, prompt_token_ids=[5], sampling=SamplingSpec(max_tokens=4),
+                           kv_transfer_params={"bootstrap_host": "10.0.0.2", "bootstrap_port": 8998,
+                                               "bootstrap_room": 17})
+        assert "bootstrap room" in unresumable(leg, 0, policy)
+        assert "bootstrap room" in unresumable(leg, 2, policy)
