@@ -9,7 +9,8 @@ Parametrised by the two things that differ between callers:
 - ``wake``: what the hub sets when the call has something new; an
   ``asyncio.Event`` for grpclib handlers (asyncio under trio-asyncio), a
   ``warmup.TrioWake`` for trio code (the simulation's clients);
-- ``send``: an async callable taking one response message of the edge's contract.
+- ``send``: an async callable taking one response message of the edge's contract, or its
+  bytes (a response whose logprobs the writer serialized in slices: ``serialize_in_slices``).
 
 Errors: a refusal (validation, admission) is journaled through
 ``app.refused`` and raised as the ``ServicerError`` it is; a call the engine
@@ -19,12 +20,16 @@ gRPC handler with ``errors.grpc_errors``). Time only from ``trio.current_time()`
 
 from __future__ import annotations
 
+import asyncio
+
+import sniffio
 import trio
 
 from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
 from enginelink.runtime.requests.embed import check_generation
 from enginelink.runtime.errors import ClientError, ServicerError
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
+from enginelink.runtime.requests.logprob_bytes import SlicedResponse
 from enginelink.runtime.requests.writers import counted
 
 
@@ -79,6 +84,8 @@ async def generate(app, request, *, wake, send, direct=None, send_headers=None, 
             messages = hub.take(call, trio.current_time())
             try:
                 for message in messages:
+                    if type(message) is SlicedResponse:
+                        message = await serialize_in_slices(message)
                     await send(message)
             finally:
                 hub.written(call)  # the writer is idle again (or leaving): the fan-out may write
@@ -114,3 +121,13 @@ def release_refused_kv(app, request, error: ServicerError, now: float, edge=VLLM
     params = edge.release_params(request, input_limits())
     if params is not None:
         app.hub.release_kv(edge.raw_request_id(request), params, now)
+
+
+async def serialize_in_slices(message: SlicedResponse) -> bytes:
+    """A response's logprobs serialized a slice at a time (``logprob_bytes.py``), the event loop's
+    other work running between slices: however many logprobs one call asked for, it holds the loop
+    for one slice at a time (issue 38). Its bytes, for ``send`` (the gRPC codec passes bytes on)."""
+    checkpoint = asyncio.sleep if sniffio.current_async_library() == "asyncio" else trio.sleep
+    for _ in message.steps():
+        await checkpoint(0)
+    return message.body
