@@ -120,11 +120,11 @@ def test_many_empty_choices_are_refused_by_their_count():
 
 def test_a_choice_costs_its_bytes_and_its_place_in_the_grammar():
     """1024 choices of 60 bytes: 61,440 bytes of text, under the 64 KiB cap, but 69,632 with their overhead."""
-    from enginelink.runtime.requests.inputs import CHOICE_OVERHEAD_BYTES
-
     request = _vllm()
     request.sampling_params.choice.choices.extend([f"{i:060d}" for i in range(COUNT_MAX)])
     error = _refused(request)
+    from enginelink.runtime.requests.inputs import CHOICE_OVERHEAD_BYTES
+
     assert "ENGINELINK_MAX_CONSTRAINT_BYTES" in str(error) and f"{CHOICE_OVERHEAD_BYTES} a choice" in str(error)
     # The largest legal set: count and bytes both at their limits.
     each = LIMITS.constraint_bytes // COUNT_MAX - CHOICE_OVERHEAD_BYTES
@@ -366,16 +366,17 @@ def test_refused_attacks_leave_others_served_and_memory_where_it_was(costly):
 
 @pytest.mark.slow
 def test_vocabulary_wide_logprobs_do_not_hold_the_loop(costly):
-    """One non-streaming n = 4 call with logprobs -1 and prompt logprobs -1 (each of its four responses
-    ~30 MiB): served whole, while health keeps answering within 2 s."""
+    """One non-streaming n = 8 call with logprobs -1 and prompt logprobs -1 (each of its eight responses
+    ~16 MiB, 2.5M logprob entries): served whole, while health keeps answering within 2 s. Before, the
+    eight responses were built at once when the call ended, and health waited seconds."""
     prompt = [5 + i % 4000 for i in range(300)]
-    request = generate_request("all-lp", prompt, max_tokens=300, ignore_eos=True, n=4, logprobs=-1,
+    request = generate_request("all-lp", prompt, max_tokens=300, ignore_eos=True, n=8, logprobs=-1,
                                prompt_logprobs=-1)
     with HealthProbe(costly.port, deadline_s=2.0) as probe:
         (answer,) = _attack(costly, [request])
     assert not isinstance(answer, grpc.RpcError), answer
     completes = [m.complete for m in answer if m.WhichOneof("response") == "complete"]
-    assert sorted(c.index for c in completes) == [0, 1, 2, 3]
+    assert sorted(c.index for c in completes) == list(range(8))
     for c in completes:
         assert len(c.output_logprobs.top_logprobs) == 300 and len(c.output_logprobs.top_logprobs[0].values) == 4096
         assert len(c.input_logprobs.token_logprobs) == 300
