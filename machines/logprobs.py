@@ -114,16 +114,31 @@ def count_entries(runs: Sequence[LogprobRun]) -> int:
     return sum(run.rows * (run.top + 1) for run in runs)
 
 
-def slices(runs: Sequence[LogprobRun], entries: int = SLICE_ENTRIES) -> Iterator[tuple[int, LogprobRun, int, int]]:
-    """``(position, run, first, last)``: the runs cut into pieces of at most ``entries`` entries
-    (at least one row each); ``position`` is the first row's place among all the runs' rows."""
+def slices(runs: Sequence[LogprobRun], entries: int = SLICE_ENTRIES) -> Iterator[list[tuple[int, LogprobRun, int, int]]]:
+    """The runs cut into slices of at most ``entries`` entries (at least one row each): each slice a list
+    of ``(position, run, first, last)``, rows ``first..last`` of ``run``, ``position`` the first row's place
+    among all the runs' rows. Small runs (a decode step's one row each) share a slice."""
+    piece: list[tuple[int, LogprobRun, int, int]] = []
+    room = entries
     position = 0
     for run in runs:
-        step = max(1, entries // (run.top + 1))
-        for first in range(0, run.rows, step):
-            last = min(run.rows, first + step)
-            yield position + first, run, first, last
+        width = run.top + 1
+        first = 0
+        while first < run.rows:
+            rows = min(run.rows - first, max(1, room // width))
+            if piece and rows * width > room:
+                yield piece
+                piece, room = [], entries
+                continue
+            piece.append((position + first, run, first, first + rows))
+            room -= rows * width
+            first += rows
+            if room <= 0:
+                yield piece
+                piece, room = [], entries
         position += run.rows
+    if piece:
+        yield piece
 
 
 class PromptLogprobs(NamedTuple):
@@ -181,6 +196,20 @@ def _run(rows: LogprobRows, count: int, top: int, expected: Sequence[int] | None
     return LogprobRun(count, cols, k, _copy(ids, 0, stop), _copy(values, 0, stop))
 
 
+def _append(runs: list[LogprobRun], run: LogprobRun) -> None:
+    """``run`` after ``runs``, joined to the last when their layout is the same: a non-streaming choice
+    of a thousand decode steps keeps one run (its arrays grown in place, amortized), not a thousand."""
+    if runs:
+        last = runs[-1]
+        if last.cols == run.cols and last.top == run.top and last.values.typecode == run.values.typecode \
+                and last.token_ids.typecode == run.token_ids.typecode:
+            last.values.extend(run.values)
+            last.token_ids.extend(run.token_ids)
+            runs[-1] = last._replace(rows=last.rows + run.rows)
+            return
+    runs.append(run)
+
+
 class ChoiceLogprobs:
     """The logprobs of one choice: fed per engine output, taken per message."""
 
@@ -211,9 +240,8 @@ class ChoiceLogprobs:
                 raise WireError(f"the engine sent {sample.rows} logprob rows for {new_tokens} tokens")
             run = _run(sample, len(kept), self.top, kept)
             if run is not None:
-                self.pending.append(run)
-                if self.all is not None:
-                    self.all.append(run)
+                # A streaming choice's writer takes what is pending; a non-streaming one's complete takes all.
+                _append(self.pending if self.all is None else self.all, run)
         if self.prompt_top is not None and prompt is not None and self.prompt is None:
             # Row r is the logprob of prompt token r + 1; position 0 has none.
             count = min(prompt.rows, len(prompt_ids) - 1)

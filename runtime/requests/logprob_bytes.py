@@ -42,16 +42,28 @@ __all__ = [
 # -- filling a message in place ------------------------------------------------------------
 
 
+def _tops(add, run: LogprobRun, first: int, last: int) -> None:
+    """One ``TopLogProbs`` per row ``first..last`` (``add``: the repeated field's). The innermost loop of
+    logprobs: array slices (C copies) rather than views, and nothing looked up per row."""
+    values, ids, cols, k = run.values, run.token_ids, run.cols, run.top
+    for base in range(first * cols + 1, last * cols + 1, cols):
+        entry = add()
+        entry.values.extend(values[base:base + k])
+        entry.token_ids.extend(ids[base:base + k])
+
+
+def _own(run: LogprobRun, first: int, last: int) -> tuple:
+    """Column 0's values and ids of rows ``first..last`` (strided array slices: C copies)."""
+    cols = run.cols
+    return run.values[first * cols:last * cols:cols], run.token_ids[first * cols:last * cols:cols]
+
+
 def _output_rows(message, run: LogprobRun, first: int, last: int, top: int) -> None:
-    message.token_logprobs.extend(run.own_values(first, last))
-    message.token_ids.extend(run.own_ids(first, last))
+    values, ids = _own(run, first, last)
+    message.token_logprobs.extend(values)
+    message.token_ids.extend(ids)
     if top:
-        add = message.top_logprobs.add
-        for row in range(first, last):
-            values, ids = run.top_of(row)
-            entry = add()
-            entry.values.extend(values)
-            entry.token_ids.extend(ids)
+        _tops(message.top_logprobs.add, run, first, last)
 
 
 def _prompt_head(message, prompt: PromptLogprobs) -> None:
@@ -65,15 +77,11 @@ def _prompt_head(message, prompt: PromptLogprobs) -> None:
 def _prompt_rows(message, prompt: PromptLogprobs, position: int, run: LogprobRun, first: int, last: int,
                  entry_type) -> None:
     """Rows ``first..last`` of ``run``, the prompt's positions ``position + 1..`` (``ids`` has position 0)."""
-    message.token_logprobs.extend([entry_type(value=value) for value in run.own_values(first, last)])
+    values, _ = _own(run, first, last)
+    message.token_logprobs.extend([entry_type(value=value) for value in values])
     message.token_ids.extend(prompt.ids[position + 1:position + 1 + last - first])
     if prompt.top:
-        add = message.top_logprobs.add
-        for row in range(first, last):
-            values, ids = run.top_of(row)
-            entry = add()
-            entry.values.extend(values)
-            entry.token_ids.extend(ids)
+        _tops(message.top_logprobs.add, run, first, last)
 
 
 def fill_output_logprobs(message, runs: Sequence[LogprobRun], top: int) -> None:
@@ -95,9 +103,10 @@ def fill_prompt_logprobs(message, prompt: PromptLogprobs, entry_type) -> None:
 
 
 def _output_pieces(message_type, runs: Sequence[LogprobRun], top: int) -> Iterator[bytes]:
-    for _, run, first, last in slices(runs if top else [r._replace(top=0) for r in runs]):
+    for piece_rows in slices(runs if top else [r._replace(top=0) for r in runs]):
         piece = message_type()
-        _output_rows(piece, run, first, last, top)
+        for _, run, first, last in piece_rows:
+            _output_rows(piece, run, first, last, top)
         yield piece.SerializeToString()
 
 
@@ -105,9 +114,10 @@ def _prompt_pieces(message_type, prompt: PromptLogprobs, entry_type) -> Iterator
     piece = message_type()
     _prompt_head(piece, prompt)
     yield piece.SerializeToString()
-    for position, run, first, last in slices(prompt.runs):
+    for piece_rows in slices(prompt.runs):
         piece = message_type()
-        _prompt_rows(piece, prompt, position, run, first, last, entry_type)
+        for position, run, first, last in piece_rows:
+            _prompt_rows(piece, prompt, position, run, first, last, entry_type)
         yield piece.SerializeToString()
 
 
