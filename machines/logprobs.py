@@ -158,15 +158,6 @@ class PromptLogprobs(NamedTuple):
         return count_entries(self.runs) + 1
 
 
-def _copy(view: memoryview, start: int, stop: int, step: int = 1) -> array.array:
-    out = array.array(view.format)
-    if step == 1:
-        out.frombytes(view[start:stop].cast("B"))
-    else:
-        out.fromlist(view[start:stop:step].tolist())
-    return out
-
-
 def _view(seq: Sequence, typecode: str, stop: int) -> memoryview:
     """The wire's values as a typed view: vLLM's are views of the frame already; a wire that
     decodes them to lists (SGLang's, TokenSpeed's) gets its first ``stop`` copied once."""
@@ -175,13 +166,27 @@ def _view(seq: Sequence, typecode: str, stop: int) -> memoryview:
     return memoryview(array.array(typecode, seq[:stop]))
 
 
-def _run(rows: LogprobRows, count: int, top: int, expected: Sequence[int] | None) -> LogprobRun | None:
-    """Rows ``0..count`` as a run with ``top`` top entries (-1: all of them); None when ``count`` is 0.
+def _into(out: array.array | None, view: memoryview, stop: int, step: int) -> array.array:
+    """``view[:stop:step]`` appended to ``out`` (a new array when None): one C copy for whole rows."""
+    if out is None:
+        out = array.array(view.format)
+    if step == 1:
+        out.frombytes(view[:stop].cast("B"))
+    else:
+        out.fromlist(view[:stop:step].tolist())
+    return out
 
-    A few C-level copies whatever ``count`` (issue 38): no Python object per position.
+
+def _add_run(runs: list[LogprobRun], rows: LogprobRows, count: int, top: int,
+             expected: Sequence[int] | None) -> None:
+    """Rows ``0..count`` after ``runs``, with ``top`` top entries (-1: all of them); nothing when ``count`` is 0.
+
+    A few C-level copies whatever ``count`` (issue 38): no Python object per position. Joined to the
+    last run when its layout is the same: a non-streaming choice of a thousand decode steps keeps
+    one run, its arrays grown in place (amortized), not a thousand.
     """
     if count <= 0:
-        return None
+        return
     cols = rows.cols
     k = cols - 1 if top == -1 else min(top, cols - 1)
     stop = count * cols
@@ -191,23 +196,15 @@ def _run(rows: LogprobRows, count: int, top: int, expected: Sequence[int] | None
         if own != list(expected):
             row = next(r for r, (a, b) in enumerate(zip(own, expected)) if a != b)
             raise WireError(f"logprobs row {row} is for token {own[row]}, but the token there is {expected[row]}")
-    if k == 0 and cols > 1:  # column 0 only: the rest is never sent
-        return LogprobRun(count, 1, 0, _copy(ids, 0, stop, cols), _copy(values, 0, stop, cols))
-    return LogprobRun(count, cols, k, _copy(ids, 0, stop), _copy(values, 0, stop))
-
-
-def _append(runs: list[LogprobRun], run: LogprobRun) -> None:
-    """``run`` after ``runs``, joined to the last when their layout is the same: a non-streaming choice
-    of a thousand decode steps keeps one run (its arrays grown in place, amortized), not a thousand."""
-    if runs:
-        last = runs[-1]
-        if last.cols == run.cols and last.top == run.top and last.values.typecode == run.values.typecode \
-                and last.token_ids.typecode == run.token_ids.typecode:
-            last.values.extend(run.values)
-            last.token_ids.extend(run.token_ids)
-            runs[-1] = last._replace(rows=last.rows + run.rows)
-            return
-    runs.append(run)
+    step, width = (cols, 1) if k == 0 and cols > 1 else (1, cols)  # top 0: column 0 only, the rest never sent
+    last = runs[-1] if runs else None
+    if (last is not None and last.cols == width and last.top == k and last.values.typecode == values.format
+            and last.token_ids.typecode == ids.format):
+        _into(last.token_ids, ids, stop, step)
+        _into(last.values, values, stop, step)
+        runs[-1] = LogprobRun(last.rows + count, width, k, last.token_ids, last.values)
+    else:
+        runs.append(LogprobRun(count, width, k, _into(None, ids, stop, step), _into(None, values, stop, step)))
 
 
 class ChoiceLogprobs:
@@ -238,15 +235,14 @@ class ChoiceLogprobs:
                 raise WireError(f"the engine sent {new_tokens} tokens without the logprobs the request asked for")
             if sample.rows != new_tokens:
                 raise WireError(f"the engine sent {sample.rows} logprob rows for {new_tokens} tokens")
-            run = _run(sample, len(kept), self.top, kept)
-            if run is not None:
-                # A streaming choice's writer takes what is pending; a non-streaming one's complete takes all.
-                _append(self.pending if self.all is None else self.all, run)
+            # A streaming choice's writer takes what is pending; a non-streaming one's complete takes all.
+            _add_run(self.pending if self.all is None else self.all, sample, len(kept), self.top, kept)
         if self.prompt_top is not None and prompt is not None and self.prompt is None:
             # Row r is the logprob of prompt token r + 1; position 0 has none.
             count = min(prompt.rows, len(prompt_ids) - 1)
-            run = _run(prompt, count, self.prompt_top, prompt_ids[1:1 + count])
-            self.prompt = PromptLogprobs(self.prompt_top, list(prompt_ids[:count + 1]), [run] if run else [])
+            runs: list[LogprobRun] = []
+            _add_run(runs, prompt, count, self.prompt_top, prompt_ids[1:1 + count])
+            self.prompt = PromptLogprobs(self.prompt_top, list(prompt_ids[:count + 1]), runs)
 
     # -- to the client ---------------------------------------------------------------
 
