@@ -20,9 +20,6 @@ gRPC handler with ``errors.grpc_errors``). Time only from ``trio.current_time()`
 
 from __future__ import annotations
 
-import asyncio
-
-import sniffio
 import trio
 
 from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
@@ -30,6 +27,7 @@ from enginelink.runtime.requests.embed import check_generation
 from enginelink.runtime.errors import ClientError, ServicerError
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
 from enginelink.runtime.requests.logprob_bytes import SlicedResponse
+from enginelink.runtime.requests.media import in_trio
 from enginelink.runtime.requests.writers import counted
 
 
@@ -124,10 +122,19 @@ def release_refused_kv(app, request, error: ServicerError, now: float, edge=VLLM
 
 
 async def serialize_in_slices(message: SlicedResponse) -> bytes:
-    """A response's logprobs serialized a slice at a time (``logprob_bytes.py``), the event loop's
-    other work running between slices: however many logprobs one call asked for, it holds the loop
-    for one slice at a time (issue 38). Its bytes, for ``send`` (the gRPC codec passes bytes on)."""
-    checkpoint = asyncio.sleep if sniffio.current_async_library() == "asyncio" else trio.sleep
+    """A response's logprobs serialized a slice at a time (``logprob_bytes.py``), the servicer's other
+    work running between slices: however many logprobs one call asked for, it holds the event loop for
+    one slice at a time (issue 38). Its bytes, for ``send`` (the gRPC codec passes bytes on).
+
+    The slices run in trio (``in_trio``), each followed by a trio checkpoint: an asyncio one would not
+    do, since the gRPC side runs up to 64 ready asyncio callbacks per trio round
+    (``fastpath.READY_CALLBACKS_MAX``), and a writer that yields with ``asyncio.sleep(0)`` is ready again
+    at once: 64 slices would pass before trio polled a socket.
+    """
+    return await in_trio(_slices, message)
+
+
+async def _slices(message: SlicedResponse) -> bytes:
     for _ in message.steps():
-        await checkpoint(0)
+        await trio.sleep(0)
     return message.body
