@@ -13,6 +13,7 @@ import asyncio
 import struct
 
 import msgspec
+import trio
 from grpclib.const import Status
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
@@ -138,7 +139,7 @@ def test_a_chunk_with_more_logprobs_than_one_step_is_left_to_the_writer():
     assert call.direct.ways == [] and call.wake.is_set()
     (message,) = hub.take(call, 1.0)
     assert type(message) is SlicedResponse
-    body = asyncio.run(serialize_in_slices(message))
+    body = trio.run(serialize_in_slices, message)
     chunk = pb.GenerateResponse.FromString(body).chunk
     assert list(chunk.token_ids) == [12]
     assert len(chunk.input_logprobs.token_logprobs) == 301 and len(chunk.input_logprobs.top_logprobs) == 301
