@@ -110,6 +110,12 @@ log = logging.getLogger("enginelink.link")
 ENGINE_STREAM = engine_stream(0)
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
+# ... and the engine outputs those frames may carry together before the loop yields: an output's fan-out
+# costs microseconds (several with logprobs), so 64 frames of 256 sequences asking for logprobs held the
+# event loop a quarter of a second against a zero-cost engine (issue 38). A frame is never split: one
+# frame of any size per wake-up, as at a real engine's pace; a zero-cost engine's small frames (2-3
+# outputs each) never reach it.
+OUTPUTS_PER_WAKEUP = 1024
 # The handshake is a one-off: polling it keeps the code simple.
 HANDSHAKE_POLL_S = 0.01
 # When the engine drops its connection, how long the process watcher gets to
@@ -231,6 +237,7 @@ class EngineLink:
         # idle probe asks every rank, and one frozen rank among live ones must not pass.
         self.rank_heard_at: dict[int, float] = {}
         self.frames_received = 0
+        self.wakeup_outputs = 0  # engine outputs handled in the current wake-up (OUTPUTS_PER_WAKEUP)
         self.idle_probe = IdleProbe(self.supervision.idle_probe)
         self._probe_call_id: int | None = None  # the outstanding idle probe's utility call
 
@@ -574,7 +581,8 @@ class EngineLink:
         fd = outputs.getsockopt(zmq.FD)
         while True:
             handled = 0
-            while handled < FRAMES_PER_WAKEUP and has_message(outputs):
+            self.wakeup_outputs = 0  # counted by _handle_frames
+            while handled < FRAMES_PER_WAKEUP and self.wakeup_outputs < OUTPUTS_PER_WAKEUP and has_message(outputs):
                 try:
                     frames = outputs.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:  # EVENTS said a message was there; do not trust it blindly
@@ -586,7 +594,7 @@ class EngineLink:
             if handled:
                 self.last_frame_at = trio.current_time()
                 self.on_frames_done(self.last_frame_at)
-            if handled == FRAMES_PER_WAKEUP:
+            if handled == FRAMES_PER_WAKEUP or self.wakeup_outputs >= OUTPUTS_PER_WAKEUP:
                 await trio.lowlevel.checkpoint()  # more waiting: let the writers run first
             else:
                 await wait_fd(fd)
@@ -622,6 +630,7 @@ class EngineLink:
                 waiter[1].append(batch.utility)
                 waiter[0].set()
         if batch.outputs or batch.stats is not None:
+            self.wakeup_outputs += len(batch.outputs)
             self.on_batch(batch, now)
         return True
 

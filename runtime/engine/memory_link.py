@@ -51,7 +51,9 @@ import zmq
 
 from enginelink.journal.records import KIND_ENGINE_FACTS, link_stream
 from enginelink.machines.link import LinkEvent
-from enginelink.runtime.engine.engine_link import DISCONNECT_GRACE_S, FRAMES_PER_WAKEUP, EngineLink, LinkFailed, Supervision
+from enginelink.runtime.engine.engine_link import (
+    DISCONNECT_GRACE_S, FRAMES_PER_WAKEUP, OUTPUTS_PER_WAKEUP, EngineLink, LinkFailed, Supervision,
+)
 from enginelink.machines.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
 from enginelink.wire import vllm
 from enginelink.wire.engine import EngineDead, WireError
@@ -420,12 +422,13 @@ class MemoryLink(EngineLink):
         while True:
             frames = await rx.receive()
             handled = 0
+            self.wakeup_outputs = 0
             while frames is not None:
                 if not self._handle_frames(frames):
                     self.on_frames_done(trio.current_time())
                     return
                 handled += 1
-                if handled >= FRAMES_PER_WAKEUP:
+                if handled >= FRAMES_PER_WAKEUP or self.wakeup_outputs >= OUTPUTS_PER_WAKEUP:
                     break
                 try:
                     frames = rx.receive_nowait()
