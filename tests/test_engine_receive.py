@@ -155,7 +155,7 @@ async def test_a_wake_up_ends_once_its_frames_carried_enough_outputs():
         link, seen = make_link()
         done: list[int] = []
         link.on_frames_done = lambda now: done.append(len(seen))
-        per_frame, outputs_max = 256, 512  # the latter is el.OUTPUTS_PER_WAKEUP, written out
+        per_frame, outputs_max = 128, 256  # the latter is el.OUTPUTS_PER_WAKEUP, written out
         frames = 2 * outputs_max // per_frame + 1
         for index in range(frames):
             push.send_multipart(encode_outputs(EngineCoreOutputs(

@@ -111,11 +111,12 @@ ENGINE_STREAM = engine_stream(0)
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
 # ... and the engine outputs those frames may carry together before the loop yields: an output's fan-out
-# costs microseconds (about ten with top-20 logprobs on a slow core), so 64 frames of 256 sequences
-# asking for logprobs held the event loop a quarter of a second against a zero-cost engine (issue 38);
-# 512 is a few milliseconds. A frame is never split: one frame of any size per wake-up, as at a real
-# engine's pace; a zero-cost engine's small frames (2-3 outputs each) never reach it.
-OUTPUTS_PER_WAKEUP = 512
+# costs microseconds (about ten with top-20 logprobs on a slow core, tens when it carries a long
+# prompt's logprobs), so 64 frames of 256 sequences asking for logprobs held the event loop a quarter
+# of a second against a zero-cost engine (issue 38); 256 is one full batch of 256 sequences. A frame is
+# never split: one frame of any size per wake-up, as at a real engine's pace; a zero-cost engine's
+# small frames (2-3 outputs each) never reach it.
+OUTPUTS_PER_WAKEUP = 256
 # The handshake is a one-off: polling it keeps the code simple.
 HANDSHAKE_POLL_S = 0.01
 # When the engine drops its connection, how long the process watcher gets to
