@@ -237,7 +237,7 @@ class ChoiceLogprobs:
                 raise WireError(f"the engine sent {sample.rows} logprob rows for {new_tokens} tokens")
             # A streaming choice's writer takes what is pending; a non-streaming one's complete takes all.
             _add_run(self.pending if self.all is None else self.all, sample, len(kept), self.top, kept)
-        if self.prompt_top is not None and prompt is not None and self.prompt is None:
+        if self.prompt_top is not None and prompt is not None and self.prompt is None and not self.prompt_sent:
             # Row r is the logprob of prompt token r + 1; position 0 has none.
             count = min(prompt.rows, len(prompt_ids) - 1)
             runs: list[LogprobRun] = []
@@ -256,11 +256,17 @@ class ChoiceLogprobs:
     def take_complete(self, stream: bool) -> tuple[list[LogprobRun], PromptLogprobs | None]:
         if stream:
             return self.last_delta, self._prompt_once()
-        self.pending = []
-        return self.all or [], self.prompt
+        runs, prompt = self.all or [], self.prompt
+        # Handed over, not kept: a call may outlive its completes in a reference cycle that the
+        # collector breaks only much later (gc_policy.py), and these are megabytes for a long
+        # vocabulary-wide choice.
+        self.pending, self.all, self.prompt, self.prompt_sent = [], [], None, True
+        return runs, prompt
 
     def _prompt_once(self) -> PromptLogprobs | None:
-        if self.prompt is not None and not self.prompt_sent:
+        prompt = self.prompt
+        if prompt is not None and not self.prompt_sent:
             self.prompt_sent = True
-            return self.prompt
+            self.prompt = None  # handed over (``take_complete``)
+            return prompt
         return None

@@ -131,10 +131,14 @@ async def serialize_in_slices(message: SlicedResponse) -> bytes:
     (``fastpath.READY_CALLBACKS_MAX``), and a writer that yields with ``asyncio.sleep(0)`` is ready again
     at once: 64 slices would pass before trio polled a socket.
     """
-    return await in_trio(_slices, message)
+    await in_trio(_slices, message)
+    # Taken from the message, not returned through ``in_trio``: trio-asyncio's bridge keeps what it
+    # returns in a future inside a reference cycle, which the collector frees only much later
+    # (gc_policy.py): a vocabulary-wide response's megabytes, per response.
+    body, message.body = message.body, None
+    return body
 
 
-async def _slices(message: SlicedResponse) -> bytes:
+async def _slices(message: SlicedResponse) -> None:
     for _ in message.steps():
         await trio.sleep(0)
-    return message.body

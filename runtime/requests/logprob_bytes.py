@@ -171,6 +171,10 @@ class SlicedResponse:
         number = _number(response, field)
         response.ClearField(field)
         self.body = response.SerializeToString() + _field(number, b"".join(parts))
+        # What it was made of goes now: a caller's frames may sit in a reference cycle (trio-asyncio's
+        # bridge makes some) that the collector breaks only much later (gc_policy.py), and a vocabulary-
+        # wide choice's logprobs are megabytes.
+        self.response = self.output = self.prompt = None
 
     def finish(self) -> bytes:
         """All steps at once (a caller that does not write: tests, a discarded take)."""
