@@ -54,9 +54,10 @@ from tests.harness import VLLM_SERVICE, ListJournal, Servicer, generate_request
 LIMITS = InputLimits()
 ENGINE = EngineLimits(max_model_len=2048, vocab_size=4096, eos_token_ids=(2,))
 MiB = 1 << 20
-# The defaults of ENGINELINK_MAX_CHOICES, _STOP_TOKEN_IDS, _LOGIT_BIAS_ENTRIES and _ABORT_IDS, as docs/limits.md
+# The defaults of ENGINELINK_MAX_CHOICES, _LOGIT_BIAS_ENTRIES, _STOP_TOKEN_IDS and _ABORT_IDS, as docs/limits.md
 # states them (written out, so a test fails for what the servicer takes, not for a missing name).
 COUNT_MAX = 1024
+STOP_IDS_MAX = 256
 ABORT_IDS_MAX = 4096
 
 
@@ -106,7 +107,7 @@ def _peak_python_bytes(fn) -> int:
 
 
 def test_the_count_limits_are_the_documented_defaults():
-    assert (LIMITS.choices, LIMITS.stop_token_ids, LIMITS.logit_bias_entries) == (COUNT_MAX,) * 3
+    assert (LIMITS.choices, LIMITS.logit_bias_entries, LIMITS.stop_token_ids) == (COUNT_MAX, COUNT_MAX, STOP_IDS_MAX)
     assert LIMITS.abort_ids == ABORT_IDS_MAX
 
 
@@ -140,10 +141,10 @@ def test_a_choice_costs_its_bytes_and_its_place_in_the_grammar():
 @pytest.mark.parametrize("wire", sorted(WIRES))
 def test_stop_token_ids_are_refused_by_their_count_on_every_wire(wire):
     make, validate = WIRES[wire]
-    error = _refused(make(stop_token_ids=[300] * (COUNT_MAX + 1), n=64), validate)
+    error = _refused(make(stop_token_ids=[300] * (STOP_IDS_MAX + 1), n=64), validate)
     assert error.field == "sampling_params.stop_token_ids" and "ENGINELINK_MAX_STOP_TOKEN_IDS" in str(error)
-    call = validate(make(stop_token_ids=[300] * COUNT_MAX, n=2), ENGINE, 0.0)
-    assert len(call.specs[0].sampling.stop_token_ids) == COUNT_MAX
+    call = validate(make(stop_token_ids=[300] * STOP_IDS_MAX, n=2), ENGINE, 0.0)
+    assert len(call.specs[0].sampling.stop_token_ids) == STOP_IDS_MAX
 
 
 @pytest.mark.parametrize("wire", sorted(WIRES))
