@@ -45,6 +45,7 @@ def test_a_plain_run_is_drawn(tmp_path, test_model_dir):
     assert "enginelink" in svg and "--concurrency 4 --requests 16" in svg
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name, words", [("plot.png", "the plot is an SVG file"),
                                           ("missing/plot.svg", "no directory")])
 def test_a_plot_it_cannot_write_is_refused_before_the_run(tmp_path, name, words):
