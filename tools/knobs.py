@@ -105,8 +105,8 @@ def _engine_knobs(contract: str) -> list[Knob]:
                       "the KV-event relay's on/off (`ENGINELINK_KV_EVENTS` wins)", _ENGINE_TEST,
                       contracts=CONTRACTS if contract == "vllm" else only, setting="kv_events",
                       unless_engine=kv_engines,
-                      engine_why="KV events from a real TokenSpeed engine are not relayed yet (README, "
-                                 "\"TokenSpeed\"); its publisher stays as its own --kv-events-config says"))
+                      engine_why="KV events from a real TokenSpeed engine are not relayed yet ("
+                                 "docs/engines/tokenspeed.md); its publisher stays as its own --kv-events-config says"))
     for part, flag in (("PORT", "--metrics-port"), ("HOST", "--metrics-host")):
         knobs.append(Knob(f"SMG_{word}_SERVICER_METRICS_{part}", HONOURED,
                           f"the servicer's Prometheus endpoint {part.lower()} when `{flag}` is not given",
@@ -318,6 +318,10 @@ _OWN = {
     "ENGINELINK_MAX_CONSTRAINT_BYTES": ("constraint text bytes", ""),
     "ENGINELINK_MAX_KV_TRANSFER_PARAMS_BYTES": ("kv_transfer_params_json bytes", ""),
     "ENGINELINK_MAX_JSON_DEPTH": ("JSON nesting depth", ""),
+    "ENGINELINK_MAX_STOP_TOKEN_IDS": ("stop token ids per call", ""),
+    "ENGINELINK_MAX_LOGIT_BIAS_ENTRIES": ("logit bias entries per call", ""),
+    "ENGINELINK_MAX_CHOICES": ("items of a choice constraint", ""),
+    "ENGINELINK_MAX_ABORT_IDS": ("request ids in one Abort", ""),
     "ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH": ("`--allowed-local-media-path`'s fallback", ""),
     "ENGINELINK_ALLOWED_MEDIA_DOMAINS": ("`--allowed-media-domains`' fallback: the media fetcher's host allow-list",
                                          "tests/test_allowed_media_domains.py::test_the_variable_stands_when_no_flag_is_given"),
@@ -354,6 +358,7 @@ _OWN_TOOLING = {
     "ENGINELINK_SIM_SEEDS": "simulation seeds per sweep (tests/sim)",
     "ENGINELINK_SIM_LOG": "keep the servicer's INFO log in simulation sweeps",
     "ENGINELINK_RESUME_EVIDENCE": "tests/vllm/test_vllm_resume.py keeps its inspect view and journal story there",
+    "ENGINELINK_MEASURE_STEPS": "tests/adversarial/measure_inputs.py: where the servicer writes its long loop steps",
     "ENGINELINK_FAST_LOOP_CANARY": "tests/test_fast_loop.py: the canary test that must fail under --fast",
     "ENGINELINK_VLLM_PLUGIN": "tools/setup-vllm: install enginelink into the vLLM venv (the plugin)",
     "ENGINELINK_VLLM_0_28": "tests/vllm_0_28: the release those tests run",
