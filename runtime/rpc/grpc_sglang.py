@@ -37,7 +37,7 @@ from enginelink.machines.warmup import WarmupRequest
 from enginelink.proto.sglang_scheduler_grpc import SglangSchedulerBase
 from enginelink.runtime.errors import ClientError, current_request_id, grpc_errors
 from enginelink.runtime.errors import ServicerError
-from enginelink.runtime.kv.grpc_kv import retrieve_outcome
+from enginelink.runtime.kv.grpc_kv import KV_OFF_MESSAGE_SGLANG, retrieve_outcome
 from enginelink.runtime.lifetime.warmup import Outcome, TrioWake, hub_submit
 from enginelink.runtime.requests.contract_sglang import SGLANG_EDGE
 from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, runner_type
@@ -78,6 +78,7 @@ def health_check_timeout_s(environ=os.environ) -> float:
 class SglangSchedulerService(ContractService, SglangSchedulerBase):
     edge = SGLANG_EDGE
     stamped = True  # every response carries request_id, as the reference's do
+    kv_off_message = KV_OFF_MESSAGE_SGLANG
     # Generate, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
