@@ -42,8 +42,9 @@ Position = tuple[float, int, "array.array | None", "array.array | None"]
 
 
 class PromptLogprobs(NamedTuple):
-    """The prompt's logprobs: ``ids`` are the prompt's first ``len(positions) + 1`` tokens, and
-    ``positions[i]`` is the logprob of ``ids[i + 1]`` (position 0 has none)."""
+    """The prompt's logprobs from its position ``start`` (0 but for SGLang's ``logprob_start_len``): ``ids``
+    are the prompt's tokens ``start .. start + len(positions)``, and ``positions[i]`` is the logprob of
+    ``ids[i + 1]`` (``ids[0]`` has none: position 0 has no logprob, a later start begins the slice)."""
 
     top: int
     ids: list[int]
@@ -78,11 +79,12 @@ def _positions(rows: LogprobRows, first: int, count: int, top: int, expected: Se
 class ChoiceLogprobs:
     """The logprobs of one choice: fed per engine output, taken per message."""
 
-    __slots__ = ("top", "prompt_top", "pending", "last_delta", "all", "prompt", "prompt_sent")
+    __slots__ = ("top", "prompt_top", "prompt_start", "pending", "last_delta", "all", "prompt", "prompt_sent")
 
-    def __init__(self, top: int | None, prompt_top: int | None, keep_all: bool) -> None:
+    def __init__(self, top: int | None, prompt_top: int | None, keep_all: bool, prompt_start: int = 0) -> None:
         self.top = top  # output logprobs: k (-1: all); None: not asked
         self.prompt_top = prompt_top  # prompt logprobs likewise
+        self.prompt_start = prompt_start  # the prompt position they start from (its own has none)
         self.pending: list[Position] = []
         self.last_delta: list[Position] = []
         self.all: list[Position] | None = [] if keep_all else None
@@ -108,10 +110,11 @@ class ChoiceLogprobs:
             if self.all is not None:
                 self.all += positions
         if self.prompt_top is not None and prompt is not None and self.prompt is None:
-            # Row r is the logprob of prompt token r + 1; position 0 has none.
-            count = min(prompt.rows, len(prompt_ids) - 1)
-            positions = _positions(prompt, 0, count, self.prompt_top, prompt_ids[1:1 + count])
-            self.prompt = PromptLogprobs(self.prompt_top, list(prompt_ids[:count + 1]), positions)
+            # Row r is the logprob of prompt token start + r + 1; the start position has none.
+            start = self.prompt_start
+            count = min(prompt.rows, len(prompt_ids) - 1 - start)
+            positions = _positions(prompt, 0, count, self.prompt_top, prompt_ids[start + 1:start + 1 + count])
+            self.prompt = PromptLogprobs(self.prompt_top, list(prompt_ids[start:start + count + 1]), positions)
 
     # -- to the client ---------------------------------------------------------------
 

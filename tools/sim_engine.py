@@ -138,6 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sglang: report running without a tokenizer (so without a grammar backend)")
     engine.add_argument("--enable-custom-logit-processor", action="store_true",
                         help="sglang: accept custom logit processors (SGLang's flag; the sim applies none)")
+    engine.add_argument("--limit-mm-data-per-request", type=_json_object, default=None, metavar="JSON",
+                        help="sglang: the per-request media counts it reports, e.g. '{\"image\": 1}'")
+    engine.add_argument("--language-model-only", action="store_true",
+                        help="sglang: serve the language model only (it then takes no images)")
     engine.add_argument("--constrained-decoding", default=None, choices=("always", "requested"),
                         help="tokenspeed: the constrained-decoding policy a newer engine declares")
     parser.add_argument("--fault-ignore-sigterm", action="store_true",

@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import time
+from pathlib import Path
 
 import zmq
 
@@ -113,7 +114,20 @@ def sglang_server_args(args: argparse.Namespace) -> dict:
             "grammar_backend": getattr(args, "grammar_backend", None) or "xgrammar",
             "reasoning_parser": getattr(args, "reasoning_parser", None),
             "enable_custom_logit_processor": bool(getattr(args, "enable_custom_logit_processor", False)),
+            "limit_mm_data_per_request": getattr(args, "limit_mm_data_per_request", None),
             "tokenizer_path": str(args.model)}
+
+
+def sglang_supports_vision(args: argparse.Namespace) -> bool:
+    """What the real launcher reports from SGLang's model config (``sglang_headless.image_understanding``), as the
+    sim can tell it: a vision tower in the model's config.json, and no ``--language-model-only``."""
+    from enginelink.runtime.engine.model_dir import ModelDirError, read_model_facts
+
+    try:
+        facts = read_model_facts(Path(args.model))
+    except (ModelDirError, OSError):
+        return False
+    return facts.supports_vision and not getattr(args, "language_model_only", False)
 
 
 def sglang_ready_report(config: SimConfig, started: float, server_args: dict | None = None) -> dict:
@@ -138,14 +152,15 @@ def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, l
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 4000)
     outputs.connect(args.tokenizer_ipc)
-    report = json.dumps(sglang_ready_report(config, started, sglang_server_args(args)))
+    report = json.dumps({**sglang_ready_report(config, started, sglang_server_args(args)),
+                         "supports_vision": sglang_supports_vision(args)})
     if args.ready_fd is not None:
         with contextlib.suppress(OSError), os.fdopen(args.ready_fd, "w") as pipe:
             pipe.write(report + "\n")
     shell._log(f"ready (sglang wire) {report}")
     if args.fault_stray_child:
         shell._log(f"stray child {shell._start_stray_child()} started")
-    personality = SglangPersonality(SimEngineCore(config, hooks))
+    personality = SglangPersonality(SimEngineCore(config, hooks), supports_vision=sglang_supports_vision(args))
     reason = shell._serve(personality, inputs, outputs, life, kv_sockets)
     shell._log(f"stopping: {reason}")
     return 0

@@ -33,6 +33,7 @@ from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2 as pb, vll
 
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
 from enginelink.runtime.engine.grammar_labels import sglang_labels
+from enginelink.runtime.engine.mm_item_limits import MM_ITEM_LIMITS_KEY, format_item_limits, item_limits
 from enginelink.machines.warmup import WarmupRequest
 from enginelink.proto.sglang_scheduler_grpc import SglangSchedulerBase
 from enginelink.runtime.errors import ClientError, current_request_id, grpc_errors
@@ -171,7 +172,10 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
         max_len = context_len(app)
         await stream.send_message(pb.GetModelInfoResponse(
             **model_facts(app), tokenizer_path=model.tokenizer_path,
-            is_generation=ready.get("runner_type") != "pooling", max_context_length=max_len, supports_vision=False,
+            is_generation=ready.get("runner_type") != "pooling", max_context_length=max_len,
+            # The engine's own answer (its ready report: SGLang's ModelConfig, runtime/engine/sglang_headless.py);
+            # router tensors are taken only then (runtime/requests/mm_sglang.py).
+            supports_vision=bool(ready.get("supports_vision", model.supports_vision)),
             max_req_input_len=int(ready.get("max_req_input_len") or max(max_len - 1, 0)),
             default_sampling_params_json=model.default_sampling_params_json,
         ))
@@ -191,6 +195,11 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
             "max_running_requests": int(ready.get("max_running_requests") or 0),
             **sglang_labels(resolved),
         })
+        # The engine's own per-request media counts, flat, for the router's media pipeline (its precomputed
+        # inputs bypass the engine's front end, which checks them): the reference adds them only when set.
+        limits = format_item_limits(item_limits(resolved.get("limit_mm_data_per_request")))
+        if limits:
+            server_args.update({MM_ITEM_LIMITS_KEY: limits})
         scheduler_info = struct_pb2.Struct()
         scheduler_info.update(json.loads(json.dumps({k: v for k, v in ready.items() if k != "server_args"},
                                                     default=str)))
