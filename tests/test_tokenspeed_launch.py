@@ -120,7 +120,9 @@ def test_the_launch_path_end_to_end_through_a_stand_in_interpreter(tmp_path, tes
         argv = json.loads(recorded.read_text())
         port = argv[argv.index("--data-parallel-rpc-port") + 1]
         assert argv[argv.index("--data-parallel-address") + 1] == "127.0.0.1" and port.isdigit()
-        assert argv[-2:] == ["--step-us", "1000"]
+        # The operator's engine args, then the KV-event publisher enginelink turns on (TokenSpeed's own form).
+        assert argv[-4:-1] == ["--step-us", "1000", "--kv-events-config"]
+        assert json.loads(argv[-1])["enable_kv_cache_events"] is True
         stub = pb_grpc.TokenSpeedSchedulerStub(servicer.channel)
         replies = list(stub.Generate(pb.GenerateRequest(
             request_id="launched", tokenized=pb.TokenizedInput(input_ids=[5, 6, 7]),

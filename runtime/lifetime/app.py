@@ -23,6 +23,7 @@ from enginelink.runtime.lifetime.loads import Loads
 from enginelink.runtime.engine.mm_item_limits import item_limits
 from enginelink.runtime.engine.model_dir import ModelFacts
 from enginelink.runtime.engine.tokenizer_bundle import tokenizer_bundle_chunks
+from enginelink.runtime.requests.pd_bootstrap import PdLeg
 from enginelink.runtime.requests.validate import LOGPROBS_MAX, EngineLimits
 
 # The journal stream and id prefix kept for a call refused for its request id.
@@ -96,6 +97,7 @@ class App:
             custom_logit_processors=bool((ready.get("server_args") or {}).get("enable_custom_logit_processor")),
             supports_vision=bool(ready.get("supports_vision", self.model.supports_vision)),
             mm_item_limits=item_limits((ready.get("server_args") or {}).get("limit_mm_data_per_request")),
+            pd_leg=PdLeg.of(ready),  # a prefill/decode leg of SGLang or TokenSpeed (their launch facts)
         )
 
     @property

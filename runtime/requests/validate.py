@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enginelink.machines.request_api import GenerateCall, choice_engine_id
 from enginelink.runtime.requests.constraints import DEFAULT_BACKEND
 from enginelink.runtime.requests.inputs import InputLimits, input_limits
+from enginelink.runtime.requests.pd_bootstrap import NO_PD, PdLeg
 
 __all__ = ["EngineLimits", "GenerateCall", "LOGPROBS_MAX", "N_MAX", "choice_engine_id", "validate_generate"]
 
@@ -53,6 +54,8 @@ class EngineLimits:
     # engine's own per-request media counts (SGLang's --limit-mm-data-per-request): router tensors' bounds.
     supports_vision: bool = False
     mm_item_limits: dict[str, int] = field(default_factory=dict)
+    # The engine's PD role (SGLang's and TokenSpeed's --disaggregation-mode; runtime/requests/pd_bootstrap.py).
+    pd_leg: PdLeg = NO_PD
 
 
 def __getattr__(name: str):
