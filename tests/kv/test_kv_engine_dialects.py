@@ -100,6 +100,8 @@ def test_sglangs_own_config_form_relays_history_live_and_a_batch_repaired_from_i
                 resumed.wait(lambda s: newest_sequence(s.snapshot()) == base + 4, what="the live batch")
                 assert [b.sequence_number for b in resumed.kv_batches()] == [base + 2, base + 3, base + 4]
             sub.wait(lambda s: newest_sequence(s.snapshot()) == base + 4, what="the live batch")
+        # The journal is written behind the streams (a loaded box showed the stream first): wait for the record.
+        wait_until(lambda: 2 in sources(servicer), 10, "batch 2 journaled")
         assert sources(servicer)[2] == "replay"  # the publisher kept it for replay but never sent it on its PUB
     finally:
         servicer.stop()
