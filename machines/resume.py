@@ -108,6 +108,10 @@ def unresumable(spec: GenerateSpec, generated: int, policy: ResumePolicy) -> str
         return (f"{media} media items, above ENGINELINK_RESUME_MEDIA_ITEMS_MAX={policy.media_items_max} "
                 "(a new engine would recompute their features)")
     if generated:
+        if spec.mm_inputs is not None:
+            # SGLang's processor output (padded ids, positions) describes the prompt as first sent.
+            return ("an image the router preprocessed for SGLang: its processor output describes the prompt "
+                    "as sent, not with the generated tokens appended")
         sampling = spec.sampling
         if sampling.structured_outputs is not None:
             return "a constrained request: its grammar's state cannot be carried to a new engine"

@@ -198,3 +198,13 @@ def test_an_sglang_or_tokenspeed_pd_leg_is_not_resumed_even_before_its_first_tok
                                                "bootstrap_room": 17})
         assert "bootstrap room" in unresumable(leg, 0, policy)
         assert "bootstrap room" in unresumable(leg, 2, policy)
+
+
+def test_an_sglang_request_with_router_images_is_resumed_only_before_its_first_token():
+    """SGLang's router-preprocessed image (``mm_inputs``) is a processor output for the prompt as sent (its
+    padded ids and positions): re-sent as it was, it is exact; with generated tokens appended, it is not."""
+    policy = ResumePolicy(restarts_max=1)
+    image = GenerateSpec(request_id="i", prompt_token_ids=[5, 6], sampling=SamplingSpec(max_tokens=4),
+                         mm_inputs={"mm_items": []})
+    assert unresumable(image, 0, policy) is None
+    assert "image" in unresumable(image, 1, policy)
