@@ -256,6 +256,8 @@ _OWN = {
     "ENGINELINK_PORT": ("`serve --port`'s default", ""),
     "ENGINELINK_LOG_LEVEL": ("`serve --log-level`'s default", ""),
     "ENGINELINK_JOURNAL_KEEP": ("previous runs' journals kept", ""),
+    "ENGINELINK_JOURNAL_RING_RECORDS": ("records the journal's in-memory ring keeps",
+                                        "tests/tools/test_soak.py::test_two_minutes_of_churn_stay_flat_and_every_stream_is_the_engines"),
     "ENGINELINK_SNAPSHOT_INTERVAL_SECS": ("journal snapshot period", ""),
     "ENGINELINK_DRAIN_SECS": ("drain on SIGTERM", ""),
     "ENGINELINK_STARTUP_TIMEOUT_SECS": ("start-up silence bound", ""),
