@@ -53,6 +53,14 @@ log = logging.getLogger("enginelink.link")
 
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
+# ... and the longest a wake-up may hold their writes (RequestHub.hold_writes) while it reads more.
+# Why: a servicer behind a real engine (a saturated machine: docs/benchmarks.md, issue 36) found
+# dozens of frames per wake-up, each carrying a finished call or two, and wrote nothing, not even
+# those calls' completes, until it had read them all: 50 ms to a second, during which the next
+# calls could not come in, and the engine ran 20 of 32 requests. Past the budget the wake-up writes
+# what it read and yields (handlers admit the next calls), then reads on. Against a zero-cost engine
+# a frame is a fraction of a millisecond, so a burst still coalesces dozens of frames.
+HELD_WRITES_BUDGET_S = 0.010
 # The handshake is a one-off: polling it keeps the code simple.
 HANDSHAKE_POLL_S = 0.01
 # Where the link asks an engine to write the config facts its ready response lacks.
@@ -83,22 +91,28 @@ async def receive_frames(outputs: zmq.Socket, link) -> None:
     frame per wake-up (every engine step) the loop then costs one trio step
     and no exception per frame, where it cost two and three."""
     fd = outputs.getsockopt(zmq.FD)
+    clock = trio.current_time
     while True:
         handled = 0
+        over_budget = False
+        started = clock()
         while handled < FRAMES_PER_WAKEUP and has_message(outputs):
             try:
                 frames = outputs.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:  # EVENTS said a message was there; do not trust it blindly
                 break
             if not link.handle_frames(frames):
-                link.on_frames_done(trio.current_time())
+                link.on_frames_done(clock())
                 return
             handled += 1
+            if clock() - started >= HELD_WRITES_BUDGET_S:
+                over_budget = True
+                break
         if handled:
-            link.last_frame_at = trio.current_time()
+            link.last_frame_at = clock()
             link.on_frames_done(link.last_frame_at)
-        if handled == FRAMES_PER_WAKEUP:
-            await trio.lowlevel.checkpoint()  # more waiting: let the writers run first
+        if handled == FRAMES_PER_WAKEUP or over_budget:
+            await trio.lowlevel.checkpoint()  # more waiting: let the writers and handlers run first
         else:
             await wait_fd(fd)
 
