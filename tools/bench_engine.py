@@ -224,7 +224,7 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
             w0, w1 = go + warm_s, go + warm_s + window_s
             ttft, gaps = array("d"), array("d")
             open_: dict[str, list] = {}  # request id -> [sent at, last output at, tokens]
-            sent = done = short = tokens = window_tokens = 0
+            sent = done = short = tokens = window_tokens = window_frames = 0
             opened = 0
             cpu = [0.0, 0.0]
             while opened < n_concurrent or open_:
@@ -253,6 +253,7 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
                 if front_end_us:
                     spend_cpu(front_end_us * 1e-6 * sum(len(out.new_token_ids) for out in batch.outputs))
                 inside = w0 <= now < w1
+                window_frames += inside and bool(batch.outputs)
                 for out in batch.outputs:
                     state = open_.get(out.request_id)
                     if state is None:
@@ -280,7 +281,9 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
             return {"tokens": window_tokens, "all_tokens": tokens, "short": short, "requests": done,
                     "wall_s": window_s, "tokens_per_s": window_tokens / window_s,
                     "driver_cpu_s": (cpu[1] or time.process_time()) - cpu[0],
-                    "ttft_ms": _percentiles(ttft), "itl_ms": _percentiles(gaps)}
+                    "ttft_ms": _percentiles(ttft), "itl_ms": _percentiles(gaps),
+                    "engine_frames_per_s": window_frames / window_s,
+                    "tokens_per_engine_frame": window_tokens / window_frames if window_frames else None}
 
         drive(1, 1, 2, "warm")
         if warm_s is not None:
@@ -359,6 +362,8 @@ def load_result(report: dict) -> dict:
         "servicer_rss_mib": report.get("servicer_rss_mib"),
         "ttft_ms": report.get("ttft_ms"), "itl_ms": report.get("itl_token_ms"),
         "output_delay_ms": report.get("output_delay_ms"),
+        "engine_frames_per_s": report.get("engine_frames_per_s"),
+        "tokens_per_engine_frame": report.get("tokens_per_engine_frame"),
     }
 
 
@@ -450,8 +455,12 @@ def run(args: argparse.Namespace) -> int:
                            f"{side.client} client {res['client_cpu_s'] / res['tokens'] * 1e6:.0f} us/token, "
                            f"servicer RSS {res['servicer_rss_mib'] or 0:.0f} MiB"
                            if side.client is not None and res["tokens"] else "")
+                    engine_side = (f"; engine {res['engine_frames_per_s']:.1f} frames/s x "
+                                   f"{res['tokens_per_engine_frame']:.1f} tokens" if res.get("tokens_per_engine_frame")
+                                   else "")
                     print(f"concurrency {concurrency} round {r + 1} {side.label:18s} {res['tokens_per_s']:8.0f} "
-                          f"tokens/s ({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed; "
+                          f"tokens/s ({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed"
+                          f"{engine_side}; "
                           f"{res['total_s']:.0f} s with start-up{cpu})", file=sys.stderr, flush=True)
             el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
             raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])

@@ -630,6 +630,11 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None, me
                        steady=window is not None)
     report["server"] = server
     report["output_delay_ms"] = output_delay(hist0, hist1)
+    if "frames_received" in hist1 and "frames_received" in hist0 and t1 > t0:
+        # The engine's side of the rate: its steps/s and tokens per step (≈ requests running per step).
+        steps = hist1["frames_received"][0][1] - hist0["frames_received"][0][1]
+        report["engine_frames_per_s"] = steps / (t1 - t0)
+        report["tokens_per_engine_frame"] = report["output_tokens"] / steps if steps else None
     if spy is not None and args.py_spy.suffix != ".svg" and args.py_spy.exists():
         report["profile"] = {"samples_file": str(args.py_spy), "activities": profile_activities(args.py_spy)}
     report["servicer_threads_cpu_s"] = dict(sorted(threads.items(), key=lambda kv: -kv[1]))
@@ -677,6 +682,10 @@ def scrape_histograms(metrics_port: int | None) -> dict[str, list[tuple[float, f
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         le = float("inf") if labels["le"] == "+Inf" else float(labels["le"])
         out.setdefault(labels.get("stage", ""), []).append((le, float(m.group(2))))
+    # The engine frames the link received: over a window, the engine's steps (one frame per step).
+    frames = re.search(r'^smg_servicer_link_frames_received{[^}]*} (\S+)$', text, re.M)
+    if frames:
+        out["frames_received"] = [(0.0, float(frames.group(1)))]
     return out
 
 
@@ -702,6 +711,8 @@ def output_delay(before: dict, after: dict) -> dict | None:
         return None
     out = {}
     for stage, buckets in after.items():
+        if stage == "frames_received":
+            continue
         base = dict(before.get(stage, []))
         delta = [(le, count - base.get(le, 0.0)) for le, count in buckets]
         frames = max((c for _, c in delta), default=0.0)
