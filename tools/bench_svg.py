@@ -57,7 +57,7 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 def _fmt(v: float) -> str:
     if v == 0:
         return "0"
-    if abs(v) >= 10000:
+    if abs(v) >= 1000:
         return f"{v / 1000:g}k"
     return f"{v:.3g}"
 
@@ -97,12 +97,20 @@ def _axes(out: list[str], f: _Frame, title: str, x_label: str, y_label: str, x_t
                f'transform="rotate(-90 {f.left - 48:.1f} {cy:.1f})">{escape(y_label)}</text>')
 
 
-def _legend(out: list[str], f: _Frame, names: list[str]) -> None:
+def _legend(out: list[str], f: _Frame, names: list[str], below: bool = False) -> None:
+    """Inside the plot's top-left corner, or in one row under it (where a range panel's points
+    would otherwise be hidden)."""
+    x = f.left + 6
     for i, name in enumerate(names):
-        y = f.top + 12 + i * 13
         color = PALETTE[i % len(PALETTE)]
-        out.append(f'<rect x="{f.left + 6:.1f}" y="{y - 8:.1f}" width="9" height="9" fill="{color}"/>')
-        out.append(f'<text x="{f.left + 19:.1f}" y="{y:.1f}">{escape(name)}</text>')
+        if below:
+            y = f.top + f.h + 32
+        else:
+            x, y = f.left + 6, f.top + 12 + i * 13
+        out.append(f'<rect x="{x:.1f}" y="{y - 8:.1f}" width="9" height="9" fill="{color}"/>')
+        out.append(f'<text x="{x + 13:.1f}" y="{y:.1f}">{escape(name)}</text>')
+        if below:
+            x += 22 + 6.5 * len(name)
 
 
 def _line_panel(out: list[str], p: LinePanel, ox: float, oy: float) -> None:
@@ -154,7 +162,7 @@ def _range_panel(out: list[str], p: RangePanel, ox: float, oy: float) -> None:
             out.append(f'<line x1="{x:.1f}" y1="{f.y(low):.1f}" x2="{x:.1f}" y2="{f.y(high):.1f}" '
                        f'stroke="{color}" stroke-width="1.5"/>')
             out.append(f'<circle cx="{x:.1f}" cy="{f.y(value):.1f}" r="3.5" fill="{color}"/>')
-    _legend(out, f, [name for name, _ in p.series])
+    _legend(out, f, [name for name, _ in p.series], below=True)
 
 
 def render(panels: list[LinePanel | RangePanel], title: str, columns: int = 2, note: str = "") -> str:
