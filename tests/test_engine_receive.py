@@ -133,11 +133,14 @@ async def test_each_wake_up_ends_with_one_frames_done_after_its_last_frame(monke
         pull.close()
 
 
-async def test_a_wake_up_behind_its_engine_writes_what_it_read_within_the_time_budget():
+async def test_a_wake_up_behind_its_engine_writes_what_it_read_within_the_time_budget(monkeypatch):
     """A servicer behind a real engine finds many frames at once, each a few milliseconds of work;
     what it read goes out (frames done: the hub writes the held calls, completes included) once the
-    wake-up has taken HELD_WRITES_BUDGET_S (10 ms), not after every waiting frame (issue 36: the engine ran
-    20 of 32 requests while finished calls' completes waited behind the rest of the burst)."""
+    wake-up has taken the budget (10 ms here), not after every waiting frame (issue 36: the engine ran
+    20 of 32 requests while finished calls' completes waited behind the rest of the burst).
+    Opt-in: ENGINELINK_HELD_WRITES_BUDGET_MS=10."""
+    monkeypatch.setattr(zmq_transport, "HELD_WRITES_BUDGET_S", zmq_transport.held_writes_budget_s(
+        {"ENGINELINK_HELD_WRITES_BUDGET_MS": "10"}))
     context = zmq.Context.instance()
     pull = make_socket(context, zmq.PULL)
     push = make_socket(context, zmq.PUSH)
@@ -165,14 +168,22 @@ async def test_a_wake_up_behind_its_engine_writes_what_it_read_within_the_time_b
                 while not done or done[-1] < queued:
                     await trio.sleep(0.001)
             nursery.cancel_scope.cancel()
-        assert zmq_transport.HELD_WRITES_BUDGET_S == 0.010
-        budget_frames = math.ceil(0.010 / per_frame_s)  # HELD_WRITES_BUDGET_S: what a wake-up may hold
+        budget_frames = math.ceil(0.010 / per_frame_s)  # what a wake-up may hold
         assert done[0] <= budget_frames, done  # written after the budget, not after all 20
         assert len(done) >= queued // budget_frames and done[-1] == queued
         assert seen == [("a", token) for token in range(queued)]
     finally:
         push.close()
         pull.close()
+
+
+def test_the_held_writes_budget_is_off_unless_asked_and_its_knob_is_checked():
+    assert zmq_transport.held_writes_budget_s({}) == float("inf")
+    assert zmq_transport.held_writes_budget_s({"ENGINELINK_HELD_WRITES_BUDGET_MS": "0"}) == float("inf")
+    assert zmq_transport.held_writes_budget_s({"ENGINELINK_HELD_WRITES_BUDGET_MS": "2.5"}) == 0.0025
+    for bad in ("-1", "ten"):
+        with pytest.raises(ValueError, match="ENGINELINK_HELD_WRITES_BUDGET_MS"):
+            zmq_transport.held_writes_budget_s({"ENGINELINK_HELD_WRITES_BUDGET_MS": bad})
 
 
 async def test_a_frame_that_fails_the_link_still_ends_the_wake_up_with_frames_done(pair):

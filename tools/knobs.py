@@ -270,6 +270,8 @@ _OWN = {
     "ENGINELINK_ENGINE_NICE": ("engine CPU priority", ""),
     "ENGINELINK_SERVICER_SCHED": ("servicer scheduling policy", ""),
     "ENGINELINK_PLACEMENT": ("CPU placement", ""),
+    "ENGINELINK_HELD_WRITES_BUDGET_MS": ("longest a wake-up holds its frames' writes (opt-in)",
+                                         "tests/test_engine_receive.py::test_a_wake_up_behind_its_engine_writes_what_it_read_within_the_time_budget"),
     "ENGINELINK_WARMUP": ("planned warm-up", ""),
     "ENGINELINK_KV_EVENTS": ("KV-event relay on/off", ""),
     "ENGINELINK_KV_MAX_SUBSCRIBERS": ("open SubscribeKvEvents streams", ""),

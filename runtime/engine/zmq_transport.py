@@ -53,14 +53,30 @@ log = logging.getLogger("enginelink.link")
 
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
-# ... and the longest a wake-up may hold their writes (RequestHub.hold_writes) while it reads more.
-# Why: a servicer behind a real engine (a saturated machine: docs/benchmarks.md, issue 36) found
-# dozens of frames per wake-up, each carrying a finished call or two, and wrote nothing, not even
-# those calls' completes, until it had read them all: 50 ms to a second, during which the next
-# calls could not come in, and the engine ran 20 of 32 requests. Past the budget the wake-up writes
-# what it read and yields (handlers admit the next calls), then reads on. Against a zero-cost engine
-# a frame is a fraction of a millisecond, so a burst still coalesces dozens of frames.
-HELD_WRITES_BUDGET_S = 0.010
+# ... and, opt-in, the longest a wake-up may hold their writes (RequestHub.hold_writes) while it
+# reads more: ENGINELINK_HELD_WRITES_BUDGET_MS (default 0: no bound but the frame count). Why: a
+# servicer behind a real engine (a saturated machine: docs/benchmarks.md, issue 36) found dozens of
+# frames per wake-up, each carrying a finished call or two, and wrote nothing, not even those
+# calls' completes, until it had read them all; meanwhile the next calls could not come in, and the
+# engine ran 20 of 32 requests. Past the budget the wake-up writes what it read and yields
+# (handlers admit the next calls), then reads on. Opt-in until a quiet machine measures it: each
+# write it adds costs CPU, and on the saturated box its effect was lost in the noise.
+HELD_WRITES_BUDGET_ENV = "ENGINELINK_HELD_WRITES_BUDGET_MS"
+
+
+def held_writes_budget_s(env=os.environ) -> float:
+    """The budget in seconds (infinite when 0 or unset); ValueError names the knob."""
+    raw = env.get(HELD_WRITES_BUDGET_ENV, "").strip()
+    try:
+        ms = float(raw) if raw else 0.0
+    except ValueError:
+        raise ValueError(f"{HELD_WRITES_BUDGET_ENV}={raw!r}: expected milliseconds (0: off)") from None
+    if ms < 0:
+        raise ValueError(f"{HELD_WRITES_BUDGET_ENV}={raw!r}: must not be negative")
+    return ms / 1000 if ms else float("inf")
+
+
+HELD_WRITES_BUDGET_S = held_writes_budget_s()
 # The handshake is a one-off: polling it keeps the code simple.
 HANDSHAKE_POLL_S = 0.01
 # Where the link asks an engine to write the config facts its ready response lacks.
