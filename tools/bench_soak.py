@@ -73,10 +73,9 @@ class Bound:
         return self.absolute + self.per_hour * hours + self.relative * abs(mean)
 
 
-# What "flat" means. RSS: bounded structures fill within the warm-up (the journal's ring, the KV
-# history, the fold's ended requests, the retired engine ids: the slowest, 65,536 ids, takes a few
-# minutes at a soak's churn), then the allocator's noise is a few MiB; a leak of a few dozen bytes per
-# call (hundreds of calls a second) is tens of MiB an hour. fds and threads: exact but for transient
+# What "flat" means. RSS: bounded structures fill first (the journal's ring, the KV history, the
+# fold's ended requests; judged from when they are full: ``judged_from``), then the allocator's noise
+# is a few MiB; a leak of a few dozen bytes per call (hundreds of calls a second) is tens of MiB an hour. fds and threads: exact but for transient
 # sockets. Tasks: one per open call, so they swing with the load.
 BOUNDS: dict[str, Bound] = {
     "rss_mib": Bound(24.0, per_hour=16.0),
@@ -212,11 +211,34 @@ def take_sample(sv: Supervised, t0: float) -> dict:
         m = scrape(sv.metrics_port)
     except OSError:
         m = {}
+    sample["full"] = bounded_structures_full(m)
     sample["trio_tasks"] = m.get("smg_servicer_tasks_trio")
     sample["asyncio_tasks"] = m.get("smg_servicer_tasks_asyncio")
     sample["journal_seq"] = m.get("smg_servicer_journal_last_seq")
     sample["in_flight"] = m.get("smg_servicer_in_flight_requests")
     return sample
+
+
+def bounded_structures_full(m: dict[str, float]) -> bool | None:
+    """Whether what fills by design has filled (so memory should be flat from here): the journal's
+    ring prunes, and the KV history is at its cap (when KV events are on): 10,000 batches, one per
+    engine step, which a soak on a saturated machine, its engine's steps slowed, took over ten
+    minutes to fill. None when /metrics did not answer. (The retired engine ids are bounded too, but
+    only aborted calls' ids stay there: a few hundred an hour, a few MiB at their cap.)"""
+    if not m:
+        return None
+    full = m.get("smg_servicer_journal_pruned", 0) > 0
+    if "smg_servicer_kv_history_batches_max" in m:
+        full = full and (m.get("smg_servicer_kv_history_batches", 0) >= m["smg_servicer_kv_history_batches_max"]
+                         or m.get("smg_servicer_kv_history_bytes", 0) >= m.get("smg_servicer_kv_history_bytes_max", 1))
+    return full
+
+
+def judged_from(samples: list[dict], run: int, start: float, warmup_s: float) -> float:
+    """Where a run's judged window starts: after the warm-up, and after its bounded structures filled
+    when they did within the run (else after the warm-up alone: judged, and said to be still filling)."""
+    filled = next((s["t_s"] for s in samples if s["run"] == run and s.get("full")), None)
+    return max(start + warmup_s, filled if filled is not None else 0.0)
 
 
 def add_rates(samples: list[dict]) -> None:
@@ -240,12 +262,14 @@ def judge(samples: list[dict], starts: dict[int, float], warmup_s: float) -> tup
     """Per run, per quantity: its slope after the warm-up and whether the growth is within bounds."""
     rows, failures = [], []
     for run, start in sorted(starts.items()):
-        judged = [s for s in samples if s["run"] == run and s["t_s"] >= start + warmup_s and not s.get("after")]
+        since = judged_from(samples, run, start, warmup_s)
+        judged = [s for s in samples if s["run"] == run and s["t_s"] >= since and not s.get("after")]
         for name in (*BOUNDS, *UNJUDGED):
             points = [(s["t_s"], s[name]) for s in judged if s.get(name) is not None]
             ts, vs = [p[0] for p in points], [p[1] for p in points]
             slope = slope_per_hour(ts, vs)
-            row = {"run": run, "quantity": name, "samples": len(points), "slope_per_hour": slope,
+            row = {"run": run, "quantity": name, "samples": len(points), "slope_per_hour": slope, "since_s": since,
+                   "filled": any(s.get("full") for s in samples if s["run"] == run),
                    "mean": statistics.fmean(vs) if vs else None, "first": vs[0] if vs else None,
                    "last": vs[-1] if vs else None}
             if slope is not None and name in BOUNDS:
@@ -662,8 +686,13 @@ def format_report(report: dict) -> str:
     lines.append(f"connections dropped with calls open {c.get('disconnects', 0)}; KV subscriptions "
                  f"{c.get('kv_subscriptions', 0)} ({c.get('kv_batches', 0)} batches), the slow reader "
                  f"{c.get('slow_reader_batches', 0)} batches, {c.get('slow_reader_restarts', 0)} restarts")
-    lines.append(f"\nslopes after the first {report['warmup_s']:g} s of each servicer run (least squares over "
+    lines.append(f"\nslopes after the first {report['warmup_s']:g} s of each servicer run, and after what fills by "
+                 "design (the journal's ring, the KV history) filled (least squares over "
                  "the samples; growth = slope x the judged window):")
+    for run in sorted({row["run"] for row in report["slopes"]}):
+        row = next(r for r in report["slopes"] if r["run"] == run)
+        lines.append(f"  run {run}: judged from {row['since_s']:.0f} s"
+                     + ("" if row["filled"] else " (its bounded structures were still filling at its end)"))
     lines.append(f"  {'run':>3s}  {'quantity':14s} {'samples':>7s} {'first':>10s} {'last':>10s} "
                  f"{'slope / hour':>13s} {'growth':>9s} {'allowed':>9s}")
     for row in report["slopes"]:
