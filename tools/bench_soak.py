@@ -222,8 +222,8 @@ def take_sample(sv: Supervised, t0: float) -> dict:
 def bounded_structures_full(m: dict[str, float]) -> bool | None:
     """Whether what fills by design has filled (so memory should be flat from here): the journal's
     ring prunes, and the KV history is at its cap (when KV events are on): 10,000 batches, one per
-    engine step, which a soak on a saturated machine, its engine's steps slowed, took over ten
-    minutes to fill. None when /metrics did not answer. (The retired engine ids are bounded too, but
+    engine step that stored or evicted blocks, about 5 a second at the soak's churn, so about half an
+    hour. None when /metrics did not answer. (The retired engine ids are bounded too, but
     only aborted calls' ids stay there: a few hundred an hour, a few MiB at their cap.)"""
     if not m:
         return None
