@@ -55,7 +55,7 @@ from .fold import FoldState, fold, fold_record
 from .records import KIND_ENGINE_FRAME, Record, Row, encode_payload, row_to_record
 from .files import JOURNAL_KEEP_DEFAULT, JournalLock, default_journal_path, rotate
 from .ring import RING_BYTES_MAX, RING_RECORDS_MAX, Ring
-from .store_health import StoreHealth
+from .store_health import StoreHealth, describe_error
 from .store import STORE_BYTES_MAX, STORE_RECORDS_MAX, Store, StoreStats, open_store
 
 __all__ = [
@@ -198,6 +198,9 @@ class Journal:
         # The newest engine frame's row while the live fold waits for the link's decode of it.
         self._live_frame: Row | None = None
         self._live_frames_decoded = 0
+        # A reader of every record as it is appended (tracing's: runtime/lifetime/trace_fold.py), with
+        # ``record(seq, now, stream, kind, payload)`` and ``decoded(seq, batch)``; None: none, one test per append.
+        self.tap: Any = None
         self._store: Store | None = None
         self._closed_store_stats: StoreStats | None = None
         self._own_lock: JournalLock | None = None
@@ -227,6 +230,8 @@ class Journal:
         self._ring.push(row)
         if self._live is not None:
             self._fold_live_row(row)
+        if self.tap is not None:
+            self.tap.record(seq, now, stream, kind, payload)
         if self._store is not None:
             pending = self._pending
             if not pending:
@@ -239,12 +244,14 @@ class Journal:
 
     def note_decoded(self, seq: int, decoded: Any) -> None:
         """The link's decode (its ``OutputBatch``) of exactly the bytes of the engine frame it just
-        journaled as ``seq``: the live fold takes it instead of decoding those bytes again. Ignored
+        journaled as ``seq``: the live fold (and a tap) take it instead of decoding those bytes again. Ignored
         without a live fold, or when another record came in between (the fold decoded the frame)."""
         row = self._live_frame
         if row is not None and row[0] == seq:
             self._live_frame = None
             fold_record(self._live, Record(seq, row[1], row[2], row[3], decoded))
+        if self.tap is not None:
+            self.tap.decoded(seq, decoded)
 
     def fold_live(self) -> FoldState:
         """Start the live fold: the returned state is ``fold`` of every record so far, and each append
@@ -372,8 +379,8 @@ class Journal:
             else:
                 self._store_errors += 1
                 self._store_dropped += len(batch)
-                self.last_store_error = f"{type(error).__name__}: {error}"
-                self.health.failed(error, len(batch))
+                self.last_store_error = describe_error(error)
+                self.health.failed(error, len(batch), (batch[0][0], batch[-1][0]))
                 continue
             self.health.written()
 

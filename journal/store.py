@@ -145,7 +145,11 @@ class Store:
         On error the transaction is rolled back, counters are unchanged and
         the exception propagates (the flusher counts and drops the batch): a
         seq that does not increase is ``sqlite3.IntegrityError``, as a
-        duplicate key was when each record was a row.
+        duplicate key was when each record was a row. The error that
+        propagates is the write's own: on a full disk (``SQLITE_FULL``) or an
+        I/O error SQLite has already rolled the transaction back itself, and
+        a second ROLLBACK would fail with "no transaction is active" and hide
+        the cause.
         """
         if not rows:
             return
@@ -154,7 +158,6 @@ class Store:
         records = self._records + len(rows)
         nbytes += self._bytes
         pruned = 0
-        committed = False
         conn.execute("BEGIN IMMEDIATE")
         try:
             conn.executemany(_INSERT_BLOCK, blocks)
@@ -165,10 +168,13 @@ class Store:
                 records -= pruned
                 nbytes -= pruned_bytes
             conn.execute("COMMIT")
-            committed = True
-        finally:
-            if not committed:
-                conn.execute("ROLLBACK")
+        except BaseException:  # re-raised: the write's own error is the one the caller sees
+            if conn.in_transaction:  # not after SQLITE_FULL or an I/O error: SQLite rolled it back
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # the error being raised says why the write failed; this one would hide it
+            raise
         self._records = records
         self._bytes = nbytes
         self._pruned += pruned

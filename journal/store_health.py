@@ -6,7 +6,11 @@ batch, and the ring still holds the newest records. But it must not be
 silent either. ``StoreHealth`` turns the flusher's per-batch outcome into an
 episode:
 
-- the first failed batch: one ERROR line with the OS error and what is lost;
+- the first failed batch: one ERROR line with the cause in words (the disk
+  is full, an I/O error, a read-only filesystem: ``describe_error``), the
+  SQLite or OS error itself, the free space on the journal's filesystem and
+  what is lost (that batch's records, by seq, and every record after them
+  until writing recovers);
 - while it lasts: one WARNING summary every ``summary_interval_s`` (records
   dropped since the last line, and in all), never a line per batch;
 - the first batch written again: one WARNING line saying it recovered, for
@@ -27,6 +31,7 @@ times an operator reads).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -42,6 +47,48 @@ HEALTH_SUFFIX = ".health"
 SUMMARY_INTERVAL_S = 60.0
 # The error as the status file keeps it (the file has a fixed size).
 ERROR_CHARS_MAX = 512
+
+
+# The cause, in an operator's words, by SQLite's result code (``sqlite3.Error.sqlite_errorname``, its
+# primary code: SQLITE_IOERR_WRITE is an SQLITE_IOERR) or the OS's errno. SQLite's own message for
+# SQLITE_FULL, "database or disk is full", is also what a database at its max_page_count says: the
+# free space printed beside it tells the two apart.
+SQLITE_CAUSES = {
+    "SQLITE_FULL": "the disk (or the journal's database) is full",
+    "SQLITE_IOERR": "an I/O error on the journal's disk",
+    "SQLITE_READONLY": "the journal's file or its filesystem is read-only",
+    "SQLITE_CORRUPT": "the journal's file is corrupt",
+    "SQLITE_NOTADB": "the journal's file is not a database",
+    "SQLITE_BUSY": "another process holds the journal's database",
+}
+ERRNO_CAUSES = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EIO: "an I/O error on the journal's disk",
+    errno.EROFS: "the journal's filesystem is read-only",
+}
+
+
+def describe_error(error: BaseException) -> str:
+    """A failed write's error as the log and the status file say it: the cause first, then the error."""
+    name = getattr(error, "sqlite_errorname", None)
+    code = "_".join(name.split("_")[:2]) if isinstance(name, str) else None
+    cause = SQLITE_CAUSES.get(code) if code else ERRNO_CAUSES.get(getattr(error, "errno", None))
+    text = f"{type(error).__name__}: {error}" + (f" ({name})" if name else "")
+    return f"{cause}: {text}" if cause else text
+
+
+def free_space(path: Path | None) -> str:
+    """The free space on ``path``'s filesystem, for the log line; ``?`` where it cannot be read."""
+    try:
+        st = os.statvfs(path.parent if path is not None else ".")
+    except OSError:
+        return "? bytes"
+    free = st.f_bavail * st.f_frsize
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if free >= size:
+            return f"{free / size:.1f} {unit}"
+    return f"{free} bytes"
 
 
 def health_path(journal_path: str | os.PathLike[str]) -> Path:
@@ -78,10 +125,10 @@ class StoreHealth:
 
     # -- outcomes -----------------------------------------------------------------
 
-    def failed(self, error: BaseException, rows: int) -> None:
-        """A batch of ``rows`` did not reach the file."""
+    def failed(self, error: BaseException, rows: int, seqs: tuple[int, int] | None = None) -> None:
+        """A batch of ``rows`` (seq ``seqs[0]..seqs[1]``) did not reach the file."""
         now = time.monotonic()
-        text = f"{type(error).__name__}: {error}"[:ERROR_CHARS_MAX]
+        text = describe_error(error)[:ERROR_CHARS_MAX]
         if not self.failing:
             self.failing = True
             self.episodes += 1
@@ -90,9 +137,11 @@ class StoreHealth:
             self.dropped_in_episode = self._dropped_at_summary = 0
             self.dropped_in_episode += rows
             self.error = text
-            log.error("journal: cannot write to %s (%s); the servicer keeps serving, but records are "
-                      "dropped from the file (the newest stay in memory for inspection) until writing recovers",
-                      self.journal_path, text)
+            batch = f"records seq {seqs[0]}..{seqs[1]} ({rows})" if seqs else f"this batch's {rows} records"
+            log.error("journal: cannot write to %s: %s; %s free on its filesystem. The servicer keeps serving, "
+                      "but %s and every record after them are dropped from the file until writing recovers "
+                      "(a gap in seq; the newest stay in memory for inspection)",
+                      self.journal_path, text, free_space(self.journal_path), batch)
             self._publish()
             return
         self.dropped_in_episode += rows

@@ -37,7 +37,8 @@ window at their own pace through ``pull``; the window is their buffer, so a
 slow one costs nothing until the window rolls past it: then it ends with
 DATA_LOSS at once, freeing its slot (``subscribers_max``) even while its
 stream is held by flow control; one the shell could not send to for its
-stall bound ends the same way (``stalled``). A
+stall bound ends the same way (``stalled``), and one not taking its events
+ends so when a new subscriber needs its slot (``kv_admission``). A
 subscriber is never fed a gap: a hole ends it with DATA_LOSS, and a cursor
 whose way forward crosses a hole is refused with OUT_OF_RANGE. ``subscribe``
 with cursor 0 gets the whole window when it is complete from the
@@ -53,9 +54,10 @@ the tables do not allow is our bug and raises ``ProtocolError``.
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Final, Iterable, Sequence
+from typing import Final, Iterable, Sequence, cast
 
 from enginelink.journal.records import KIND_TRANSITION, Transition
+from enginelink.machines import kv_admission
 from enginelink.machines.kv_history import History
 from enginelink.machines.kv_relay_api import (
     HISTORY_BATCHES_ENV,
@@ -64,6 +66,7 @@ from enginelink.machines.kv_relay_api import (
     KIND_KV_GAP,
     KIND_KV_INCARNATION,
     KIND_KV_LOST,
+    MAX_SUBSCRIBERS_PER_PEER_ENV,
     RANK_TABLE,
     SUBSCRIBER_TABLE,
     Action,
@@ -145,13 +148,17 @@ class _Cursor:
 
 
 class _Subscriber:
-    def __init__(self, sid: int, cursors: dict[int, _Cursor], chunks: list[KvBatch]) -> None:
+    def __init__(self, sid: int, cursors: dict[int, _Cursor], chunks: list[KvBatch], peer: str) -> None:
         self.id = sid
         self.state = SubState.CATCHING_UP
         self.cursors = cursors
         self.chunks = deque(chunks)
         self.end: Ended | None = None
         self.turn = 0  # which rank pull serves first
+        # Its standing for kv_admission: who it is, whether it reads (the shell's sending / sent).
+        self.peer = peer
+        self.taken = False
+        self.held_since: float | None = None
 
 
 class _Out:
@@ -381,43 +388,69 @@ class KvRelay:
 
     # ---- subscribers ----------------------------------------------------------
 
-    def subscribe(self, cursor: int, now: float) -> Plan | Refused:
-        """A SubscribeKvEvents call with ``start_sequence_number = cursor`` (0: no cursor)."""
+    def subscribe(self, cursor: int, now: float, peer: str = "") -> Plan | Refused:
+        """A SubscribeKvEvents call with ``start_sequence_number = cursor`` (0: no cursor) from ``peer``.
+
+        Over a bound (``kv_admission``), an open subscriber not taking its
+        events gives way (DATA_LOSS, woken in the plan's actions), else the
+        new one is refused. A cursor is checked first: a refused cursor costs
+        nobody a slot.
+        """
         if any(r.state is RankState.CLOSED for r in self.ranks.values()):
             return Refused("UNAVAILABLE", "the servicer is stopping")
-        if sum(s.end is None for s in self._subscribers.values()) >= self.config.subscribers_max:
-            self.counts["refused_busy"] += 1
-            return Refused("UNAVAILABLE", f"{self.config.subscribers_max} KV event subscribers already; retry later")
+        if cursor != 0:
+            for r in self.ranks.values():
+                why = self._cursor_refusal(r, cursor)
+                if why is not None:
+                    self.counts["out_of_range"] += 1
+                    return Refused("OUT_OF_RANGE", f"{why}; resubscribe with start_sequence_number 0 and rebuild")
+        open_now = (s for s in self._subscribers.values() if s.end is None)
+        bound, victim, refused = kv_admission.admit(open_now, peer, self.config, now)
+        if refused is not None:
+            self.counts["refused_peer" if bound == MAX_SUBSCRIBERS_PER_PEER_ENV else "refused_busy"] += 1
+            return refused
+        out = _Out()
+        if victim is not None:
+            self._end(cast(_Subscriber, victim), self._loss("evicted", (
+                f"the subscriber did not take its KV events and a new subscriber needed its slot ({bound})")), out)
+            out.actions.append(Wake((victim.id,)))  # its held send stops, its stream ends
         cursors: dict[int, _Cursor] = {}
         modes: dict[int, str] = {}
         chunks: list[KvBatch] = []
         for rank, r in self.ranks.items():
             newest = r.newest
-            if cursor == 0:
-                if newest is None:
-                    modes[rank], last = "live", None
-                elif r.complete:
-                    modes[rank], last = "history", -1
-                else:
-                    modes[rank], last = "snapshot", newest
-                    chunks += r.kv.snapshot(r.served(newest), r.last_ts, r.unknown_before + r.holes_total,
-                                            self.config.snapshot_chunk_blocks, newest + 1)  # fmt: skip
-            else:
-                why = self._cursor_refusal(r, cursor)
-                if why is not None:
-                    self.counts["out_of_range"] += 1
-                    return Refused("OUT_OF_RANGE", f"{why}; resubscribe with start_sequence_number 0 and rebuild")
+            if cursor != 0:
                 modes[rank], last = "resume", cursor - r.base
+            elif newest is None:
+                modes[rank], last = "live", None
+            elif r.complete:
+                modes[rank], last = "history", -1
+            else:
+                modes[rank], last = "snapshot", newest
+                chunks += r.kv.snapshot(r.served(newest), r.last_ts, r.unknown_before + r.holes_total,
+                                        self.config.snapshot_chunk_blocks, newest + 1)  # fmt: skip
             cursors[rank] = _Cursor(r.inc, last)
-        sub = _Subscriber(self._next_id, cursors, chunks)
+        sub = _Subscriber(self._next_id, cursors, chunks, peer)
         self._next_id += 1
         self._subscribers[sub.id] = sub
         for mode in modes.values():
             self.counts[f"served_{mode}"] += 1
-        out = _Out()
         out.journal(f"kv/sub-{sub.id}", KIND_TRANSITION,
                     Transition("kv_subscriber", str(sub.id), "", sub.state.value, f"subscribe:{cursor}").payload())
         return Plan(sub.id, modes, tuple(out.actions))
+
+    def sending(self, subscriber: int, now: float) -> None:
+        """The shell starts sending the subscriber a message: held by its flow control until ``sent``."""
+        sub = self._subscribers.get(subscriber)
+        if sub is not None and sub.held_since is None:
+            sub.held_since = now
+
+    def sent(self, subscriber: int) -> None:
+        """The subscriber took the message ``sending`` announced: it reads (``kv_admission``)."""
+        sub = self._subscribers.get(subscriber)
+        if sub is not None:
+            sub.held_since = None
+            sub.taken = True
 
     @staticmethod
     def _cursor_refusal(r: _Rank, cursor: int) -> str | None:
@@ -598,7 +631,8 @@ _COUNTERS: Final = (
     "live_batches", "relayed", "duplicates", "late", "undecodable", "bad_frames", "gaps", "repairs",
     "recovered", "replay_timeouts", "stale_replies", "bad_replay_frames", "repair_overflows", "holes",
     "unknown_before", "incarnations", "served_history", "served_snapshot", "served_resume", "served_live",
-    "out_of_range", "refused_busy", "data_loss.restart", "data_loss.behind", "data_loss.hole", "data_loss.stalled",
+    "out_of_range", "refused_busy", "refused_peer", "data_loss.restart", "data_loss.behind", "data_loss.hole",
+    "data_loss.stalled", "data_loss.evicted",
 )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from enginelink.wire.kv_batch import KvBatch
 HISTORY_BATCHES_ENV: Final = "SMG_KV_EVENT_HISTORY_BATCHES"
 HISTORY_BYTES_ENV: Final = "SMG_KV_EVENT_HISTORY_BYTES"
 MAX_SUBSCRIBERS_ENV: Final = "ENGINELINK_KV_MAX_SUBSCRIBERS"
+MAX_SUBSCRIBERS_PER_PEER_ENV: Final = "ENGINELINK_KV_MAX_SUBSCRIBERS_PER_PEER"
 SEND_STALL_ENV: Final = "ENGINELINK_KV_SEND_STALL_SECS"
 
 # Journal kinds the relay writes (to be added to journal/records.py KINDS); payload keys:
@@ -39,7 +40,13 @@ class KvRelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     replay: bool = True  # the publisher has a replay endpoint
     repair_pending_max: int = 10_000  # live batches held while a repair is out
     snapshot_chunk_blocks: int = 2048
-    subscribers_max: int = 64  # ENGINELINK_KV_MAX_SUBSCRIBERS: open streams; one more is refused UNAVAILABLE
+    # ENGINELINK_KV_MAX_SUBSCRIBERS: open streams; one more takes the slot of one not taking its
+    # events (machines/kv_admission.py), or is refused UNAVAILABLE.
+    subscribers_max: int = 64
+    # ENGINELINK_KV_MAX_SUBSCRIBERS_PER_PEER: open streams from one peer (runtime/peers.py). A router
+    # subscribes once per worker; 16 leaves room for several routers behind one proxy or NAT, and keeps
+    # one address to a quarter of the default slots.
+    subscribers_per_peer_max: int = 16
     pull_batches_max: int = 256
     # ENGINELINK_KV_SEND_STALL_SECS: a message flow control holds this long ends the
     # stream with DATA_LOSS (the shell's clock; the machine only records the end).
@@ -49,7 +56,8 @@ class KvRelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     def from_env(cls, env: Mapping[str, str], **overrides) -> "KvRelayConfig":
         """Bounds from the environment (ValueError names a bad knob)."""
         for key, name in ((HISTORY_BATCHES_ENV, "history_batches_max"), (HISTORY_BYTES_ENV, "history_bytes_max"),
-                          (MAX_SUBSCRIBERS_ENV, "subscribers_max")):  # fmt: skip
+                          (MAX_SUBSCRIBERS_ENV, "subscribers_max"),
+                          (MAX_SUBSCRIBERS_PER_PEER_ENV, "subscribers_per_peer_max")):  # fmt: skip
             raw = env.get(key, "").strip()
             if raw and name not in overrides:
                 if not raw.isdigit() or int(raw) < 1:

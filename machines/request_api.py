@@ -86,6 +86,8 @@ class Complete(NamedTuple):
     stream: bool = False
     # The choice's tokens in all (streamed: every chunk's; else ``len(output_ids)``).
     completion_tokens: int = 0
+    # Of them, the model's thinking (a wire that counts them: SGLang's ``reasoning_tokens``), else 0.
+    reasoning_tokens: int = 0
 
 
 Message = Chunk | Complete

@@ -36,7 +36,7 @@ class Choice:
     __slots__ = (
         "index", "engine_id", "pending", "last_delta", "output", "tokens_engine", "tokens_sent",
         "finish_reason", "matched_token", "matched_str", "complete_sent", "stops", "cached_tokens",
-        "first_token_at", "last_token_at", "logprobs", "pooled", "kv_transfer_params", "rank",
+        "first_token_at", "last_token_at", "logprobs", "pooled", "kv_transfer_params", "rank", "reasoning_tokens",
     )
 
     def __init__(self, index: int, engine_id: str, keep_output: bool, stops: StopMatcher | None,
@@ -61,6 +61,8 @@ class Choice:
         self.pooled = None  # a pooling request's result (Embed): a wire.vllm_arrays.Tensor
         self.kv_transfer_params: dict | None = None  # PD: the engine's, for the other leg
         self.rank: int | None = None  # the DP rank holding it, while the engine may (ranks.py)
+        # The engine's count of this choice's thinking tokens (SGLang's running total), read at its end.
+        self.reasoning_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -165,5 +167,5 @@ class Call:
             matched_token_id=choice.matched_token if choice.matched_str is None else None,
             kv_transfer_params=choice.kv_transfer_params,
             logprobs=positions, logprobs_top=top, prompt_logprobs=prompt, stream=self.spec.stream,
-            completion_tokens=choice.tokens_sent,
+            completion_tokens=choice.tokens_sent, reasoning_tokens=choice.reasoning_tokens,
         )

@@ -147,6 +147,9 @@ class RequestCore:
             "max_tokens": spec.max_tokens,
             # An Embed call (runtime/requests/embed.py) goes through the same machine; the journal says which.
             **({"task": spec.task} if getattr(spec, "task", None) else {}),
+            # The constraint's field and the backend it was sent for, when the call carries one.
+            **({"constraint": spec.constraint, "grammar_backend": spec.grammar_backend}
+               if getattr(spec, "constraint", None) else {}),
         })  # fmt: skip
         # Registration is all or nothing: a failure part-way (a rank table or a metric that
         # raises) must not leave the id, an engine id or a rank slot taken by a call nobody holds.
@@ -325,6 +328,7 @@ class RequestCore:
                     if matched is not None:
                         choice.matched_str = matched
                         choice.finish_reason = "stop"
+                        choice.reasoning_tokens = getattr(out, "reasoning_tokens", 0)
                         # The engine does not do stop strings: stop it ourselves.
                         self._abort_choices([choice], actions)
                 choice.pending += tokens
@@ -338,10 +342,13 @@ class RequestCore:
             if out.finish_reason is not None and choice.finish_reason is None:
                 # A pooling request's result comes with its finish (vLLM: one output, no tokens).
                 choice.pooled = getattr(out, "pooling_output", None)
+                # Read once, at the end: SGLang's count is a running total (vLLM's outputs have none).
+                choice.reasoning_tokens = getattr(out, "reasoning_tokens", 0)
                 reason = FinishReason(out.finish_reason)
-                if reason is FinishReason.ERROR and call.spec.constraint is not None:
-                    self._constraint_failed(call, choice, now, actions)
-                    continue
+                # A constraint failure only on the engine's own attribution (its wire names the cause: SGLang's
+                # grammar-attributed abort), never inferred from the call carrying a constraint: vLLM's ERROR
+                # says nothing of the cause (a failed KV load, an encoder-cache miss end so too), so a
+                # constrained call's ERROR ends like any other's, as the reference's servicers answer it.
                 outcome = getattr(out, "engine_outcome", None)  # a wire that says why it aborted (SGLang)
                 if reason is FinishReason.ABORT and outcome is not None and outcome.code is not None:
                     self._release_rank(choice)  # over on the engine: not aborted again
@@ -399,31 +406,6 @@ class RequestCore:
         for choice in call.choices:
             self._release_rank(choice)
             self.by_engine_id.pop(choice.engine_id, None)
-        call.open_choices = 0
-        self._end(call, RequestEvent.FAIL, now, actions)
-        actions.wake.append(call)
-
-    def _constraint_failed(self, call: Call, failed: Choice, now: float, actions: Actions) -> None:
-        """The engine ended a choice of a constrained call with an error: the call fails, naming the constraint.
-
-        vLLM's wire says only ERROR. On a constrained request that is its
-        grammar backend refusing the constraint (it did not compile) or a token
-        (docs/structured-outputs.md); an "error" complete with OK status would
-        look like an empty answer to the client. The other choices stop: the
-        same constraint holds for them.
-        """
-        self._release_rank(failed)  # the engine finished this one itself
-        self.by_engine_id.pop(failed.engine_id, None)
-        others = [c for c in call.choices if c is not failed and c.engine_id in self.by_engine_id]
-        for choice in others:
-            del self.by_engine_id[choice.engine_id]
-        self._abort_choices(others, actions)
-        call.failure = Failure(
-            "constraint",
-            f"the engine ended the request with an error under its {call.spec.grammar_backend} grammar backend "
-            "(a constraint it cannot compile, or a token it rejected; the engine's log has the cause)",
-            call.spec.constraint,
-        )
         call.open_choices = 0
         self._end(call, RequestEvent.FAIL, now, actions)
         actions.wake.append(call)

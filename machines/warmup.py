@@ -36,6 +36,12 @@ from enginelink.machines.link import WARMUP_REQUEST_PREFIX
 KNOB: Final = "SMG_VLLM_SERVICER_WARMUP"
 OWN_KNOB: Final = "ENGINELINK_WARMUP"  # same grammar; wins when both are set
 DEFAULT_BUDGET_S: Final = 300.0
+# TokenSpeed's default budget (the reference's tokenspeed/warmup.py): room for the chunk remainders
+# at a 4,096-token chunk; a larger step is cut evenly by the spread order.
+TOKENSPEED_BUDGET_S: Final = 900.0
+# What TokenSpeed's scheduler keeps back beyond a prompt and its output budget (its request handler
+# takes one off the context, one off the output clamp): a prompt one below the context is refused.
+TOKENSPEED_RESERVE_TOKENS: Final = 2
 
 WINDOW_DEFAULT: Final = 128  # vLLM's max_num_seqs when the engine says 0
 STAIRCASE_PROMPT_TOKENS: Final = 8
@@ -57,6 +63,7 @@ class StepKind(StrEnum):
     DECODE = "decode"  # the staircase: a batch that shrinks by one per engine step
     PREFILL = "prefill"  # one prompt length of the ladder
     AGAIN = "again"  # the bucket grid once more
+    REMAINDER = "remainder"  # TokenSpeed: a prompt length the ladder left out, up to the step (spread order)
     FLUSH = "flush"  # reset the prefix cache; always last, never cut by the budget
 
 
@@ -81,6 +88,11 @@ class WarmupFacts:
     dp_size: int = 1
     capture_sizes: tuple[int, ...] = ()  # CUDA-graph capture sizes, when known
     reserve: int = 0  # context positions the scheduler keeps back (0 for vLLM)
+    # TokenSpeed of more than one process: every prompt length up to the step, once, before serving. A
+    # chunked prefill's last chunk is any count below the step; its first use launched while the previous
+    # chunk's collective is in flight loads a kernel lazily and has deadlocked every rank (the reference's
+    # tokenspeed/warmup.py). A one-process engine pays a first use as a pause, so it plans none.
+    every_prefill_length: bool = False
 
     def __post_init__(self) -> None:
         for name in ("window", "reserve"):
@@ -132,6 +144,8 @@ class WarmupStep:
                 return f"prefill {self.tokens} tokens"
             case StepKind.AGAIN:
                 return f"prefill {self.tokens} tokens again"
+            case StepKind.REMAINDER:
+                return f"prefill {self.tokens} tokens (chunk remainder)"
             case StepKind.FLUSH:
                 return "prefix-cache flush"
 
@@ -196,13 +210,18 @@ def _seconds(text: str) -> float | None:
 
 
 def facts_from_ready(ready: Mapping[str, object], vocab: int) -> WarmupFacts:
-    """Facts from a vLLM ready response (the handshake) and the model's vocabulary."""
+    """Facts from a vLLM-shaped ready response (the handshake; TokenSpeed's says ``tokenspeed-<release>``)
+    and the model's vocabulary."""
+    tokenspeed = str(ready.get("vllm_version") or ready.get("engine_version") or "").startswith("tokenspeed-")
     return WarmupFacts(
         window=int(ready.get("max_num_seqs") or 0),
         step=int(ready.get("max_num_batched_tokens") or 0),
         context=int(ready.get("max_model_len") or 0),
         vocab=vocab,
         dp_size=int(ready.get("data_parallel_size") or 1),
+        reserve=TOKENSPEED_RESERVE_TOKENS if tokenspeed else 0,
+        # An unknown layout (no world_size) keeps the remainders, as the reference does.
+        every_prefill_length=tokenspeed and int(ready.get("world_size") or 0) != 1,
     )
 
 
@@ -276,9 +295,27 @@ def plan_warmup(facts: WarmupFacts, level: WarmupLevel | str) -> list[WarmupStep
         steps.append(WarmupStep(StepKind.PREFILL, length, requests(length, [1])))
     for length in bucket_grid(facts.limit):
         steps.append(WarmupStep(StepKind.AGAIN, length, requests(length, [1])))
+    if facts.every_prefill_length and level is WarmupLevel.FULL:
+        # Last, so a budget cut falls on them, in an order whose every prefix spreads evenly over the range.
+        planned = set(prefill_lengths(facts, level))
+        for length in spread_order(facts.limit):
+            if length not in planned:
+                steps.append(WarmupStep(StepKind.REMAINDER, length, requests(length, [1])))
     if steps:
         steps.append(WarmupStep(StepKind.FLUSH, 0))
     return steps
+
+
+def spread_order(count: int) -> list[int]:
+    """``1..count`` in bit-reversed (van der Corput) order: the top power of two, then the halves, the
+    quarters, ...; every prefix covers the range near uniformly, so a pass cut short leaves no gap at the end."""
+    bits = max(count, 0).bit_length()
+    order = []
+    for index in range(1 << bits):
+        value = int(format(index, f"0{bits}b")[::-1], 2) if bits else 0
+        if 1 <= value <= count:
+            order.append(value)
+    return order
 
 
 # -- prompts ----------------------------------------------------------------------------

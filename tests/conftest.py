@@ -40,6 +40,7 @@ import pytest
 from filelock import FileLock
 
 from enginelink.tools.test_model import make_test_model
+from tests import fast_loop
 from tests.harness import Servicer, reap_stopped, shared
 
 # The real-engine scopes, in the order the scheduler hands them out (the longest first).
@@ -61,7 +62,8 @@ ENGINE_SCOPES = (
                       "tests/vllm/test_vllm_launcher_plugin.py", "tests/vllm/test_vllm_lifecycle.py",
                       "tests/vllm/test_vllm_operator.py", "tests/vllm/test_vllm_pd.py", "tests/vllm/test_vllm_hub.py",
                       "tests/wire/test_vllm_logprobs.py"), ()),
-    (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py"), ()),
+    (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py",
+                         "tests/vllm/test_vllm_media_sidecar.py"), ()),
     (VLLM_SHARED_SCOPE, ("tests/vllm/",), ("vllm_stack", "vllm_quiet")),
     (MLX_SCOPE, ("tests/mlx/", "tests/sglang/"), ("mlx_stack",)),
     (VLLM_0_28_SCOPE, ("tests/vllm_0_28/",), ("vllm_0_28",)),
@@ -84,7 +86,16 @@ def scope_of(nodeid: str) -> str:
     return module
 
 
+def pytest_addoption(parser):
+    fast_loop.add_option(parser)
+
+
+def pytest_configure(config):
+    fast_loop.configure(config)
+
+
 def pytest_collection_modifyitems(config, items):
+    fast_loop.select(config, items)  # --fast: the tests that start no process (tests/fast_loop.py)
     stray = [item.nodeid for item in items if item.get_closest_marker("vllm") and scope_of(item.nodeid) not in VLLM_SCOPES]
     if stray:
         raise pytest.UsageError(f"tests marked vllm outside tests/conftest.py's vLLM scopes: {stray[:5]}")
@@ -114,6 +125,29 @@ def pytest_xdist_make_scheduler(config, log):
             super()._assign_work_unit(node)
 
     return ModuleScopes(config, log)
+
+
+# --fast: a test that starts a process fails (tests/fast_loop.py), whichever phase started it.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from fast_loop.watch(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from fast_loop.watch(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from fast_loop.watch(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    fast_loop.fail_report(item, report)
+    return report
 
 
 def pytest_sessionfinish(session, exitstatus):

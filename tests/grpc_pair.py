@@ -55,12 +55,13 @@ class Pair:
 
 
 @asynccontextmanager
-async def grpc_pair(model, tokenizer, *, fast_path: bool, sim: SimConfig | None = None):
+async def grpc_pair(model, tokenizer, *, fast_path: bool, sim: SimConfig | None = None, service=VllmEngineService):
+    """``service``: the contract served over the sim's vLLM wire (vLLM's; MLX's speaks it too)."""
     journal = Journal(None, ring_records_max=200_000, ring_bytes_max=256 << 20)
     sim = sim or SimConfig(vocab_size=4096, max_model_len=2048, eos_token_id=2, instance_id="pair")
     link = MemoryLink(name="vllm-0", config=sim, journal=journal)
     hub = RequestHub(link=link.machine, codec=link.codec, send_frames=link.send, ranks=link.ranks, journal=journal,
-                     edge=VllmEngineService.edge, tokenizer=tokenizer, cached_tokens=link.codec.cached_tokens)  # fmt: skip
+                     edge=service.edge, tokenizer=tokenizer, cached_tokens=link.codec.cached_tokens)  # fmt: skip
     async with trio_asyncio.open_loop() as loop:
         run_ready_callbacks_together(loop)
         async with trio.open_nursery() as nursery:
@@ -69,7 +70,7 @@ async def grpc_pair(model, tokenizer, *, fast_path: bool, sim: SimConfig | None 
                       run_start_wall=WALL_START, run_start_trio=trio.current_time())  # fmt: skip
             frame_writes = FrameWrites(fast_path)
             hub.end_of_batch = frame_writes.flush
-            server = GrpcServer([VllmEngineService(app, frame_writes)], fast_path=fast_path)
+            server = GrpcServer([service(app, frame_writes)], fast_path=fast_path)
             connect(link, hub, app, _Readiness(), trio.Event())
             await nursery.start(link.run)
             link.step(LinkEvent.WARMUP_DONE)

@@ -39,6 +39,7 @@ def test_the_variable_stands_when_no_flag_is_given(monkeypatch):
     assert media_settings_from(os.environ).allowed_domains == ("c.example",)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("value", ["https://example.com", "example.com:8443", "example.com/images"])
 def test_a_url_for_a_domain_is_refused_at_start(tmp_path, value):
     line = refused_with_one_line(serve_process(tmp_path, "--mm-processor", "inprocess", "--allowed-media-domains",

@@ -57,6 +57,7 @@ def _check_counts(report: dict, requests: int, max_tokens: int) -> None:
             assert report[key]["p50"] is None
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("client", ["h2", "grpcio"])
 def test_cli_json_report_counts_are_consistent(test_model_dir, client):
@@ -75,6 +76,7 @@ def test_cli_json_report_counts_are_consistent(test_model_dir, client):
     assert report["config"]["engine_args"] == ["--max-num-seqs", "128"]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_engine_args_reach_the_engine(test_model_dir):
     """A cost model given with --engine-args shapes the run; counts still hold."""
@@ -86,6 +88,7 @@ def test_engine_args_reach_the_engine(test_model_dir):
     assert report["server"]["max_num_seqs"] == 2  # as the engine reported it
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_tokenspeed_contract_is_measured_the_same_way(test_model_dir):
     """``--wire tokenspeed``: the sim speaks TokenSpeed's wire and the load speaks its contract; counts hold."""
@@ -99,6 +102,7 @@ def test_the_tokenspeed_contract_is_measured_the_same_way(test_model_dir):
     assert "tokenspeed contract" in bench.format_report(report).splitlines()[0]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_sglang_contract_is_measured_the_same_way(test_model_dir):
     """``--wire sglang``: the sim speaks SGLang's scheduler wire, the load SglangScheduler; counts hold."""
@@ -333,6 +337,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_sigterm_stops_the_servicer_and_engine_the_bench_started(test_model_dir):
     """``kill`` of a running bench ends it as Ctrl-C does: the servicer and engine it started stop with it

@@ -142,6 +142,7 @@ def _check_arm(result: dict, arm: str, requests: int = 16) -> None:
             assert cpu["low"] <= cpu["geomean"] <= cpu["high"]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @needs_refs
 def test_rust_reference_beside_enginelink_on_the_sim_engine(test_model_dir):
@@ -153,6 +154,7 @@ def test_rust_reference_beside_enginelink_on_the_sim_engine(test_model_dir):
     _check_arm(result, "smg-rust")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @needs_refs
 def test_python_reference_beside_enginelink_on_the_sim_engine(test_model_dir):
@@ -162,6 +164,7 @@ def test_python_reference_beside_enginelink_on_the_sim_engine(test_model_dir):
     _check_arm(result, "smg-python")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_grpclib_floor_beside_enginelink_on_the_sim_engine(test_model_dir):
     """The floor needs no reference venv. At 128 streams on the load client's one connection it must

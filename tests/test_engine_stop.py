@@ -25,6 +25,8 @@ from enginelink.runtime.engine.session import session_members
 from tests.harness import Servicer, engine_pid, generate_request, wait_until
 from tests.test_lifecycle import PROMPT, SLOW_ENGINE, StreamReader
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 # README: after the drain, a SIGTERMed servicer exits within the stop grace + this
 # (1 s for the drain's aborts, 5 s for a SIGKILLed process to vanish, 2 s to close gRPC).
 STOP_BOUND_OVER_GRACE_S = 8.0

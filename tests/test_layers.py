@@ -15,6 +15,8 @@ import subprocess
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from tests.harness import VENV_BIN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +36,7 @@ def _config() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
+@pytest.mark.process
 def test_lint_imports_keeps_every_contract():
     result = _lint_imports()
     output = result.stdout + result.stderr
@@ -61,6 +64,7 @@ def test_layers_contract_is_designs_list_and_covers_every_package():
     assert not layers.get("ignore_imports"), "an escape from the layers needs its own contract and reason"
 
 
+@pytest.mark.process
 def test_an_upward_import_is_reported(tmp_path):
     """The same tool, told the layers the other way round, names a real import that breaks them."""
     config = tmp_path / "reversed.toml"

@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.harness import Servicer, alive, engine_pid, generate_request, wait_until
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 PROMPT = [318, 283, 1552, 10, 90, 305]
 SLOW_ENGINE = ["--step-us", "20000"]  # 50 steps/s: long requests stay in flight
 

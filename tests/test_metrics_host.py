@@ -35,6 +35,7 @@ def serving_metrics(tmp_path, test_model_dir, extra: list[str], env: dict[str, s
     return servicer, metrics_port
 
 
+@pytest.mark.process
 def test_the_metrics_host_defaults_to_the_grpc_host(tmp_path, test_model_dir):
     servicer, port = serving_metrics(tmp_path, test_model_dir, [])
     try:
@@ -47,6 +48,7 @@ def test_the_metrics_host_defaults_to_the_grpc_host(tmp_path, test_model_dir):
         servicer.stop()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("how", ["flag", "variable"])
 def test_an_explicit_metrics_host_wins_over_the_grpc_host(tmp_path, test_model_dir, how):
     extra, env = (["--metrics-host", "127.0.0.1"], {}) if how == "flag" else \

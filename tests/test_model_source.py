@@ -120,6 +120,7 @@ def from_directory(tmp_path_factory, test_model_dir):
         yield answers(running)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("where", ["HF_HUB_CACHE", "HF_HOME", "--download-dir"])
 def test_the_id_answers_as_the_directory_does(tmp_path, hub_cache, test_model_dir, from_directory, where):
     env, extra = {"ENGINELINK_WARMUP": "off", **OFFLINE}, []
@@ -154,6 +155,7 @@ def _without_paths(info):
     return copy
 
 
+@pytest.mark.process
 def test_an_id_not_cached_exits_2_naming_it_and_the_fetch(tmp_path, hub_cache):
     line = refused_with_one_line(serve_process(tmp_path, "--model", "Qwen/Qwen3-0.6B", "--port", "50999",
                                                env={**OFFLINE, "HF_HUB_CACHE": str(hub_cache)}))
@@ -194,6 +196,7 @@ print(json.dumps({"model": str(config.launcher.model_dir), "args": config.launch
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "tokenspeed", "mlx", "sim"])
 def test_every_engine_is_launched_with_the_local_snapshot_offline(hub_cache, socket_dir, engine):
     env = {**os.environ, **OFFLINE, "HF_HUB_CACHE": str(hub_cache), "SMG_ZMQ_SOCKET_DIR": str(socket_dir)}
@@ -217,11 +220,12 @@ def test_online_the_id_goes_to_the_engine_with_enginelinks_hub_flags():
     # The engine's own flags (`vllm serve ID --revision R ...`) are kept as given, never doubled.
     _, engine_args = serve._engine_model(args, source, tokenizer, ["--revision", "v1", "--tokenizer=org/tok"])
     assert engine_args == ["--revision", "v1", "--tokenizer=org/tok", "--download-dir", "/d"]
-    args.engine = "sglang"  # run with --skip-tokenizer-init: no tokenizer flag
+    args.engine = "sglang"  # its scheduler keeps its tokenizer (its grammar backend's): SGLang's spelling
     _, engine_args = serve._engine_model(args, source, tokenizer, [])
-    assert engine_args == ["--revision", "v1", "--download-dir", "/d"]
+    assert engine_args == ["--tokenizer-path", "org/tok", "--revision", "v1", "--download-dir", "/d"]
 
 
+@pytest.mark.process
 def test_the_engines_own_hub_flags_are_the_servicers_too(hub_cache, socket_dir, test_model_dir, tmp_path):
     """``vllm serve ID --revision R --download-dir D --tokenizer T`` hands those over as engine arguments."""
     env = {**os.environ, **OFFLINE, "SMG_ZMQ_SOCKET_DIR": str(socket_dir)}
@@ -236,6 +240,7 @@ def test_the_engines_own_hub_flags_are_the_servicers_too(hub_cache, socket_dir, 
     assert got["args"][:2] == ["--revision", hub_commit(REPO)]  # the engine's own, as given
 
 
+@pytest.mark.process
 def test_make_test_model_files_it_under_a_hub_id(tmp_path, offline):
     """The demo's first step: the test model in a cache as ORG/NAME, found by the resolver offline."""
     from tests.harness import VENV_BIN

@@ -61,6 +61,7 @@ def request_journaled(journal: Path, request_id: str) -> bool:
 # -- 1: a second serve never touches the live servicer's journal --------------------------------
 
 
+@pytest.mark.process
 def test_second_and_third_starts_leave_the_live_journal_alone(tmp_path, test_model_dir):
     with Servicer(tmp_path, model_dir=test_model_dir) as live:
         journal = live.journal
@@ -97,6 +98,7 @@ def test_second_and_third_starts_leave_the_live_journal_alone(tmp_path, test_mod
         assert (view["journal"]["path"], view["run"]["status"]) == (str(journal), "dead")
 
 
+@pytest.mark.process
 def test_the_run_file_goes_with_a_clean_exit(tmp_path, test_model_dir):
     live = Servicer(tmp_path, model_dir=test_model_dir).start()
     run_file = live.state_home / "enginelink" / f"serve-{live.port}.json"
@@ -107,6 +109,7 @@ def test_the_run_file_goes_with_a_clean_exit(tmp_path, test_model_dir):
     assert not run_file.exists()
 
 
+@pytest.mark.process
 def test_busy_port_names_the_servicer_holding_it(tmp_path, test_model_dir):
     with Servicer(tmp_path, model_dir=test_model_dir) as live:
         line = refused_with_one_line(serve(tmp_path, "--model", test_model_dir, "--port", live.port,
@@ -115,6 +118,7 @@ def test_busy_port_names_the_servicer_holding_it(tmp_path, test_model_dir):
         assert f"gRPC port 127.0.0.1:{live.port} is in use by process {live.process.pid}" in line, line
 
 
+@pytest.mark.process
 def test_a_crash_loop_keeps_every_crashed_runs_journal(tmp_path, test_model_dir):
     """Three failing starts in a row (the engine refuses its arguments) with ENGINELINK_JOURNAL_KEEP=2:
     the last run's journal and the two before it, each ending with its exit status; nothing older."""
@@ -150,6 +154,7 @@ def busy_port():
         yield holder.getsockname()[1]
 
 
+@pytest.mark.process
 def test_busy_grpc_port_exits_2_before_touching_the_journal(tmp_path, test_model_dir, busy_port):
     journal = tmp_path / "j.sqlite"
     journal.write_bytes(b"")  # a previous run's file must not be set aside by a start that cannot bind
@@ -158,12 +163,14 @@ def test_busy_grpc_port_exits_2_before_touching_the_journal(tmp_path, test_model
     assert journal.exists() and not previous_path(journal).exists()
 
 
+@pytest.mark.process
 def test_busy_metrics_port_exits_2(tmp_path, test_model_dir, busy_port):
     line = refused_with_one_line(serve(tmp_path, "--model", test_model_dir, "--port", free_port(),
                                        "--metrics-port", busy_port))
     assert f"metrics port 127.0.0.1:{busy_port} is in use" in line and "--metrics-port" in line
 
 
+@pytest.mark.process
 def test_unknown_log_level_exits_2(tmp_path, test_model_dir):
     line = refused_with_one_line(serve(tmp_path, "--model", test_model_dir, "--log-level", "LOUD"))
     assert "'LOUD'" in line and "DEBUG, INFO, WARNING, ERROR, CRITICAL" in line
@@ -171,6 +178,7 @@ def test_unknown_log_level_exits_2(tmp_path, test_model_dir):
     assert "ENGINELINK_LOG_LEVEL" in line
 
 
+@pytest.mark.process
 def test_engine_refusing_its_arguments_exits_2_with_its_reason_redacted(tmp_path, test_model_dir):
     journal = tmp_path / "j.sqlite"
     done = serve(tmp_path, "--model", test_model_dir, "--port", free_port(), "--journal", journal,
@@ -191,6 +199,7 @@ def test_engine_refusing_its_arguments_exits_2_with_its_reason_redacted(tmp_path
 # -- 5: only what follows `--` goes to the engine -----------------------------------------------
 
 
+@pytest.mark.process
 def test_unknown_serve_flag_is_refused_with_a_suggestion(tmp_path, busy_port):
     done = serve(tmp_path, "--prot", "5", "--port", busy_port)  # a busy port: had it tried to bind, it would say so
     assert done.returncode == 2
@@ -200,6 +209,7 @@ def test_unknown_serve_flag_is_refused_with_a_suggestion(tmp_path, busy_port):
     assert not (tmp_path / "state").exists()  # refused before the model, the journal, anything
 
 
+@pytest.mark.process
 def test_only_arguments_after_the_separator_reach_the_engine(tmp_path, test_model_dir):
     """The same flag after `--` is the engine's: the sim engine is the one refusing it."""
     done = serve(tmp_path, "--model", test_model_dir, "--port", free_port(), "--", "--prot", "5")
@@ -210,6 +220,7 @@ def test_only_arguments_after_the_separator_reach_the_engine(tmp_path, test_mode
 # -- 7: what a newcomer reads ----------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_make_test_model_prints_the_path_serve_uses(tmp_path):
     done = subprocess.run([str(VENV_BIN / "enginelink"), "make-test-model", "--print-path"], capture_output=True,
                           text=True, timeout=30, env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")})
@@ -235,6 +246,7 @@ def test_every_flag_is_explained(command):
         assert 'README.md, "Running"' in text
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("engine_args, words", [
     (["--data-parallel-size", "4", "--data-parallel-start-rank", "2", "--data-parallel-size-local", "2"],
      "--data-parallel-size 4 with 2 local ranks"),

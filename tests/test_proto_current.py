@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from enginelink.tools import regen_proto
 
 VLLM_RPCS = {
@@ -27,6 +29,7 @@ VLLM_RPCS = {
 }
 
 
+@pytest.mark.process
 def test_bindings_are_current():
     done = subprocess.run(
         [sys.executable, "-m", "enginelink.tools.regen_proto", "--check"],
@@ -37,6 +40,7 @@ def test_bindings_are_current():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.process
 def test_check_names_a_stale_file(tmp_path):
     for path in regen_proto.generate(tmp_path):
         assert path.read_text().startswith(regen_proto.header_line())

@@ -15,6 +15,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from tests.harness import Servicer, free_port, generate_request, scrape, wait_until
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 PROMPT = [318, 283, 1552, 10, 90, 305]
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING

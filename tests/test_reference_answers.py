@@ -15,6 +15,8 @@ import pytest
 
 from tests.harness import ReferenceAnswers, end_process
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 # Says ready once its stdin says "go", then answers each case after its "hold" lines arrive.
 CHILD = r"""
 import json, sys

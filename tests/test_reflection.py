@@ -50,6 +50,7 @@ def contract_servicer(request, tmp_path_factory, test_model_dir):
         yield service, running
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", list(VERSIONS))
 def test_list_names_the_served_services_as_the_reference_does(contract_servicer, version):
     service, servicer = contract_servicer
@@ -58,6 +59,7 @@ def test_list_names_the_served_services_as_the_reference_does(contract_servicer,
     assert names == [service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"]
 
 
+@pytest.mark.process
 def test_describe_finds_the_contracts_file(contract_servicer):
     service, servicer = contract_servicer
     [reply] = ask(servicer.port, "v1", file_containing_symbol=service)
@@ -66,6 +68,7 @@ def test_describe_finds_the_contracts_file(contract_servicer):
     assert any(f.package == package and name in [s.name for s in f.service] for f in files), files
 
 
+@pytest.mark.process
 def test_an_unknown_symbol_is_not_found(contract_servicer):
     _, servicer = contract_servicer
     [reply] = ask(servicer.port, "v1", file_containing_symbol="no.such.Service")

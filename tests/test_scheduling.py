@@ -34,6 +34,7 @@ def priority_record(journal: Path) -> dict:
     return next(s["message"] for s in steps if s["step"] == "priority")
 
 
+@pytest.mark.process
 def test_engine_runs_at_the_servicers_priority_by_default(tmp_path, test_model_dir):
     """Production default (issue 23): no renice, so the engine does not yield to every process on the host."""
     assert ENGINE_NICE_DEFAULT == 0
@@ -50,6 +51,7 @@ def test_engine_runs_at_the_servicers_priority_by_default(tmp_path, test_model_d
         assert f"engine process {engine} started, at the servicer's priority (ENGINELINK_ENGINE_NICE=0)" in servicer.log()
 
 
+@pytest.mark.process
 def test_engine_nice_ten_runs_the_engine_ten_levels_below_the_servicer(tmp_path, test_model_dir):
     """The opt-in knob still does what it did as the default."""
     with Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_ENGINE_NICE": "10"}) as servicer:
@@ -79,6 +81,7 @@ def thread_policies(pid: int) -> dict[int, int]:
     return policies
 
 
+@pytest.mark.process
 def test_servicer_threads_wait_for_the_engine_to_yield(tmp_path, test_model_dir):
     """With ENGINELINK_SERVICER_SCHED=batch every servicer thread runs SCHED_BATCH once the engine runs;
     the engine keeps SCHED_OTHER."""
@@ -97,6 +100,7 @@ def test_servicer_threads_wait_for_the_engine_to_yield(tmp_path, test_model_dir)
         assert responses[-1].complete.finish_reason == "length"
 
 
+@pytest.mark.process
 def test_a_servicer_started_as_batch_still_gives_its_engine_the_normal_policy(tmp_path, test_model_dir):
     """Policies are inherited: under `chrt -b` (here: a SCHED_BATCH parent) the engine must not be batch."""
     os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
@@ -113,12 +117,14 @@ def test_a_servicer_started_as_batch_still_gives_its_engine_the_normal_policy(tm
         servicer.stop()
 
 
+@pytest.mark.process
 def test_servicer_sched_normal_leaves_the_policy_alone(tmp_path, test_model_dir):
     with Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_SERVICER_SCHED": "normal"}) as servicer:
         assert set(thread_policies(servicer.process.pid).values()) == {os.SCHED_OTHER}
         assert "servicer" not in priority_record(servicer.journal)
 
 
+@pytest.mark.process
 def test_servicer_threads_keep_sched_other_by_default(tmp_path, test_model_dir):
     """Production default (issue 23): SCHED_BATCH is opt-in; every servicer and engine thread keeps SCHED_OTHER."""
     with Servicer(tmp_path, model_dir=test_model_dir) as servicer:
@@ -130,6 +136,7 @@ def test_servicer_threads_keep_sched_other_by_default(tmp_path, test_model_dir):
         assert "SCHED_BATCH" not in servicer.log()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name, value, expected", [
     ("ENGINELINK_SERVICER_SCHED", "fifo", "expected one of batch, normal"),
     ("ENGINELINK_PLACEMENT", "pinned", "expected one of auto, off"),
@@ -144,6 +151,7 @@ def test_a_bad_choice_is_refused_before_anything_starts(tmp_path, test_model_dir
         servicer.stop()
 
 
+@pytest.mark.process
 def test_engine_nice_zero_keeps_the_servicers_priority(tmp_path, test_model_dir):
     with Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_ENGINE_NICE": "0"}) as servicer:
         engine = engine_pid(servicer.journal)
@@ -152,6 +160,7 @@ def test_engine_nice_zero_keeps_the_servicers_priority(tmp_path, test_model_dir)
         assert "nice" not in priority_record(servicer.journal)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("value", ["high", "20", "-1"])
 def test_bad_engine_nice_is_refused_before_anything_starts(tmp_path, test_model_dir, value):
     servicer = Servicer(tmp_path, model_dir=test_model_dir, env={"ENGINELINK_ENGINE_NICE": value})
@@ -163,6 +172,7 @@ def test_bad_engine_nice_is_refused_before_anything_starts(tmp_path, test_model_
         servicer.stop()
 
 
+@pytest.mark.process
 def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir):
     """The router sends every call over one connection: none may wait in the transport."""
     calls = 160
@@ -213,6 +223,7 @@ def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir)
         assert "smg_servicer_asyncio_full_passes" in metrics
 
 
+@pytest.mark.process
 def test_without_autogroups_only_the_nice_value_is_set(monkeypatch):
     """In a container the kernel prints an empty /proc/PID/autogroup: the launch goes on with nice alone."""
     import subprocess
@@ -260,6 +271,7 @@ def two_cpus() -> set[int]:
     return allowed
 
 
+@pytest.mark.process
 def test_servicer_and_unbound_engine_threads_keep_off_the_cpu_the_engine_binds(tmp_path, test_model_dir):
     """The sim engine binds one thread to a CPU, as vLLM's CPU backend binds its Worker's OpenMP thread."""
     allowed = two_cpus()
@@ -286,6 +298,7 @@ def test_servicer_and_unbound_engine_threads_keep_off_the_cpu_the_engine_binds(t
         assert responses[-1].complete.finish_reason == "length"
 
 
+@pytest.mark.process
 def test_an_engine_that_binds_nothing_leaves_every_cpu_to_everyone(tmp_path, test_model_dir):
     allowed = two_cpus()
     with Servicer(tmp_path, model_dir=test_model_dir, env=PLACED) as servicer:
@@ -294,6 +307,7 @@ def test_an_engine_that_binds_nothing_leaves_every_cpu_to_everyone(tmp_path, tes
         assert "placement: unchanged: the engine binds no thread to particular CPUs" in servicer.log()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("env", [{}, {"ENGINELINK_PLACEMENT": "off"}], ids=["default", "off"])
 def test_placement_off_by_default_leaves_affinity_alone(tmp_path, test_model_dir, env):
     allowed = two_cpus()

@@ -34,24 +34,42 @@ def _launcher(tmp_path, *extra: str) -> SglangLauncher:
 
 def test_the_scheduler_command_names_our_addresses_the_model_and_msgpack_ipc(tmp_path):
     launcher = _launcher(tmp_path, "--tp-size", "2", "--hf-token", "s3cret")
-    argv, env = launcher.scheduler_command("ipc:///d/in.sock", "ipc:///d/out.sock", 7)
+    argv, env = launcher.scheduler_command("ipc:///d/in.sock", "ipc:///d/out.sock", 7, environ={})
     assert argv[:2] == ["/opt/sgl/bin/python", str(SGLANG_HEADLESS_SCRIPT)]
     ours, theirs = argv[2:argv.index("--")], argv[argv.index("--") + 1:]
     assert ours == ["--scheduler-input-ipc", "ipc:///d/in.sock", "--tokenizer-ipc", "ipc:///d/out.sock",
                     "--ready-fd", "7"]
-    assert theirs == ["--model-path", str(tmp_path / "model"), "--skip-tokenizer-init", "--tp-size", "2"]
-    assert env == {"HF_TOKEN": "s3cret", "SGLANG_USE_PICKLE_IPC": "0"}  # the token never on a command line
+    # No --skip-tokenizer-init: the scheduler keeps its tokenizer, so SGLang builds its grammar backend
+    # (tests/sglang/test_sglang_grammar.py); its ranks name a grammar's aborts.
+    assert theirs == ["--model-path", str(tmp_path / "model"), "--tp-size", "2"]
+    assert env == {"HF_TOKEN": "s3cret", "SGLANG_USE_PICKLE_IPC": "0",  # the token never on a command line
+                   "SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS": "1"}
+    # The operator's own choice of the attribution is kept, and so is a --skip-tokenizer-init they give.
+    operator = _launcher(tmp_path, "--skip-tokenizer-init")
+    argv, env = operator.scheduler_command("ipc:///d/in.sock", "ipc:///d/out.sock", 7,
+                                           environ={"SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS": "0"})
+    assert argv[-1] == "--skip-tokenizer-init" and env["SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS"] == "0"
 
 
 @pytest.mark.parametrize("args, words", [
     (["--model-path", "/elsewhere"], "--model-path: enginelink sets it itself"),
-    (["--skip-tokenizer-init"], "--skip-tokenizer-init: enginelink sets it itself"),
-    (["--dp-size", "2"], "--dp-size 2: enginelink drives one SGLang scheduler DP rank"),
-    (["--data-parallel-size=4"], "--data-parallel-size 4"),
+    (["--port", "1"], "--port: enginelink sets it itself"),
+    (["--dp-size", "two"], "--dp-size two: expected a count of data-parallel ranks (>= 1)"),
+    (["--data-parallel-size=0"], "--data-parallel-size 0: expected a count"),
 ])
 def test_arguments_enginelink_owns_or_cannot_drive_are_refused(tmp_path, args, words):
     with pytest.raises(LauncherError, match=re.escape(words)):
         _launcher(tmp_path, *args).check_args({"ENGINELINK_SGLANG_GPU_GLOB": str(tmp_path)})
+
+
+def test_data_parallel_ranks_are_accepted_and_counted(tmp_path):
+    """``--dp-size N`` runs SGLang's own DP controller in front of N ranks (it was refused before)."""
+    from enginelink.runtime.kv.kv_config import engine_ranks
+
+    for args in (["--dp-size", "2"], ["--dp", "2"], ["--data-parallel-size=2"]):
+        _launcher(tmp_path, *args).check_args({"ENGINELINK_SGLANG_GPU_GLOB": str(tmp_path)})
+        assert engine_ranks("sglang", args) == (0, 1)
+    assert engine_ranks("sglang", []) == (0,)
 
 
 def test_no_cuda_device_is_refused_in_words_and_one_passes(tmp_path):
@@ -78,17 +96,17 @@ def _layout_file(tmp_path, drift: bool) -> str:
     return str(path)
 
 
-def test_serve_refuses_a_wire_the_engine_does_not_speak_and_sglang_dp(tmp_path, socket_dir, test_model_dir):
+@pytest.mark.process
+def test_serve_refuses_a_wire_the_engine_does_not_speak(tmp_path, socket_dir, test_model_dir):
     done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "vllm", "--wire", "sglang")
     assert done.returncode == 2 and "--engine vllm does not speak --wire sglang; it speaks: vllm" in done.stderr
-    done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sim", "--wire", "sglang", "--", "-dp", "2")
-    assert done.returncode == 2 and "--wire sglang: one scheduler rank" in done.stderr
     for value in ("soon", "0", "-3"):
         done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sim", "--wire", "sglang",
                       env={"SGLANG_HEALTH_CHECK_TIMEOUT": value})
         assert done.returncode == 2 and f"SGLANG_HEALTH_CHECK_TIMEOUT={value!r}" in done.stderr, done.stderr
 
 
+@pytest.mark.process
 def test_serve_engine_sglang_refuses_before_any_engine_starts(tmp_path, socket_dir, test_model_dir):
     python = tmp_path / "sgl" / "bin" / "python"
     done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sglang", env={"ENGINELINK_SGLANG_PYTHON": str(python)})
@@ -104,6 +122,7 @@ def test_serve_engine_sglang_refuses_before_any_engine_starts(tmp_path, socket_d
     assert no_gpu.returncode == 2 and "needs a CUDA GPU" in no_gpu.stderr, no_gpu.stderr
 
 
+@pytest.mark.process
 def test_sglangs_own_parser_takes_our_arguments_and_the_script_calls_names_the_release_has(tmp_path,
                                                                                           test_model_dir):
     python = side_python_or_skip("sglang")
@@ -115,7 +134,7 @@ def test_sglangs_own_parser_takes_our_arguments_and_the_script_calls_names_the_r
              "print(json.dumps([a.skip_tokenizer_init, a.model_path]))\n")
     done = subprocess.run([python, "-c", probe, json.dumps(theirs)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, str(test_model_dir)]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [False, str(test_model_dir)]
     # The engine module imports the server's whole stack (uvloop, ...), which the struct-only venv lacks:
     # its source is read instead, for every name the headless script calls.
     find = "import importlib.util as u; print(u.find_spec('sglang').submodule_search_locations[0])"

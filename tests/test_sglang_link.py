@@ -22,6 +22,8 @@ from enginelink.runtime.engine.sglang_link import SglangTransport
 from enginelink.wire import codecs
 from tests.harness import ListJournal
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 
 @dataclass
 class FakeScheduler:

@@ -35,8 +35,10 @@ def test_selection_needs_the_grpc_flag_and_enginelink_asked_for(argv, env, picke
      ["--engine", "sglang", "--model", "/m", "--host", "127.0.0.1", "--port", "30000"]),
     (["--model=/m", "--host", "0.0.0.0", "--port=31000", "--grpc-mode", "--tp-size", "2", "--skip-tokenizer-init",
       "--served-model-name", "tiny"],
+     # --skip-tokenizer-init goes to the scheduler as given: without its tokenizer it builds no grammar
+     # backend, and the worker then refuses constraints itself (sglang_grpc_launcher.py).
      ["--engine", "sglang", "--model", "/m", "--host", "0.0.0.0", "--port", "31000", "--",
-      "--tp-size", "2", "--served-model-name", "tiny"]),
+      "--tp-size", "2", "--skip-tokenizer-init", "--served-model-name", "tiny"]),
 ])  # fmt: skip
 def test_the_launchers_arguments_become_enginelink_serves(args, expected):
     assert launcher.handover_args(args) == expected
@@ -92,6 +94,7 @@ def test_an_unselected_process_is_left_alone(monkeypatch):
     assert sys.meta_path == before
 
 
+@pytest.mark.process
 def test_the_real_launcher_loads_plugins_then_imports_the_entry_point_we_answer():
     """The release's own launcher code, read (tests/sglang/test_sglang_launcher_real.py runs it)."""
     import subprocess

@@ -20,6 +20,8 @@ import zmq
 from enginelink.wire import vllm
 from enginelink.wire.engine import FinishReason, GenerateSpec, OutputBatch, SamplingSpec
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 WAIT_MS = 30_000  # generous: the child imports msgspec and pyzmq first
 CODEC = vllm.VllmCodec()
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import zmq
 
 from enginelink.machines.sim_core import SimConfig, SimEngineCore, block_hash
@@ -165,6 +166,7 @@ def test_a_planned_restart_happens_once_after_n_batches():
 # ---- the process, on real sockets ------------------------------------------------------
 
 
+@pytest.mark.process
 def test_the_sim_engine_process_publishes_and_replays(tmp_path: Path):
     from tests.test_sim_engine_process import FrontEnd, recv, stop
 
@@ -224,6 +226,7 @@ def test_the_sim_engine_process_publishes_and_replays(tmp_path: Path):
     assert status == 0, engine_proc.stderr.read().decode()
 
 
+@pytest.mark.process
 def test_a_relay_over_real_sockets_repairs_a_drop_and_records_a_skip(tmp_path: Path):
     """The shell's part, done by hand: SUB → on_live, FetchReplay → DEALER → on_replay."""
     from enginelink.machines.kv_relay import FetchReplay, KvRelay, KvRelayConfig

@@ -151,6 +151,7 @@ def ts_engine(model_dir: Path, tmp_path: Path):
     assert status == 0, proc.stderr.read().decode()
 
 
+@pytest.mark.process
 def test_tokenspeed_handshake_runs_on_the_servicers_machine(ts_engine):
     front, _ = ts_engine
     done = front.run_handshake()
@@ -161,6 +162,7 @@ def test_tokenspeed_handshake_runs_on_the_servicers_machine(ts_engine):
     assert facts["kv_events_config"]["endpoint"].startswith("ipc://")
 
 
+@pytest.mark.process
 def test_tokenspeed_dp_ranks_each_run_their_handshake(model_dir):
     front = TokenSpeedFront()
     proc = subprocess.Popen(engine_argv(model_dir, "tokenspeed", "--handshake", front.handshake_address, "-dp", "2"),
@@ -175,10 +177,11 @@ def test_tokenspeed_dp_ranks_each_run_their_handshake(model_dir):
     assert status == 0, proc.stderr.read().decode()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("argv, says", [
     (("--wire", "sglang"), "--wire sglang needs --scheduler-input-ipc and --tokenizer-ipc"),
-    (("--wire", "sglang", "--scheduler-input-ipc", "ipc:///x", "--tokenizer-ipc", "ipc:///y", "-dp", "2"),
-     "--wire sglang runs one scheduler rank"),
+    (("--wire", "sglang", "--scheduler-input-ipc", "ipc:///x", "--tokenizer-ipc", "ipc:///y",
+      "--disaggregation-mode", "both"), "--disaggregation-mode: invalid choice: 'both'"),
     (("--wire", "tokenspeed"), "--wire tokenspeed needs --handshake"),
 ])
 def test_a_wire_without_its_addresses_is_refused(model_dir, argv, says):
@@ -187,6 +190,7 @@ def test_a_wire_without_its_addresses_is_refused(model_dir, argv, says):
     assert done.returncode == 2 and says in done.stderr
 
 
+@pytest.mark.process
 def test_tokenspeed_generates_the_vllm_personalitys_tokens_with_stop_ids_length_and_loads(ts_engine):
     front, _ = ts_engine
     front.run_handshake()
@@ -230,6 +234,7 @@ def test_tokenspeed_generates_the_vllm_personalitys_tokens_with_stop_ids_length_
     assert batch.stats.num_running_reqs == 1 and 0 < batch.stats.kv_cache_usage < 1
 
 
+@pytest.mark.process
 def test_tokenspeed_abort_mid_generation_and_n_refused_on_the_wire(ts_engine):
     front, _ = ts_engine
     front.run_handshake()
@@ -254,6 +259,7 @@ def test_tokenspeed_abort_mid_generation_and_n_refused_on_the_wire(ts_engine):
     assert collect(front.next_batch, "huge")[1][-1].finish_reason == FinishReason.ABORT
 
 
+@pytest.mark.process
 def test_tokenspeed_publishes_kv_events(ts_engine):
     front, _ = ts_engine
     done = front.run_handshake()
@@ -322,6 +328,7 @@ def sgl_engine(model_dir: Path, tmp_path: Path):
     assert status == 0, proc.stderr.read().decode()
 
 
+@pytest.mark.process
 def test_sglang_reports_ready_on_its_pipe_and_generates_the_vllm_personalitys_tokens(sgl_engine):
     front, _, report = sgl_engine
     assert report["status"] == "ready"
@@ -344,6 +351,7 @@ def test_sglang_reports_ready_on_its_pipe_and_generates_the_vllm_personalitys_to
     assert (outs[-1].finish_reason, outs[-1].stop_reason) == (FinishReason.STOP, stop_id)
 
 
+@pytest.mark.process
 def test_sglang_n2_is_a_prefix_request_then_n_samples(sgl_engine):
     front, _, _ = sgl_engine
     # SGLang's n > 1: "<id>-prefix" with max_new_tokens 0 (prefill only), then one request per choice.
@@ -361,6 +369,7 @@ def test_sglang_n2_is_a_prefix_request_then_n_samples(sgl_engine):
     assert choices[0] != choices[1]  # unseeded sampling: each choice its own
 
 
+@pytest.mark.process
 def test_sglang_abort_mid_generation_flush_and_profile(sgl_engine):
     front, _, _ = sgl_engine
     front.send(front.codec.encode_add(spec("long", max_tokens=100, ignore_eos=True)))
@@ -390,6 +399,7 @@ def test_sglang_abort_mid_generation_flush_and_profile(sgl_engine):
     assert results == [None, None, "Profiling is not in progress. Call /start_profile first."]
 
 
+@pytest.mark.process
 def test_sglang_publishes_kv_events_and_refuses_a_too_long_prompt(sgl_engine):
     front, _, _ = sgl_engine
     endpoint = f"ipc://{Path(front.input_address[len('ipc://'):]).parent}/sgl-kv"
@@ -409,6 +419,7 @@ def test_sglang_publishes_kv_events_and_refuses_a_too_long_prompt(sgl_engine):
     assert outcome.code == "INVALID_ARGUMENT" and "exceeds the maximum allowed length" in outcome.message
 
 
+@pytest.mark.process
 def test_sglang_embedding_engine_answers_batch_embedding_output(model_dir, tmp_path):
     front, proc, report = start_sglang(model_dir, tmp_path, "--runner", "pooling")
     try:
@@ -476,6 +487,7 @@ def _peer_cases(frames_list: list[list[bytes]], decode, name_of) -> list[dict]:
     return cases
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("wire", ["sglang", "tokenspeed"])
 def test_the_personalitys_frames_decode_with_the_real_package_into_equal_structs(wire, tmp_path):
     from enginelink.machines.sim_wires import SglangPersonality, TokenSpeedPersonality

@@ -64,6 +64,7 @@ def make_link(launcher, socket_dir, monkeypatch, **supervision) -> el.EngineLink
                          supervision=el.Supervision(**supervision), servicer_sched="normal")
 
 
+@pytest.mark.process
 async def test_startup_ceiling_bounds_an_engine_that_never_dials(socket_dir, monkeypatch):
     # The engine lives (so the start-up timeout keeps extending) but never says HELLO.
     launcher = ScriptLauncher("import os, time\nos.fork() or time.sleep(60)\ntime.sleep(60)")
@@ -81,6 +82,7 @@ async def test_startup_ceiling_bounds_an_engine_that_never_dials(socket_dir, mon
     assert not list(socket_dir.iterdir()), "socket files left behind"
 
 
+@pytest.mark.process
 async def test_an_engine_that_exits_during_startup_fails_at_once(socket_dir, monkeypatch):
     link = make_link(ScriptLauncher("import sys; sys.exit(3)"), socket_dir, monkeypatch,
                      startup_timeout_s=60, startup_ceiling_s=0)
@@ -124,6 +126,7 @@ def test_stale_files_go_and_live_ones_stay(tmp_path):
     assert all(p.exists() for p in (live, mine, young, other))
 
 
+@pytest.mark.process
 def test_an_unreaped_or_unnamed_owner_is_not_alive(tmp_path):
     """A zombie holds no socket any more: its files are leftovers like a dead process's."""
     child = subprocess.Popen(["true"])
@@ -144,6 +147,7 @@ def test_an_unreaped_or_unnamed_owner_is_not_alive(tmp_path):
     assert socket_files.remove_stale_files(tmp_path) == [dead_owned]
 
 
+@pytest.mark.process
 def test_silence_with_requests_in_flight_fails_the_link(tmp_path, test_model_dir):
     # Steps of 5 s: the first token comes at once, then the engine says nothing
     # (and only notices the SIGTERM that stops it when the step is over).
@@ -165,6 +169,7 @@ def test_silence_with_requests_in_flight_fails_the_link(tmp_path, test_model_dir
         servicer.stop()
 
 
+@pytest.mark.process
 def test_supervision_knobs_are_validated(tmp_path, test_model_dir):
     bad = (("SMG_VLLM_SERVICER_SILENCE_TIMEOUT_SECS", "0"),
            ("SMG_VLLM_SERVICER_PREFILL_TOKENS_PER_SEC", "-5"),
@@ -190,6 +195,7 @@ def test_supervision_knobs_are_validated(tmp_path, test_model_dir):
                 start.wait()
 
 
+@pytest.mark.process
 def test_sigkill_of_the_servicer_leaves_no_engine_behind(tmp_path, test_model_dir):
     # The engine watches its parent: when enginelink dies without cleaning up, the engine goes too.
     servicer = Servicer(tmp_path, model_dir=test_model_dir, env={"SMG_VLLM_SERVICER_WARMUP": "off"}).start()

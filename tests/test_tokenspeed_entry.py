@@ -53,6 +53,7 @@ def test_the_references_servicer_flags_reach_the_servicer():
             translate(["--host", "h", "--port", "1", "--model-path", "/m", "--servicer-impl", impl])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("argv, words", [
     (["--port", "1", "--model-path", "/m"], "--host is missing"),
     (["--host", "h", "--port", "x", "--model-path", "/m"], "not a port number"),
@@ -66,6 +67,7 @@ def test_a_command_line_it_cannot_read_exits_2_saying_why(argv, words):
     assert words in done.stderr and "usage:" in done.stderr
 
 
+@pytest.mark.process
 def test_it_imports_the_standard_library_only():
     """It runs under the TokenSpeed venv's python, where enginelink's dependencies are not installed."""
     code = (f"import sys; import {MODULE}; "
@@ -87,6 +89,7 @@ def _ts_engine_argv(host: str, port: int, args: list[str]) -> list[str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process
 def test_ts_serve_starts_enginelink_as_its_engine(tmp_path, test_model_dir, socket_dir):
     port = free_port()
     argv = _ts_engine_argv("127.0.0.1", port, ["--model-path", str(test_model_dir), "--step-us", "1000"])

@@ -77,6 +77,7 @@ def test_flags_enginelink_owns_are_refused_in_the_engine_arguments(args):
     check_engine_args(["--tp-size", "2"])
 
 
+@pytest.mark.process
 def test_serve_refuses_an_owned_flag_and_a_drifted_release_in_one_line(tmp_path, test_model_dir):
     line = refused_with_one_line(serve(tmp_path, "--engine", "tokenspeed", "--model", test_model_dir, "--",
                                        "--data-parallel-rpc-port", "1"))
@@ -105,6 +106,7 @@ def test_serve_refuses_an_owned_flag_and_a_drifted_release_in_one_line(tmp_path,
     assert "ipc socket directory" in line and "SMG_ZMQ_SOCKET_DIR" in line
 
 
+@pytest.mark.process
 def test_the_launch_path_end_to_end_through_a_stand_in_interpreter(tmp_path, test_model_dir):
     stand_in = tmp_path / "ts-python"
     stand_in.write_text(STAND_IN.replace("{python}", sys.executable).replace("{module}", ENGINE_MODULE))
@@ -134,6 +136,7 @@ def test_the_launch_path_end_to_end_through_a_stand_in_interpreter(tmp_path, tes
         assert launches and launches[-1]["handshake"] == f"tcp://127.0.0.1:{port}"
 
 
+@pytest.mark.process
 def test_the_reference_handshake_port_pins_the_handshake(tmp_path, test_model_dir):
     """SMG_TOKENSPEED_SERVICER_HANDSHAKE_PORT: the TCP port TokenSpeed's ranks dial, as the reference pins it;
     a port already taken is refused before anything starts."""
@@ -159,6 +162,7 @@ def test_the_reference_handshake_port_pins_the_handshake(tmp_path, test_model_di
         assert f"SMG_TOKENSPEED_SERVICER_HANDSHAKE_PORT={pinned}: the handshake port is not free" in line
 
 
+@pytest.mark.process
 def test_the_installed_0_1_1_release_passes_the_launch_check(tmp_path):
     python = side_python_or_skip("tokenspeed")
     version, warning = engine_compat.check_installed("tokenspeed", python)
@@ -180,7 +184,9 @@ def test_without_enable_output_logprobs_a_logprob_request_is_refused_before_the_
         assert launcher.output_logprobs is served
         service = TokenSpeedSchedulerService(app=None, frame_writes=None)
         service.configure(launcher)
-        assert service.server_args == {"engine_args": engine_args}
+        # The engine's arguments, and the grammar labels they resolve to (no --grammar-backend: none).
+        assert service.server_args == {"engine_args": engine_args, "grammar_backend": "none",
+                                       "constrained_decoding_start": "first_token"}
         if served:
             assert service.edge.validate(asks, limits, 0.0).specs[0].sampling.logprobs == 0
         else:

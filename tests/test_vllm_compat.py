@@ -120,6 +120,7 @@ def fake_vllm_python(tmp_path, version: str) -> str:
     return str(python)
 
 
+@pytest.mark.process
 def test_serve_refuses_a_release_outside_the_window_before_importing_it(tmp_path, test_model_dir):
     python = fake_vllm_python(tmp_path, "0.27.1")
     done = serve(tmp_path, test_model_dir, env={"ENGINELINK_VLLM_PYTHON": python})
@@ -131,6 +132,7 @@ def test_serve_refuses_a_release_outside_the_window_before_importing_it(tmp_path
 
 
 @pytest.mark.parametrize("allow", [["--allow-untested-vllm"], []], ids=["flag", "variable"])
+@pytest.mark.process
 def test_serve_with_untested_allowed_checks_the_layout_first(tmp_path, test_model_dir, allow):
     fake = tmp_path / "vllm-0.35.0-layout.json"
     fake.write_text(json.dumps(move(layout("0.35.0"), "EngineCoreOutputs", 2, 3)))
@@ -143,6 +145,7 @@ def test_serve_with_untested_allowed_checks_the_layout_first(tmp_path, test_mode
     assert not (tmp_path / "journal.sqlite").exists(), "refused before the servicer started"
 
 
+@pytest.mark.process
 def test_serve_refuses_a_relabelled_build_of_a_supported_release(tmp_path, test_model_dir):
     fake = tmp_path / "vllm-0.30.0-layout.json"
     fake.write_text(json.dumps(move(layout("0.30.0", like="0.30.0"), "EngineCoreRequest", 9, 10)))

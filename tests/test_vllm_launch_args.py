@@ -19,6 +19,8 @@ from tests.harness import free_port
 from tests.test_operator import refused_with_one_line
 from tests.test_operator import serve as serve_process
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 
 # build_config in a process of its own: the servicer's gRPC stack (grpclib's health protos) and
 # the test harness's (grpcio's) cannot share one protobuf descriptor pool.

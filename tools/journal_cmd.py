@@ -1,6 +1,6 @@
-"""``enginelink journal show|replay|verify|export``: post-mortem tools on a journal file.
+"""``enginelink journal show|replay|verify|export|timeline``: post-mortem tools on a journal file.
 
-All four open the file read-only (``open_reader``), so they work on a live
+All five open the file read-only (``open_reader``), so they work on a live
 servicer's journal, a cleanly closed one and the one a killed servicer left.
 
 - ``show``: one line per record, payload summarised (an engine frame as
@@ -12,7 +12,10 @@ servicer's journal, a cleanly closed one and the one a killed servicer left.
 - ``verify``: the invariants of ``journal/verify.py``; exit 0 when all hold,
   1 with the violations listed;
 - ``export``: JSON lines, one per record; engine frames as base64 bytes or
-  as decoded summaries.
+  as decoded summaries;
+- ``timeline --out FILE.json``: the records as a Chrome/Perfetto trace (a
+  track per request, per engine link and per engine rank;
+  ``tools/journal_timeline.py``), with the filters of ``show``.
 
 Times on the command line and in output are seconds since the run started
 (``t``, from the ``run.start`` record), or an ISO 8601 wall time on input.
@@ -39,6 +42,7 @@ from enginelink.journal.records import Record
 from enginelink.journal.store import Reader, StoreError, open_reader
 from enginelink.journal.verify import CHECKS, Report, verify
 from enginelink.tools.inspect import add_journal_arguments, journal_path, quiet_stdout, render_state
+from enginelink.tools.journal_timeline import write_timeline
 from enginelink.wire import codecs
 from enginelink.wire.engine import EngineDead, FinishReason, WireError
 
@@ -72,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     export = sub.add_parser("export", parents=[common, filters], help="JSON lines, one per record")
     export.add_argument("--frames", choices=["base64", "decoded"], default="base64",
                         help="engine frames as their bytes (base64, default) or decoded summaries")
+    timeline = sub.add_parser("timeline", parents=[common, filters],
+                              help="a Chrome/Perfetto trace (JSON) of the run: a track per request, link and rank")
+    timeline.add_argument("--out", metavar="FILE.json", required=True,
+                          help="where to write the trace (open it in https://ui.perfetto.dev); - for stdout")
+    timeline.add_argument("--frames", choices=["counters", "none"], default="counters",
+                          help="engine frames as counters on their rank's track (default), or left out")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     with reader:
         try:
-            return {"show": _show, "replay": _replay, "verify": _verify, "export": _export}[args.action](reader, args)
+            return {"show": _show, "replay": _replay, "verify": _verify, "export": _export,
+                    "timeline": _timeline}[args.action](reader, args)
         except UsageError as error:
             print(f"enginelink journal {args.action}: {error}", file=sys.stderr)
             return 2
@@ -352,9 +363,11 @@ def _replay(reader: Reader, args: argparse.Namespace) -> int:
 
 def _verify(reader: Reader, args: argparse.Namespace) -> int:
     from enginelink.machines.link import LINK_TABLE
+    from enginelink.machines.router_link import ROUTER_LINK_TABLE
     from enginelink.machines.request import REQUEST_TABLE
 
-    report = verify(reader.iter_records(), tables={"link": LINK_TABLE, "request": REQUEST_TABLE})
+    report = verify(reader.iter_records(), tables={"link": LINK_TABLE, "request": REQUEST_TABLE,
+                                                   "router": ROUTER_LINK_TABLE})
     if args.json:
         print(json.dumps({"ok": report.ok, **msgspec.to_builtins(report)}))
     else:
@@ -408,6 +421,26 @@ def _export(reader: Reader, args: argparse.Namespace) -> int:
                 line["payload_encoding"] = "decoded"
         out.write(json.dumps(line, default=_b64) + "\n")
     out.flush()
+    return 0
+
+
+# -- timeline --------------------------------------------------------------------
+
+
+def _timeline(reader: Reader, args: argparse.Namespace) -> int:
+    origin = origin_of(reader)
+    decode = decode_frame if args.frames == "counters" else None
+    if args.out == "-":
+        stats = write_timeline(select(reader, args, origin), sys.stdout, rel=origin.rel, decode_frame=decode)
+    else:
+        try:
+            with open(args.out, "w", encoding="utf-8") as out:
+                stats = write_timeline(select(reader, args, origin), out, rel=origin.rel, decode_frame=decode)
+        except OSError as error:
+            print(f"enginelink journal timeline: cannot write {args.out}: {error}", file=sys.stderr)
+            return 1
+    print(f"wrote {args.out}: {stats.events} events; {stats.requests} requests, {stats.links} links, "
+          f"{stats.ranks} engine ranks, {stats.frames} frames", file=sys.stderr)
     return 0
 
 

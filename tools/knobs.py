@@ -147,13 +147,24 @@ def _engine_knobs(contract: str) -> list[Knob]:
 
 _RDMA_WHY = ("the RDMA pixel lane of the reference's encode/prefill disaggregation, which enginelink "
              "does not provide")
-_SIDECAR_WHY = "the Redis media sidecar (--mm-processor redis) is not in enginelink; nothing reads it"
 _WARN_TEST = "tests/test_ref_settings.py::test_inapplicable_names_get_one_warning_each_naming_why"
 _ROUTER_TEST = "tests/test_ref_settings.py::test_router_names_are_listed_not_warned"
 
 _MM_BEHAVIOUR = {
-    "processor": ("off and inprocess are served; redis and smg exit 2 naming why",
-                  "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
+    "processor": ("off, inprocess and redis are served; smg exits 2 naming why",
+                  "tests/test_ref_settings.py::test_the_redis_sidecar_settings_are_taken_and_handed_on"),
+    "redis_url": ("the sidecar's Redis (a URL redis-py cannot parse exits 2)",
+                  "tests/adversarial/test_adv_media_sidecar.py::test_redis_killed_mid_job_is_unavailable_at_once_"
+                  "and_the_worker_recovers"),
+    "sidecar_timeout_ms": ("the result wait, and each job's deadline",
+                           "tests/adversarial/test_adv_media_sidecar.py::test_with_no_sidecar_the_wait_ends_"
+                           "unavailable_at_the_timeout"),
+    "sidecar_max_queue": ("UNAVAILABLE at once past it",
+                          "tests/adversarial/test_adv_media_sidecar.py::test_a_deep_queue_is_refused_at_once_and_"
+                          "nothing_more_is_queued"),
+    "sidecar_namespace": ("the keys' namespace instead of the fingerprint's",
+                          "tests/adversarial/test_adv_media_sidecar.py::test_the_namespace_is_the_fingerprints_"
+                          "unless_the_operator_names_one"),
     "max_inflight": ("the fetcher's job cap (UNAVAILABLE past it)",
                      "tests/adversarial/test_adv_media.py::test_at_the_inflight_cap_a_request_is_unavailable_at_once"),
     "max_item_bytes": ("one item's size cap",
@@ -184,15 +195,15 @@ def _mm_knobs() -> list[Knob]:
                               _WARN_TEST, contracts=("vllm",),
                               why="it is the libjpeg-turbo policy of smg's own Rust media pipeline "
                                   "(--mm-processor smg), which enginelink does not run"))
-        else:
-            knobs.append(Knob(spec.env, INAPPLICABLE, f"`{spec.flag}`'s fallback: {spec.help}", "warned at start-up",
-                              _WARN_TEST, contracts=("vllm",), why=_SIDECAR_WHY))
     return knobs
 
 
 _REFERENCE_OTHER = [
-    Knob("SMG_VLLM_MM_MAX_RESULT_BYTES", INAPPLICABLE, "largest result the media sidecar writes back (512 MiB)",
-         "warned at start-up", _WARN_TEST, contracts=("vllm",), why=_SIDECAR_WHY),
+    Knob("SMG_VLLM_MM_MAX_RESULT_BYTES", HONOURED, "largest result the media sidecar writes back (512 MiB, lowered "
+         "to Redis's proto-max-bulk-len)", "read by `enginelink media-sidecar`: a larger result is answered "
+         "`result_too_large` (the worker's INVALID_ARGUMENT `media_too_large`)",
+         "tests/adversarial/test_adv_media_sidecar.py::test_a_result_over_the_cap_is_media_too_large_and_one_redis_"
+         "refuses_is_reported_at_once", contracts=("vllm",)),
     Knob("SMG_VLLM_MM_MAX_VIDEO_FRAMES", INAPPLICABLE, "frames sampled from one video media ref",
          "warned at start-up", _WARN_TEST, contracts=("vllm",),
          why="enginelink's media processor takes images only: a video media ref is refused INVALID_ARGUMENT"),
@@ -226,9 +237,13 @@ _REFERENCE_OTHER = [
          "scheduler ranks", "warned at start-up", _WARN_TEST, contracts=("sglang",),
          why="it wires the reference's in-rank ZMQ plugin to its Rust servicer; enginelink drives the "
              "scheduler over SGLang's own sockets"),
-    Knob("SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS", INAPPLICABLE, "turns on the reference's in-rank grammar-abort "
-         "stamping", "warned at start-up", _WARN_TEST, contracts=("sglang",),
-         why="enginelink runs no in-rank plugin; it attributes grammar aborts from the release's own messages"),
+    Knob("SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS", HONOURED, "turns on the in-rank stamping of a grammar's aborts "
+         "(`err_type` GrammarRejectedToken), which the servicer answers FAILED_PRECONDITION + "
+         "`smg-constraint-failed: engine`",
+         "set to 1 for the scheduler ranks unless given (the reference's setdefault); enginelink's SGLang plugin "
+         "(`tools/sglang_grammar_attribution.py`) hooks the grammar paths; 0 leaves those aborts unnamed (INTERNAL)",
+         "tests/sglang/test_sglang_grammar.py::test_a_rejected_token_is_attributed_in_sglangs_own_result_processor",
+         contracts=("sglang",)),
     *(Knob(name, INAPPLICABLE, meaning, "warned at start-up", _WARN_TEST, why=_RDMA_WHY) for name, meaning in (
         ("SMG_MM_PIXEL_RDMA", "turns on the RDMA pixel lane"),
         ("SMG_RDMA_SLOT_BYTES", "size of one RDMA landing slot"),
@@ -276,14 +291,20 @@ _OWN = {
     "ENGINELINK_KV_EVENTS": ("KV-event relay on/off", ""),
     "ENGINELINK_KV_MAX_SUBSCRIBERS": ("open SubscribeKvEvents streams", ""),
     "ENGINELINK_KV_SEND_STALL_SECS": ("KV stream send stall bound", ""),
+    "ENGINELINK_KV_MAX_SUBSCRIBERS_PER_PEER": ("open SubscribeKvEvents streams of one peer", ""),
     "ENGINELINK_GRPC_MAX_RECV_BYTES": ("largest gRPC message", ""),
     "ENGINELINK_GRPC_MAX_CONNECTION_RECV_BYTES": ("reassembly bytes per connection", ""),
     "ENGINELINK_GRPC_MAX_CONNECTIONS": ("gRPC connections", ""),
     "ENGINELINK_GRPC_HANDSHAKE_TIMEOUT_SECS": ("HTTP/2 preface bound", ""),
     "ENGINELINK_GRPC_IDLE_TIMEOUT_SECS": ("idle connection bound", ""),
+    "ENGINELINK_GRPC_MAX_HANDSHAKING_CONNECTIONS": ("connections still in the HTTP/2 handshake", ""),
+    "ENGINELINK_GRPC_MAX_CONNECTIONS_PER_PEER": ("gRPC connections of one peer (an IPv4 address or IPv6 /64)", ""),
+    "ENGINELINK_GRPC_EVICT_IDLE_SECS": ("idle time after which a connection gives way at the cap", ""),
     "ENGINELINK_FAST_PATH": ("the gRPC fast path", ""),
     "ENGINELINK_GC_FREEZE": ("gc.freeze once serving", ""),
     "ENGINELINK_GC_YOUNG": ("young-generation threshold", ""),
+    "ENGINELINK_TRACE_CHUNKS_MAX": ("chunks listed per trace span (`--otlp-traces-endpoint`; docs/tracing.md)",
+                                    "tests/test_tracing.py::test_refused_aborted_and_n_2_calls_say_how_they_went"),
     "ENGINELINK_HEALTH_CHECK_TIMEOUT_SECS": ("SGLang HealthCheck probe bound", ""),
     "ENGINELINK_MAX_REQUEST_ID_BYTES": ("request id length", ""),
     "ENGINELINK_MAX_STOP_STRINGS": ("stop strings per call", ""),
@@ -302,6 +323,8 @@ _OWN = {
     "ENGINELINK_MM_MAX_TENSOR_BYTES": ("router tensor bytes per request", ""),
     "ENGINELINK_MM_PROCESSOR_START_TIMEOUT_S": ("media processor helper's start bound", ""),
     "ENGINELINK_MM_PROCESS_TIMEOUT_S": ("one request's turn in the media processor", ""),
+    "ENGINELINK_MM_ENGINE_ARGS": ("set by enginelink for its media processor helper: the engine's arguments (JSON), "
+                                  "the model's config is built from", ""),
     "ENGINELINK_ENGINE_FACTS": ("set by enginelink for its engine: where the engine writes its facts", ""),
     "ENGINELINK_PYTHON": ("enginelink's interpreter for `ts serve`'s engine module", ""),
     "ENGINELINK_VLLM_PYTHON": ("the vLLM engine's interpreter", ""),
@@ -325,6 +348,7 @@ _OWN_TOOLING = {
     "ENGINELINK_SIM_SEED": "one simulation seed (tests/sim)",
     "ENGINELINK_SIM_SEEDS": "simulation seeds per sweep (tests/sim)",
     "ENGINELINK_SIM_LOG": "keep the servicer's INFO log in simulation sweeps",
+    "ENGINELINK_FAST_LOOP_CANARY": "tests/test_fast_loop.py: the canary test that must fail under --fast",
     "ENGINELINK_VLLM_PLUGIN": "tools/setup-vllm: install enginelink into the vLLM venv (the plugin)",
     "ENGINELINK_VLLM_0_28": "tests/vllm_0_28: the release those tests run",
     "ENGINELINK_VLLM_0_28_VENV": "the vLLM 0.28.0 venv (tools/setup-vllm-0.28)",
@@ -332,6 +356,10 @@ _OWN_TOOLING = {
     "ENGINELINK_VLLM_WHEELS": "a folder of vLLM wheels for tools/vllm_layouts.py --check (tests/wire)",
     "ENGINELINK_SKIP_VLLM_0_28": "tools/run-tests leaves the vLLM 0.28.0 venv out",
     "ENGINELINK_REQUIRE_VLLM_0_28": "a missing vLLM 0.28.0 install fails its tests instead of skipping them",
+    "ENGINELINK_SKIP_REDIS": "tools/run-tests leaves Debian's redis-server out (tools/setup-redis)",
+    "ENGINELINK_REQUIRE_REDIS": "a missing redis-server fails the Redis media sidecar's tests instead of skipping them",
+    "ENGINELINK_REF_SIDECAR_VENV": "the reference servicer's venv for the Redis sidecar interop tests",
+    "ENGINELINK_REQUIRE_REF_SIDECAR": "a missing reference venv fails the sidecar interop tests instead of skipping",
     **{f"ENGINELINK_SKIP_{e}": f"tools/run-tests leaves the {e.title()} venv out" for e in
        ("VLLM", "MLX", "SGLANG", "TOKENSPEED")},
     **{f"ENGINELINK_REQUIRE_{e}": f"a missing {e.title()} install fails its tests instead of skipping them" for e in

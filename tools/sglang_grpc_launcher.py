@@ -17,9 +17,10 @@ the model directory; ``--host`` (SGLang's default 127.0.0.1) and ``--port``
 (its default 30000) the gRPC listener; the reference's ``--metrics-port`` and
 ``--metrics-host`` the servicer's Prometheus endpoint (else
 ``SMG_SGLANG_SERVICER_METRICS_*``); ``--smg-grpc-mode``, ``--grpc-mode``,
-``--servicer-impl`` (it selected enginelink: ``tools/sglang_plugin.py``) and
-``--skip-tokenizer-init`` are dropped (enginelink sets the last itself);
-every other argument goes to the scheduler as given.
+and ``--servicer-impl`` (it selected enginelink: ``tools/sglang_plugin.py``)
+are dropped; every other argument goes to the scheduler as given
+(``--skip-tokenizer-init`` too: the scheduler then builds no grammar
+backend, and GetServerInfo says so).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ __all__ = ["serve_grpc", "handover_args"]
 
 SGLANG_HOST_DEFAULT = "127.0.0.1"
 SGLANG_PORT_DEFAULT = "30000"
-_DROPPED = ("--smg-grpc-mode", "--grpc-mode", "--skip-tokenizer-init")
+_DROPPED = ("--smg-grpc-mode", "--grpc-mode")
 _VALUES = {"--model-path": "model", "--model": "model", "--host": "host", "--port": "port",
            "--servicer-impl": "servicer_impl", "--metrics-port": "metrics_port", "--metrics-host": "metrics_host"}
 

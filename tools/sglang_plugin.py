@@ -22,6 +22,10 @@ the deprecated ``--grpc-mode``) on its command line, and
   neither the reference package nor that module's own imports (aiohttp) are
   needed.
 
+Under ``SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS`` (set for the scheduler ranks by
+enginelink's launch) it also registers the ranks' grammar-attribution hooks
+(``tools/sglang_grammar_attribution.py``), in every SGLang process.
+
 Standard library only until selected. A selection only a ``--config`` file
 carries is not seen here: the command line or the variable selects.
 """
@@ -129,7 +133,13 @@ def take_over_launcher() -> None:
 
 
 def register() -> None:
-    """The entry point: when selected, the reference's flags on SGLang's parser and the hand-over; else nothing."""
+    """The entry point: in every SGLang process under ``SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS`` (enginelink's
+    launch sets it for the scheduler ranks), the grammar-attribution hooks; when selected, the reference's
+    flags on SGLang's parser and the hand-over; else nothing."""
+    from enginelink.tools import sglang_grammar_attribution
+
+    if sglang_grammar_attribution.enabled(os.environ):
+        sglang_grammar_attribution.register()
     if selected(sys.argv):
         hook_parser()
         take_over_launcher()

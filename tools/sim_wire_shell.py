@@ -10,14 +10,22 @@ the same polling, step timing, KV publishing, signals and parent watch).
   None``), INIT with the addresses, READY on the handshake socket, then the
   ready response on a DEALER to ``inputs[0]``, outputs on a PUSH to
   ``outputs[0]`` (reference ``tokenspeed.md`` §5).
-- SGLang 0.5.23 (a scheduler rank under ``--skip-tokenizer-init``, msgpack
-  IPC): no handshake. The front end binds; the scheduler connects a PULL to
+- SGLang 0.5.23 (a scheduler rank, msgpack IPC): no handshake. The front end binds; the scheduler connects a PULL to
   ``scheduler_input_ipc_name`` and a PUSH to ``tokenizer_ipc_name`` (outputs
   and control replies alike), then reports ``{"status": "ready", ...}``
   through its spawn pipe (``sglang-wire.md`` §1, §5). The sim writes that
   report as one JSON line to ``--ready-fd`` (what a launcher bridging the
-  real scheduler's ``multiprocessing`` pipe would forward), and on stderr.
+  real scheduler's ``multiprocessing`` pipe would forward), and on stderr,
+  with the ``server_args`` enginelink's launch script adds to the real one's
+  (``sglang_server_args``: its SGLang flags as given, SGLang's defaults else).
   The rpc and metrics sockets are not simulated (enginelink uses neither).
+  ``--dp-size N``: N scheduler ranks (one sim core each) behind SGLang's DP
+  controller, in this one process (``machines/sim_legs.py``); one ready
+  report for all, as the controller sends.
+- PD (both wires, ``--disaggregation-mode prefill|decode``): the personality
+  plays the leg (``machines/sim_legs.py``); a prefill leg also listens on
+  ``--disaggregation-bootstrap-port`` (127.0.0.1), as the engine's KV
+  bootstrap server does, so the router's registration probe finds it.
 """
 
 from __future__ import annotations
@@ -26,11 +34,15 @@ import argparse
 import contextlib
 import json
 import os
+import socket
+import threading
 import time
 
+import msgspec
 import zmq
 
 from enginelink.machines.sim_core import SimConfig, SimEngineCore
+from enginelink.machines.sim_legs import SglangDpController, SimLeg
 from enginelink.machines.sim_wires import SglangPersonality, TokenSpeedPersonality
 from enginelink.tools import sim_engine as shell
 from enginelink.wire import tokenspeed, vllm
@@ -39,12 +51,34 @@ from enginelink.wire import tokenspeed, vllm
 def run_wire(args: argparse.Namespace, config: SimConfig) -> int:
     life = shell._Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
     ctx = zmq.Context()
+    leg = SimLeg(mode=args.disaggregation_mode, bootstrap_port=args.disaggregation_bootstrap_port,
+                 load_balance_method=args.load_balance_method, dp_size=args.data_parallel_size)
+    # One listener per launch: a TokenSpeed DP rank other than 0 leaves it to rank 0.
+    bootstrap = _bootstrap_listener(leg) if leg.mode == "prefill" and args.rank == 0 else None
     try:
         if args.wire == "tokenspeed":
-            return _run_tokenspeed(ctx, args, config, life)
-        return _run_sglang(ctx, args, config, life)
+            return _run_tokenspeed(ctx, args, config, life, leg)
+        return _run_sglang(ctx, args, config, life, leg)
     finally:
         ctx.destroy(linger=0)
+        if bootstrap is not None:
+            bootstrap.close()
+
+
+def _bootstrap_listener(leg: SimLeg) -> socket.socket:
+    """The prefill leg's KV bootstrap port, listening on loopback: connections are accepted and closed
+    (a thread of its own; the sim moves no KV), so a probe of the port finds a server."""
+    listener = socket.create_server(("127.0.0.1", leg.bootstrap_port), reuse_port=False)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):  # closed at exit
+            while True:
+                connection, _ = listener.accept()
+                connection.close()
+
+    threading.Thread(target=serve, name="sim-bootstrap", daemon=True).start()
+    shell._log(f"pd prefill leg: bootstrap server on 127.0.0.1:{leg.bootstrap_port}")
+    return listener
 
 
 def _load(args: argparse.Namespace, life: shell._Lifetime) -> None:
@@ -56,7 +90,8 @@ def _load(args: argparse.Namespace, life: shell._Lifetime) -> None:
         shell._start_bound_thread(args.bind_cpu)
 
 
-def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime) -> int:
+def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime,
+                    leg: SimLeg) -> int:
     identity = tokenspeed.TokenSpeedHandshake.identity(args.rank)
     hs = ctx.socket(zmq.DEALER)
     hs.setsockopt(zmq.IDENTITY, identity)
@@ -87,7 +122,7 @@ def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfi
     shell._log(f"ready (tokenspeed wire, rank {args.rank}, vocab {config.vocab_size})")
     if args.fault_stray_child:
         shell._log(f"stray child {shell._start_stray_child()} started")
-    personality = TokenSpeedPersonality(SimEngineCore(config, hooks))
+    personality = TokenSpeedPersonality(SimEngineCore(config, hooks), leg)
     reason = shell._serve(personality, inputs, outputs, life, kv_sockets)
     shell._log(f"stopping: {reason}")
     return 0
@@ -105,36 +140,52 @@ def ready_response(config: SimConfig, kv_events_config: dict | None = None) -> t
     )
 
 
-def sglang_ready_report(config: SimConfig, started: float) -> dict:
+def sglang_server_args(args: argparse.Namespace) -> dict:
+    """The resolved server arguments ``runtime/engine/sglang_headless.py`` reports (``REPORTED``), as a
+    scheduler given the sim's SGLang flags would resolve them (an unset grammar backend is xgrammar)."""
+    return {"skip_tokenizer_init": bool(args.skip_tokenizer_init),
+            "grammar_backend": getattr(args, "grammar_backend", None) or "xgrammar",
+            "reasoning_parser": getattr(args, "reasoning_parser", None),
+            "enable_custom_logit_processor": bool(getattr(args, "enable_custom_logit_processor", False)),
+            "tokenizer_path": str(args.model)}
+
+
+def sglang_ready_report(config: SimConfig, started: float, server_args: dict | None = None) -> dict:
     """What ``run_scheduler_process`` sends through its pipe once loaded (the keys a front end reads)."""
     tokens = config.num_gpu_blocks * config.block_size
     return {"status": "ready", "max_total_num_tokens": tokens,
             "max_req_input_len": min(config.max_model_len - 1, tokens - 1),
             "startup_time": started, "max_running_requests": config.max_num_seqs,
-            "is_generation": config.runner != "pooling"}
+            "is_generation": config.runner != "pooling", "server_args": server_args or {}}
 
 
-def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime) -> int:
+def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime,
+                leg: SimLeg) -> int:
     started = time.time()
     while args.hello_gate is not None and not args.hello_gate.exists():
         if life.reason():
             return 0
         time.sleep(shell.IDLE_POLL_MS / 1000)
     _load(args, life)
-    hooks, kv_sockets, _ = shell._kv_publisher(ctx, args, config)
+    ranks, kv_sockets = [], []
+    for rank in range(args.data_parallel_size):  # SGLang's DP ranks, each its own core and KV publisher
+        rank_config = msgspec.structs.replace(config, engine_index=rank)
+        hooks, kv, _ = shell._kv_publisher(ctx, argparse.Namespace(**{**vars(args), "rank": rank}), rank_config)
+        ranks.append(SglangPersonality(SimEngineCore(rank_config, hooks), leg))
+        kv_sockets += [kv] if kv is not None else []
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(args.scheduler_input_ipc)
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 4000)
     outputs.connect(args.tokenizer_ipc)
-    report = json.dumps(sglang_ready_report(config, started))
+    report = json.dumps(sglang_ready_report(config, started, sglang_server_args(args)))
     if args.ready_fd is not None:
         with contextlib.suppress(OSError), os.fdopen(args.ready_fd, "w") as pipe:
             pipe.write(report + "\n")
     shell._log(f"ready (sglang wire) {report}")
     if args.fault_stray_child:
         shell._log(f"stray child {shell._start_stray_child()} started")
-    personality = SglangPersonality(SimEngineCore(config, hooks))
+    personality = ranks[0] if len(ranks) == 1 else SglangDpController(ranks, leg)
     reason = shell._serve(personality, inputs, outputs, life, kv_sockets)
     shell._log(f"stopping: {reason}")
     return 0

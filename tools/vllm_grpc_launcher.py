@@ -23,7 +23,9 @@ What goes where: ``--host`` (default 0.0.0.0, as vLLM's launcher binds) and
 ``SMG_VLLM_SERVICER_METRICS_*``) the Prometheus endpoint; the ``--mm-*``
 flags the worker-side media settings, with vLLM's ``--allowed-local-media-path``,
 ``--allowed-media-domains`` and ``--media-io-kwargs``, which the servicer's
-fetcher reads and the engine gets as well (``docs/compatibility.md``); the
+fetcher reads and the engine gets as well (``docs/compatibility.md``);
+``--otlp-traces-endpoint`` the servicer's trace export (``docs/tracing.md``;
+the engine gets it too); the
 model and every engine argument go to the headless engine; ``vllm serve``
 flags that only vLLM's HTTP front end reads are not used, and named once in a
 warning. Every other setting is enginelink's environment (README, "Running").
@@ -140,6 +142,8 @@ def serve_namespace(args: Any, engine_args: list[str], engine: str = "vllm",
         journal=None,
         metrics_port=getattr(args, "metrics_port", None),
         metrics_host=getattr(args, "metrics_host", None),
+        # vLLM's own tracing flag (an engine argument too): the servicer continues the router's trace with it.
+        otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None) or None,
         log_level=os.environ.get("ENGINELINK_LOG_LEVEL", "INFO"),
         engine_args=engine_args,
     )

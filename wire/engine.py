@@ -126,6 +126,12 @@ class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
     abort_immediately: bool = False
     # Router-preprocessed media as vLLM's ``mm_features`` entries (``wire/vllm_mm.py``), codec-ready.
     mm_features: list | None = None
+    # SGLang only: the adapter id the router names (``lora_id``), a serialized custom logit processor
+    # (the scheduler runs it under --enable-custom-logit-processor), and whether the prompt asks the
+    # model to think (``require_reasoning``: the scheduler then defers a grammar past the thought).
+    lora_id: str | None = None
+    custom_logit_processor: str | None = None
+    require_reasoning: bool = False
 
 
 class EngineOutput(Protocol):

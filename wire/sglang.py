@@ -69,10 +69,11 @@ GRPC_CODE_FOR_HTTP_STATUS: Final = {
     503: "UNAVAILABLE",
     504: "DEADLINE_EXCEEDED",
 }
-GRAMMAR_ERR_TYPE: Final = "GrammarRejectedToken"  # stamped by SMG's SGLang plugin
-# Stock SGLang 0.5.23's wording for its two grammar aborts (constrained/grammar_manager.py:
-# a grammar that does not compile, 400; batch_result_processor.py: a rejected token, 500).
-_GRAMMAR_MESSAGES: Final = ("Failed to compile ", "Grammar accept_token failed")
+# Stamped in the scheduler's ranks on the abort of a request whose grammar rejected a sampled token
+# (enginelink's tools/sglang_grammar_attribution.py, the reference's plugin alike, under
+# SMG_SGLANG_ATTRIBUTE_GRAMMAR_ABORTS). Stock SGLang leaves that abort 500 "InternalServerError"; a
+# grammar that does not compile is its 400 (the client's grammar): neither is read from its wording.
+GRAMMAR_ERR_TYPE: Final = "GrammarRejectedToken"
 CONSTRAINT_TRAILER: Final = ("smg-constraint-failed", "engine")
 
 
@@ -88,10 +89,8 @@ class AbortInfo(msgspec.Struct, frozen=True, gc=False):
 
     @property
     def constraint_failed(self) -> bool:
-        message = self.message or ""
-        return self.err_type == GRAMMAR_ERR_TYPE or (
-            message.startswith(_GRAMMAR_MESSAGES[0]) and " grammar" in message
-        ) or message.startswith(_GRAMMAR_MESSAGES[1])
+        """The engine's own attribution (the ranks' stamp), never the message's wording."""
+        return self.err_type == GRAMMAR_ERR_TYPE
 
 
 class AbortOutcome(msgspec.Struct, frozen=True):
@@ -206,6 +205,9 @@ def request_for(spec: GenerateSpec) -> s.TokenizedGenerateReqInput | s.Tokenized
         stream=True,  # every step's delta: the servicer does its own (non-)streaming
         routed_dp_rank=spec.data_parallel_rank,
         cache_salt=spec.cache_salt,
+        lora_id=spec.lora_id,
+        custom_logit_processor=spec.custom_logit_processor,
+        require_reasoning=spec.require_reasoning,
         **_bootstrap(spec.kv_transfer_params),
     )
 
@@ -411,6 +413,9 @@ class SglangCodec:
     """
 
     name: str = "sglang"
+    # Under data parallelism every request names its rank (``routed_dp_rank``): one input address
+    # reaches all ranks through SGLang's DP controller, which places a request by it.
+    rank_in_request: bool = True
 
     def encode_add(self, spec: GenerateSpec) -> list[bytes]:
         return [s.ENCODER.encode(request_for(spec))]

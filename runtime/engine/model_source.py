@@ -53,12 +53,13 @@ MLX_LM_FILES = ("*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.ti
                 "*.jsonl", "*.jinja")  # fmt: skip
 # Engines that take a Hub id themselves: the id goes to them while the Hub is reachable.
 ID_ENGINES = ("vllm", "sglang", "tokenspeed")
-# Each engine's spelling of the settings enginelink's own flags stand for (``engine_flags``). SGLang and
-# TokenSpeed run with --skip-tokenizer-init: their tokenizer flag would change nothing.
+# Each engine's spelling of the settings enginelink's own flags stand for (``engine_flags``). TokenSpeed runs
+# with --skip-tokenizer-init (its tokenizer flag would change nothing); SGLang's scheduler keeps its tokenizer
+# (its grammar backend is built from it: sglang_launch.py).
 ENGINE_FLAGS = {
     "vllm": {"revision": "--revision", "download_dir": "--download-dir", "tokenizer": "--tokenizer",
              "tokenizer_revision": "--tokenizer-revision", "token": "--hf-token"},
-    "sglang": {"revision": "--revision", "download_dir": "--download-dir"},
+    "sglang": {"revision": "--revision", "download_dir": "--download-dir", "tokenizer": "--tokenizer-path"},
     "tokenspeed": {"revision": "--revision", "download_dir": "--download-dir"},
 }
 

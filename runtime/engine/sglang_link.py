@@ -1,6 +1,6 @@
 """The engine link on SGLang's scheduler wire: no handshake, a ready report on an inherited fd.
 
-SGLang 0.5.23's scheduler (``--skip-tokenizer-init``, msgpack IPC) has no
+SGLang 0.5.23's scheduler (msgpack IPC) has no
 start-up handshake (``reference/sglang-contract.md`` §5.1): the front end
 binds a PUSH at ``scheduler_input_ipc_name`` and a PULL at
 ``tokenizer_ipc_name``; the scheduler connects to both and reports
@@ -19,11 +19,24 @@ Readiness is the line with ``status == "ready"``; the pipe closing first, a
 line that is not JSON, a line over ``READY_LINE_MAX_BYTES`` or another
 status fail the start-up.
 
+Data parallelism (``--dp-size N``): SGLang's own DP controller runs the N
+scheduler ranks behind the one input address (it binds each rank's input
+and places each request; ``runtime/engine/sglang_headless.py`` launches it
+as SGLang's own launcher does), and every rank pushes its outputs to the one
+output address. enginelink still decides the rank: the hub puts its pick in
+every request (``routed_dp_rank``, which the controller honours before any
+balancing of its own; the codec's ``rank_in_request``), so a pin, the
+least-loaded choice and a prefill leg's room residue all land where
+enginelink says. A control call (flush, profile) reaches every rank through
+the controller, each answering under the call's id (``control_fan_out``).
+Driving each rank's scheduler directly (one PUSH per rank) would leave out
+SGLang's own rank layout (its GPU ids, worker ports and attention-DP groups),
+which only the controller's launch code knows.
+
 Not on this wire: the idle liveness probe (SGLang has no side-effect-free
 control call to ask: flush and profile change the engine; ``HealthCheck``
-runs a real one-token request instead), DP ranks (one scheduler rank; the
-DP controller is not driven), the engine's facts file (its ready report is
-its facts).
+runs a real one-token request instead), the engine's facts file (its ready
+report is its facts, with what the launch says, ``launcher.launch_facts``).
 """
 
 from __future__ import annotations
@@ -31,15 +44,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from pathlib import Path
 
 import trio
 import zmq
 
 from enginelink.runtime.engine.session import stop_session
 from enginelink.runtime.engine.link_errors import LinkFailed
-from enginelink.runtime.engine.zmq_transport import MONITOR_EVENTS, link_paths, receive_frames, wait_disconnected
-from enginelink.runtime.engine.zmq_trio import make_socket
+from enginelink.runtime.engine.grammar_labels import sglang_grammar_backend
+from enginelink.runtime.engine.zmq_transport import IpcSockets, link_paths
 from enginelink.wire.sglang import SGLANG_VERSION
 
 log = logging.getLogger("enginelink.link")
@@ -84,7 +96,15 @@ def ready_facts(report: dict, max_model_len: int | None) -> dict:
     facts.setdefault("max_num_batched_tokens", int(report.get("chunked_prefill_size") or 0) or context)
     facts.setdefault("engine_version", f"sglang-{SGLANG_VERSION}")
     facts.setdefault("data_parallel_size", 1)
+    # The grammar backend the scheduler built, as its resolved arguments say (none without its tokenizer):
+    # the constraint checks read it under vLLM's name (``app.limits``).
+    facts.setdefault("structured_outputs_backend", sglang_grammar_backend(report.get("server_args") or {}))
     return facts
+
+
+def launcher_ranks(launcher) -> tuple[int, ...]:
+    """The DP ranks the launch runs (``--dp-size``; ``tools/serve.py`` sets them), 0..N-1."""
+    return tuple(getattr(launcher, "ranks", None) or (0,))
 
 
 class SglangTransport:
@@ -96,23 +116,23 @@ class SglangTransport:
     def __init__(self, launcher, max_model_len: int | None = None) -> None:
         self.launcher = launcher
         self.max_model_len = max_model_len  # the model directory's, a cap on what the report implies
-        self._context = zmq.Context.instance()
-        self._sockets: list[zmq.Socket] = []
+        self.ipc = IpcSockets()
         self._push: zmq.Socket | None = None
-        self._outputs: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
-        self._paths: list[Path] = []
+        self._ranks = frozenset(launcher_ranks(launcher))
+
+    @property
+    def control_fan_out(self) -> int:
+        """How many answers one control message gets: one per rank behind SGLang's DP controller."""
+        return len(self._ranks)
 
     async def start(self, link, nursery) -> LinkFailed | None:
         """Bind, launch, wait for the ready report; the failure if the engine did not come up."""
-        push = make_socket(self._context, zmq.PUSH)
-        outputs = make_socket(self._context, zmq.PULL)
-        self._sockets = [push, outputs]
-        in_path, out_path = self._paths = link_paths(link.name, "in.sock", "out.sock")
+        ipc = self.ipc
+        push, outputs = ipc.socket(zmq.PUSH), ipc.socket(zmq.PULL)
+        in_path, out_path = ipc.paths = link_paths(link.name, "in.sock", "out.sock")
         push.bind(f"ipc://{in_path}")
         outputs.bind(f"ipc://{out_path}")
-        self._monitor = outputs.get_monitor_socket(MONITOR_EVENTS)
-        self._sockets.append(self._monitor)
+        ipc.watch(outputs)
         read_fd, write_fd = os.pipe()
         async with trio.lowlevel.FdStream(read_fd) as pipe:  # the stream owns our end
             try:
@@ -124,35 +144,32 @@ class SglangTransport:
             failure = await link.run_handshake(lambda: self._await_ready(link, pipe))
         if failure is None:
             link.read_facts(None)  # journals the facts (the report is all of them)
-            self._push, self._outputs = push, outputs
+            self._push, ipc.outputs = push, outputs
         return failure
 
     def send(self, frames: list[bytes], rank: int = 0) -> None:
         """One message to the scheduler (its single rank); never blocks."""
         if self._push is None:
             raise LinkFailed("engine link is not connected")
-        if rank != 0:
+        if rank not in self._ranks:
             raise LinkFailed(f"the engine has no DP rank {rank}")
         self._push.send_multipart(frames, zmq.NOBLOCK)
 
     async def receive(self, link) -> None:
-        await receive_frames(self._outputs, link)
+        await self.ipc.receive(link)
 
     async def wait_disconnected(self) -> None:
-        await wait_disconnected(self._monitor)
+        await self.ipc.wait_disconnected()
 
     async def stop_process(self, process, grace_s: float) -> None:
         await stop_session(process, grace_s)
 
     def close(self) -> None:
-        self._push = self._outputs = None
-        for sock in self._sockets:
-            sock.close(linger=0)
-        self._sockets = []
+        self._push = None
+        self.ipc.close()
 
     def remove_files(self) -> None:
-        for path in self._paths:
-            path.unlink(missing_ok=True)
+        self.ipc.remove_files()
 
     async def _await_ready(self, link, pipe: trio.lowlevel.FdStream) -> None:
         """Read the ready report's line; ``LinkFailed`` when it is not a ready report."""
@@ -172,7 +189,10 @@ class SglangTransport:
         if not isinstance(report, dict) or report.get("status") != "ready":
             raise LinkFailed(f"the engine reported {str(report)[:300]} instead of ready")
         link.journal_handshake("ready", report)
-        link.ready = ready_facts({**launch_facts(getattr(self.launcher, "extra_args", [])), **report},
-                                 self.max_model_len)
-        link.rank_ready = {0: link.ready}
-        link.ranks.set_ranks((0,))
+        ranks = launcher_ranks(self.launcher)
+        link.ready = ready_facts({**launch_facts(getattr(self.launcher, "extra_args", [])),
+                                  **getattr(self.launcher, "launch_facts", {}),
+                                  "data_parallel_size": len(ranks), **report}, self.max_model_len)
+        # The DP controller reports for all its ranks at once (SGLang's own ready dict has no rank).
+        link.rank_ready = {rank: {**link.ready, "data_parallel_rank": rank} for rank in ranks}
+        link.ranks.set_ranks(ranks)

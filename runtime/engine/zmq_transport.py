@@ -159,6 +159,44 @@ async def wait_disconnected(monitor: zmq.Socket) -> None:
                 return
 
 
+class IpcSockets:
+    """An engine's ipc sockets and files, as both ZeroMQ transports own them: made, watched, closed, removed."""
+
+    def __init__(self) -> None:
+        self._context = zmq.Context.instance()
+        self._sockets: list[zmq.Socket] = []
+        self.paths: list[Path] = []
+        self.outputs: zmq.Socket | None = None  # the output PULL, once the engine is up
+        self._monitor: zmq.Socket | None = None
+
+    def socket(self, kind: int) -> zmq.Socket:
+        sock = make_socket(self._context, kind)
+        self._sockets.append(sock)
+        return sock
+
+    def watch(self, outputs: zmq.Socket) -> None:
+        """Monitor the output socket's connections (``wait_disconnected``), from before the launch."""
+        self._monitor = outputs.get_monitor_socket(MONITOR_EVENTS)
+        self._sockets.append(self._monitor)
+
+    async def receive(self, link) -> None:
+        await receive_frames(self.outputs, link)
+
+    async def wait_disconnected(self) -> None:
+        await wait_disconnected(self._monitor)
+
+    def close(self) -> None:
+        """Close every socket (before the engine is stopped, so nothing more is sent to it)."""
+        self.outputs = None
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._sockets = []
+
+    def remove_files(self) -> None:
+        for path in self.paths:
+            path.unlink(missing_ok=True)
+
+
 class ZmqTransport:
     """vLLM's headless wire over ipc sockets, to an engine process of its own session."""
 
@@ -166,23 +204,17 @@ class ZmqTransport:
 
     def __init__(self, launcher) -> None:
         self.launcher = launcher
-        self._context = zmq.Context.instance()
-        self._sockets: list[zmq.Socket] = []
+        self.ipc = IpcSockets()
         self._input: zmq.Socket | None = None
-        self._outputs: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
         self._identities: dict[int, bytes] = {}
-        self._paths: list[Path] = []
 
     async def start(self, link, nursery: trio.Nursery) -> LinkFailed | None:
         """Bind, launch, handshake; the failure if the engine did not come up."""
-        handshake = make_socket(self._context, zmq.ROUTER)
-        inputs = make_socket(self._context, zmq.ROUTER)
-        outputs = make_socket(self._context, zmq.PULL)
-        self._sockets = [handshake, inputs, outputs]
+        ipc = self.ipc
+        handshake, inputs, outputs = ipc.socket(zmq.ROUTER), ipc.socket(zmq.ROUTER), ipc.socket(zmq.PULL)
         inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
         bound_input_socket(inputs)
-        in_path, out_path, hs_path, facts_path = self._paths = link_paths(
+        in_path, out_path, hs_path, facts_path = ipc.paths = link_paths(
             link.name, "in.sock", "out.sock", "hs.sock", "facts.json")
         link.facts_path = facts_path
         facts_path.unlink(missing_ok=True)
@@ -198,8 +230,7 @@ class ZmqTransport:
             handshake.bind(hs_address)
         inputs.bind(f"ipc://{in_path}")
         outputs.bind(f"ipc://{out_path}")
-        self._monitor = outputs.get_monitor_socket(MONITOR_EVENTS)
-        self._sockets.append(self._monitor)
+        ipc.watch(outputs)
         argv, env = self.launcher.command(hs_address)
         await link.launch(nursery, argv, {**env, ENGINE_FACTS_ENV: str(facts_path)},
                           {"handshake": hs_address, "handshake_message_max_bytes": HANDSHAKE_MESSAGE_MAX_BYTES})
@@ -214,7 +245,7 @@ class ZmqTransport:
         failure = link.check_compatible()
         if failure is None:
             self._identities = {rank: link.handshake_wire.identity(rank) for rank in link.ranks.ranks}
-            self._input, self._outputs = inputs, outputs
+            self._input, ipc.outputs = inputs, outputs
         return failure
 
     def send(self, frames: list[bytes], rank: int) -> None:
@@ -226,25 +257,21 @@ class ZmqTransport:
         self._input.send_multipart([identity, *frames], zmq.NOBLOCK)
 
     async def receive(self, link) -> None:
-        await receive_frames(self._outputs, link)
+        await self.ipc.receive(link)
 
     async def wait_disconnected(self) -> None:
-        await wait_disconnected(self._monitor)
+        await self.ipc.wait_disconnected()
 
     async def stop_process(self, process, grace_s: float) -> None:
         """Stop the engine's whole session, bounded (``session.stop_session``); we never outlive it."""
         await stop_session(process, grace_s)
 
     def close(self) -> None:
-        """Close every socket (before the engine is stopped, so nothing more is sent to it)."""
-        self._input = self._outputs = None
-        for sock in self._sockets:
-            sock.close(linger=0)
-        self._sockets = []
+        self._input = None
+        self.ipc.close()
 
     def remove_files(self) -> None:
-        for path in self._paths:
-            path.unlink(missing_ok=True)
+        self.ipc.remove_files()
 
     async def _handshake(self, link, handshake, inputs, in_address: str, out_address: str) -> None:
         machine = link.new_handshake(in_address, out_address)

@@ -13,8 +13,11 @@ cleared before each pull, so a wake that comes while messages are being
 written is never lost. Sending awaits HTTP/2 flow control: a slow client
 holds only its own handler, the relay's window is its buffer. A send held
 longer than ``send_stall_s`` (``ENGINELINK_KV_SEND_STALL_SECS``), or one the
-relay ends meanwhile (the window rolled past the subscriber), ends the
-stream with DATA_LOSS, so a subscriber that stops reading frees its slot.
+relay ends meanwhile (the window rolled past the subscriber, or a new
+subscriber took the slot of this one, which was not taking its events:
+``machines/kv_admission.py``), ends the stream with DATA_LOSS, so a
+subscriber that stops reading frees its slot. Each send is reported to the
+relay (``sending`` / ``sent``): that is how it knows who reads.
 
 ``flush_cache`` follows smg contract §10 with ``reset_prefix_cache(False,
 False)``: ``timeout_s`` 0 is one attempt (answer within ``FLUSH_CALL_CAP_S``),
@@ -35,6 +38,7 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2 as pb
 
 from enginelink.machines.kv_relay import Refused
+from enginelink.runtime.peers import peer_key
 
 KV_OFF_MESSAGE: Final = (
     "KV cache events not enabled. Start vLLM with --kv-events-config "
@@ -53,14 +57,17 @@ async def subscribe_kv_events(shell, stream) -> None:
     if shell is None:
         raise GRPCError(Status.UNIMPLEMENTED, KV_OFF_MESSAGE)
     wake = asyncio.Event()
-    opened = shell.open_stream(request.start_sequence_number, request.load_records_before_first_batch, wake)
+    opened = shell.open_stream(request.start_sequence_number, request.load_records_before_first_batch, wake,
+                               peer_key(stream.peer.addr()))  # fmt: skip
     if isinstance(opened, Refused):
         raise GRPCError(Status[opened.status], opened.message)
 
     async def send(message) -> None:
+        shell.sending(opened)  # whether it takes what it is sent decides who gives way (machines/kv_admission.py)
         if not await _send_bounded(stream, message, opened.ended, shell.send_stall_s):
             end = shell.pull(opened).end if opened.ended.is_set() else shell.stalled(opened).end
             raise GRPCError(Status[end.status], end.message)
+        shell.sent(opened)
 
     try:
         while True:

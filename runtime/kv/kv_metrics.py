@@ -9,14 +9,14 @@ rank for the per-rank gauges):
   without a dotted name);
 - ``smg_servicer_kv_dropped_events_total{rule}``: one per §12.6 drop rule;
 - ``smg_servicer_kv_forwarded_events_total{kind}``: stored, removed, cleared;
-- ``smg_servicer_kv_data_loss_total{reason}``: restart, behind, hole, stalled;
+- ``smg_servicer_kv_data_loss_total{reason}``: restart, behind, hole, stalled, evicted;
 - ``smg_servicer_kv_subscriptions_total{mode}``: history, snapshot, resume, live;
 - per rank: ``smg_servicer_kv_history_batches``, ``…_history_bytes``,
   ``…_history_holes``, ``…_live_blocks``, ``…_incarnation``,
   ``…_newest_sequence``, ``…_unknown_before``;
 - ``smg_servicer_kv_subscribers`` and the bounds
   ``smg_servicer_kv_history_batches_max`` / ``…_history_bytes_max``,
-  ``…_subscribers_max``, ``…_send_stall_seconds``.
+  ``…_subscribers_max``, ``…_subscribers_per_peer_max``, ``…_send_stall_seconds``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,10 @@ class KvRelayCollector:
             ("smg_servicer_kv_history_bytes_max", config.history_bytes_max,
              "KV history bound per rank, bytes (SMG_KV_EVENT_HISTORY_BYTES)"),
             ("smg_servicer_kv_subscribers_max", config.subscribers_max,
-             "Open SubscribeKvEvents streams allowed; one more is refused UNAVAILABLE (ENGINELINK_KV_MAX_SUBSCRIBERS)"),
+             "Open SubscribeKvEvents streams allowed; one more takes the slot of one not taking its events, "
+             "or is refused UNAVAILABLE (ENGINELINK_KV_MAX_SUBSCRIBERS)"),
+            ("smg_servicer_kv_subscribers_per_peer_max", config.subscribers_per_peer_max,
+             "Open SubscribeKvEvents streams allowed from one peer (ENGINELINK_KV_MAX_SUBSCRIBERS_PER_PEER)"),
             ("smg_servicer_kv_send_stall_seconds", config.send_stall_s,
              "A KV message flow control holds this long ends its stream with DATA_LOSS (ENGINELINK_KV_SEND_STALL_SECS)"),
         ):  # fmt: skip

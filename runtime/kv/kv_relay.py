@@ -191,8 +191,9 @@ class KvRelayShell:
 
     # -- streams (called by the SubscribeKvEvents handler) -------------------------
 
-    def open_stream(self, cursor: int, loads_before_first: bool, wake: Any) -> KvStream | Refused:
-        result = self.relay.subscribe(cursor, trio.current_time())
+    def open_stream(self, cursor: int, loads_before_first: bool, wake: Any, peer: str = "") -> KvStream | Refused:
+        """``peer``: ``runtime/peers.py``'s key of the client (per-peer bounds)."""
+        result = self.relay.subscribe(cursor, trio.current_time(), peer)
         if isinstance(result, Refused):
             return result
         stream = KvStream(result.subscriber, wake, loads_before_first, self.relay.ranks, result.modes)
@@ -230,6 +231,14 @@ class KvRelayShell:
             out.append(message)
         stream.due.clear()
         return out
+
+    def sending(self, stream: KvStream) -> None:
+        """A message to the stream starts waiting for its flow control (``machines/kv_admission.py``)."""
+        self.relay.sending(stream.id, trio.current_time())
+
+    def sent(self, stream: KvStream) -> None:
+        """The client took it."""
+        self.relay.sent(stream.id)
 
     @property
     def send_stall_s(self) -> float:

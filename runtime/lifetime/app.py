@@ -22,6 +22,7 @@ from enginelink.runtime.errors import ClientError, Precondition, ServicerError, 
 from enginelink.runtime.lifetime.loads import Loads
 from enginelink.runtime.engine.model_dir import ModelFacts
 from enginelink.runtime.engine.tokenizer_bundle import tokenizer_bundle_chunks
+from enginelink.runtime.requests.pd_bootstrap import PdLeg
 from enginelink.runtime.requests.validate import LOGPROBS_MAX, EngineLimits
 
 # The journal stream and id prefix kept for a call refused for its request id.
@@ -64,6 +65,8 @@ class App:
     media: object = None
     # Generate/Embed calls whose writer has not returned (runtime/requests/writers.py): a drain waits for them.
     open_writers: int = 0
+    # Trace continuation (runtime/lifetime/tracing.py); None: off, and Generate pays one test for it.
+    tracing: object = None
 
     # -- time ------------------------------------------------------------------------
 
@@ -90,6 +93,8 @@ class App:
             max_logprobs=int(ready.get("max_logprobs", LOGPROBS_MAX)),
             grammar_backend=str(ready.get("structured_outputs_backend") or DEFAULT_BACKEND),
             engine_release=str(ready.get("vllm_version") or ""),
+            custom_logit_processors=bool((ready.get("server_args") or {}).get("enable_custom_logit_processor")),
+            pd_leg=PdLeg.of(ready),  # a prefill/decode leg of SGLang or TokenSpeed (their launch facts)
         )
 
     @property

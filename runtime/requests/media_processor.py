@@ -31,6 +31,8 @@ an exception inside the processor on good input is ``INTERNAL``.
 
 from __future__ import annotations
 
+import json
+import os
 import struct
 import subprocess
 from collections.abc import Callable
@@ -43,6 +45,7 @@ from enginelink.runtime.errors import ClientError, ServicerError, Unavailable
 
 CHILD_SCRIPT = Path(__file__).with_name("media_processor_child.py")
 HEADER = struct.Struct(">I")
+ENGINE_ARGS_ENV = "ENGINELINK_MM_ENGINE_ARGS"  # media_processor_child.py reads the engine's arguments there
 # What a reply frame may hold beyond its tensors: the prompt's ids, hashes, field specs.
 REPLY_SLACK_BYTES = 16 << 20
 
@@ -64,7 +67,7 @@ class MediaProcessor:
 
     def __init__(self, model_dir: str, python: Callable[[], str], *, start_timeout_s: float,
                  process_timeout_s: float, reply_bytes_max: int, on_start: Callable[[], None] = lambda: None,
-                 script: Path = CHILD_SCRIPT) -> None:  # fmt: skip
+                 script: Path = CHILD_SCRIPT, engine_args: list[str] | None = None) -> None:  # fmt: skip
         self.model_dir = model_dir
         self._python = python  # resolved at the first start: a servicer with media off never needs vLLM's venv
         self.start_timeout_s = start_timeout_s
@@ -79,6 +82,11 @@ class MediaProcessor:
         self._decoder = msgspec.msgpack.Decoder(ext_hook=_Ext.hook)
         self._encoder = msgspec.msgpack.Encoder()
         self.version = ""
+        # The engine's own arguments: the child builds the model's config from them, as the engine does
+        # (None: the model's defaults). Through the environment, so a secret among them is not in argv.
+        self.engine_args = engine_args
+        # What a Redis media sidecar must agree on with its worker (wire/mm_sidecar.py), from the ready frame.
+        self.fingerprint: dict | None = None
 
     @property
     def running(self) -> bool:
@@ -101,6 +109,13 @@ class MediaProcessor:
         finally:
             self._lock.release()
 
+    async def ensure_started(self) -> dict | None:
+        """Start the child if it is not running (within the start bound); its fingerprint."""
+        async with self._lock:
+            if not self.running:
+                await self._start()
+        return self.fingerprint
+
     async def aclose(self) -> None:
         """End the child (the servicer's shutdown): closing its stdin ends it; a kill if it lingers."""
         async with self._lock:
@@ -118,7 +133,9 @@ class MediaProcessor:
         argv = [python, str(self._script), "--model", self.model_dir]
         self._on_start()
         # stderr is the servicer's (its log shows vLLM's lines); a pipe nobody drains would block the child.
-        self._process = await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        env = None if self.engine_args is None else {**os.environ, ENGINE_ARGS_ENV: json.dumps(self.engine_args)}
+        self._process = await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                         env=env)  # fmt: skip
         self._buffer.clear()
         with trio.move_on_after(self.start_timeout_s):
             try:
@@ -132,6 +149,8 @@ class MediaProcessor:
                 raise Unavailable("media_refs: the media processor's first frame was not its ready frame",
                                   reason="media_processor_down")  # fmt: skip
             self.version = str(ready.get("version", ""))
+            found = ready.get("fingerprint")
+            self.fingerprint = dict(found) if isinstance(found, dict) else None
             return
         await self._stop()
         raise Unavailable(f"media_refs: the media processor did not start within "

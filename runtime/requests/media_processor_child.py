@@ -20,9 +20,16 @@ that front-end step and nothing else, with vLLM's own code:
   ``InputProcessor.process_inputs`` builds them, identifier = content hash,
   no LoRA), encoded by vLLM's own ``MsgpackEncoder`` with every tensor inline.
 
+The model's config is the engine's: built from the engine's own arguments
+(``ENGINELINK_MM_ENGINE_ARGS``, a JSON list, given by the servicer or the
+media sidecar; read from the environment so that a secret among them never
+shows in a process list) with vLLM's own parser, as the engine builds it.
+
 Wire (stdin → stdout; stdout is kept for frames only, vLLM's logging goes to
 stderr): frames of a 4-byte big-endian length and a msgpack map.
-- first, unasked: ``{"ready": true, "version": vllm.__version__}``;
+- first, unasked: ``{"ready": true, "version": vllm.__version__, "fingerprint": {...}}``,
+  the fingerprint being what a Redis media sidecar and its worker must agree
+  on (``wire/mm_sidecar.py``): the same derivation on both sides;
 - then per request ``{"id", "prompt": [ids], "items": [{"modality", "data"}]}``
   → ``{"id", "prompt": [expanded ids], "features": [specs]}`` or
   ``{"id", "error", "fault": "client"|"internal", "item": index|None}``.
@@ -43,6 +50,9 @@ import sys
 import warnings
 
 HEADER = struct.Struct(">I")
+ENGINE_ARGS_ENV = "ENGINELINK_MM_ENGINE_ARGS"
+# A modality vLLM never configures: its limit is the one every unconfigured modality gets.
+UNSET_MODALITY = "__unset__"
 
 
 def read_frame(stream) -> bytes | None:
@@ -83,12 +93,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # A decompression bomb (a few KiB of PNG that decode to gigapixels) is the caller's fault, not a crash.
     warnings.simplefilter("error", PIL.Image.DecompressionBombWarning)
-    model_config = ModelConfig(model=opts.model, max_model_len=opts.max_model_len)
+    model_config = _model_config(opts.model, opts.max_model_len, ModelConfig)
     processor = MULTIMODAL_REGISTRY.create_processor(model_config)
     loader = ImageMediaIO(image_mode="RGB")
     encoder = MsgpackEncoder(size_threshold=1 << 62)  # every tensor inline (ext 3), as the engine's decoder takes it
     decoder = msgspec.msgpack.Decoder()
-    write_frame(frames_out, encoder.encode({"ready": True, "version": vllm.__version__})[0])
+    write_frame(frames_out, encoder.encode({"ready": True, "version": vllm.__version__,
+                                            "fingerprint": fingerprint(model_config)})[0])
 
     def process(request: dict) -> dict:
         images = []
@@ -126,6 +137,62 @@ def main(argv: list[str] | None = None) -> int:
             reply = {"error": f"{type(error).__name__}: {error}"[:500], "fault": "internal", "item": None}
         reply["id"] = request["id"]
         write_frame(frames_out, b"".join(bytes(part) for part in encoder.encode(reply)))
+
+
+def _model_config(model: str, max_model_len: int | None, model_config_cls):
+    """The engine's model config: its own arguments through vLLM's own parser, else the model's defaults."""
+    import json
+
+    words = json.loads(os.environ.get(ENGINE_ARGS_ENV) or "null")
+    if words is None:
+        return model_config_cls(model=model, max_model_len=max_model_len)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="enginelink media processor"))
+    args = parser.parse_args(["--model", model, *([] if max_model_len is None else
+                                                 ["--max-model-len", str(max_model_len)]), *words])
+    config = AsyncEngineArgs.from_cli_args(args).create_model_config()
+    config.quantization = None  # preprocessing only: no kernels
+    return config
+
+
+def fingerprint(model_config) -> dict[str, str]:
+    """What a worker and its media sidecar must agree on, each a string; kwargs and limits as sorted JSON,
+    the limits per modality as vLLM resolved them (so equivalent spellings of --limit-mm-per-prompt match)."""
+    import dataclasses
+    import json
+
+    import vllm
+    from vllm import envs
+
+    mm = getattr(model_config, "multimodal_config", None)
+
+    def canon(value) -> str:
+        return json.dumps(value, sort_keys=True, default=str)
+
+    limits: dict = {}
+    if mm is not None:
+        unset = {"count": mm.get_limit_per_prompt(UNSET_MODALITY)}
+        limits["*"] = unset
+        for modality in sorted(mm.limit_per_prompt or {}):
+            options = mm.limit_per_prompt[modality]
+            given = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else \
+                dict(options) if isinstance(options, dict) else {"count": options}
+            entry = {"count": mm.get_limit_per_prompt(modality),
+                     **{key: value for key, value in given.items() if key != "count" and value is not None}}
+            if entry != unset:
+                limits[modality] = entry
+    processor_kwargs = getattr(mm, "mm_processor_kwargs", None)
+    return {
+        "model": str(model_config.model),
+        "vllm_version": vllm.__version__,
+        "dtype": str(model_config.dtype),
+        "video_backend": str(envs.VLLM_VIDEO_LOADER_BACKEND),
+        "media_io_kwargs": canon(dict(getattr(mm, "media_io_kwargs", None) or {})),
+        "mm_processor_kwargs": canon(dict(processor_kwargs) if isinstance(processor_kwargs, dict) else {}),
+        "limit_per_prompt": canon(limits),
+    }
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2 as pb, vllm_engine_pb2
 
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
+from enginelink.runtime.engine.grammar_labels import sglang_labels
 from enginelink.machines.warmup import WarmupRequest
 from enginelink.proto.sglang_scheduler_grpc import SglangSchedulerBase
 from enginelink.runtime.errors import ClientError, current_request_id, grpc_errors
@@ -43,6 +44,7 @@ from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, 
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec
 from enginelink.runtime.lifetime.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
+from enginelink.runtime.requests.pd_bootstrap import PdLeg
 from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
 from enginelink.wire.sglang import SGLANG_VERSION
@@ -179,15 +181,21 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
         await stream.recv_message()
         app = self.app
         ready = app.ready
+        # The scheduler's arguments as it resolved them (its ready report), with the labels derived from them.
+        resolved = dict(ready.get("server_args") or {})
         server_args = struct_pb2.Struct()
         server_args.update({
+            **resolved,
             "model_path": str(app.model.model_path), "served_model_name": app.served_model_name,
-            "skip_tokenizer_init": True, "grammar_backend": "xgrammar", "dp_size": app.link.ranks.size,
+            "skip_tokenizer_init": bool(resolved.get("skip_tokenizer_init")), "dp_size": app.link.ranks.size,
             "max_running_requests": int(ready.get("max_running_requests") or 0),
-            "constrained_decoding_start": "first_token",
+            **sglang_labels(resolved),
+            # The PD role the router pairs legs by, and the operator's pairing protocol (pd_bootstrap.py).
+            **PdLeg.of(ready).server_fields(),
         })
         scheduler_info = struct_pb2.Struct()
-        scheduler_info.update(json.loads(json.dumps(ready, default=str)))
+        scheduler_info.update(json.loads(json.dumps({k: v for k, v in ready.items() if k != "server_args"},
+                                                    default=str)))
         await stream.send_message(pb.GetServerInfoResponse(
             server_args=server_args, scheduler_info=scheduler_info, active_requests=app.hub.active_requests,
             is_paused=False, last_receive_timestamp=app.hub.last_receive_wall, uptime_seconds=app.uptime_s(),

@@ -29,11 +29,13 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
 from enginelink.proto.tokenspeed_scheduler_grpc import TokenSpeedSchedulerBase
+from enginelink.runtime.engine.grammar_labels import CONSTRAINED_DECODING_START_KEY, FIRST_TOKEN, tokenspeed_labels
 from enginelink.runtime.errors import Unavailable, grpc_errors
 from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT
 from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, TokenSpeedEdge
 from enginelink.runtime.lifetime.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
+from enginelink.runtime.requests.pd_bootstrap import PdLeg
 from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
 from enginelink.wire.tokenspeed import ENGINE_VERSION_PREFIX, TOKENSPEED_VERSION
@@ -41,8 +43,6 @@ from enginelink.wire.tokenspeed import ENGINE_VERSION_PREFIX, TOKENSPEED_VERSION
 SERVICE = "tokenspeed.grpc.scheduler.TokenSpeedScheduler"
 NO_CONTROL = (f"TokenSpeed {TOKENSPEED_VERSION}'s headless wire carries no control replies "
               "(its handshake declares none), so {rpc} has no path to the engine")
-# The reference always advertises this for TokenSpeed: a grammar applies from the first generated token.
-CONSTRAINED_DECODING_START = "first_token"
 
 
 class TokenSpeedSchedulerService(ContractService, TokenSpeedSchedulerBase):
@@ -56,10 +56,12 @@ class TokenSpeedSchedulerService(ContractService, TokenSpeedSchedulerBase):
         super().__init__(app, frame_writes, kv_relay)
         # GetServerInfo's launch facts (the engine's arguments, redacted); ``configure`` sets them.
         self.server_args: dict = {}
+        self.constrained_decoding = ""  # the engine's declared policy (always / requested), when it declares one
 
     def configure(self, launcher) -> None:
         """What this service learns from the engine's launch (server.py calls it once, before serving)."""
-        self.server_args = {"engine_args": launcher.redacted(list(launcher.extra_args))}
+        labels, self.constrained_decoding = tokenspeed_labels(list(launcher.extra_args))
+        self.server_args = {"engine_args": launcher.redacted(list(launcher.extra_args)), **labels}
         # Without --enable-output-logprobs TokenSpeed pre-aborts a request for logprobs: refused here instead.
         self.edge = TokenSpeedEdge(output_logprobs=getattr(launcher, "output_logprobs", True))
 
@@ -88,7 +90,7 @@ class TokenSpeedSchedulerService(ContractService, TokenSpeedSchedulerBase):
     @grpc_errors
     async def GetServerInfo(self, stream) -> None:
         await stream.recv_message()
-        await stream.send_message(server_info(self.app, self.server_args))
+        await stream.send_message(server_info(self.app, self.server_args, self.constrained_decoding))
 
     @grpc_errors
     async def GetLoads(self, stream) -> None:
@@ -147,16 +149,18 @@ def engine_version(ready: dict) -> str:
     return version.removeprefix(ENGINE_VERSION_PREFIX)
 
 
-def server_info(app, server_args: dict) -> pb.GetServerInfoResponse:
+def server_info(app, server_args: dict, constrained_decoding: str = "") -> pb.GetServerInfoResponse:
     ready = _ready(app)
     args = struct_pb2.Struct()
     args.update({
-        **server_args,
         "model_path": str(app.model.model_path),
         "served_model_name": app.served_model_name,
         "context_length": int(ready.get("max_model_len") or 0),
         "dp_size": app.link.ranks.size,
-        "constrained_decoding_start": CONSTRAINED_DECODING_START,
+        CONSTRAINED_DECODING_START_KEY: FIRST_TOKEN,  # TokenSpeed's grammar runs from the first token
+        **server_args,  # the engine's arguments and the labels resolved from them (``configure``)
+        # The PD role the router pairs legs by, and the operator's pairing protocol (pd_bootstrap.py).
+        **PdLeg.of(ready).server_fields(),
     })
     scheduler = struct_pb2.Struct()
     scheduler.update({
@@ -174,6 +178,8 @@ def server_info(app, server_args: dict) -> pb.GetServerInfoResponse:
         max_total_num_tokens=app.kv_capacity_tokens,
         tokenspeed_version=engine_version(ready),
         start_time=start_time(app),
+        # The engine's declared policy (a grammar on every turn, or when asked), only when it declares one.
+        **({"constrained_decoding": constrained_decoding} if constrained_decoding else {}),
     )
 
 

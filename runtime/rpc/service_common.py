@@ -53,6 +53,15 @@ class ContractService:
 
     @grpc_errors
     async def Generate(self, stream) -> None:
+        tracing = self.app.tracing
+        if tracing is None:
+            return await self._generate(stream)
+        # runtime/lifetime/tracing.py: this call's span, in the trace its metadata carries (the router's
+        # traceparent); the records its call journals are folded into it until it ends here.
+        with tracing.call(stream.metadata):
+            await self._generate(stream)
+
+    async def _generate(self, stream) -> None:
         request = await stream.recv_message()
         current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
         # runtime/requests/generate.py: the one Generate loop (the simulation runs it too).

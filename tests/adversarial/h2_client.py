@@ -28,8 +28,10 @@ def grpc_frame(body: bytes, claimed: int | None = None) -> bytes:
     return struct.pack(">?I", False, len(body) if claimed is None else claimed) + body
 
 
-def raw_socket(port: int, timeout_s: float = 5.0) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+def raw_socket(port: int, timeout_s: float = 5.0, source: str | None = None) -> socket.socket:
+    """A TCP connection to the servicer on 127.0.0.1, from ``source`` (another 127.0.0.x plays another peer)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout_s,
+                                    source_address=None if source is None else (source, 0))
 
 
 def closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
@@ -68,8 +70,9 @@ class Call:
 
 
 class H2Client:
-    def __init__(self, port: int, *, initial_window: int | None = None, timeout_s: float = 5.0) -> None:
-        self.sock = raw_socket(port, timeout_s)
+    def __init__(self, port: int, *, initial_window: int | None = None, timeout_s: float = 5.0,
+                 source: str | None = None) -> None:
+        self.sock = raw_socket(port, timeout_s, source)
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
         self.conn.initiate_connection()
         if initial_window is not None:

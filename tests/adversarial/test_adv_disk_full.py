@@ -11,6 +11,8 @@ when enginelink makes it.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import logging
 import os
@@ -23,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginelink.journal import store as store_module
 from enginelink.journal.journal import Journal
-from enginelink.journal.store import StoreError, open_store
+from enginelink.journal.store import StoreError, open_reader, open_store
 from enginelink.journal.store_health import health_path, read_health
 from enginelink.tools.inspect import render_health
 from tests.harness import VENV_BIN, VLLM_SERVICE, Servicer, free_port, generate_request, scrape, wait_until
@@ -154,17 +156,72 @@ def _inspect(journal: Path) -> str:
     return done.stdout
 
 
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+MNT_DETACH = 2
+
+
 @pytest.fixture
 def small_disk(tmp_path):
+    """A real 4 MiB filesystem (a tmpfs), mounted with mount(2) itself: no `mount` process, so the
+    in-process tests below stay in the fast loop (tests/fast_loop.py). Needs root, as the suite has."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs here (the tests run as root): {done.stderr}")
+    if _libc.mount(b"tmpfs", os.fsencode(mount), b"tmpfs", 0, b"size=4m,mode=0700") != 0:
+        code = ctypes.get_errno()
+        pytest.fail(f"cannot mount a tmpfs here (the tests run as root): {os.strerror(code)}")
     yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    _libc.umount2(os.fsencode(mount), MNT_DETACH)
 
 
+def _fill(path: Path) -> None:
+    """Writes zeros to ``path`` until its filesystem is full (ENOSPC)."""
+    with open(path, "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+
+
+def test_a_full_disk_is_named_in_the_error_line_with_what_is_lost(small_disk, caplog):
+    # SQLite rolls a transaction back itself when the disk is full (SQLITE_FULL); the store's own
+    # ROLLBACK then failed with "cannot rollback - no transaction is active", and that error, not the
+    # full disk, was what the log, /metrics' last error and the status file said.
+    journal = Journal(small_disk / "j.sqlite")
+    caplog.set_level(logging.INFO, logger="enginelink.journal")
+    journal.append(0.0, "run", "run.start", {"n": 0})
+    journal.flush_sync()
+    _fill(small_disk / "filler")
+    prompt = list(range(20_000))  # ~60 KiB a record: the WAL must grow, a full disk has no block for it
+    for n in range(1, 4):
+        journal.append(float(n), "req/r", "client.generate", {"request_id": "r", "prompt": prompt})
+        journal.flush_sync()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    line = errors[0]
+    assert "cannot rollback" not in line, line
+    assert "database or disk is full" in line and "SQLITE_FULL" in line, line  # SQLite's own error
+    assert "the disk (or the journal's database) is full" in line, line  # the cause, in words
+    assert "0 bytes free on its filesystem" in line, line  # which of the two: the disk
+    assert "records seq 2..2" in line and "every record after them" in line, line  # what is being lost
+    assert "keeps serving" in line, line
+    stats = journal.stats()
+    assert stats.store_failing == 1 and stats.store_errors == 3 and stats.store_dropped == 3
+    health = read_health(journal.path)
+    assert health["writing"] is False and "database or disk is full" in health["error"], health
+    assert "cannot rollback" not in health["error"], health
+
+    (small_disk / "filler").unlink()  # room again: the next batch is written, the gap stays
+    journal.append(4.0, "run", "run.start", {"n": 4})
+    journal.flush_sync()
+    assert journal.stats().store_failing == 0
+    journal.close()
+    with open_reader(small_disk / "j.sqlite") as reader:
+        assert [rec.seq for rec in reader.iter_records()] == [1, 5]
+
+
+@pytest.mark.process
 @pytest.mark.slow
 def test_serve_on_a_full_disk_keeps_serving_and_says_so(tmp_path, test_model_dir, small_disk):
     metrics_port = free_port()
@@ -199,6 +256,8 @@ def test_serve_on_a_full_disk_keeps_serving_and_says_so(tmp_path, test_model_dir
         wait_until(lambda: _metric(metrics_port, "smg_servicer_journal_store_errors") >= 3 or generate(), 60,
                    "more failed writes", interval_s=0.05)
         assert servicer.log().count("journal: cannot write to") == 1  # once, not once per batch
+        line = next(line for line in servicer.log().splitlines() if "journal: cannot write to" in line)
+        assert "cannot rollback" not in line and "is full" in line and "dropped from the file" in line, line
         assert _metric(metrics_port, "smg_servicer_journal_store_failing") == 1
         assert _metric(metrics_port, "smg_servicer_journal_store_dropped") > 0
         shown = _inspect(journal)

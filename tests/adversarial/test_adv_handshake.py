@@ -32,6 +32,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.harness import VLLM_SERVICE, Servicer, wait_until
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 HELLO = msgspec.msgpack.encode({"status": "HELLO", "local": False, "headless": True})
 READY = msgspec.msgpack.encode({"status": "READY", "local": False, "headless": True})
 ENGINE_IDENTITY = b"\x00\x00"  # rank 0, what the real engine uses

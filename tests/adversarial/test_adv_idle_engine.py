@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from enginelink.runtime.engine.session import session_members
 from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
 PROBE_S = 0.5

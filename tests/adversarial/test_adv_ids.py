@@ -223,6 +223,7 @@ def test_reserved_ids_are_refused_while_serving(servicer):
     assert out[-1].complete.finish_reason == "length"
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_reserved_ids_are_refused_from_start_up_through_warm_up(tmp_path, test_model_dir):
     """Every attempt from the first moment the port answers until SERVING is INVALID_ARGUMENT,

@@ -37,6 +37,7 @@ INTERNAL = grpc.StatusCode.INTERNAL
 BUG_SERVICER = Path(__file__).with_name("bug_servicer.py")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_bugs_in_handlers_are_answered_logged_journaled_and_counted(tmp_path, test_model_dir):
     servicer = Servicer(tmp_path, model_dir=test_model_dir)

@@ -1,13 +1,17 @@
 """Attacks on KV event subscribers: clients that never read must not hold the slots.
 
-Two ways a subscriber is let go, each ending its stream with DATA_LOSS and
+Three ways a subscriber is let go, each ending its stream with DATA_LOSS and
 freeing its slot (``ENGINELINK_KV_MAX_SUBSCRIBERS``): the history window rolls
 past what it has not taken (at once, even while flow control holds its
-stream), or flow control holds one of its messages longer than
-``ENGINELINK_KV_SEND_STALL_SECS``. A subscriber that reads is not touched.
+stream), flow control holds one of its messages longer than
+``ENGINELINK_KV_SEND_STALL_SECS``, or a new subscriber needs its slot while a
+message to it is held (``machines/kv_admission.py``). A subscriber that reads
+is not touched.
 """
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import pytest
@@ -71,14 +75,20 @@ def subscribe_request(loads_first: bool = True) -> bytes:
     return grpc_frame(request.SerializeToString())
 
 
-def non_reader(servicer, loads_first: bool = True):
-    """A subscriber that announces a zero receive window and never opens it: no message can reach it."""
+def non_reader(servicer, loads_first: bool = True, *, held: bool = False, source: str | None = None):
+    """A subscriber that announces a zero receive window and never opens it: no message can reach it.
+
+    ``held``: return once a message to it waits for its window (its response
+    headers, which flow control does not hold, go out with the first message).
+    """
     before = metric(servicer, "smg_servicer_kv_subscribers")
-    client = H2Client(servicer.port, initial_window=0)
+    client = H2Client(servicer.port, initial_window=0, source=source)
     call = client.start(SUBSCRIBE_KV, subscribe_request(loads_first), end=True)
     # Subscribed: the relay counts it (its response headers wait for its first message).
     wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == before + 1, 10, "the subscription")
     client.pump(0.05)
+    if held:
+        client.wait(lambda: call.headers or call.ended, 10, "its first message")
     assert not call.ended, (call.status, call.message)
     return client, call
 
@@ -90,20 +100,29 @@ def stall_servicer(tmp_path_factory, test_model_dir):
         yield running
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_subscribers_that_never_read_end_with_data_loss_and_free_every_slot(stall_servicer):
     servicer = stall_servicer
-    stuck = [non_reader(servicer) for _ in range(4)]
+    stuck = [non_reader(servicer, held=True) for _ in range(4)]  # held one after the other: the first longest
     try:
-        with KvSubscription(servicer, 0) as extra:  # the cap is reached: refused while they hold it
-            assert extra.wait_end() == grpc.StatusCode.UNAVAILABLE and "4 KV event subscribers" in extra.details()
-        for client, call in stuck:
-            client.finish(call, timeout_s=10)
-            assert call.status == DATA_LOSS and "ENGINELINK_KV_SEND_STALL_SECS" in call.message, call.trailers
+        # The cap is reached: the one held longest gives way to a new subscriber at once (issue 38,
+        # item 5; before, the new one was refused until the stall bound freed a slot).
+        with KvSubscription(servicer, 0) as extra:
+            extra.wait(lambda s: s.snapshot(), what="a first record")
+            (oldest_client, oldest), *rest = stuck
+            oldest_client.finish(oldest, timeout_s=5)
+            assert oldest.status == DATA_LOSS and "needed its slot (ENGINELINK_KV_MAX_SUBSCRIBERS)" in oldest.message
+            for client, call in rest:  # the others: the stall bound
+                client.finish(call, timeout_s=10)
+                assert call.status == DATA_LOSS and "ENGINELINK_KV_SEND_STALL_SECS" in call.message, call.trailers
+            assert extra.error is None
     finally:
         for client, _ in stuck:
             client.close()
-    assert labelled(scrape(servicer.metrics_port), "smg_servicer_kv_data_loss_total", reason="stalled") >= 4
+    samples = scrape(servicer.metrics_port)
+    assert labelled(samples, "smg_servicer_kv_data_loss_total", reason="stalled") >= 3
+    assert labelled(samples, "smg_servicer_kv_data_loss_total", reason="evicted") >= 1
     wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == 0, 5, "every slot free")
     assert metric(servicer, "smg_servicer_kv_subscribers_max") == 4
     assert metric(servicer, "smg_servicer_kv_send_stall_seconds") == 2
@@ -121,6 +140,7 @@ def window_servicer(tmp_path_factory, test_model_dir):
         yield running
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_slow_reader_left_behind_by_the_window_ends_while_a_fast_one_continues(window_servicer):
     servicer = window_servicer
@@ -148,3 +168,100 @@ def test_a_slow_reader_left_behind_by_the_window_ends_while_a_fast_one_continues
             again.wait(lambda s: s.kv_batches(), what="a first batch")
             assert again.error is None
     assert labelled(scrape(servicer.metrics_port), "smg_servicer_kv_data_loss_total", reason="behind") >= 1
+
+
+# ---- fairness: an attacker who re-subscribes as fast as its streams are dropped (issue 38, item 5) ----------
+#
+# Four slots, two per peer, the default 30 s stall bound: nothing of the attacker's is
+# dropped by the stall during a test, so a slot the router gets is one given way to it.
+
+FAIR_SLOTS = 4
+FAIR_PER_PEER = 2
+
+
+@pytest.fixture(scope="module")
+def fair_servicer(tmp_path_factory, test_model_dir):
+    env = {"ENGINELINK_KV_MAX_SUBSCRIBERS": str(FAIR_SLOTS),
+           "ENGINELINK_KV_MAX_SUBSCRIBERS_PER_PEER": str(FAIR_PER_PEER)}  # fmt: skip
+    with shared(limited_servicer(tmp_path_factory.mktemp("adv-kv-fair"), test_model_dir, env)) as running:
+        yield running
+
+
+def subscribe_as_the_router(servicer, deadline_s: float) -> tuple[KvSubscription | None, int]:
+    """Subscribe as the router does (cursor 0, load records first), again after each refusal: (stream, attempts)."""
+    attempts = 0
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        attempts += 1
+        sub = KvSubscription(servicer, 0)
+        try:
+            sub.wait(lambda s: s.snapshot(), 3.0, "a first record")
+            return sub, attempts
+        except AssertionError:  # refused (UNAVAILABLE), or nothing within the wait
+            sub.cancel()
+            time.sleep(0.2)
+    return None, attempts
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_the_router_subscribes_and_keeps_its_stream_while_an_attacker_resubscribes(fair_servicer):
+    """The issue's attack: every slot held by subscribers that never read, each re-subscribing as it is dropped.
+
+    Before: the router's subscriber was refused until the stall bound
+    (30 s) dropped one, and then lost the race for the slot. Now a held
+    subscriber that never took a message gives way to a new one, and the
+    router's, which takes its messages, is never the one.
+    """
+    from tests.adversarial.attackers import KvResubscriber, sources
+
+    servicer = fair_servicer
+    attacker = KvResubscriber(servicer.port, FAIR_SLOTS + 2, sources(2, 8), max_opened=1500, max_s=25,
+                              rate_per_s=100)  # fmt: skip
+    router = None
+    with attacker:
+        wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == FAIR_SLOTS, 10, "every slot taken")
+        router, attempts = subscribe_as_the_router(servicer, 10.0)
+        assert router is not None, f"refused {attempts} times; attacker: {attacker.stats()}"
+        try:
+            before = len(router.snapshot())
+            evicted_before = labelled(scrape(servicer.metrics_port), "smg_servicer_kv_data_loss_total",
+                                      reason="evicted")  # fmt: skip
+            for i in range(6):  # KV events and load records flow while the attacker goes on
+                generate(servicer, f"adv-kv-fair-{i}", prompt(200 + i, 2 * BLOCK))
+                time.sleep(0.5)
+            assert attacker.error is None, attacker.error
+            report = attacker.stats()
+            assert router.error is None and not router.done.is_set(), (router.code(), router.details(), report)
+            router.wait(lambda sub: len(sub.kv_batches()) >= 6, what="a KV batch of each request")
+            assert len(router.snapshot()) > before, report
+            # The attack went on all along: its own subscribers gave way to each other.
+            evicted = labelled(scrape(servicer.metrics_port), "smg_servicer_kv_data_loss_total", reason="evicted")
+            assert evicted > evicted_before, report
+        finally:
+            router.cancel()
+    # Refused at most while every slot held a subscriber just admitted (nothing sent to it yet).
+    assert attempts <= 5, f"{attempts} attempts before the router's subscriber was served"
+
+
+@pytest.mark.process
+def test_one_peer_holds_at_most_its_share_of_kv_slots(fair_servicer):
+    servicer = fair_servicer
+    wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == 0, 35, "no subscriber left")
+    greedy = [non_reader(servicer, held=True, source="127.0.0.2") for _ in range(FAIR_PER_PEER)]
+    try:
+        client = H2Client(servicer.port, initial_window=0, source="127.0.0.2")
+        greedy.append((client, client.start(SUBSCRIBE_KV, subscribe_request(), end=True)))
+        client, call = greedy[0]  # the peer's one held longest gave way to its newest
+        client.finish(call, timeout_s=5)
+        assert call.status == DATA_LOSS and "ENGINELINK_KV_MAX_SUBSCRIBERS_PER_PEER" in call.message, call.trailers
+        wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == FAIR_PER_PEER, 5, "two left")
+        with KvSubscription(servicer, 0) as reader:  # another peer (127.0.0.1) has room without displacing anyone
+            reader.wait(lambda s: s.snapshot(), what="a first record")
+            for client, call in greedy[1:]:
+                client.pump(0.05)
+                assert not call.ended
+    finally:
+        for client, _ in greedy:
+            client.close()
+    assert metric(servicer, "smg_servicer_kv_subscribers_per_peer_max") == FAIR_PER_PEER

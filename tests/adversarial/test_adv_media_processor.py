@@ -98,6 +98,7 @@ def _zombie(pid: int) -> bool:
         return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+@pytest.mark.process
 async def test_a_good_reply_is_the_expanded_prompt_and_the_features_with_their_tensors_as_sent(child):
     processor = _processor(child)
     try:
@@ -110,6 +111,7 @@ async def test_a_good_reply_is_the_expanded_prompt_and_the_features_with_their_t
     assert not processor.running
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("cue, words", [
     (EXIT, "died during this request"),
     (HUGE, "over the"),
@@ -131,6 +133,7 @@ async def test_a_child_that_breaks_fails_that_request_unavailable_and_the_next_g
         await processor.aclose()
 
 
+@pytest.mark.process
 async def test_a_hung_request_is_cut_at_the_bound_and_the_child_replaced(child):
     starts: list[int] = []
     processor = _processor(child, process_timeout_s=1.0, starts=starts)
@@ -145,6 +148,7 @@ async def test_a_hung_request_is_cut_at_the_bound_and_the_child_replaced(child):
         await processor.aclose()
 
 
+@pytest.mark.process
 async def test_requests_queued_behind_a_hung_one_end_unavailable_too_never_waiting_unbounded(child):
     processor = _processor(child, process_timeout_s=1.0)
     await processor.process([OK], ITEMS)
@@ -169,6 +173,7 @@ async def test_requests_queued_behind_a_hung_one_end_unavailable_too_never_waiti
         await processor.aclose()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("start, words", [("exit", "did not start"), ("silent", "START_TIMEOUT_S=1")])
 async def test_a_child_that_never_gets_ready_is_unavailable_and_tried_again_next_time(child, monkeypatch, start, words):
     monkeypatch.setenv("FAKE_START", start)
@@ -185,6 +190,7 @@ async def test_a_child_that_never_gets_ready_is_unavailable_and_tried_again_next
         await processor.aclose()
 
 
+@pytest.mark.process
 async def test_the_processors_faults_say_whose(child):
     processor = _processor(child)
     try:
@@ -201,6 +207,7 @@ async def test_the_processors_faults_say_whose(child):
         await processor.aclose()
 
 
+@pytest.mark.process
 async def test_a_caller_that_leaves_mid_request_does_not_leave_its_reply_for_the_next(child):
     processor = _processor(child)
     try:
@@ -223,6 +230,7 @@ async def test_a_worker_without_a_processor_refuses_fetched_refs_failed_precondi
     assert off.processor is None  # media refs off: no helper, ever
 
 
+@pytest.mark.process
 async def test_a_child_killed_between_requests_is_noticed_before_the_next_is_sent(child):
     starts: list[int] = []
     processor = _processor(child, starts=starts)

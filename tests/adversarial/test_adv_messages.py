@@ -18,6 +18,8 @@ from tests.adversarial.conftest import limited_servicer, metric, rss_bytes
 from tests.adversarial.h2_client import HEALTH_CHECK, H2Client, grpc_frame
 from tests.harness import generate_request, shared
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 LIMIT = 1 << 20
 BUDGET = 3 * LIMIT // 2
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -151,6 +153,9 @@ def test_one_connection_cannot_hold_more_than_its_reassembly_budget(servicer):
     ("ENGINELINK_GRPC_MAX_CONNECTIONS", "-1"), ("ENGINELINK_GRPC_HANDSHAKE_TIMEOUT_SECS", "inf"),
     ("ENGINELINK_GRPC_IDLE_TIMEOUT_SECS", "nan"), ("ENGINELINK_KV_MAX_SUBSCRIBERS", "0"),
     ("ENGINELINK_KV_SEND_STALL_SECS", "soon"),
+    # issue 38, item 5
+    ("ENGINELINK_GRPC_MAX_CONNECTIONS_PER_PEER", "0"), ("ENGINELINK_GRPC_MAX_HANDSHAKING_CONNECTIONS", "many"),
+    ("ENGINELINK_GRPC_EVICT_IDLE_SECS", "-1"), ("ENGINELINK_KV_MAX_SUBSCRIBERS_PER_PEER", "0"),
 ])  # fmt: skip
 def test_a_limit_that_cannot_work_is_refused_before_the_engine_starts(tmp_path, name, value):
     import subprocess

@@ -98,6 +98,7 @@ def secret_env():
     return {"SMG_VLLM_SERVICER_WARMUP": "off", "OPS_DB_PASSWORD": "env-only-secret-77"}
 
 
+@pytest.mark.process
 def test_an_engine_argument_error_reaches_the_log_without_the_secrets(tmp_path, test_model_dir, secret_env):
     secrets = ["hf_moved_to_env_1", "sk-dropped-2", "json-pass-3", "urlpass-4", "env-only-secret-77"]
     servicer = Servicer(tmp_path, model_dir=test_model_dir, env=secret_env, engine_args=[
@@ -122,6 +123,7 @@ def test_an_engine_argument_error_reaches_the_log_without_the_secrets(tmp_path, 
     assert launches and not any(secret in str(launches) for secret in secrets)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_running_engine_gets_its_token_by_environment_not_argv(tmp_path, test_model_dir, secret_env):
     with Servicer(tmp_path, model_dir=test_model_dir, env=secret_env,

@@ -100,6 +100,7 @@ def test_a_directory_it_creates_is_private_whatever_the_umask(monkeypatch):
     shutil.rmtree(short, ignore_errors=True)
 
 
+@pytest.mark.process
 def test_a_directory_too_long_for_an_ipc_path_is_refused_before_any_bind(monkeypatch, test_model_dir):
     """sockaddr_un holds 107 bytes: a directory that leaves no room for the socket names is the
     operator's to change (exit 2, one line naming the knob), not a bind error and a traceback."""
@@ -123,6 +124,7 @@ def test_a_directory_too_long_for_an_ipc_path_is_refused_before_any_bind(monkeyp
         shutil.rmtree(short, ignore_errors=True)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("attack", ["other-owner", "symlink", "mode-0755"])
 def test_serve_exits_2_with_one_line_saying_what_to_do(tmp_path, test_model_dir, attack):
     target = tmp_path / "sockets"

@@ -147,6 +147,7 @@ def test_the_largest_legal_stop_sets_are_taken():
 # -- through a servicer ------------------------------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_maximal_stop_set_does_not_stall_other_calls_or_health(tmp_path, test_model_dir):
     """n = 4 × 600 tokens against 64 never-matching stop strings of 64 bytes, while

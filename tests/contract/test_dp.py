@@ -41,6 +41,8 @@ from tests.contract.helpers import (
 )
 from tests.harness import Servicer, free_port, generate_request, shared, wait_until
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 # 20 ms a step: 2000 tokens is 40 s, far longer than any test here waits.
 LONG = 2000
 

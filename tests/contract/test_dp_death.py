@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from tests.contract.helpers import CALL_TIMEOUT_S, SLOW_ENGINE_ARGS, new_id, prompt
 from tests.harness import Servicer, alive, engine_pid, generate_request, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def _rank_pids(servicer: Servicer) -> dict[int, int]:

@@ -32,6 +32,8 @@ from tests.contract.helpers import (
 from enginelink.journal.records import request_stream
 from tests.harness import Servicer, engine_pid, frozen, generate_request, shared, wait_until
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 DIM = 256  # the test model's hidden_size: the sim's default embedding length
 MAX_MODEL_LEN = 512
 # The sim sends a step's outputs and then waits out its cost: a full-context prompt's step

@@ -20,6 +20,8 @@ from tests.contract.test_abort import *  # noqa: F403 - collected again, against
 from tests.contract.test_generate import *  # noqa: F403
 from tests.harness import Servicer, free_port, generate_request, scrape
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 OFF = {"ENGINELINK_FAST_PATH": "0"}
 
 

@@ -15,6 +15,8 @@ from tokenizers import Tokenizer
 from tests.contract.helpers import CALL_TIMEOUT_S, Outcome, generate, greedy, new_id, prompt
 from tests.harness import engine_pid, generate_request
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 EOS = 2
 CONTEXT = 2048
 

@@ -30,6 +30,8 @@ from tests.contract.helpers import (
 )
 from tests.harness import Servicer, generate_request, wait_until
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 
 @pytest.fixture(scope="module")
 def run_journal(tmp_path_factory, test_model_dir):

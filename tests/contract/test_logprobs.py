@@ -20,6 +20,8 @@ from tokenizers import Tokenizer
 from tests.contract.helpers import Outcome, generate, journal_rows, new_id, prompt, refusal, wait_journal
 from tests.harness import Servicer, generate_request, shared
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 VOCAB = 4096
 PROMPT = prompt(7, 10)
 

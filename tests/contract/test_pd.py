@@ -31,6 +31,8 @@ from tests.contract.helpers import (
 )
 from tests.harness import Servicer, free_port, generate_request, scrape, shared
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 ENGINE_ID = "pd-engine-1"
 KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": ENGINE_ID}
 SIM_BLOCK_SIZE = 16  # the sim's default

@@ -35,6 +35,8 @@ from tests.contract.helpers import (
 )
 from tests.harness import generate_request
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 CONTEXT = 2048
 
 

@@ -22,6 +22,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from tests.contract.helpers import CALL_TIMEOUT_S
 from tests.harness import VLLM_SERVICE
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 CHUNK_BYTES_MAX = 64 * 1024
 
 

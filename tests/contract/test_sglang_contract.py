@@ -24,6 +24,8 @@ from tokenizers import Tokenizer
 from enginelink.journal.store import open_reader
 from tests.harness import Servicer, wait_until
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 TIMEOUT_S = 30
 _ids = itertools.count(1)
@@ -205,7 +207,9 @@ REFUSALS = [
     ("bad JSON schema", dict(json_schema="{not json"), "sampling_params.json_schema"),
     ("blank grammar", dict(ebnf_grammar="   "), "sampling_params.ebnf_grammar"),
     ("hidden states", dict(return_hidden_states=True), "return_hidden_states"),
-    ("LoRA", dict(lora_id="adapter"), "lora_id"),
+    # SGLang's own flag is off on this worker: its scheduler would run no processor.
+    ("custom logit processor without --enable-custom-logit-processor", dict(custom_logit_processor="{}"),
+     "custom_logit_processor"),
     ("too many top logprobs", dict(return_logprob=True, top_logprobs_num=10**6), "top_logprobs_num"),
     ("DP rank out of range", dict(data_parallel_rank=3), "data_parallel_rank"),
 ]
@@ -214,8 +218,8 @@ REFUSALS = [
 @pytest.mark.parametrize("mutation, field", [(m, f) for _, m, f in REFUSALS], ids=[r[0] for r in REFUSALS])
 def test_bad_input_is_refused_before_the_engine_naming_the_field(sgl, mutation, field):
     mutation = dict(mutation)
-    top = {k: mutation.pop(k) for k in ("return_hidden_states", "lora_id", "return_logprob", "top_logprobs_num",
-                                        "data_parallel_rank") if k in mutation}
+    top = {k: mutation.pop(k) for k in ("return_hidden_states", "custom_logit_processor", "return_logprob",
+                                        "top_logprobs_num", "data_parallel_rank") if k in mutation}
     prompt = mutation.pop("prompt", (5, 6, 7))
     no_input = mutation.pop("tokenized", "keep") is None
     req = request(prompt, **mutation)
@@ -342,3 +346,19 @@ def test_the_health_probes_ids_are_the_servicers(sgl):
                                  if kind == "client.sent" and st.startswith("req/smg-warmup-health-")] or None,
                         10, "the health probes journaled")  # the journal flushes every 50 ms
     assert all(p["finish_reason"] == "length" and p["tokens_sent"] == 1 for p in probes)
+
+
+def test_lora_ids_and_custom_logit_processors_reach_a_scheduler_that_runs_them(tmp_path, test_model_dir):
+    # The sim runs neither; what is checked is that the worker takes them where SGLang's own flag is on
+    # (the bytes in the scheduler's own fields: tests/wire/test_sglang_codec.py against the real structs).
+    with Servicer(tmp_path, model_dir=test_model_dir, extra=["--engine", "sim", "--wire", "sglang"],
+                  engine_args=["--enable-custom-logit-processor"], health_service=SERVICE).start() as s:
+        stub = pb_grpc.SglangSchedulerStub(s.channel)
+        assert dict(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5).server_args)[
+            "enable_custom_logit_processor"] is True
+        request = pb.GenerateRequest(request_id="lora-proc", tokenized=pb.TokenizedInput(input_ids=[5, 6, 7]),
+                                     sampling_params=pb.SamplingParams(max_new_tokens=3, ignore_eos=True),
+                                     lora_id="adapter-a", custom_logit_processor='{"callable": "x"}',
+                                     require_reasoning=True)
+        (reply,) = list(stub.Generate(request, timeout=10))
+        assert reply.complete.finish_reason == "length" and len(reply.complete.output_ids) == 3

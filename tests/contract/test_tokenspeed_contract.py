@@ -24,6 +24,8 @@ from tests.contract.helpers import CALL_TIMEOUT_S, SLOW_ENGINE_ARGS, new_id, pro
 from tests.harness import Servicer, shared, wait_until
 from tests.router.test_router_e2e import journal
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 SERVICE = "tokenspeed.grpc.scheduler.TokenSpeedScheduler"
 
 

@@ -78,6 +78,7 @@ def test_a_held_journal_is_not_moved_or_opened_by_another_journal(tmp_path):
     assert stored_count(previous_path(path)) == 2
 
 
+@pytest.mark.process
 def test_the_lock_is_per_process_and_names_its_holder(tmp_path):
     """Another process is refused while the holder lives, and gets the lock once it is gone (however it ends)."""
     path = tmp_path / "journal-9.sqlite"

@@ -299,6 +299,7 @@ def test_not_a_journal(tmp_path):
         open_reader(text)
 
 
+@pytest.mark.process
 def test_reader_sees_a_live_writer_in_another_process(tmp_path):
     path = tmp_path / "j.sqlite"
     writer = subprocess.Popen(
@@ -331,6 +332,7 @@ def test_reader_sees_a_live_writer_in_another_process(tmp_path):
             writer.wait()
 
 
+@pytest.mark.process
 def test_reader_opens_a_journal_left_by_a_killed_writer(tmp_path):
     path = tmp_path / "j.sqlite"
     done = subprocess.run(

@@ -22,6 +22,8 @@ from tests.harness import free_port
 from tests.kv.conftest import NO_WARMUP, kv_servicer, sequence_base
 from tests.kv.kv_client import Chain, KvSubscription, generate, metric, newest_sequence, prompt, scrape
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 BLOCK = 16
 
 

@@ -15,6 +15,8 @@ import pytest
 from tests.kv.conftest import kv_servicer, sequence_base
 from tests.kv.kv_client import Chain, KvSubscription, generate, newest_sequence, prompt
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 BLOCK = 16
 WINDOW = 8
 

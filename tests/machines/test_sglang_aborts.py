@@ -74,9 +74,8 @@ def test_a_reported_abort_req_without_status_is_internal_and_a_plain_cancel_stay
 
 
 @pytest.mark.parametrize("reason", [
-    sglang.finish_abort("token 7 rejected", 500, sglang.GRAMMAR_ERR_TYPE),  # SMG's plugin stamps err_type
-    sglang.finish_abort("Grammar accept_token failed for token 7", 500),  # stock SGLang's words
-], ids=["err_type", "words"])
+    sglang.finish_abort("token 7 rejected", 500, sglang.GRAMMAR_ERR_TYPE),  # the ranks' hooks stamp err_type
+], ids=["err_type"])
 def test_a_grammar_abort_is_a_constraint_failure_with_the_engine_trailer(reason):
     core = _core()
     call = _admit(core, "g", constraint="sampling_params.regex")
@@ -85,3 +84,32 @@ def test_a_grammar_abort_is_a_constraint_failure_with_the_engine_trailer(reason)
     assert error.status == Status.FAILED_PRECONDITION
     assert error.trailing_metadata == (CONSTRAINT_FAILED_METADATA,)
     assert "sampling_params.regex" in str(error) and "token 7" in str(error)
+
+
+def test_a_grammar_abort_is_never_attributed_by_its_wording():
+    # Stock SGLang's unnamed aborts keep their status: a rejected token's 500 is INTERNAL, a grammar that does
+    # not compile is the client's 400; only the ranks' own name (err_type) makes a constraint failure.
+    for reason, status in ((sglang.finish_abort("Grammar accept_token failed for token 7", 500,
+                                                "InternalServerError"), Status.INTERNAL),
+                           (sglang.finish_abort("Failed to compile json_schema grammar: bad", 400,
+                                                "BadRequestError"), Status.INVALID_ARGUMENT)):
+        core = _core()
+        call = _admit(core, "w", constraint="sampling_params.json_schema")
+        _feed(core, _aborted_in_batch("w", reason))
+        error = from_failure(call.failure)
+        assert error.status == status and getattr(error, "trailing_metadata", ()) != (CONSTRAINT_FAILED_METADATA,)
+
+
+def test_the_schedulers_reasoning_token_count_reaches_the_complete():
+    # SGLang counts a choice's thinking tokens (a running total); decoded, then read at the choice's end.
+    from enginelink.runtime.requests.contract_sglang import encode_complete
+
+    core = _core()
+    call = _admit(core, "think")
+    _feed(core, sglang.token_batch(["think"], [[7, 8]], [None], prompt_tokens=[2], completion_tokens=[2],
+                                   reasoning_tokens=[2]))
+    _feed(core, sglang.token_batch(["think"], [[9, 10]], [sglang.finish_length(4)], prompt_tokens=[2],
+                                   completion_tokens=[4], reasoning_tokens=[3]))
+    (complete,) = [m for m in call.take_messages() if type(m).__name__ == "Complete"]
+    assert complete.reasoning_tokens == 3
+    assert encode_complete(complete).complete.reasoning_tokens == 3

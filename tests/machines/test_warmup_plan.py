@@ -252,3 +252,56 @@ def test_nonsense_facts_are_refused(bad):
     facts = dict(window=4, step=512, context=2048, vocab=4096) | bad
     with pytest.raises(ValueError, match="warm-up facts"):
         WarmupFacts(**facts)
+
+
+# -- TokenSpeed: the chunk remainders (issue 33 item 6) ----------------------------------------------
+
+from enginelink.machines.warmup import TOKENSPEED_BUDGET_S, facts_from_ready as _facts_from_ready  # noqa: E402
+from enginelink.machines.warmup import spread_order  # noqa: E402
+
+
+def _tokenspeed_ready(world_size: int | None) -> dict:
+    ready = {"vllm_version": "tokenspeed-0.1.1", "max_num_seqs": 4, "max_num_batched_tokens": 300,
+             "max_model_len": 4096}
+    if world_size is not None:
+        ready["world_size"] = world_size
+    return ready
+
+
+def test_a_multi_process_tokenspeed_plans_every_prompt_length_up_to_the_step_last_and_spread():
+    facts = _facts_from_ready(_tokenspeed_ready(2), 4096)
+    assert facts.every_prefill_length and facts.reserve == 2
+    plan = plan_warmup(facts, "full")
+    kinds = [step.kind for step in plan]
+    remainders = [step.tokens for step in plan if step.kind is StepKind.REMAINDER]
+    ladder = {step.tokens for step in plan if step.kind is StepKind.PREFILL}
+    # Every length 1..step is planned once, the ladder's or a remainder, and the remainders come last
+    # before the flush, in the spread order (a budget cut leaves an even coverage).
+    assert sorted(ladder | set(remainders)) == list(range(1, 301)) and not ladder & set(remainders)
+    assert kinds[-1] is StepKind.FLUSH and set(kinds[-1 - len(remainders):-1]) == {StepKind.REMAINDER}
+    assert remainders == [n for n in spread_order(300) if n not in ladder]
+    assert max(remainders[:8]) - min(remainders[:8]) > 150  # the first few already span the range
+    assert all(len(step.requests) == 1 and step.requests[0].max_tokens == 1 for step in plan
+               if step.kind is StepKind.REMAINDER)
+    # fast leaves them out (the hazard open); a one-process engine and vLLM plan none.
+    assert StepKind.REMAINDER not in {step.kind for step in plan_warmup(facts, "fast")}
+    assert not _facts_from_ready(_tokenspeed_ready(1), 4096).every_prefill_length
+    assert _facts_from_ready(_tokenspeed_ready(None), 4096).every_prefill_length  # unknown layout: kept
+    assert not _facts_from_ready({**_tokenspeed_ready(2), "vllm_version": "0.32.0"}, 4096).every_prefill_length
+
+
+def test_spread_order_is_a_permutation_whose_prefixes_spread():
+    assert spread_order(0) == [] and spread_order(1) == [1] and spread_order(5) == [4, 2, 1, 5, 3]
+    assert sorted(spread_order(1000)) == list(range(1, 1001))
+
+
+def test_tokenspeeds_default_budget_is_900_s(monkeypatch):
+    from enginelink.tools import serve
+
+    for name in ("ENGINELINK_WARMUP", "SMG_TOKENSPEED_SERVICER_WARMUP", "SMG_VLLM_SERVICER_WARMUP",
+                 "SMG_SGLANG_SERVICER_WARMUP"):
+        monkeypatch.delenv(name, raising=False)
+    assert serve._warmup("tokenspeed").budget_s == TOKENSPEED_BUDGET_S == 900.0
+    assert serve._warmup("sglang").budget_s == serve._warmup("vllm").budget_s == 300.0
+    monkeypatch.setenv("SMG_TOKENSPEED_SERVICER_WARMUP", "full")
+    assert serve._warmup("tokenspeed").budget_s == 900.0

@@ -45,10 +45,12 @@ def test_the_launcher_runs_the_engine_module_with_the_mlx_python(tmp_path):
     assert launcher.engine == "vllm"  # the wire it speaks
 
 
+@pytest.mark.process
 def test_a_matching_venv_passes_the_check(tmp_path):
     assert check_installed(str(fake_python(tmp_path, GOOD)))["mlx_lm"] == "0.31.3"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("report, words", [
     ({**GOOD, "problems": ["mlx_lm 0.32.0 has no SequenceStateMachine (built against mlx-lm 0.31.3)"]},
      "has no SequenceStateMachine"),
@@ -62,6 +64,7 @@ def test_a_mismatched_venv_is_refused_naming_the_mismatch(tmp_path, report, word
     assert words in str(refused.value)
 
 
+@pytest.mark.process
 def test_serve_refuses_with_exit_2_before_any_engine_starts(tmp_path, test_model_dir):
     python = fake_python(tmp_path, {**GOOD, "problems": ["mlx_lm 0.32.0 has no SequenceStateMachine"]}, status=1)
     done = subprocess.run(
@@ -75,6 +78,7 @@ def test_serve_refuses_with_exit_2_before_any_engine_starts(tmp_path, test_model
     assert not (tmp_path / "j.sqlite").exists()
 
 
+@pytest.mark.process
 def test_serve_names_a_missing_mlx_python(tmp_path, test_model_dir):
     done = subprocess.run(
         [str(VENV_BIN / "enginelink"), "serve", "--engine", "mlx", "--model", str(test_model_dir),
@@ -86,6 +90,7 @@ def test_serve_names_a_missing_mlx_python(tmp_path, test_model_dir):
     assert "does not exist: run tools/setup-mlx" in done.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("flags, words", [
     (["--completion-batch-size", "0"], "--completion-batch-size 0: expected >= 1"),
     (["--max-logprobs", "-2"], "--max-logprobs -2"),

@@ -258,6 +258,51 @@ def test_unary_rpcs_the_router_uses(stack):
         assert bad_word not in servicer_log, servicer_log[-3000:]
 
 
+# -- structured outputs ----------------------------------------------------------------------
+
+
+def test_a_json_schema_request_through_the_router_reaches_the_scheduler_with_its_grammar_backend(stack):
+    # The sim scheduler enforces nothing (a real one does: tests/sglang/test_sglang_grammar.py); what is
+    # checked here is the path: the router's json_schema reaches the scheduler's sampling params, under the
+    # grammar backend the worker advertises from its resolved arguments.
+    info = stack.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+    labels = dict(info.server_args)
+    assert labels["grammar_backend"] == "xgrammar" and labels["constrained_decoding_start"] == "first_token"
+    assert labels["skip_tokenizer_init"] is False and "engine_reasoning_parser" not in labels
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    request = {"model": stack.model, "messages": [{"role": "user", "content": "json please"}], "max_tokens": 6,
+               "ignore_eos": True, "temperature": 0,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    (choice,) = ok(post(stack.url, CHAT, request))["choices"]
+    assert choice["finish_reason"] == "length"
+
+    def constrained():
+        return [p for _, _, kind, p in journal(stack.servicer) if kind == "client.generate" and p.get("constraint")]
+
+    (record,) = wait_until(constrained, 10, "the constrained call in the journal")
+    assert record["constraint"] == "sampling_params.json_schema" and record["grammar_backend"] == "xgrammar"
+
+
+def test_a_worker_without_a_grammar_backend_refuses_constraints_ahead_of_the_scheduler(tmp_path, test_model_dir):
+    s = _stack(tmp_path, test_model_dir, ["--skip-tokenizer-init", "--reasoning-parser", "qwen3"])
+    try:
+        labels = dict(s.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5).server_args)
+        assert labels["grammar_backend"] == "none" and labels["engine_reasoning_parser"] == "qwen3"
+        assert labels["constrained_decoding_start"] == "after_reasoning"
+        request = pb.GenerateRequest(request_id="no-grammar", tokenized=pb.TokenizedInput(input_ids=[5, 6, 7]),
+                                     sampling_params=pb.SamplingParams(max_new_tokens=4, regex="[0-9]+"))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(s.stub.Generate(request, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "grammar_backend none" in refused.value.details()
+        status, body = post(s.url, CHAT, {"model": s.model, "messages": [{"role": "user", "content": "x"}],
+                                          "max_tokens": 4, "response_format": {"type": "json_object"}})
+        assert status == 400 and "grammar backend" in str(body), body
+    finally:
+        s.router.stop()
+        s.servicer.stop()
+
+
 # -- cache_aware routing by KV events across two SGLang workers --------------------------------
 
 

@@ -44,7 +44,7 @@ from enginelink.journal.store import open_reader
 from tests.harness import Servicer, free_port, wait_until
 from tests.wire.engine_venvs import side_python_or_skip
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_SERVICE = "sglang.grpc.scheduler.SglangScheduler"

@@ -87,6 +87,7 @@ def test_same_seed_same_journal(sim_model, request):
         assert first.journal_rows == second.journal_rows, f"seed {seed}: two runs, two journals; {repro(seed)}"
 
 
+@pytest.mark.process
 def test_same_seed_same_journal_in_another_process(sim_model, test_model_dir, request):
     """Nothing depends on the process: not hash order (another PYTHONHASHSEED), not object ids."""
     model, tokenizer = sim_model

@@ -14,6 +14,7 @@ import os
 import signal
 import time
 
+import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.store import open_reader
@@ -21,6 +22,8 @@ from enginelink.journal.store import open_reader
 from tests.harness import Servicer, generate_request, wait_until
 from tests.tools.helpers import (PROMPT, Stream, alive, engine_pid, enginelink, verify_report,
                                  warmup_admitted)
+
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
 
 LONG = dict(max_tokens=1500, ignore_eos=True)
 LONG_IDS = ["long-0", "long-1", "long-2", "long-n2"]

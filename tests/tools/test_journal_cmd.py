@@ -23,6 +23,8 @@ from tests.harness import Servicer, generate_request, wait_until
 from tests.tools.helpers import (WARMUP_PREFIX, PROMPT, Stream, copy_journal, enginelink, journal_has,
                                  verify_report, warmup_admitted)
 
+pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
+
 
 @pytest.fixture(scope="module")
 def journal(tmp_path_factory, test_model_dir):

@@ -145,6 +145,7 @@ def run_isolated(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.process
 def test_a_live_loopback_store_connection_passes_and_its_close_fails():
     store = socket.create_server(("127.0.0.1", 0))
     port = store.getsockname()[1]
@@ -164,6 +165,7 @@ def test_a_live_loopback_store_connection_passes_and_its_close_fails():
     assert "NOT alive" in dead.stdout
 
 
+@pytest.mark.process
 def test_a_listener_alone_is_not_alive():
     store = socket.create_server(("127.0.0.1", 0))
     try:
@@ -173,6 +175,7 @@ def test_a_listener_alone_is_not_alive():
         store.close()
 
 
+@pytest.mark.process
 def test_it_imports_only_the_standard_library():
     code = ("import sys; before = set(sys.modules); import runpy; "
             "sys.argv = ['p', '--engine', 'vllm', '--leader', '127.0.0.1', '--port', '1', '--proc-root', '/nonexistent']\n"

@@ -31,7 +31,8 @@ LAYOUT_FILE = LAYOUTS / "sglang-0.5.23.json"
 
 
 def spec(rid: str = "r1", ids=(1, 2, 3), **sampling) -> GenerateSpec:
-    extra = {k: sampling.pop(k) for k in ("data_parallel_rank", "cache_salt", "kv_transfer_params", "pooling")
+    extra = {k: sampling.pop(k) for k in ("data_parallel_rank", "cache_salt", "kv_transfer_params", "pooling",
+                                          "lora_id", "custom_logit_processor", "require_reasoning")
              if k in sampling}
     sampling.setdefault("max_tokens", 8)
     return GenerateSpec(request_id=rid, prompt_token_ids=list(ids), sampling=SamplingSpec(**sampling), **extra)
@@ -52,6 +53,9 @@ SPECS = {
     "dp_salt_pd": spec(data_parallel_rank=1, cache_salt="salt",
                        kv_transfer_params={"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 5}),
     "long_prompt": spec(ids=range(3000), max_tokens=1),
+    # The router's request features (issue 33 item 7), in the scheduler's own fields.
+    "lora_processor_reasoning": spec(lora_id="adapter-a", require_reasoning=True,
+                                     custom_logit_processor='{"callable": "gASV"}'),
     "embed": spec(pooling=PoolingSpec()),
 }
 
@@ -70,6 +74,7 @@ def _batch() -> s.BatchTokenIDOutput:
         input_token_logprobs_val=[[None, -3.0, -4.0], [], [], [], []],
         input_token_logprobs_idx=[[1, 2, 3], [], [], [], []],
         spec_verify_ct=[0, 0, 0, 0, 2], spec_num_correct_drafts=[0, 0, 0, 0, 1], dp_ranks=[0, 0, 0, 0, 0],
+        reasoning_tokens=[0, 1, 5, 0, 2],
         retraction_counts=[0, 0, 0, 0, 0],
     )
 
@@ -110,6 +115,7 @@ def peer_results(tmp_path_factory):
     return run_peer("sglang", python, cases, tmp_path_factory.mktemp("sglang-peer"))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("key", list(messages()))
 def test_sglang_decodes_our_bytes_into_equal_structs(peer_results, key):
     result = peer_results[f"decode:{key}"]
@@ -118,6 +124,7 @@ def test_sglang_decodes_our_bytes_into_equal_structs(peer_results, key):
     assert result["equal"], result["diff"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("key", list(messages()))
 def test_we_decode_sglangs_bytes_into_equal_values(peer_results, key):
     result = peer_results[f"encode:{key}"]
@@ -129,6 +136,7 @@ def test_we_decode_sglangs_bytes_into_equal_values(peer_results, key):
     assert result["frames"] == [s.ENCODER.encode(ours)]
 
 
+@pytest.mark.process
 def test_the_installed_layout_is_the_committed_one_and_matches_the_codec():
     python = side_python_or_skip("sglang")
     theirs = installed_layout("sglang", python)
@@ -224,12 +232,14 @@ def test_abort_table_grammar_status_and_plain():
     assert g.abort_outcome(g.AbortInfo("x", reported=True)).code == "INTERNAL"
     assert g.abort_outcome(g.AbortInfo(None, reported=True)).message == "Abort before prefill"
     assert g.abort_outcome(g.AbortInfo("cancelled")) == g.AbortOutcome(None, "cancelled")
-    for info in (g.AbortInfo("Grammar accept_token failed: token 5", 500, "InternalServerError"),
-                 g.AbortInfo("Failed to compile json_schema grammar: bad", 400, "BadRequestError"),
-                 g.AbortInfo("rejected", 500, g.GRAMMAR_ERR_TYPE)):
-        outcome = g.abort_outcome(info)
-        assert outcome.code == "FAILED_PRECONDITION" and outcome.trailer == ("smg-constraint-failed", "engine")
-        assert outcome.message.startswith("the engine could not continue the request under its constraint")
+    outcome = g.abort_outcome(g.AbortInfo("rejected", 500, g.GRAMMAR_ERR_TYPE))  # the ranks' own name
+    assert outcome.code == "FAILED_PRECONDITION" and outcome.trailer == ("smg-constraint-failed", "engine")
+    assert outcome.message.startswith("the engine could not continue the request under its constraint")
+    # Stock 0.5.23's unnamed grammar aborts keep their status: never attributed by their wording.
+    assert g.abort_outcome(g.AbortInfo("Grammar accept_token failed: token 5", 500, "InternalServerError")) \
+        == g.AbortOutcome("INTERNAL", "Grammar accept_token failed: token 5")
+    assert g.abort_outcome(g.AbortInfo("Failed to compile json_schema grammar: bad", 400, "BadRequestError")).code \
+        == "INVALID_ARGUMENT"
 
 
 def test_scheduler_abort_reports_and_control_replies_decode():
@@ -305,3 +315,11 @@ def test_property_outputs_round_trip(rows):
     kinds = {None: None, "stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
     assert [o.finish_reason for o in outputs] == [kinds[r[2] and r[2][0]] for r in rows]
     assert [o.abort.status_code for o in outputs if o.abort] == [r[2][1] for r in rows if r[2] and r[2][0] == "abort"]
+
+
+def test_the_routers_request_features_ride_in_the_schedulers_own_fields():
+    request = g.request_for(SPECS["lora_processor_reasoning"])
+    assert (request.lora_id, request.require_reasoning) == ("adapter-a", True)
+    assert request.custom_logit_processor == '{"callable": "gASV"}'
+    outputs = g.SglangCodec().decode_output(g.encode_outputs(_batch())).outputs
+    assert [o.reasoning_tokens for o in outputs] == [0, 1, 5, 0, 2]

@@ -89,6 +89,7 @@ def peer_results(tmp_path_factory):
     return run_peer("tokenspeed", python, cases, tmp_path_factory.mktemp("tokenspeed-peer"))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("key", [*_to_engine(), "abort"])
 def test_tokenspeed_decodes_our_frames_into_equal_structs(peer_results, key):
     result = peer_results[f"decode:{key}"]
@@ -96,6 +97,7 @@ def test_tokenspeed_decodes_our_frames_into_equal_structs(peer_results, key):
     assert result["equal"], result["diff"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("key", list(_from_engine()))
 def test_we_decode_tokenspeeds_frames_into_equal_values(peer_results, key):
     result = peer_results[f"encode:{key}"]
@@ -109,6 +111,7 @@ def test_we_decode_tokenspeeds_frames_into_equal_values(peer_results, key):
     assert frames[0] == msgspec.msgpack.encode(ours)  # byte for byte
 
 
+@pytest.mark.process
 def test_the_installed_layout_is_the_committed_one_and_matches_the_codec():
     python = side_python_or_skip("tokenspeed")
     theirs = installed_layout("tokenspeed", python)
