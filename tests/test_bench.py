@@ -126,6 +126,7 @@ def test_refused_options_exit_2(capsys):
     assert "--wire goes with the sim engine" in capsys.readouterr().err
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_steady_window_measures_after_the_warm_up_and_reads_the_servicers_output_delay(test_model_dir):
     """--warm-s: calls open over the warm-up, then only the window after it counts (its tokens, its

@@ -180,6 +180,7 @@ def test_grpclib_floor_beside_enginelink_on_the_sim_engine(test_model_dir):
         assert floor["tokens_per_chunk"] == pytest.approx(8 / floor["messages_per_call"])  # as the client saw
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @needs_refs
 def test_latency_side_by_side_in_a_steady_window_with_a_plot(test_model_dir, tmp_path):

@@ -408,6 +408,17 @@ def _fast_path() -> bool:
         raise ConfigError(str(error)) from None
 
 
+def _check_held_writes_budget() -> None:
+    """``ENGINELINK_HELD_WRITES_BUDGET_MS`` checked at start (exit 2 naming it); the engine link's receive
+    loops read it themselves (``zmq_transport.HELD_WRITES_BUDGET_S``), whatever started the servicer."""
+    from enginelink.runtime.engine.zmq_transport import held_writes_budget_s
+
+    try:
+        held_writes_budget_s(os.environ)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def _gc_policy():
     from enginelink.runtime.lifetime.gc_policy import GcPolicy
 
@@ -507,6 +518,7 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
             health_check_timeout_s(os.environ)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+    _check_held_writes_budget()
     engine_model, engine_args = _engine_model(args, source, tokenizer, engine_args)
     if args.engine == "mlx":
         launcher = _mlx_launcher(model_dir, engine_args)

@@ -76,7 +76,18 @@ def held_writes_budget_s(env=os.environ) -> float:
     return ms / 1000 if ms else float("inf")
 
 
-HELD_WRITES_BUDGET_S = held_writes_budget_s()
+def _budget_at_import() -> float:
+    # Read at import (every entry point: serve, the vLLM plugin, headless) and never raising here: the CLI
+    # imports this module to build its parser, and `enginelink serve` refuses a bad value at start
+    # (exit 2 naming the knob, tools/serve.py) instead of a traceback from an import.
+    try:
+        return held_writes_budget_s()
+    except ValueError:
+        return float("inf")
+
+
+# Read by each wake-up (this module's receive_frames, MemoryTransport.receive), so a test may set it.
+HELD_WRITES_BUDGET_S = _budget_at_import()
 # The handshake is a one-off: polling it keeps the code simple.
 HANDSHAKE_POLL_S = 0.01
 # Where the link asks an engine to write the config facts its ready response lacks.

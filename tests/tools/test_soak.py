@@ -19,7 +19,7 @@ import pytest
 
 from tests.harness import VENV_BIN
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def test_two_minutes_of_churn_stay_flat_and_every_stream_is_the_engines(tmp_path):
