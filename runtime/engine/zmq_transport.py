@@ -53,8 +53,15 @@ log = logging.getLogger("enginelink.link")
 
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
-# ... and, opt-in, the longest a wake-up may hold their writes (RequestHub.hold_writes) while it
-# reads more: ENGINELINK_HELD_WRITES_BUDGET_MS (default 0: no bound but the frame count). Why: a
+# ... and the engine outputs those frames may carry together before the loop yields: an output's fan-out
+# costs microseconds (about ten with top-20 logprobs on a slow core, tens when it carries a long
+# prompt's logprobs), so 64 frames of 256 sequences asking for logprobs held the event loop a quarter
+# of a second against a zero-cost engine (issue 38); 256 is one full batch of 256 sequences. A frame is
+# never split: one frame of any size per wake-up, as at a real engine's pace; a zero-cost engine's
+# small frames (2-3 outputs each) never reach it.
+OUTPUTS_PER_WAKEUP = 256
+# ... and, opt-in, the longest a wake-up may hold its frames' writes (RequestHub.hold_writes) while it
+# reads more: ENGINELINK_HELD_WRITES_BUDGET_MS (default 0: no bound but the two counts). Why: a
 # servicer behind a real engine (a saturated machine: docs/benchmarks.md, issue 36) found dozens of
 # frames per wake-up, each carrying a finished call or two, and wrote nothing, not even those
 # calls' completes, until it had read them all; meanwhile the next calls could not come in, and the
@@ -123,7 +130,8 @@ async def receive_frames(outputs: zmq.Socket, link) -> None:
         handled = 0
         over_budget = False
         started = clock()
-        while handled < FRAMES_PER_WAKEUP and has_message(outputs):
+        link.wakeup_outputs = 0  # counted by link.handle_frames
+        while handled < FRAMES_PER_WAKEUP and link.wakeup_outputs < OUTPUTS_PER_WAKEUP and has_message(outputs):
             try:
                 frames = outputs.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:  # EVENTS said a message was there; do not trust it blindly
@@ -138,7 +146,7 @@ async def receive_frames(outputs: zmq.Socket, link) -> None:
         if handled:
             link.last_frame_at = clock()
             link.on_frames_done(link.last_frame_at)
-        if handled == FRAMES_PER_WAKEUP or over_budget:
+        if handled == FRAMES_PER_WAKEUP or link.wakeup_outputs >= OUTPUTS_PER_WAKEUP or over_budget:
             await trio.lowlevel.checkpoint()  # more waiting: let the writers and handlers run first
         else:
             await wait_fd(fd)
