@@ -376,3 +376,18 @@ def test_sigterm_stops_the_servicer_and_engine_the_bench_started(test_model_dir)
         for pid in started:  # what a failed check left behind
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("args, words", [
+    (["--latency-plot", "x.svg"], "it goes with --against or --engine vllm"),
+    (["--against", "grpclib-floor", "--latency-plot", "x.png"], "an SVG file (FILE.svg)"),
+    (["--soak", "60", "--latency-plot", "x.svg"], "--plot draws its curves"),
+])
+def test_a_latency_plot_it_cannot_draw_is_refused_before_the_run(tmp_path, args, words):
+    """--latency-plot draws arms side by side (--plot is the run's tokens/s and CPU figure): without arms, or
+    not an SVG, the bench says so and exits 2 before it starts anything."""
+    done = subprocess.run([str(VENV_BIN / "enginelink"), "bench", *args], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -190,7 +190,7 @@ def test_latency_side_by_side_in_a_steady_window_with_a_plot(test_model_dir, tmp
     result = subprocess.run(
         [str(VENV_BIN / "enginelink"), "bench", "--model", str(test_model_dir), "--json", "--against", "smg-rust",
          "--concurrency", "8", "--rounds", "2", "--warm-s", "1", "--duration-s", "2", "--max-tokens", "32",
-         "--engine-args=--step-us 20000", "--plot", str(plot)],
+         "--engine-args=--step-us 20000", "--latency-plot", str(plot)],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     [r] = json.loads(result.stdout)["results"]

@@ -86,8 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         ".txt collapsed stacks); needs py-spy on PATH or in the venv")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.svg",
-                   help="also draw the figures as SVG: with --against or --engine vllm, each arm's tokens/s and "
-                        "latency percentiles side by side with their spread; with --soak, the sampled curves")
+                   help="also draw the run's figures into this SVG: per arm and concurrency, tokens/s and the "
+                        "servicer's CPU per token (needs matplotlib: pip install 'enginelink[bench]'); with --soak, "
+                        "the soak's sampled curves instead (no matplotlib)")
+    p.add_argument("--latency-plot", type=Path, default=None, metavar="FILE.svg",
+                   help="with --against or --engine vllm: also draw each arm's tokens/s and latency percentiles "
+                        "(TTFT, inter-token) side by side with their spread across repetitions")
     soak = p.add_argument_group("soak (tools/bench_soak.py)")
     soak.add_argument("--soak", type=_duration, default=None, metavar="DURATION",
                       help="instead of a measurement: a soak of DURATION (3600, 90m, 1h) at --concurrency (default "
@@ -247,13 +251,32 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def _run(args: argparse.Namespace) -> int:
     engine = getattr(args, "engine", "sim")
     if getattr(args, "soak", None) is not None:
-        if engine != "sim" or args.against or args.target is not None or getattr(args, "wire", "vllm") != "vllm":
+        if engine != "sim" or args.against or args.target is not None or getattr(args, "wire", "vllm") != "vllm" \
+                or getattr(args, "latency_plot", None) is not None:
             print("enginelink bench: --soak runs its own servicer on the sim engine (no --engine, --against, "
-                  "--target or --wire)", file=sys.stderr)
+                  "--target, --wire or --latency-plot; --plot draws its curves)", file=sys.stderr)
             return 2
         from enginelink.tools import bench_soak
 
         return bench_soak.run(args)
+    if getattr(args, "plot", None) is not None:
+        from enginelink.tools.bench_plot import PlotError, check
+
+        try:
+            check(args.plot)  # before the run, not after an hour of it
+        except PlotError as error:
+            print(f"enginelink bench: {error}", file=sys.stderr)
+            return 2
+    latency_plot = getattr(args, "latency_plot", None)
+    if latency_plot is not None:  # checked before the run too (tools/bench_svg.py draws it: no matplotlib)
+        if not (args.against or engine == "vllm"):
+            print("enginelink bench: --latency-plot draws arms side by side: it goes with --against or --engine vllm",
+                  file=sys.stderr)
+            return 2
+        if latency_plot.suffix.lower() != ".svg" or not latency_plot.resolve().parent.is_dir():
+            print(f"enginelink bench: --latency-plot {latency_plot}: an SVG file (FILE.svg) in a directory that exists",
+                  file=sys.stderr)
+            return 2
     if getattr(args, "wire", "vllm") != "vllm" and (engine != "sim" or args.against):
         print("enginelink bench: --wire goes with the sim engine (no --engine vllm/mlx, no --against)", file=sys.stderr)
         return 2
@@ -296,5 +319,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"enginelink bench: {error}", file=sys.stderr)
         return 2 if isinstance(error, OptionError) else 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    from enginelink.tools.bench_plot import maybe_write
+
+    maybe_write(args, report)
     # Failed or short calls make the figures suspect: say so in the exit status.
     return 0 if report["errors"] == 0 and report["short"] == 0 else 1

@@ -476,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
                             "client": clients[0], "other_ratios": others, "arms": arms})
     report = {"machine": machine_facts(), "requests": requests, "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "model": str(model_dir), "results": results}
-    if getattr(args, "plot", None):
+    if getattr(args, "latency_plot", None):
         from enginelink.tools.bench_refs import plot
 
         arms = [label for label in results[0]["arms"]] if results else []
@@ -484,8 +484,12 @@ def run(args: argparse.Namespace) -> int:
             from enginelink.tools.bench_refs import latency_summary
 
             r["arms"].setdefault("raw", {"latency": latency_summary(r["runs"]["raw"], [])})
-        plot(results, [*arms, "raw"], args.plot, f"enginelink bench --engine vllm: {args.max_tokens} tokens a call, "
-             f"{args.rounds} repetition(s)", base="raw")
+        plot(results, [*arms, "raw"], args.latency_plot,
+             f"enginelink bench --engine vllm: {args.max_tokens} tokens a call, {args.rounds} repetition(s)",
+             base="raw")
+    from enginelink.tools.bench_plot import maybe_write
+
+    maybe_write(args, report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -365,9 +365,12 @@ def run_sim(args: argparse.Namespace) -> int:
     report = {"machine": machine_facts(), "engine": "sim", "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "requests": args.requests, "duration_s": args.duration_s,
               "model": str(model_dir), "results": results}
-    if getattr(args, "plot", None):
-        plot(results, arms, args.plot, f"enginelink bench --against {','.join(args.against)}: sim engine "
+    if getattr(args, "latency_plot", None):
+        plot(results, arms, args.latency_plot, f"enginelink bench --against {','.join(args.against)}: sim engine "
              f"{' '.join(results[0]['engine_args']) if results else ''}, {args.rounds} repetition(s)")
+    from enginelink.tools.bench_plot import maybe_write
+
+    maybe_write(args, report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

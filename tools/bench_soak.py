@@ -47,7 +47,7 @@ from enginelink.tools.bench_load import bench_model_dir, free_port, proc_childre
 from enginelink.tools.bench_soak_client import client_main
 
 SOAK_CONCURRENCY = 256
-STEP_US = 20000  # a real engine's decode pace (docs/benchmarks.md, stop 22)
+STEP_US = 20000  # a real engine's decode pace (docs/benchmarks-history.md, stop 22)
 SAMPLE_S = 60.0
 WARMUP_S = 300.0
 SERVING_TIMEOUT_S = 120.0

@@ -105,8 +105,8 @@ def _engine_knobs(contract: str) -> list[Knob]:
                       "the KV-event relay's on/off (`ENGINELINK_KV_EVENTS` wins)", _ENGINE_TEST,
                       contracts=CONTRACTS if contract == "vllm" else only, setting="kv_events",
                       unless_engine=kv_engines,
-                      engine_why="KV events from a real TokenSpeed engine are not relayed yet (README, "
-                                 "\"TokenSpeed\"); its publisher stays as its own --kv-events-config says"))
+                      engine_why="KV events from a real TokenSpeed engine are not relayed yet ("
+                                 "docs/engines/tokenspeed.md); its publisher stays as its own --kv-events-config says"))
     for part, flag in (("PORT", "--metrics-port"), ("HOST", "--metrics-host")):
         knobs.append(Knob(f"SMG_{word}_SERVICER_METRICS_{part}", HONOURED,
                           f"the servicer's Prometheus endpoint {part.lower()} when `{flag}` is not given",

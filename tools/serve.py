@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # the description's lines are written as shown
     p.epilog = ("Every setting, flags and environment variables (ENGINELINK_*, SMG_*), with its default: "
-                "README.md, \"Running\".")
+                "docs/running.md, \"Settings\".")
     from enginelink.runtime.lifetime.engines import ENGINES, WIRES
 
     p.add_argument("--engine", choices=list(ENGINES), default=os.environ.get("ENGINELINK_ENGINE", "sim"),
@@ -382,7 +382,7 @@ def _capture_cap(engine_args: list[str]) -> list[str]:
 
 def _node_rank(engine_args: list[str]) -> None:
     """A multi-node vLLM engine (``--nnodes N``): enginelink runs on the leader, node rank 0;
-    the other nodes run ``vllm serve --headless --node-rank K`` (README, "Multi-node engines")."""
+    the other nodes run ``vllm serve --headless --node-rank K`` (docs/running.md, "Multi-node engines")."""
     rank = flag_value(engine_args, "--node-rank") or flag_value(engine_args, "-r")
     if rank not in (None, "0"):
         raise ConfigError(f"--node-rank {rank}: enginelink fronts the leader, node rank 0; the other nodes run "

@@ -64,7 +64,7 @@ Run the deterministic sim engine: one rank of `vllm serve --headless`, on vLLM's
 `enginelink serve` launches it (the default --engine sim) and fills in --handshake and
 --model; give it the other flags after serve's `--`, e.g.
   enginelink serve -- --step-us 20000 --max-num-seqs 64
-Settings of the servicer itself: README.md, "Running"."""
+Settings of the servicer itself: docs/running.md, "Settings"; this engine: docs/engines/sim.md."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

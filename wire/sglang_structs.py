@@ -365,7 +365,7 @@ FROM_SCHEDULER: Final = msgspec.msgpack.Decoder(FromScheduler, ext_hook=ext_hook
 # and the front end reads nine. Decoded in full, every request of every step
 # built some twenty Python objects and one more array through ``ext_hook`` for
 # columns nobody reads: the SGLang wire's largest cost per streamed token
-# (docs/benchmarks.md, "Per-token cost of the SGLang and TokenSpeed contracts").
+# (docs/benchmarks-history.md, "Per-token cost of the SGLang and TokenSpeed contracts").
 # ``BatchTokenIDOutputRead`` is the same wire layout (built from the declaration
 # above, so it cannot drift from it) with every column the front end does not
 # read as ``msgspec.Raw``: still checked to be well-formed msgpack, never built.

@@ -62,7 +62,7 @@ FRAMES_PER_WAKEUP = 64
 OUTPUTS_PER_WAKEUP = 256
 # ... and, opt-in, the longest a wake-up may hold its frames' writes (RequestHub.hold_writes) while it
 # reads more: ENGINELINK_HELD_WRITES_BUDGET_MS (default 0: no bound but the two counts). Why: a
-# servicer behind a real engine (a saturated machine: docs/benchmarks.md, issue 36) found dozens of
+# servicer behind a real engine (a saturated machine: docs/benchmarks-history.md, issue 36) found dozens of
 # frames per wake-up, each carrying a finished call or two, and wrote nothing, not even those
 # calls' completes, until it had read them all; meanwhile the next calls could not come in, and the
 # engine ran 20 of 32 requests. Past the budget the wake-up writes what it read and yields

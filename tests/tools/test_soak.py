@@ -1,6 +1,6 @@
 """``enginelink bench --soak``, two minutes of it: churn, an engine restart, and nothing that grows.
 
-The one-hour soak is run by hand (docs/benchmarks.md, "Latency and an hour that stays flat"); this is
+The one-hour soak is run by hand (docs/benchmarks-history.md, "Issue 36", "An hour that stays flat"); this is
 its short form, in the suite so that a leak fails a test. A leak shows within two minutes because
 the churn is fast (hundreds of calls a second) and the bounds are on growth, not on absolute size;
 the journal's in-memory ring and the KV history, which grow by design until they are full, are made
