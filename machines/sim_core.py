@@ -186,7 +186,7 @@ class _Request:
         # prompt; unseeded sampling also depends on the request id, so the n
         # choices of one call differ as they would on a real engine.
         salt = req.request_id if (params.temperature or 0) > 0 and params.seed is None else None
-        self.digest = hashlib.blake2b(_PACK.encode([params.seed, salt, prompt]), digest_size=16).digest()
+        self.digest = request_digest(params.seed, salt, prompt)
         # Logprobs as the request asked (machines/sim_logprobs.py); None: none.
         self.logprobs = params.logprobs
         self.prompt_logprobs = params.prompt_logprobs
@@ -206,6 +206,32 @@ class _Request:
         extra = params.extra_args or {}
         kv_params = extra.get("kv_transfer_params") if config.kv_connector else None
         self.kv_params: dict | None = kv_params if isinstance(kv_params, dict) else None
+
+
+def request_digest(seed: int | None, salt: str | None, prompt: Sequence[int]) -> bytes:
+    """What a request's tokens are a function of: its seed, its id where sampling is unseeded at
+    temperature > 0 (``salt``), and its prompt."""
+    return hashlib.blake2b(_PACK.encode([seed, salt, list(prompt)]), digest_size=16).digest()
+
+
+def _position_hash(digest: bytes, position: int) -> int:
+    return int.from_bytes(hashlib.blake2b(digest + position.to_bytes(4, "little"), digest_size=8).digest(), "little")
+
+
+def expected_tokens(prompt: Sequence[int], count: int, *, vocab_size: int, eos_token_id: int | None,
+                    seed: int | None = None) -> list[int]:
+    """The first ``count`` tokens the sim engine samples for a greedy or seeded request on ``prompt``
+    (no ``min_tokens``): what a client checks a stream against (``enginelink bench --soak``).
+
+    ``eos_token_id`` is the model's (``config.json``): it comes out where the hash says so, whether or
+    not the request ignores EOS; a request that does not ignore it ends there."""
+    digest = request_digest(seed, None, prompt)
+    span = vocab_size - _FIRST_TOKEN
+    out = []
+    for i in range(count):
+        h = _position_hash(digest, i)
+        out.append(eos_token_id if eos_token_id is not None and h % 16 == 0 else _FIRST_TOKEN + (h >> 4) % span)
+    return out
 
 
 def sim_kv_params(params: dict, request_id: str, prompt_tokens: int, config: SimConfig) -> dict:
@@ -516,8 +542,7 @@ class SimEngineCore:
 
     def _sample(self, r: _Request) -> int:
         i = len(r.output)
-        digest = hashlib.blake2b(r.digest + i.to_bytes(4, "little"), digest_size=8).digest()
-        h = int.from_bytes(digest, "little")
+        h = _position_hash(r.digest, i)
         span = self.config.vocab_size - _FIRST_TOKEN
         token = r.model_eos if r.model_eos is not None and h % 16 == 0 else _FIRST_TOKEN + (h >> 4) % span
         if i < r.min_tokens and token in r.masked:
