@@ -202,9 +202,9 @@ class _Request:
         # prompt; unseeded sampling also depends on the request id, so the n
         # choices of one call differ as they would on a real engine.
         salt = req.request_id if (params.temperature or 0) > 0 and params.seed is None else None
-        self.digest = hashlib.blake2b(_PACK.encode([params.seed, salt, prompt]), digest_size=16).digest()
+        self.digest = request_digest(params.seed, salt, prompt)
         # What sampling hashes: the seed (and salt), and the whole context so far (``_sample``).
-        self.base = hashlib.blake2b(_PACK.encode([params.seed, salt]), digest_size=16).digest()
+        self.base = sampling_base(params.seed, salt)
         self.context = context_hash(prompt)
         self.step_digest = self.base
         # Logprobs as the request asked (machines/sim_logprobs.py); None: none.
@@ -226,6 +226,41 @@ class _Request:
         extra = params.extra_args or {}
         kv_params = extra.get("kv_transfer_params") if config.kv_connector else None
         self.kv_params: dict | None = kv_params if isinstance(kv_params, dict) else None
+
+
+def request_digest(seed: int | None, salt: str | None, prompt: Sequence[int]) -> bytes:
+    """A request's own digest: its seed, its id where sampling is unseeded at temperature > 0
+    (``salt``), and its prompt (its prompt logprobs come from it; its tokens from ``step_digest``)."""
+    return hashlib.blake2b(_PACK.encode([seed, salt, list(prompt)]), digest_size=16).digest()
+
+
+def sampling_base(seed: int | None, salt: str | None) -> bytes:
+    """What every sampling step of a request hashes besides its context: its seed and ``salt``."""
+    return hashlib.blake2b(_PACK.encode([seed, salt]), digest_size=16).digest()
+
+
+def step_digest(base: bytes, context: int) -> bytes:
+    """One sampling step's digest: the request's ``base`` and the whole context so far (prompt and
+    output, ``context_hash``), so a request re-sent as its prompt plus its tokens continues alike."""
+    return hashlib.blake2b(base + context.to_bytes(8, "little"), digest_size=8).digest()
+
+
+def expected_tokens(prompt: Sequence[int], count: int, *, vocab_size: int, eos_token_id: int | None,
+                    seed: int | None = None) -> list[int]:
+    """The first ``count`` tokens the sim engine samples for a greedy or seeded request on ``prompt``
+    (no ``min_tokens``): what a client checks a stream against (``enginelink bench --soak``).
+
+    ``eos_token_id`` is the model's (``config.json``): it comes out where the hash says so, whether or
+    not the request ignores EOS; a request that does not ignore it ends there."""
+    base, context = sampling_base(seed, None), context_hash(prompt)
+    span = vocab_size - _FIRST_TOKEN
+    out: list[int] = []
+    for _ in range(count):
+        if out:
+            context = context_hash(out[-1:], context)
+        h = int.from_bytes(step_digest(base, context), "little")
+        out.append(eos_token_id if eos_token_id is not None and h % 16 == 0 else _FIRST_TOKEN + (h >> 4) % span)
+    return out
 
 
 def sim_kv_params(params: dict, request_id: str, prompt_tokens: int, config: SimConfig) -> dict:
@@ -540,8 +575,8 @@ class SimEngineCore:
         i = len(r.output)
         if i:  # the context grew by the last output token
             r.context = context_hash(r.output[-1:], r.context)
-        digest = r.step_digest = hashlib.blake2b(r.base + r.context.to_bytes(8, "little"), digest_size=8).digest()
-        h = int.from_bytes(digest, "little")
+        r.step_digest = step_digest(r.base, r.context)
+        h = int.from_bytes(r.step_digest, "little")
         span = self.config.vocab_size - _FIRST_TOKEN
         token = r.model_eos if r.model_eos is not None and h % 16 == 0 else _FIRST_TOKEN + (h >> 4) % span
         if i < r.min_tokens and token in r.masked:

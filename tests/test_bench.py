@@ -126,6 +126,42 @@ def test_refused_options_exit_2(capsys):
     assert "--wire goes with the sim engine" in capsys.readouterr().err
 
 
+@pytest.mark.process
+@pytest.mark.slow
+def test_a_steady_window_measures_after_the_warm_up_and_reads_the_servicers_output_delay(test_model_dir):
+    """--warm-s: calls open over the warm-up, then only the window after it counts (its tokens, its
+    latency percentiles); the servicer's own output-delay histogram is read over the same window."""
+    result = subprocess.run(
+        [str(VENV_BIN / "enginelink"), "bench", "--model", str(test_model_dir), "--json", "--concurrency", "8",
+         "--warm-s", "1", "--duration-s", "2", "--max-tokens", "32", "--engine-args=--step-us 20000"],
+        capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["steady"] and report["wall_s"] == pytest.approx(2.0, abs=0.5)
+    assert report["errors"] == report["short"] == 0 and report["ok"] == report["requests"]
+    # The window's tokens only: fewer than every call streamed (the warm-up and the tail are out).
+    assert 0 < report["output_tokens"] < report["all_calls_tokens"]
+    for key in ("ttft_ms", "itl_token_ms"):
+        assert report[key]["p50"] <= report[key]["p90"] <= report[key]["p99"]
+    assert report["itl_token_ms"]["p50"] >= 15  # the engine's 20 ms a token
+    for stage in ("received", "engine"):
+        delay = report["output_delay_ms"][stage]
+        assert delay["frames"] > 0 and delay["p50"] <= delay["p90"] <= delay["p99"]
+    # Read at the frame, written at the flush: never more than the engine's timestamp to the write.
+    assert report["output_delay_ms"]["received"]["p50"] <= report["output_delay_ms"]["engine"]["p99"]
+
+
+def test_histogram_quantile_interpolates_as_prometheus_does():
+    buckets = [(0.001, 10.0), (0.01, 90.0), (0.1, 100.0), (float("inf"), 100.0)]
+    assert bench_load.histogram_quantile(0.05, buckets) == pytest.approx(0.0005)
+    assert bench_load.histogram_quantile(0.5, buckets) == pytest.approx(0.001 + 0.009 * 40 / 80)
+    assert bench_load.histogram_quantile(0.99, buckets) == pytest.approx(0.01 + 0.09 * 9 / 10)
+    assert bench_load.histogram_quantile(0.5, [(0.001, 0.0), (float("inf"), 0.0)]) is None
+    before = {"received": [(0.001, 5.0), (float("inf"), 5.0)]}
+    after = {"received": [(0.001, 5.0), (float("inf"), 9.0)]}
+    assert bench_load.output_delay(before, after)["received"]["frames"] == 4
+
+
 def test_percentile_is_nearest_rank():
     values = [float(v) for v in range(1, 101)]
     assert bench_load.percentile(values, 50) == 50.0
@@ -340,3 +376,18 @@ def test_sigterm_stops_the_servicer_and_engine_the_bench_started(test_model_dir)
         for pid in started:  # what a failed check left behind
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("args, words", [
+    (["--latency-plot", "x.svg"], "it goes with --against or --engine vllm"),
+    (["--against", "grpclib-floor", "--latency-plot", "x.png"], "an SVG file (FILE.svg)"),
+    (["--soak", "60", "--latency-plot", "x.svg"], "--plot draws its curves"),
+])
+def test_a_latency_plot_it_cannot_draw_is_refused_before_the_run(tmp_path, args, words):
+    """--latency-plot draws arms side by side (--plot is the run's tokens/s and CPU figure): without arms, or
+    not an SVG, the bench says so and exits 2 before it starts anything."""
+    done = subprocess.run([str(VENV_BIN / "enginelink"), "bench", *args], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

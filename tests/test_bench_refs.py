@@ -178,3 +178,32 @@ def test_grpclib_floor_beside_enginelink_on_the_sim_engine(test_model_dir):
     for mine, floor in zip(result["runs"]["enginelink"], result["runs"]["grpclib-floor"]):
         assert floor["messages_per_call"] == bench_refs.floor_messages(8, mine["tokens_per_chunk"])
         assert floor["tokens_per_chunk"] == pytest.approx(8 / floor["messages_per_call"])  # as the client saw
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@needs_refs
+def test_latency_side_by_side_in_a_steady_window_with_a_plot(test_model_dir, tmp_path):
+    """What a user feels, per arm, in one run: TTFT and inter-token p50/p90/p99 with their spread over
+    the repetitions (lowest <= median <= highest), enginelink's own output delay, and the plot of it all."""
+    plot = tmp_path / "refs.svg"
+    result = subprocess.run(
+        [str(VENV_BIN / "enginelink"), "bench", "--model", str(test_model_dir), "--json", "--against", "smg-rust",
+         "--concurrency", "8", "--rounds", "2", "--warm-s", "1", "--duration-s", "2", "--max-tokens", "32",
+         "--engine-args=--step-us 20000", "--latency-plot", str(plot)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    [r] = json.loads(result.stdout)["results"]
+    for arm in ("enginelink", "smg-rust"):
+        latency = r["arms"][arm]["latency"]
+        for key in ("ttft_ms", "itl_ms"):
+            for q in ("p50", "p90", "p99"):
+                s = latency[f"{key}.{q}"]
+                assert s["n"] == 2 and s["low"] <= s["median"] <= s["high"], (arm, key, q, s)
+        # The engine's pace is 20 ms a token; nobody streams faster than their engine.
+        assert latency["itl_ms.p50"]["median"] >= 15
+    delay = r["arms"]["enginelink"]["latency"]
+    assert delay["output_delay.received.p50"]["median"] <= delay["output_delay.received.p99"]["median"]
+    assert r["arms"]["smg-rust"]["latency"]["output_delay.received.p50"] is None  # not ours to read
+    svg = plot.read_text()
+    assert svg.startswith("<svg") and "smg-rust" in svg and "inter-token p99" in svg

@@ -9,6 +9,7 @@ the message waiting with nothing to wake the loop.
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -16,11 +17,16 @@ import trio
 import zmq
 
 from enginelink.machines.link import LinkState
+from enginelink.machines.sim_core import SimConfig
 from enginelink.runtime.engine import engine_link as el
+from enginelink.runtime.engine import zmq_transport
+from enginelink.runtime.engine.memory_link import MemoryTransport
 from enginelink.runtime.engine.zmq_transport import OUTPUTS_PER_WAKEUP, receive_frames
 from enginelink.runtime.engine.zmq_trio import LOST_EDGE_RECHECK_S, make_socket
 from enginelink.wire.vllm import EngineCoreOutput, EngineCoreOutputs, VllmCodec, encode_outputs
-from tests.harness import ListJournal
+from tests.harness import ListJournal, free_port
+from tests.test_operator import refused_with_one_line
+from tests.test_operator import serve as serve_process
 
 
 def frame(request_id: str, token: int) -> list[bytes]:
@@ -102,8 +108,10 @@ async def test_a_frame_it_cannot_read_ends_the_loop_and_says_so(pair):
     assert link.machine.state is LinkState.FAILED
 
 
-async def test_each_wake_up_ends_with_one_frames_done_after_its_last_frame():
+async def test_each_wake_up_ends_with_one_frames_done_after_its_last_frame(monkeypatch):
     # inproc: a frame sent is in the pipe at once, so every frame below waits when the loop starts.
+    # The frame cap alone: the time budget (the next test) kept out of it, whatever the machine's load.
+    monkeypatch.setattr(zmq_transport, "HELD_WRITES_BUDGET_S", 3600.0)
     context = zmq.Context.instance()
     pull = make_socket(context, zmq.PULL)
     push = make_socket(context, zmq.PUSH)
@@ -127,6 +135,120 @@ async def test_each_wake_up_ends_with_one_frames_done_after_its_last_frame():
     finally:
         push.close()
         pull.close()
+
+
+async def test_a_wake_up_behind_its_engine_writes_what_it_read_within_the_time_budget(monkeypatch):
+    """A servicer behind a real engine finds many frames at once, each a few milliseconds of work;
+    what it read goes out (frames done: the hub writes the held calls, completes included) once the
+    wake-up has taken the budget (10 ms here), not after every waiting frame (issue 36: the engine ran
+    20 of 32 requests while finished calls' completes waited behind the rest of the burst).
+    Opt-in: ENGINELINK_HELD_WRITES_BUDGET_MS=10."""
+    monkeypatch.setattr(zmq_transport, "HELD_WRITES_BUDGET_S", zmq_transport.held_writes_budget_s(
+        {"ENGINELINK_HELD_WRITES_BUDGET_MS": "10"}))
+    context = zmq.Context.instance()
+    pull = make_socket(context, zmq.PULL)
+    push = make_socket(context, zmq.PUSH)
+    pull.bind("inproc://frames-budget")
+    push.connect("inproc://frames-budget")
+    try:
+        link, seen = make_link()
+        per_frame_s = 0.004
+        on_batch = link.on_batch
+
+        def slow(batch, now):  # a frame's fan-out on a busy machine
+            on_batch(batch, now)
+            time.sleep(per_frame_s)
+
+        link.on_batch = slow
+        done: list[int] = []
+        link.on_frames_done = lambda now: done.append(len(seen))
+        queued = 20
+        for token in range(queued):
+            push.send_multipart(frame("a", token))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receive_frames, pull, link)
+            with trio.fail_after(5):
+                await wait_for(seen, queued)
+                while not done or done[-1] < queued:
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+        budget_frames = math.ceil(0.010 / per_frame_s)  # what a wake-up may hold
+        assert done[0] <= budget_frames, done  # written after the budget, not after all 20
+        assert len(done) >= queued // budget_frames and done[-1] == queued
+        assert seen == [("a", token) for token in range(queued)]
+    finally:
+        push.close()
+        pull.close()
+
+
+async def test_the_in_memory_transport_keeps_the_same_time_budget(monkeypatch):
+    """The simulation's transport (MemoryTransport, the sim's and the in-process tests' engine) reads
+    its frames in a loop of its own: a wake-up behind its engine writes what it read once it has taken
+    the budget there too, not after 64 frames."""
+    monkeypatch.setattr(zmq_transport, "HELD_WRITES_BUDGET_S", zmq_transport.held_writes_budget_s(
+        {"ENGINELINK_HELD_WRITES_BUDGET_MS": "10"}))
+    transport = MemoryTransport(SimConfig())
+    link, seen = make_link()
+    per_frame_s = 0.004
+    on_batch = link.on_batch
+
+    def slow(batch, now):  # a frame's fan-out on a busy machine
+        on_batch(batch, now)
+        time.sleep(per_frame_s)
+
+    link.on_batch = slow
+    done: list[int] = []
+    link.on_frames_done = lambda now: done.append(len(seen))
+    queued = 20
+    for token in range(queued):
+        transport._link_inbox_tx.send_nowait(frame("a", token))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(transport.receive, link)
+        with trio.fail_after(5):
+            while not done or done[-1] < queued:
+                await trio.sleep(0.001)
+        nursery.cancel_scope.cancel()
+    budget_frames = math.ceil(0.010 / per_frame_s)
+    assert done[0] <= budget_frames, done  # written after the budget, not after all 20
+    assert done[-1] == queued and seen == [("a", token) for token in range(queued)]
+
+
+async def test_the_in_memory_transport_without_a_budget_holds_a_whole_wake_up(monkeypatch):
+    """Off (the default), a wake-up of the simulation's transport ends at its caps alone (64 frames here)."""
+    monkeypatch.setattr(zmq_transport, "HELD_WRITES_BUDGET_S", float("inf"))
+    transport = MemoryTransport(SimConfig())
+    link, seen = make_link()
+    done: list[int] = []
+    link.on_frames_done = lambda now: done.append(len(seen))
+    queued = el.FRAMES_PER_WAKEUP + 3
+    for token in range(queued):
+        transport._link_inbox_tx.send_nowait(frame("a", token))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(transport.receive, link)
+        with trio.fail_after(5):
+            while not done or done[-1] < queued:
+                await trio.sleep(0.001)
+        nursery.cancel_scope.cancel()
+    assert done == [el.FRAMES_PER_WAKEUP, queued]
+
+
+def test_the_held_writes_budget_is_off_unless_asked_and_its_knob_is_checked():
+    assert zmq_transport.held_writes_budget_s({}) == float("inf")
+    assert zmq_transport.held_writes_budget_s({"ENGINELINK_HELD_WRITES_BUDGET_MS": "0"}) == float("inf")
+    assert zmq_transport.held_writes_budget_s({"ENGINELINK_HELD_WRITES_BUDGET_MS": "2.5"}) == 0.0025
+    for bad in ("-1", "ten"):
+        with pytest.raises(ValueError, match="ENGINELINK_HELD_WRITES_BUDGET_MS"):
+            zmq_transport.held_writes_budget_s({"ENGINELINK_HELD_WRITES_BUDGET_MS": bad})
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("value", ["ten", "-1"])
+def test_a_bad_held_writes_budget_is_refused_at_start_naming_the_knob(tmp_path, test_model_dir, value):
+    """Exit 2 and one line naming ENGINELINK_HELD_WRITES_BUDGET_MS, not a traceback from an import."""
+    done = serve_process(tmp_path, "--model", test_model_dir, "--port", free_port(),
+                         env={"ENGINELINK_HELD_WRITES_BUDGET_MS": value})
+    line = refused_with_one_line(done)
+    assert f"ENGINELINK_HELD_WRITES_BUDGET_MS={value!r}" in line, line
 
 
 async def test_a_frame_that_fails_the_link_still_ends_the_wake_up_with_frames_done(pair):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from enginelink.machines.sim_core import SimConfig, SimEngineCore
+from enginelink.machines.sim_core import SimConfig, SimEngineCore, expected_tokens
 from enginelink.wire import vllm
 from enginelink.wire.engine import FinishReason, GenerateSpec, OutputBatch, SamplingSpec
 
@@ -75,6 +75,17 @@ def test_output_is_deterministic_and_depends_on_prompt_and_seed():
     assert a != tokens(generate([5, 6, 8], ignore_eos=True))
     assert tokens(generate([5, 6, 7], ignore_eos=True, seed=1)) != tokens(generate([5, 6, 7], ignore_eos=True, seed=2))
     assert all(3 <= t < 1000 or t == EOS for t in a)
+
+
+def test_expected_tokens_are_what_the_core_samples():
+    """A client can check a stream without the engine: greedy and seeded, EOS where it falls."""
+    def expect(prompt, seed=None):
+        return expected_tokens(prompt, 40, vocab_size=1000, eos_token_id=EOS, seed=seed)
+
+    assert tokens(generate([5, 6, 7], max_tokens=40, ignore_eos=True, temperature=0.0)) == expect([5, 6, 7])
+    assert tokens(generate(EOS_PROMPT, max_tokens=40, ignore_eos=True, temperature=0.0)) == expect(EOS_PROMPT)
+    seeded = generate([5, 6, 7], max_tokens=40, ignore_eos=True, seed=9, temperature=0.8)
+    assert tokens(seeded) == expect([5, 6, 7], seed=9) != expect([5, 6, 7])
 
 
 def test_one_token_per_step_and_max_tokens_is_length():

@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=None, help="total calls (default: run for --duration-s)")
     p.add_argument("--duration-s", type=float, default=None,
                    help=f"start calls for this long, then let open ones finish (default {DEFAULT_DURATION_S:g})")
+    p.add_argument("--warm-s", type=float, default=None, metavar="S",
+                   help="a steady window: open the calls' slots one by one over S seconds (so they are spread "
+                        "over a call's life), keep them busy, and measure only the --duration-s after it "
+                        "(tokens/s, latency, CPU; default: from the first call to the last, no warm-up). "
+                        "With --engine vllm every side, the raw driver too, is measured so")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per call (default 128)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per call (default 16)")
     p.add_argument("--client-procs", type=int, default=1, help="load-generator processes (default 1)")
@@ -82,8 +87,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.svg",
                    help="also draw the run's figures into this SVG: per arm and concurrency, tokens/s and the "
-                        "servicer's CPU per token (needs matplotlib: pip install 'enginelink[bench]')")
+                        "servicer's CPU per token (needs matplotlib: pip install 'enginelink[bench]'); with --soak, "
+                        "the soak's sampled curves instead (no matplotlib)")
+    p.add_argument("--latency-plot", type=Path, default=None, metavar="FILE.svg",
+                   help="with --against or --engine vllm: also draw each arm's tokens/s and latency percentiles "
+                        "(TTFT, inter-token) side by side with their spread across repetitions")
+    soak = p.add_argument_group("soak (tools/bench_soak.py)")
+    soak.add_argument("--soak", type=_duration, default=None, metavar="DURATION",
+                      help="instead of a measurement: a soak of DURATION (3600, 90m, 1h) at --concurrency (default "
+                           "256) on the sim engine at a real engine's pace, with churn, an engine restart halfway, "
+                           "resources sampled and their slopes judged; exit 1 on growth, a wrong stream or a "
+                           "journal that does not verify")
+    soak.add_argument("--soak-sample-s", type=float, default=None, metavar="S",
+                      help="seconds between samples (default 60, less for a soak under 24 minutes)")
+    soak.add_argument("--soak-warmup-s", type=float, default=None, metavar="S",
+                      help="seconds of each servicer run not judged (default 300, a quarter of a shorter soak)")
+    soak.add_argument("--soak-seed", type=int, default=1, help="the client's seed: the same mix of calls (default 1)")
+    soak.add_argument("--soak-json", dest="json_out", type=Path, default=None, metavar="FILE",
+                      help="write the soak's whole report (every sample) as JSON")
     p.set_defaults(engine_args=[])
+
+
+def _duration(text: str) -> float:
+    from enginelink.tools.bench_soak import parse_duration
+
+    return parse_duration(text)
 
 
 def _against(text: str) -> list[str]:
@@ -104,17 +132,25 @@ def format_report(report: dict) -> str:
         f"{c['channels']} connection(s), {report.get('server', {}).get('wire', 'vllm')} contract",
         f"  machine            {report['machine']['nproc']} cpu, {report['machine']['cpu_model']}, "
         f"Python {report['machine']['python']}",
-        f"  load window        {report['wall_s']:.2f} s",
+        f"  load window        {report['wall_s']:.2f} s" + (" (steady: after the warm-up, the window's tokens only)"
+                                                            if report.get("steady") else ""),
         f"  calls              {report['requests']} ({report['ok']} ok, {report['short']} short, "
         f"{report['errors']} failed{' ' + str(report['error_codes']) if report['error_codes'] else ''})",
         f"  output tokens      {report['output_tokens']}  ({report['tokens_per_s']:,.0f} tokens/s)",
         f"  requests/s         {report['requests_per_s']:,.1f}",
         f"  messages/s         {report['messages_per_s']:,.0f}  ({report['tokens_per_chunk']:.2f} tokens/chunk)",
-        f"  TTFT               p50 {f(report['ttft_ms']['p50'])} ms   p99 {f(report['ttft_ms']['p99'])} ms",
+        f"  TTFT               p50 {f(report['ttft_ms']['p50'])} ms   p90 {f(report['ttft_ms'].get('p90'))} ms   "
+        f"p99 {f(report['ttft_ms']['p99'])} ms",
         f"  inter-token        p50 {f(report['itl_token_ms']['p50'], '.3f')} ms   "
+        f"p90 {f(report['itl_token_ms'].get('p90'), '.3f')} ms   "
         f"p99 {f(report['itl_token_ms']['p99'], '.3f')} ms  (message gap / tokens in it)",
         f"  inter-message      p50 {f(report['itl_message_ms']['p50'], '.3f')} ms   "
+        f"p90 {f(report['itl_message_ms'].get('p90'), '.3f')} ms   "
         f"p99 {f(report['itl_message_ms']['p99'], '.3f')} ms",
+        *[f"  output delay       p50 {f(d['p50'], '.3f')} ms   p90 {f(d['p90'], '.3f')} ms   p99 {f(d['p99'], '.3f')} ms"
+          f"  (servicer's histogram, stage {stage}: {'engine timestamp' if stage == 'engine' else 'frame read'} "
+          f"-> written; {d['frames']} frames)"
+          for stage, d in sorted((report.get('output_delay_ms') or {}).items())],
         f"  servicer CPU       {f(report['servicer_cpu_s'], '.2f')} s  "
         f"= {f(report['servicer_cpu_us_per_token'])} us/token  "
         f"({f(None if report['servicer_cpu_util'] is None else report['servicer_cpu_util'] * 100, '.0f')}% of a core; "
@@ -164,6 +200,8 @@ def check_options(args: argparse.Namespace) -> None:
             raise OptionError(f"--{name.replace('_', '-')} must be >= 1")
     if args.requests is not None and args.requests < 1:
         raise OptionError("--requests must be >= 1")
+    if getattr(args, "warm_s", None) is not None and (args.warm_s < 0 or args.requests is not None):
+        raise OptionError("--warm-s takes seconds >= 0 and a --duration-s window, not --requests")
     if args.duration_s is not None and args.duration_s <= 0:
         raise OptionError("--duration-s must be > 0")
     if args.servicer_pid is not None and args.target is None:
@@ -183,7 +221,7 @@ def measure(args: argparse.Namespace) -> dict:
             if args.target is None:
                 servicer = Servicer(args, tmp)
                 servicer.start()
-                return run_load(args, servicer.target, servicer.process.pid)
+                return run_load(args, servicer.target, servicer.process.pid, servicer.metrics_port)
             wait_serving(args.target, SERVING_TIMEOUT_S, wire=args.wire)
             return run_load(args, args.target, args.servicer_pid)
         except (RuntimeError, TimeoutError) as error:
@@ -212,6 +250,15 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     engine = getattr(args, "engine", "sim")
+    if getattr(args, "soak", None) is not None:
+        if engine != "sim" or args.against or args.target is not None or getattr(args, "wire", "vllm") != "vllm" \
+                or getattr(args, "latency_plot", None) is not None:
+            print("enginelink bench: --soak runs its own servicer on the sim engine (no --engine, --against, "
+                  "--target, --wire or --latency-plot; --plot draws its curves)", file=sys.stderr)
+            return 2
+        from enginelink.tools import bench_soak
+
+        return bench_soak.run(args)
     if getattr(args, "plot", None) is not None:
         from enginelink.tools.bench_plot import PlotError, check
 
@@ -219,6 +266,16 @@ def _run(args: argparse.Namespace) -> int:
             check(args.plot)  # before the run, not after an hour of it
         except PlotError as error:
             print(f"enginelink bench: {error}", file=sys.stderr)
+            return 2
+    latency_plot = getattr(args, "latency_plot", None)
+    if latency_plot is not None:  # checked before the run too (tools/bench_svg.py draws it: no matplotlib)
+        if not (args.against or engine == "vllm"):
+            print("enginelink bench: --latency-plot draws arms side by side: it goes with --against or --engine vllm",
+                  file=sys.stderr)
+            return 2
+        if latency_plot.suffix.lower() != ".svg" or not latency_plot.resolve().parent.is_dir():
+            print(f"enginelink bench: --latency-plot {latency_plot}: an SVG file (FILE.svg) in a directory that exists",
+                  file=sys.stderr)
             return 2
     if getattr(args, "wire", "vllm") != "vllm" and (engine != "sim" or args.against):
         print("enginelink bench: --wire goes with the sim engine (no --engine vllm/mlx, no --against)", file=sys.stderr)

@@ -46,6 +46,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 HANDSHAKE_TIMEOUT_S = 600.0
+# With --warm-s and no --duration-s: the steady window (long enough that a repetition repeats, on a
+# real engine's pace: hundreds of steps).
+DEFAULT_WINDOW_S = 20.0
 ENGINE_ARGS_DEFAULT = ["--max-model-len", "1024", "--enforce-eager"]
 
 
@@ -90,8 +93,17 @@ def spend_cpu(seconds: float) -> None:
         pass
 
 
+def _percentiles(samples) -> dict:
+    """p50/p90/p99 in ms of seconds, as ``bench_load.summarize`` gives them."""
+    from enginelink.tools.bench_load import percentile
+
+    ordered = sorted(samples)
+    return {f"p{q}": (None if (v := percentile(ordered, q)) is None else v * 1e3) for q in (50, 90, 99)}
+
+
 def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, requests: int,
-                max_tokens: int, prompt_tokens: int, log_path: Path, front_end_us: float = 0.0) -> dict:
+                max_tokens: int, prompt_tokens: int, log_path: Path, front_end_us: float = 0.0,
+                warm_s: float | None = None, window_s: float = 10.0) -> dict:
     import msgspec
     import zmq
     from enginelink.runtime.engine.placement import (
@@ -203,7 +215,79 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
                             sent += 1
             return {"tokens": tokens, "short": short, "requests": done}
 
+        def drive_steady(n_concurrent: int, tokens_each: int, warm_s: float, window_s: float) -> dict:
+            """Keep ``n_concurrent`` requests in flight, their slots opened over ``warm_s``; count and
+            time only what arrives in the window after it (``bench_load.run_load``'s steady window)."""
+            from array import array
+
+            go = time.monotonic()
+            w0, w1 = go + warm_s, go + warm_s + window_s
+            ttft, gaps = array("d"), array("d")
+            open_: dict[str, list] = {}  # request id -> [sent at, last output at, tokens]
+            sent = done = short = tokens = window_tokens = window_frames = 0
+            opened = 0
+            cpu = [0.0, 0.0]
+            while opened < n_concurrent or open_:
+                now = time.monotonic()
+                while opened < n_concurrent and now >= go + opened * warm_s / n_concurrent:
+                    opened += 1
+                    if now < w1:
+                        add(f"raw-{sent}", tokens_each)
+                        open_[f"raw-{sent}"] = [now, now, 0]
+                        sent += 1
+                if not cpu[0] and now >= w0:
+                    cpu[0] = time.process_time()
+                if not cpu[1] and now >= w1:
+                    cpu[1] = time.process_time()
+                if not open_:
+                    time.sleep(max(0.0, min(go + opened * warm_s / n_concurrent, w1) - now) or 0.001)
+                    continue
+                if not outputs.poll(50 if opened < n_concurrent else 60_000):
+                    if opened < n_concurrent:
+                        continue
+                    raise RuntimeError("no engine output for 60 s")
+                batch = codec.decode_output(outputs.recv_multipart())
+                now = time.monotonic()
+                if isinstance(batch, EngineDead):
+                    raise RuntimeError("engine reported ENGINE_CORE_DEAD")
+                if front_end_us:
+                    spend_cpu(front_end_us * 1e-6 * sum(len(out.new_token_ids) for out in batch.outputs))
+                inside = w0 <= now < w1
+                window_frames += inside and bool(batch.outputs)
+                for out in batch.outputs:
+                    state = open_.get(out.request_id)
+                    if state is None:
+                        continue
+                    got = len(out.new_token_ids)
+                    if got:
+                        if state[2] == 0:
+                            if w0 <= state[0] < w1:
+                                ttft.append(now - state[0])
+                        elif inside:
+                            gaps.append((now - state[1]) / got)
+                        state[1] = now
+                        state[2] += got
+                        tokens += got
+                        if inside:
+                            window_tokens += got
+                    if out.finish_reason is not None:
+                        done += 1
+                        short += state[2] != tokens_each
+                        del open_[out.request_id]
+                        if now < w1:
+                            add(f"raw-{sent}", tokens_each)
+                            open_[f"raw-{sent}"] = [now, now, 0]
+                            sent += 1
+            return {"tokens": window_tokens, "all_tokens": tokens, "short": short, "requests": done,
+                    "wall_s": window_s, "tokens_per_s": window_tokens / window_s,
+                    "driver_cpu_s": (cpu[1] or time.process_time()) - cpu[0],
+                    "ttft_ms": _percentiles(ttft), "itl_ms": _percentiles(gaps),
+                    "engine_frames_per_s": window_frames / window_s,
+                    "tokens_per_engine_frame": window_tokens / window_frames if window_frames else None}
+
         drive(1, 1, 2, "warm")
+        if warm_s is not None:
+            return {**drive_steady(concurrency, max_tokens, warm_s, window_s), "placement": placed}
         cpu0 = time.process_time()
         t0 = time.monotonic()
         counts = drive(requests, concurrency, max_tokens, "raw")
@@ -245,7 +329,11 @@ def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: l
     run_args.client = client
     run_args.target = None
     run_args.servicer_pid = None
-    run_args.duration_s = None
+    if getattr(args, "warm_s", None) is None:
+        run_args.duration_s = None
+    else:  # the steady window: every side runs the same warm-up and window (run_load)
+        run_args.requests = None
+        run_args.duration_s = args.duration_s or DEFAULT_WINDOW_S
     run_args.temperature = 1.0
     run_args.random_prompt = True
     run_args.contract = "mlx" if engine == "mlx" else "vllm"  # serve --engine mlx serves MlxEngine
@@ -253,7 +341,7 @@ def measure_enginelink(args: argparse.Namespace, model_dir: Path, engine_args: l
                               env={"ENGINELINK_WARMUP": "off", "ENGINELINK_KV_EVENTS": "off"})
     servicer.start(timeout_s=HANDSHAKE_TIMEOUT_S)
     try:
-        report = bench_load.run_load(run_args, servicer.target, servicer.process.pid)
+        report = bench_load.run_load(run_args, servicer.target, servicer.process.pid, servicer.metrics_port)
     except Exception as error:
         raise RuntimeError(f"{error}\nservicer log ends:\n{servicer.log()}") from None
     finally:
@@ -272,6 +360,10 @@ def load_result(report: dict) -> dict:
         "servicer_cpu_s": report["servicer_cpu_s"], "client_cpu_s": report["client_cpu_s"],
         "engine_cpu_s": report.get("engine_cpu_s"),  # the servicer's engine processes (none for a --target)
         "servicer_rss_mib": report.get("servicer_rss_mib"),
+        "ttft_ms": report.get("ttft_ms"), "itl_ms": report.get("itl_token_ms"),
+        "output_delay_ms": report.get("output_delay_ms"),
+        "engine_frames_per_s": report.get("engine_frames_per_s"),
+        "tokens_per_engine_frame": report.get("tokens_per_engine_frame"),
     }
 
 
@@ -287,7 +379,11 @@ def measure_ref(args: argparse.Namespace, model_dir: Path, engine_args: list[str
     run_args.client = client
     run_args.target = None
     run_args.servicer_pid = None
-    run_args.duration_s = None
+    if getattr(args, "warm_s", None) is None:
+        run_args.duration_s = None
+    else:  # the steady window: every side runs the same warm-up and window (run_load)
+        run_args.requests = None
+        run_args.duration_s = args.duration_s or DEFAULT_WINDOW_S
     run_args.temperature = 1.0
     run_args.random_prompt = True
     argv, env = _vllm_launcher(model_dir, engine_args).command("{handshake}")
@@ -302,7 +398,7 @@ def measure_ref(args: argparse.Namespace, model_dir: Path, engine_args: list[str
     servicer.start(timeout_s=HANDSHAKE_TIMEOUT_S)
     try:
         give_engine_its_priority(servicer, _engine_nice())
-        report = bench_load.run_load(run_args, servicer.target, servicer.process.pid)
+        report = bench_load.run_load(run_args, servicer.target, servicer.process.pid, servicer.metrics_port)
     except Exception as error:
         raise RuntimeError(f"{arm}: {error}\nits log ends:\n{servicer.log()}") from None
     finally:
@@ -347,7 +443,9 @@ def run(args: argparse.Namespace) -> int:
                                                  tmp / f"el-{concurrency}-{r}-{side.client}")
                     else:
                         res = measure_raw(model_dir, engine_args, concurrency, requests, args.max_tokens,
-                                          args.prompt_tokens, tmp / "raw-engine.log", side.front_end_us)
+                                          args.prompt_tokens, tmp / "raw-engine.log", side.front_end_us,
+                                          warm_s=getattr(args, "warm_s", None),
+                                          window_s=args.duration_s or DEFAULT_WINDOW_S)
                     res["total_s"] = time.monotonic() - t
                     runs[side.label].append(res)
                     if r == 0 and side.label == "raw":
@@ -357,8 +455,12 @@ def run(args: argparse.Namespace) -> int:
                            f"{side.client} client {res['client_cpu_s'] / res['tokens'] * 1e6:.0f} us/token, "
                            f"servicer RSS {res['servicer_rss_mib'] or 0:.0f} MiB"
                            if side.client is not None and res["tokens"] else "")
+                    engine_side = (f"; engine {res['engine_frames_per_s']:.1f} frames/s x "
+                                   f"{res['tokens_per_engine_frame']:.1f} tokens" if res.get("tokens_per_engine_frame")
+                                   else "")
                     print(f"concurrency {concurrency} round {r + 1} {side.label:18s} {res['tokens_per_s']:8.0f} "
-                          f"tokens/s ({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed; "
+                          f"tokens/s ({res['tokens']} tokens in {res['wall_s']:.2f} s, {res['short']} short/failed"
+                          f"{engine_side}; "
                           f"{res['total_s']:.0f} s with start-up{cpu})", file=sys.stderr, flush=True)
             el = statistics.median(x["tokens_per_s"] for x in runs["enginelink"])
             raw = statistics.median(x["tokens_per_s"] for x in runs["raw"])
@@ -374,6 +476,17 @@ def run(args: argparse.Namespace) -> int:
                             "client": clients[0], "other_ratios": others, "arms": arms})
     report = {"machine": machine_facts(), "requests": requests, "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "model": str(model_dir), "results": results}
+    if getattr(args, "latency_plot", None):
+        from enginelink.tools.bench_refs import plot
+
+        arms = [label for label in results[0]["arms"]] if results else []
+        for r in results:  # the raw driver beside the servicers, its latency with the same spread
+            from enginelink.tools.bench_refs import latency_summary
+
+            r["arms"].setdefault("raw", {"latency": latency_summary(r["runs"]["raw"], [])})
+        plot(results, [*arms, "raw"], args.latency_plot,
+             f"enginelink bench --engine vllm: {args.max_tokens} tokens a call, {args.rounds} repetition(s)",
+             base="raw")
     from enginelink.tools.bench_plot import maybe_write
 
     maybe_write(args, report)
@@ -394,7 +507,15 @@ def run(args: argparse.Namespace) -> int:
                 print("    servicers, each against the raw driver and enginelink in the same repetition "
                       "(geometric mean of the per-repetition ratios, 95% interval):")
                 for label, summary in r["arms"].items():
+                    if label == "raw":
+                        continue
                     print("\n".join(format_arm(label, r["runs"][label], summary, ("raw", "enginelink"))))
+                from enginelink.tools.bench_refs import format_latency, latency_summary
+
+                raw_latency = format_latency({"latency": latency_summary(r["runs"]["raw"], [])}, None)
+                if any("-, " not in line for line in raw_latency):
+                    print("                raw: (the bare driver: the engine's own latency)")
+                    print("\n".join(raw_latency))
             for side, ratio in r["other_ratios"].items():
                 runs_text = ", ".join(f"{x['tokens_per_s']:.0f}" for x in r["runs"][side])
                 what = ("raw driver spending that much CPU per token" if side.startswith("raw")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import hpack
 
@@ -246,11 +247,14 @@ class Connection:
         call.on_end(int(status), headers.get("grpc-message", ""))
 
 
-def run_calls(connection: Connection, n_concurrent: int, take, make_request, on_message, on_end) -> None:
+def run_calls(connection: Connection, n_concurrent: int, take, make_request, on_message, on_end,
+              ramp_s: float = 0.0) -> None:
     """Keep ``n_concurrent`` calls open until ``take()`` returns None and every call has ended.
 
     ``make_request(n)`` gives the serialized request for call number ``n``;
     ``on_message(n, bytes)`` and ``on_end(n, code, message)`` receive its replies.
+    ``ramp_s``: the calls' slots open one after the other over that long, not at once, so that
+    once every slot is open their calls are spread over a call's life (a steady state), not in step.
     """
     def start_next() -> None:
         n = take()
@@ -258,7 +262,20 @@ def run_calls(connection: Connection, n_concurrent: int, take, make_request, on_
             connection.start(make_request(n), lambda body: on_message(n, body),
                              lambda code, text: (on_end(n, code, text), start_next()))
 
-    for _ in range(n_concurrent):
-        start_next()
+    if ramp_s <= 0:
+        for _ in range(n_concurrent):
+            start_next()
+    else:
+        t0, opened = time.monotonic(), 0
+        while opened < n_concurrent:
+            due = t0 + opened * ramp_s / n_concurrent
+            now = time.monotonic()
+            if now >= due:
+                start_next()
+                opened += 1
+            elif connection.open_calls:
+                connection.pump()  # returns once something was read: at least every engine step
+            else:
+                time.sleep(due - now)
     while connection.open_calls:
         connection.pump()

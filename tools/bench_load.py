@@ -257,8 +257,11 @@ class Servicer:
         tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = tmp / "servicer.log"
         engine_args = engine_args_of(args) if engine_args is None else engine_args
+        # /metrics on, for the output-delay histogram (run_load reads it at both ends of the window).
+        self.metrics_port: int | None = free_port()
         self.argv = [
             sys.executable, "-m", "enginelink.tools.cli", "serve", "--port", str(self.port),
+            "--metrics-port", str(self.metrics_port),
             "--journal", str(tmp / "journal.sqlite"), "--log-level", "WARNING", *(["--engine", engine]),
             *(["--wire", self.wire] if self.wire != "vllm" else []),
             "--model", str(model_dir or args.model or bench_model_dir()), "--", *engine_args,
@@ -377,13 +380,20 @@ def _request_factory(plan: dict, index: int):
 class CallRecorder:
     """What a client process reports of its calls, whichever client made them: counts, TTFT and the gaps."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, window: tuple[float, float] | None = None) -> None:
         self.max_tokens = max_tokens
         self.ttft, self.gap_msg, self.gap_tok = array("d"), array("d"), array("d")
         self.counts = {"requests": 0, "ok": 0, "short": 0, "errors": 0, "tokens": 0, "messages": 0, "chunks": 0}
         self.error_codes: dict[str, int] = {}
         self.open: dict[int, list] = {}  # call number -> [start, last chunk, tokens, complete seen]
-        self.clock = time.perf_counter
+        # The steady window (time.monotonic, as the bench's parent reads it): latency samples and
+        # window_tokens only from inside it; None: every call and chunk counts.
+        self.window = window
+        self.window_tokens = 0
+        self.clock = time.monotonic  # CLOCK_MONOTONIC: the parent's window is on the same clock
+
+    def _inside(self, t: float) -> bool:
+        return self.window is None or self.window[0] <= t < self.window[1]
 
     def start(self, n: int) -> None:
         self.counts["requests"] += 1
@@ -396,9 +406,13 @@ class CallRecorder:
         self.counts["messages"] += 1
         if response.WhichOneof("response") == "chunk":
             got = len(response.chunk.token_ids)
+            inside = self._inside(now)
+            if inside:
+                self.window_tokens += got
             if state[2] == 0:
-                self.ttft.append(now - state[0])
-            elif got:
+                if self._inside(state[0]):  # a call started in the window: its first token counts
+                    self.ttft.append(now - state[0])
+            elif got and inside:
                 gap = now - state[1]
                 self.gap_msg.append(gap)
                 self.gap_tok.append(gap / got)
@@ -423,6 +437,7 @@ class CallRecorder:
     def report(self, cpu_s: float) -> dict:
         return {
             **self.counts,
+            "window_tokens": self.window_tokens,
             "error_codes": self.error_codes,
             "cpu_s": cpu_s,
             "ttft": self.ttft.tobytes(),
@@ -460,13 +475,13 @@ def _h2_client(conn, index: int, plan: dict) -> dict:
         if warm.counts["ok"] != 1:
             raise RuntimeError(f"the warm-up call failed: {warm.counts} {warm.error_codes}")
 
-        record = CallRecorder(plan["max_tokens"])
         conn.send(("ready", None))
-        message, stop_at = conn.recv()
+        message, stop_at, window = conn.recv()
         assert message == "go", message
+        record = CallRecorder(plan["max_tokens"], window)
         cpu0 = time.process_time()
         run_calls(connection, plan["concurrency"], call_numbers(plan["requests"], stop_at),
-                  *calls(record, plan["max_tokens"]))
+                  *calls(record, plan["max_tokens"]), ramp_s=plan.get("ramp_s", 0.0))
         cpu1 = time.process_time()
     finally:
         connection.close()
@@ -493,11 +508,12 @@ async def _client(conn, index: int, plan: dict) -> dict:
         async for _ in stub.Generate(request(-1 - i, 2)):
             pass
 
-    record = CallRecorder(max_tokens)
     conn.send(("ready", None))
-    message, stop_at = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    message, stop_at, window = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
     assert message == "go", message
+    record = CallRecorder(max_tokens, window)
     take = call_numbers(plan["requests"], stop_at)
+    ramp_s = plan.get("ramp_s", 0.0)
 
     async def one(stub, n: int) -> None:
         record.start(n)
@@ -509,12 +525,14 @@ async def _client(conn, index: int, plan: dict) -> dict:
         else:
             record.end(n, None)
 
-    async def worker(stub) -> None:
+    async def worker(stub, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)  # the ramp (run_calls' ramp_s)
         while (n := take()) is not None:
             await one(stub, n)
 
     cpu0 = time.process_time()  # all of this process's threads, grpc's own included
-    await asyncio.gather(*(worker(stubs[i % len(stubs)]) for i in range(plan["concurrency"])))
+    await asyncio.gather(*(worker(stubs[i % len(stubs)], i * ramp_s / plan["concurrency"])
+                           for i in range(plan["concurrency"])))
     cpu1 = time.process_time()
     for c in channels:
         await c.close()
@@ -525,11 +543,17 @@ def _shares(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) -> dict:
-    """Start the client processes, run the load window, return the report."""
+def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None, metrics_port: int | None = None) -> dict:
+    """Start the client processes, run the load window, return the report.
+
+    With ``args.warm_s`` (a steady window): the clients open their slots over ``warm_s`` and keep
+    them busy; only ``[go + warm_s, go + warm_s + duration_s)`` is measured (tokens, latency, CPU,
+    the servicer's /metrics histograms when ``metrics_port``), so neither the ramp nor the tail of
+    stragglers is in the figures."""
     procs = args.client_procs
+    warm_s = getattr(args, "warm_s", None)
     duration_s = args.duration_s if args.duration_s is not None else (
-        None if args.requests is not None else DEFAULT_DURATION_S)
+        None if args.requests is not None and warm_s is None else DEFAULT_DURATION_S)
     tag = uuid.uuid4().hex[:8]
     wire = getattr(args, "contract", None) or getattr(args, "wire", "vllm")  # the contract's CONTRACTS key
     server = server_facts(target, wire)
@@ -552,6 +576,7 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
                 # The client stands for the router: it runs where the servicer runs, so off the CPUs
                 # an engine binds when the servicer keeps off them (ENGINELINK_PLACEMENT).
                 "cpus": sorted(os.sched_getaffinity(servicer_pid)) if servicer_pid else None,
+                "ramp_s": warm_s or 0.0,
             }
             proc = ctx.Process(target=_client_main, args=(child, i, plan), daemon=False)
             proc.start()
@@ -561,23 +586,37 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
             _expect(conn, "ready", CLIENT_READY_TIMEOUT_S)
 
         engine_pids = proc_children(servicer_pid) if servicer_pid else []
-        spy = _start_py_spy(args.py_spy, servicer_pid) if args.py_spy and servicer_pid else None
-        machine0 = machine_cpu_s()
-        cpu0 = proc_cpu_s(servicer_pid) if servicer_pid else None
-        threads0 = thread_cpu_s(servicer_pid) if servicer_pid else {}
-        engine0 = sum(map(_cpu_or_zero, engine_pids))
-        t0 = time.monotonic()
-        stop_at = t0 + duration_s if duration_s is not None else None
+        spy = None
+
+        def read_start():
+            nonlocal spy
+            spy = _start_py_spy(args.py_spy, servicer_pid) if args.py_spy and servicer_pid else None
+            return (machine_cpu_s(), proc_cpu_s(servicer_pid) if servicer_pid else None,
+                    thread_cpu_s(servicer_pid) if servicer_pid else {}, sum(map(_cpu_or_zero, engine_pids)),
+                    scrape_histograms(metrics_port), time.monotonic())
+
+        def read_end():
+            return (machine_cpu_s(), _cpu_if_alive(servicer_pid) if servicer_pid else None,
+                    thread_cpu_s(servicer_pid) if servicer_pid else {}, sum(map(_cpu_or_zero, engine_pids)),
+                    proc_rss_mib(servicer_pid) if servicer_pid else None, scrape_histograms(metrics_port),
+                    time.monotonic())
+
+        go = time.monotonic()
+        window = None if warm_s is None else (go + warm_s, go + warm_s + duration_s)
+        stop_at = window[1] if window else (go + duration_s if duration_s is not None else None)
+        if window is None:
+            machine0, cpu0, threads0, engine0, hist0, t0 = read_start()
         for _, conn in clients:
-            conn.send(("go", stop_at))
-        limit = (duration_s or 0) + STRAGGLER_GRACE_S + (args.requests or 0) * args.max_tokens * 1e-3
+            conn.send(("go", stop_at, window))
+        if window is not None:
+            _sleep_until(window[0], clients)
+            machine0, cpu0, threads0, engine0, hist0, t0 = read_start()
+            _sleep_until(window[1], clients)
+            machine1, cpu1, threads1, engine1, rss, hist1, t1 = read_end()
+        limit = (warm_s or 0) + (duration_s or 0) + STRAGGLER_GRACE_S + (args.requests or 0) * args.max_tokens * 1e-3
         results = [_expect(conn, "done", limit) for _, conn in clients]
-        t1 = time.monotonic()
-        machine1 = machine_cpu_s()
-        cpu1 = _cpu_if_alive(servicer_pid) if servicer_pid else None
-        threads1 = thread_cpu_s(servicer_pid) if servicer_pid else {}
-        engine1 = sum(map(_cpu_or_zero, engine_pids))
-        rss = proc_rss_mib(servicer_pid) if servicer_pid else None
+        if window is None:
+            machine1, cpu1, threads1, engine1, rss, hist1, t1 = read_end()
     finally:
         if spy is not None:
             _stop_py_spy(spy)
@@ -591,8 +630,15 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
     servicer_cpu = None if cpu0 is None else (cpu1[0] - cpu0[0], cpu1[1] - cpu0[1])
     # Threads that ended within the window are missing here; the process total is exact.
     threads = {name: round(cpu - threads0.get(name, 0.0), 3) for name, cpu in threads1.items()}
-    report = summarize(args, results, t1 - t0, servicer_cpu, engine1 - engine0 if engine_pids else None)
+    report = summarize(args, results, t1 - t0, servicer_cpu, engine1 - engine0 if engine_pids else None,
+                       steady=window is not None)
     report["server"] = server
+    report["output_delay_ms"] = output_delay(hist0, hist1)
+    if "frames_received" in hist1 and "frames_received" in hist0 and t1 > t0:
+        # The engine's side of the rate: its steps/s and tokens per step (≈ requests running per step).
+        steps = hist1["frames_received"][0][1] - hist0["frames_received"][0][1]
+        report["engine_frames_per_s"] = steps / (t1 - t0)
+        report["tokens_per_engine_frame"] = report["output_tokens"] / steps if steps else None
     if spy is not None and args.py_spy.suffix != ".svg" and args.py_spy.exists():
         report["profile"] = {"samples_file": str(args.py_spy), "activities": profile_activities(args.py_spy)}
     report["servicer_threads_cpu_s"] = dict(sorted(threads.items(), key=lambda kv: -kv[1]))
@@ -609,6 +655,75 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
         "capacity_s": (os.cpu_count() or 1) * report["wall_s"],
     }
     return report
+
+
+def _sleep_until(when: float, clients) -> None:
+    """Sleep until ``when`` (time.monotonic); a client that reports early (it failed) ends it."""
+    while (left := when - time.monotonic()) > 0:
+        if any(conn.poll(0) for _, conn in clients):
+            return
+        time.sleep(min(left, 0.05))
+
+
+OUTPUT_DELAY = "smg_servicer_output_delay_seconds"
+
+
+def scrape_histograms(metrics_port: int | None) -> dict[str, list[tuple[float, float]]]:
+    """The servicer's output-delay histogram per stage, [(le, cumulative count)], from its /metrics;
+    {} without an endpoint or when it cannot be read (the figures are then left out, never guessed)."""
+    if metrics_port is None:
+        return {}
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, list[tuple[float, float]]] = {}
+    for m in re.finditer(rf'^{OUTPUT_DELAY}_bucket{{([^}}]*)}} (\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        le = float("inf") if labels["le"] == "+Inf" else float(labels["le"])
+        out.setdefault(labels.get("stage", ""), []).append((le, float(m.group(2))))
+    # The engine frames the link received: over a window, the engine's steps (one frame per step).
+    frames = re.search(r'^smg_servicer_link_frames_received{[^}]*} (\S+)$', text, re.M)
+    if frames:
+        out["frames_received"] = [(0.0, float(frames.group(1)))]
+    return out
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus's ``histogram_quantile``: linear within the bucket the rank falls in."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_le, lower_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return lower_le
+            return lower_le + (le - lower_le) * ((rank - lower_count) / (count - lower_count) if count > lower_count else 1)
+        lower_le, lower_count = le, count
+    return buckets[-2][0] if len(buckets) > 1 else None
+
+
+def output_delay(before: dict, after: dict) -> dict | None:
+    """The output-delay histogram over the window (after minus before), per stage: frames, p50/p90/p99 ms."""
+    if not after:
+        return None
+    out = {}
+    for stage, buckets in after.items():
+        if stage == "frames_received":
+            continue
+        base = dict(before.get(stage, []))
+        delta = [(le, count - base.get(le, 0.0)) for le, count in buckets]
+        frames = max((c for _, c in delta), default=0.0)
+        out[stage] = {"frames": int(frames),
+                      **{f"p{q}": (None if (v := histogram_quantile(q / 100, delta)) is None else v * 1e3)
+                         for q in (50, 90, 99)}}
+    return out
 
 
 def _expect(conn, what: str, timeout_s: float):
@@ -707,10 +822,16 @@ def _samples(results: list[dict], key: str) -> list[float]:
 
 
 def summarize(args, results: list[dict], wall_s: float, servicer_cpu: tuple[float, float] | None,
-              engine_cpu_s: float | None) -> dict:
-    """The report: counts, rates, latency percentiles and CPU per output token."""
+              engine_cpu_s: float | None, steady: bool = False) -> dict:
+    """The report: counts, rates, latency percentiles and CPU per output token.
+
+    ``steady``: the rates and CPU per token are over the window's tokens (``window_tokens``), not
+    every call's; the counts and checks are still every call's."""
     servicer_cpu_s = None if servicer_cpu is None else sum(servicer_cpu)
     total = {k: sum(r[k] for r in results) for k in ("requests", "ok", "short", "errors", "tokens", "messages", "chunks")}
+    all_tokens = total["tokens"]
+    if steady:
+        total["tokens"] = sum(r["window_tokens"] for r in results)
     codes: dict[str, int] = {}
     for r in results:
         for code, n in r["error_codes"].items():
@@ -737,12 +858,16 @@ def summarize(args, results: list[dict], wall_s: float, servicer_cpu: tuple[floa
         "error_codes": codes,
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall_s if wall_s else 0.0,
-        "requests_per_s": total["ok"] / wall_s if wall_s else 0.0,
-        "messages_per_s": total["messages"] / wall_s if wall_s else 0.0,
-        "tokens_per_chunk": tokens / total["chunks"] if total["chunks"] else 0.0,
-        "ttft_ms": {"p50": ms(ttft, 50), "p99": ms(ttft, 99)},
-        "itl_token_ms": {"p50": ms(gap_tok, 50), "p99": ms(gap_tok, 99)},
-        "itl_message_ms": {"p50": ms(gap_msg, 50), "p99": ms(gap_msg, 99)},
+        # Steady: the window's rates, from its tokens (calls and messages are counted per call, not per window).
+        "requests_per_s": (tokens / args.max_tokens if steady else total["ok"]) / wall_s if wall_s else 0.0,
+        "messages_per_s": ((tokens * total["chunks"] / all_tokens if all_tokens else 0.0) if steady
+                           else total["messages"]) / wall_s if wall_s else 0.0,
+        "tokens_per_chunk": all_tokens / total["chunks"] if total["chunks"] else 0.0,
+        "steady": steady,
+        "all_calls_tokens": all_tokens,
+        "ttft_ms": {"p50": ms(ttft, 50), "p90": ms(ttft, 90), "p99": ms(ttft, 99)},
+        "itl_token_ms": {"p50": ms(gap_tok, 50), "p90": ms(gap_tok, 90), "p99": ms(gap_tok, 99)},
+        "itl_message_ms": {"p50": ms(gap_msg, 50), "p90": ms(gap_msg, 90), "p99": ms(gap_msg, 99)},
         "servicer_cpu_s": servicer_cpu_s,
         "servicer_cpu_user_s": None if servicer_cpu is None else servicer_cpu[0],
         "servicer_cpu_sys_s": None if servicer_cpu is None else servicer_cpu[1],

@@ -86,6 +86,7 @@ class RefServicer(Servicer):
         super().__init__(argparse.Namespace(engine_args_text="", engine_args=[], concurrency=1, model=model_dir),
                          tmp, model_dir=model_dir, engine_args=engine_args, env=env)
         self.arm = arm
+        self.metrics_port = None  # the references' own metrics are not read: the client's figures compare
         impl = "rust" if arm == "smg-rust" else "python"
         argv = [str(refs_python()), str(SHIM), impl, "--port", str(self.port), "--model", str(model_dir)]
         if engine_command is not None:
@@ -121,6 +122,7 @@ class FloorServicer(Servicer):
         super().__init__(argparse.Namespace(engine_args_text="", engine_args=[], concurrency=1, model=None),
                          tmp, model_dir=tmp, engine_args=[])
         self.messages = messages
+        self.metrics_port = None
         self.argv = [sys.executable, "-m", "enginelink.tools.bench_floor_servicer", "--port", str(self.port),
                      "--messages", str(messages), "--max-num-seqs", str(max_num_seqs),
                      "--max-streams", str(MAX_CONCURRENT_STREAMS)]
@@ -190,6 +192,7 @@ def arm_summary(runs: dict[str, list[dict]], arm: str, bases: tuple[str, ...]) -
         "tokens_per_s_per_core": _median([r["tokens"] / r["servicer_cpu_s"] if r.get("servicer_cpu_s") else None
                                           for r in mine]),
     }
+    summary["latency"] = latency_summary(mine, [runs[b] for b in bases if b != arm and b in runs][:1])
     for base in bases:
         if base == arm or base not in runs:
             continue
@@ -199,6 +202,64 @@ def arm_summary(runs: dict[str, list[dict]], arm: str, bases: tuple[str, ...]) -
         if all(a and b for a, b in cpu) and cpu:
             summary[f"cpu_vs_{base}"] = pooled([a / b for a, b in cpu])
     return summary
+
+
+LATENCY = (("ttft_ms", "TTFT"), ("itl_ms", "inter-token"))
+QUANTILES = ("p50", "p90", "p99")
+
+
+def spread(values: list) -> dict | None:
+    """Median of the repetitions' figures, with their lowest and highest (the spread across repetitions)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "low": min(values), "high": max(values), "n": len(values)}
+
+
+def latency_summary(mine: list[dict], bases: list[list[dict]]) -> dict:
+    """Per figure (TTFT and inter-token p50/p90/p99, the servicer's output delay): the spread of the
+    arm's repetitions, and, against the first base (the raw driver on a real engine), what the arm
+    added in each repetition (its percentile minus the base's in the same repetition)."""
+    out: dict = {}
+    for key, _ in LATENCY:
+        for q in QUANTILES:
+            out[f"{key}.{q}"] = spread([(r.get(key) or {}).get(q) for r in mine])
+            if bases:
+                added = [(a.get(key) or {}).get(q) - (b.get(key) or {}).get(q)
+                         for a, b in zip(mine, bases[0])
+                         if (a.get(key) or {}).get(q) is not None and (b.get(key) or {}).get(q) is not None]
+                out[f"{key}.{q}.added"] = spread(added)
+    for stage in ("received", "engine"):
+        for q in QUANTILES:
+            out[f"output_delay.{stage}.{q}"] = spread([((r.get("output_delay_ms") or {}).get(stage) or {}).get(q)
+                                                       for r in mine])
+    return out
+
+
+def format_spread(s: dict | None, spec: str = ".1f") -> str:
+    if s is None:
+        return "-"
+    if s["n"] == 1:
+        return format(s["median"], spec)
+    return f"{s['median']:{spec}} ({s['low']:{spec}}-{s['high']:{spec}})"
+
+
+def format_latency(summary: dict, base: str | None) -> list[str]:
+    lat = summary.get("latency") or {}
+    lines = []
+    for key, label in LATENCY:
+        spec = ".1f" if key == "ttft_ms" else ".2f"
+        parts = [f"{q} {format_spread(lat.get(f'{key}.{q}'), spec)}" for q in QUANTILES]
+        line = f"        {label} ms (median of repetitions, lowest-highest): " + ", ".join(parts)
+        if base and any(lat.get(f"{key}.{q}.added") for q in QUANTILES):
+            line += f"; added over {base}: " + ", ".join(
+                f"{q} {format_spread(lat.get(f'{key}.{q}.added'), spec)}" for q in QUANTILES)
+        lines.append(line)
+    for stage, what in (("received", "frame read"), ("engine", "engine timestamp")):
+        if lat.get(f"output_delay.{stage}.p50"):
+            lines.append(f"        servicer output delay ms ({what} -> written, its histogram): " + ", ".join(
+                f"{q} {format_spread(lat.get(f'output_delay.{stage}.{q}'), '.3f')}" for q in QUANTILES))
+    return lines
 
 
 def _median(values: list) -> float | None:
@@ -225,6 +286,8 @@ def format_arm(label: str, runs: list[dict], summary: dict, bases: tuple[str, ..
             parts.append(f"CPU per token {format_pooled(summary[f'cpu_vs_{base}'])}")
         if parts:
             lines.append(f"        ÷ {base}, per repetition: " + "; ".join(parts))
+    if "latency" in summary:
+        lines += format_latency(summary, next((b for b in bases if f"vs_{b}" in summary and b == "raw"), None))
     return lines
 
 
@@ -275,7 +338,7 @@ def run_sim(args: argparse.Namespace) -> int:
                     t = time.monotonic()
                     servicer.start(timeout_s=START_TIMEOUT_S)
                     try:
-                        report = bench_load.run_load(run_args, servicer.target, servicer.process.pid)
+                        report = bench_load.run_load(run_args, servicer.target, servicer.process.pid, servicer.metrics_port)
                     except Exception as error:
                         raise RuntimeError(f"{arm}: {error}\nits log ends:\n{servicer.log()}") from None
                     finally:
@@ -284,7 +347,9 @@ def run_sim(args: argparse.Namespace) -> int:
                            "wall_s": report["wall_s"], "short": report["short"] + report["errors"],
                            "servicer_cpu_s": report["servicer_cpu_s"], "client_cpu_s": report["client_cpu_s"],
                            "servicer_rss_mib": report.get("servicer_rss_mib"),
-                           "tokens_per_chunk": report["tokens_per_chunk"]}
+                           "tokens_per_chunk": report["tokens_per_chunk"],
+                           "ttft_ms": report["ttft_ms"], "itl_ms": report["itl_token_ms"],
+                           "output_delay_ms": report.get("output_delay_ms")}
                     if arm == FLOOR:
                         run["messages_per_call"] = servicer.messages
                     bad |= bool(run["short"])
@@ -300,6 +365,9 @@ def run_sim(args: argparse.Namespace) -> int:
     report = {"machine": machine_facts(), "engine": "sim", "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "requests": args.requests, "duration_s": args.duration_s,
               "model": str(model_dir), "results": results}
+    if getattr(args, "latency_plot", None):
+        plot(results, arms, args.latency_plot, f"enginelink bench --against {','.join(args.against)}: sim engine "
+             f"{' '.join(results[0]['engine_args']) if results else ''}, {args.rounds} repetition(s)")
     from enginelink.tools.bench_plot import maybe_write
 
     maybe_write(args, report)
@@ -318,3 +386,39 @@ def run_sim(args: argparse.Namespace) -> int:
                     print("        no engine, no work: grpclib alone, chunk messages per call as enginelink's ("
                           + ", ".join(str(run["messages_per_call"]) for run in r["runs"][arm]) + ")")
     return 1 if bad else 0
+
+
+# -- the plot (--plot FILE.svg) ----------------------------------------------------------------------
+
+
+def plot(results: list[dict], arms: list[str], path: Path, title: str, base: str | None = None) -> None:
+    """Each arm side by side per concurrency: tokens/s (÷ ``base`` per repetition when given), TTFT and
+    inter-token p50/p90/p99; a point is the median of the repetitions, its whisker their lowest-highest."""
+    from enginelink.tools.bench_svg import RangePanel, write
+
+    groups = [f"c={r['concurrency']}" for r in results]
+
+    def item(s: dict | None):
+        return None if s is None else (s["median"], s["low"], s["high"])
+
+    if base:
+        rate = RangePanel(f"tokens/s ÷ {base}, same repetition", "ratio", groups, reference=1.0)
+        for arm in arms:
+            rate.series.append((arm, [item(spread([a["tokens_per_s"] / b["tokens_per_s"]
+                                                   for a, b in zip(r["runs"][arm], r["runs"][base])
+                                                   if b["tokens_per_s"]])) for r in results]))
+    else:
+        rate = RangePanel("tokens/s", "tokens/s", groups)
+        for arm in arms:
+            rate.series.append((arm, [item(spread([x["tokens_per_s"] for x in r["runs"][arm]])) for r in results]))
+    panels = [rate]
+    for key, label in LATENCY:
+        for q in QUANTILES:
+            if key == "ttft_ms" and q == "p90":
+                continue
+            panel = RangePanel(f"{label} {q}", "ms", groups)
+            for arm in arms:
+                panel.series.append((arm, [item((r["arms"][arm].get("latency") or {}).get(f"{key}.{q}"))
+                                           for r in results]))
+            panels.append(panel)
+    write(path, panels, title, columns=3, note="point: median of the repetitions; whisker: lowest to highest")

@@ -283,6 +283,19 @@ def _resume_policy(args: argparse.Namespace):
                           f"ENGINELINK_RESUME_MEDIA_ITEMS_MAX): {error}") from None
 
 
+def _journal_ring_records() -> int:
+    """``ENGINELINK_JOURNAL_RING_RECORDS``: records the journal's in-memory ring keeps (its memory bound
+    with the ring's bytes budget; a soak sets it low so the ring is full within its warm-up)."""
+    from enginelink.journal.ring import RING_RECORDS_MAX
+
+    records = _env_int("ENGINELINK_JOURNAL_RING_RECORDS", "a whole number of records, at least 1000")
+    if records is None:
+        return RING_RECORDS_MAX
+    if records < 1000:
+        raise ConfigError(f"ENGINELINK_JOURNAL_RING_RECORDS={records}: must be at least 1000 (a fold needs history)")
+    return records
+
+
 def _journal_keep() -> int:
     try:
         return journal_keep()
@@ -424,6 +437,17 @@ def _fast_path() -> bool:
         raise ConfigError(str(error)) from None
 
 
+def _check_held_writes_budget() -> None:
+    """``ENGINELINK_HELD_WRITES_BUDGET_MS`` checked at start (exit 2 naming it); the engine link's receive
+    loops read it themselves (``zmq_transport.HELD_WRITES_BUDGET_S``), whatever started the servicer."""
+    from enginelink.runtime.engine.zmq_transport import held_writes_budget_s
+
+    try:
+        held_writes_budget_s(os.environ)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def _gc_policy():
     from enginelink.runtime.lifetime.gc_policy import GcPolicy
 
@@ -519,6 +543,7 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
             health_check_timeout_s(os.environ)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+    _check_held_writes_budget()
     engine_model, engine_args = _engine_model(args, source, tokenizer, engine_args)
     if args.engine == "mlx":
         launcher = _mlx_launcher(model_dir, engine_args)
@@ -548,6 +573,7 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
         port=args.port,
         journal_path=args.journal or default_journal_path(args.port),
         journal_keep=_journal_keep(),
+        journal_ring_records=_journal_ring_records(),
         # ENGINELINK_* first, then the served contract's SMG_<ENGINE>_SERVICER_*, then SMG_VLLM_SERVICER_*.
         startup_timeout_s=_seconds("startup_timeout_s", choice.contract, 1800.0),
         startup_ceiling_s=_seconds("startup_ceiling_s", choice.contract, 14400.0),

@@ -66,6 +66,7 @@ from enginelink.machines.sim_core import SimConfig, SimEngineCore, SimHooks, rea
 from enginelink.runtime.engine.engine_link import EngineLink
 from enginelink.runtime.engine.link_errors import LinkFailed
 from enginelink.runtime.engine.supervision import Supervision
+from enginelink.runtime.engine import zmq_transport
 from enginelink.runtime.engine.zmq_transport import FRAMES_PER_WAKEUP, OUTPUTS_PER_WAKEUP
 from enginelink.wire import vllm
 from enginelink.wire.engine import EngineDead, WireError
@@ -202,18 +203,23 @@ class MemoryTransport:
         return failure
 
     async def receive(self, link: EngineLink) -> None:
-        """``zmq_transport.receive_frames`` reading the memory channel."""
+        """``zmq_transport.receive_frames`` reading the memory channel: the same frame and output caps and the same
+        opt-in held-writes budget (``ENGINELINK_HELD_WRITES_BUDGET_MS``) end a wake-up. Under trio's
+        ``MockClock`` a wake-up takes no virtual time, so the budget never ends one there."""
         rx = self._link_inbox
+        clock = trio.current_time
         while True:
             frames = await rx.receive()
             handled = 0
+            started = clock()
             link.wakeup_outputs = 0  # counted by link.handle_frames
             while frames is not None:
                 if not link.handle_frames(frames):
-                    link.on_frames_done(trio.current_time())
+                    link.on_frames_done(clock())
                     return
                 handled += 1
-                if handled >= FRAMES_PER_WAKEUP or link.wakeup_outputs >= OUTPUTS_PER_WAKEUP:
+                if (handled >= FRAMES_PER_WAKEUP or link.wakeup_outputs >= OUTPUTS_PER_WAKEUP
+                        or clock() - started >= zmq_transport.HELD_WRITES_BUDGET_S):
                     break
                 try:
                     frames = rx.receive_nowait()

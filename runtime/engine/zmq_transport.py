@@ -60,6 +60,41 @@ FRAMES_PER_WAKEUP = 64
 # never split: one frame of any size per wake-up, as at a real engine's pace; a zero-cost engine's
 # small frames (2-3 outputs each) never reach it.
 OUTPUTS_PER_WAKEUP = 256
+# ... and, opt-in, the longest a wake-up may hold its frames' writes (RequestHub.hold_writes) while it
+# reads more: ENGINELINK_HELD_WRITES_BUDGET_MS (default 0: no bound but the two counts). Why: a
+# servicer behind a real engine (a saturated machine: docs/benchmarks-history.md, issue 36) found dozens of
+# frames per wake-up, each carrying a finished call or two, and wrote nothing, not even those
+# calls' completes, until it had read them all; meanwhile the next calls could not come in, and the
+# engine ran 20 of 32 requests. Past the budget the wake-up writes what it read and yields
+# (handlers admit the next calls), then reads on. Opt-in until a quiet machine measures it: each
+# write it adds costs CPU, and on the saturated box its effect was lost in the noise.
+HELD_WRITES_BUDGET_ENV = "ENGINELINK_HELD_WRITES_BUDGET_MS"
+
+
+def held_writes_budget_s(env=os.environ) -> float:
+    """The budget in seconds (infinite when 0 or unset); ValueError names the knob."""
+    raw = env.get(HELD_WRITES_BUDGET_ENV, "").strip()
+    try:
+        ms = float(raw) if raw else 0.0
+    except ValueError:
+        raise ValueError(f"{HELD_WRITES_BUDGET_ENV}={raw!r}: expected milliseconds (0: off)") from None
+    if ms < 0:
+        raise ValueError(f"{HELD_WRITES_BUDGET_ENV}={raw!r}: must not be negative")
+    return ms / 1000 if ms else float("inf")
+
+
+def _budget_at_import() -> float:
+    # Read at import (every entry point: serve, the vLLM plugin, headless) and never raising here: the CLI
+    # imports this module to build its parser, and `enginelink serve` refuses a bad value at start
+    # (exit 2 naming the knob, tools/serve.py) instead of a traceback from an import.
+    try:
+        return held_writes_budget_s()
+    except ValueError:
+        return float("inf")
+
+
+# Read by each wake-up (this module's receive_frames, MemoryTransport.receive), so a test may set it.
+HELD_WRITES_BUDGET_S = _budget_at_import()
 # The handshake is a one-off: polling it keeps the code simple.
 HANDSHAKE_POLL_S = 0.01
 # Where the link asks an engine to write the config facts its ready response lacks.
@@ -90,8 +125,11 @@ async def receive_frames(outputs: zmq.Socket, link) -> None:
     frame per wake-up (every engine step) the loop then costs one trio step
     and no exception per frame, where it cost two and three."""
     fd = outputs.getsockopt(zmq.FD)
+    clock = trio.current_time
     while True:
         handled = 0
+        over_budget = False
+        started = clock()
         link.wakeup_outputs = 0  # counted by link.handle_frames
         while handled < FRAMES_PER_WAKEUP and link.wakeup_outputs < OUTPUTS_PER_WAKEUP and has_message(outputs):
             try:
@@ -99,14 +137,17 @@ async def receive_frames(outputs: zmq.Socket, link) -> None:
             except zmq.Again:  # EVENTS said a message was there; do not trust it blindly
                 break
             if not link.handle_frames(frames):
-                link.on_frames_done(trio.current_time())
+                link.on_frames_done(clock())
                 return
             handled += 1
+            if clock() - started >= HELD_WRITES_BUDGET_S:
+                over_budget = True
+                break
         if handled:
-            link.last_frame_at = trio.current_time()
+            link.last_frame_at = clock()
             link.on_frames_done(link.last_frame_at)
-        if handled == FRAMES_PER_WAKEUP or link.wakeup_outputs >= OUTPUTS_PER_WAKEUP:
-            await trio.lowlevel.checkpoint()  # more waiting: let the writers run first
+        if handled == FRAMES_PER_WAKEUP or link.wakeup_outputs >= OUTPUTS_PER_WAKEUP or over_budget:
+            await trio.lowlevel.checkpoint()  # more waiting: let the writers and handlers run first
         else:
             await wait_fd(fd)
 

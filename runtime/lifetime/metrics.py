@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -26,6 +27,11 @@ log = logging.getLogger("enginelink.metrics")
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# Engine frame → its tokens on the client's socket: tens of microseconds when the servicer keeps up.
+OUTPUT_DELAY_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                          0.5, 1, 2.5)
+# An engine timestamp further from this host's monotonic clock than this is another host's: not observed.
+ENGINE_CLOCK_SKEW_MAX_S = 60.0
 # A scrape request larger than this is refused; a client slower than the timeout is dropped.
 HTTP_REQUEST_BYTES_MAX = 8192
 HTTP_TIMEOUT_S = 5.0
@@ -55,6 +61,17 @@ class Metrics:
                              labels, buckets=ITL_BUCKETS_S, registry=r)
         self.e2e = Histogram("smg_servicer_e2e_request_latency_seconds", "Admission to the call's end",
                              labels, buckets=LATENCY_BUCKETS_S, registry=r)
+        # Why a histogram and not the journal's clock: the journal has each frame's receive time but no
+        # record of the write (one per write would double its records); this is one observation per
+        # engine frame, off the per-token path.
+        self.output_delay = Histogram(
+            "smg_servicer_output_delay_seconds",
+            "Engine output frame to its tokens written to the client's socket, on the direct write path "
+            "(stage=received: from the servicer reading the frame; stage=engine: from the engine's own "
+            "timestamp, so the time the frame waited to be read is in it)",
+            labels + ["stage"], buckets=OUTPUT_DELAY_BUCKETS_S, registry=r)
+        self._delay_received = self.output_delay.labels(**self._labels, stage="received")
+        self._delay_engine = self.output_delay.labels(**self._labels, stage="engine")
         self.in_flight = Gauge("smg_servicer_in_flight_requests", "Generate calls in flight", labels, registry=r)
         self.start_time = Gauge("smg_servicer_start_time_seconds", "Unix time the servicer started", labels,
                                 registry=r)
@@ -101,6 +118,15 @@ class Metrics:
         if mean_gap_s is not None:
             self.itl.labels(**self._labels).observe(mean_gap_s)
 
+    def frames_written(self, marks: list[tuple[float, float]]) -> None:
+        """The direct path wrote what these engine frames carried: each frame's (trio time it was read,
+        the engine's timestamp on ``time.monotonic``, 0 if none) → now."""
+        now, mono = trio.current_time(), time.monotonic()
+        for received, stamped in marks:
+            self._delay_received.observe(now - received)
+            if stamped and 0.0 <= mono - stamped < ENGINE_CLOCK_SKEW_MAX_S:
+                self._delay_engine.observe(mono - stamped)
+
     def call_ended(self, seconds: float, error_code: str | None) -> None:
         self.e2e.labels(**self._labels).observe(seconds)
         if error_code is not None:
@@ -119,6 +145,7 @@ class NoMetrics:
     def first_output(self, seconds: float) -> None: ...
     def choice_done(self, finish_reason, tokens_sent, cached_tokens, mean_gap_s) -> None: ...
     def call_ended(self, seconds: float, error_code: str | None) -> None: ...
+    def frames_written(self, marks: list[tuple[float, float]]) -> None: ...
 
 
 class _StateCollector:
@@ -187,3 +214,26 @@ async def _answer(metrics: Metrics, stream: trio.SocketStream) -> None:
                 body = b"only GET /metrics is served here\n"
                 head = b"HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\n"
             await stream.send_all(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+
+
+class TaskCounts(msgspec.Struct, frozen=True):
+    """Tasks alive at scrape time: trio's (every nursery's children, from the root) and the asyncio
+    loop's (grpclib's handlers); a soak reads them for leaks (``enginelink bench --soak``)."""
+
+    trio: int
+    asyncio: int
+
+
+def task_counts(loop) -> TaskCounts:
+    """Walk trio's task tree and count the asyncio loop's tasks; called from a trio task (the scrape)."""
+    import asyncio
+
+    trio_tasks, todo = 0, [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        if task is None:
+            continue
+        trio_tasks += 1
+        for nursery in task.child_nurseries:
+            todo += nursery.child_tasks
+    return TaskCounts(trio_tasks, len(asyncio.all_tasks(loop)))

@@ -45,6 +45,8 @@ from enginelink.machines.resume import ResumePolicy
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.lifetime.gc_policy import GcPolicy
+from enginelink.journal.ring import RING_RECORDS_MAX
+from enginelink.runtime.lifetime.metrics import task_counts
 from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
 from enginelink.runtime.requests.media import media_record, media_settings
 from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
@@ -74,6 +76,7 @@ class ServeConfig:
     port: int = 50051
     journal_path: Path | None = None
     journal_keep: int = JOURNAL_KEEP_DEFAULT  # previous runs' journals kept (ENGINELINK_JOURNAL_KEEP)
+    journal_ring_records: int = RING_RECORDS_MAX  # the in-memory ring's records (ENGINELINK_JOURNAL_RING_RECORDS)
     startup_timeout_s: float = 1800.0
     startup_ceiling_s: float = 14400.0  # 0 = no ceiling
     silence_timeout_s: float = 300.0
@@ -113,11 +116,12 @@ async def serve(config: ServeConfig, task_status=trio.TASK_STATUS_IGNORED) -> in
         try:
             metrics_listeners = await _bind_metrics(config)
             if config.journal_path is None:
-                return await _serve(config, JournalPlan(None, lock, config.journal_keep), grpc_sock,
+                return await _serve(config, JournalPlan(None, lock, config.journal_keep, config.journal_ring_records), grpc_sock,
                                     metrics_listeners, task_status)  # fmt: skip
             write_run_file(config.port, config.journal_path, host=config.host)
             try:
-                return await _serve(config, JournalPlan(config.journal_path, lock, config.journal_keep), grpc_sock,
+                return await _serve(config, JournalPlan(config.journal_path, lock, config.journal_keep,
+                                                             config.journal_ring_records), grpc_sock,
                                     metrics_listeners, task_status)  # fmt: skip
             finally:
                 remove_run_file(config.port)  # only a killed servicer's stays, for the post-mortem
@@ -200,6 +204,7 @@ async def _serve(config: ServeConfig, journal: JournalPlan, grpc_sock: socket.so
         if servicer.metrics is not None:
             servicer.metrics.add_gauges("asyncio", lambda: loop_stats)
             servicer.metrics.add_gauges("gc", config.gc_policy.stats)
+            servicer.metrics.add_gauges("tasks", lambda: task_counts(loop))
         front = GrpcFront(config, grpc_sock, status)
         signals = lambda: trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)  # noqa: E731
         return await servicer.run(front, signals, _OnServing(task_status, config.gc_policy.apply))

@@ -114,6 +114,9 @@ class RequestHub:
         # wake-ups that held more than one frame: how much the burst write saved (/metrics).
         self.held_frames = 0
         self.held_bursts = 0
+        # (time read, engine timestamp) of each frame since the last flush, for the output-delay
+        # histogram (Metrics.frames_written); None when no metrics are kept: nothing is collected.
+        self._marks: list[tuple[float, float]] | None = None if isinstance(self.metrics, NoMetrics) else []
 
     # -- the core's state, as the shell, metrics and tests read it ----------------------
 
@@ -181,6 +184,8 @@ class RequestHub:
 
         Holding writes (``hold_writes``), the calls it touched are written by
         ``write_held`` after the wake-up's last frame instead."""
+        if self._marks is not None and batch.outputs:
+            self._marks.append((now, batch.timestamp))
         held = self._held
         if held is not None:
             actions = Actions()
@@ -197,8 +202,16 @@ class RequestHub:
             self._apply(actions, now)
             return generated
         finally:
-            if self.end_of_batch is not None:
-                self.end_of_batch()
+            self._flush()
+
+    def _flush(self) -> None:
+        """The direct path's writes go out (``end_of_batch``); the frames they carried are timed."""
+        if self.end_of_batch is not None:
+            self.end_of_batch()
+        marks = self._marks
+        if marks:
+            self._marks = []
+            self.metrics.frames_written(marks)
 
     def hold_writes(self) -> None:
         """From now on the link ends each wake-up's frames with ``write_held``.
@@ -229,8 +242,7 @@ class RequestHub:
                 self._held = []
                 self._write_touched(held, now)
         finally:
-            if self.end_of_batch is not None:
-                self.end_of_batch()
+            self._flush()
 
     def abort(self, request_ids: Sequence[str], reason: str, now: float) -> int:
         """Abort calls by id (unknown ids are a no-op); returns how many were open."""
