@@ -64,9 +64,9 @@ _OTHER_SERVICER = {
     "--allowed-media-domains": ("", "read by the servicer (the engine gets it too); with `--mm-processor "
                                 "inprocess`, exit 2 until enginelink's fetcher enforces it",
                                 "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
-    "--media-io-kwargs": ("", "read by the servicer (the engine gets it too); with `--mm-processor inprocess`, "
-                          "exit 2: enginelink's media processor decodes with vLLM's defaults",
-                          "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
+    "--media-io-kwargs": ("", "honoured: a vLLM engine argument, from which `--mm-processor inprocess`'s media "
+                          "processor builds vLLM's loaders (`enginelink serve`'s own flag is handed to the engine)",
+                          "tests/vllm/test_vllm_av.py::test_media_io_kwargs_and_the_frame_cap_change_the_sampled_video"),
 }
 
 # Flags the reference's documentation names that are not the servicer's own: (flag, whose, what enginelink does, test).

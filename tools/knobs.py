@@ -159,15 +159,15 @@ _MM_BEHAVIOUR = {
     "max_item_bytes": ("one item's size cap",
                        "tests/adversarial/test_adv_media.py::test_an_oversized_body_is_refused_by_its_length_or_as_"
                        "it_streams"),
-    "max_items": ("media refs per request, all modalities together (enginelink's default 16, not the model's "
-                  "per-modality limits)",
-                  "tests/adversarial/test_adv_media.py::test_too_many_items_and_bad_items_are_refused_before_any_"
-                  "fetch"),
+    "max_items": ("items of one modality per request, media refs and router tensors alike: it tightens the "
+                  "engine's own --limit-mm-per-prompt, never loosens it (unset: the engine's limits)",
+                  "tests/test_media_bounds.py::test_the_operators_cap_tightens_the_engines_limits_per_modality_and_"
+                  "never_loosens_them"),
     "fetch_timeout_ms": ("enginelink's own fetcher's per-item deadline (the reference's smg pipeline's only)",
                          "tests/adversarial/test_adv_media.py::test_a_stalled_origin_is_unavailable_after_the_fetch_"
                          "deadline"),
-    "video_fetch_timeout_ms": ("enginelink's own fetcher's per-video deadline (video refs are refused: images "
-                               "only)", "tests/adversarial/test_adv_media.py::test_media_knobs_defaults_and_values"),
+    "video_fetch_timeout_ms": ("enginelink's own fetcher's per-video deadline",
+                               "tests/adversarial/test_adv_media.py::test_media_knobs_defaults_and_values"),
 }
 
 
@@ -193,9 +193,10 @@ def _mm_knobs() -> list[Knob]:
 _REFERENCE_OTHER = [
     Knob("SMG_VLLM_MM_MAX_RESULT_BYTES", INAPPLICABLE, "largest result the media sidecar writes back (512 MiB)",
          "warned at start-up", _WARN_TEST, contracts=("vllm",), why=_SIDECAR_WHY),
-    Knob("SMG_VLLM_MM_MAX_VIDEO_FRAMES", INAPPLICABLE, "frames sampled from one video media ref",
-         "warned at start-up", _WARN_TEST, contracts=("vllm",),
-         why="enginelink's media processor takes images only: a video media ref is refused INVALID_ARGUMENT"),
+    Knob("SMG_VLLM_MM_MAX_VIDEO_FRAMES", HONOURED, "frames sampled from one video media ref (0: vLLM decides)",
+         "a cap on the frames vLLM's video loader samples (its --media-io-kwargs num_frames, else its default), "
+         "never a raise", "tests/vllm/test_vllm_av.py::test_media_io_kwargs_and_the_frame_cap_change_the_sampled_"
+         "video", contracts=("vllm",)),
     Knob("SMG_VLLM_CUDAGRAPH_CAPTURE_CAP", HONOURED, "CUDA-graph capture cap: auto, engine or a number",
          "the same derivation (runtime/engine/capture_cap.py)",
          "tests/test_capture_cap.py::test_a_knob_value_it_does_not_take_is_refused_by_name", contracts=("vllm",)),

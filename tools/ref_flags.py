@@ -177,8 +177,8 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> list[str]:
         added.append("--allowed-media-domains")
     if "--media-io-kwargs" not in actions:
         parser.add_argument("--media-io-kwargs", dest="media_io_kwargs", default=None, metavar="JSON",
-                            help="vLLM's media loaders' options per modality, JSON (not applied by enginelink's "
-                                 "media processor yet: refused with --mm-processor inprocess)")
+                            help="vLLM's media loaders' options per modality, JSON (the vLLM engine's, and the "
+                                 "media processor's with --mm-processor inprocess)")
         added.append("--media-io-kwargs")
     return added
 

@@ -121,8 +121,8 @@ class Composition:
     edge: object | None = None
     # The hub, given the link and RequestHub's keyword arguments (the simulation observes it).
     new_hub: Callable[..., RequestHub] = lambda engine_link, **kwargs: RequestHub(**kwargs)
-    # (model dir, the vLLM python's resolver) for media refs' processor helper; None: no processor here.
-    media_processor: tuple[str, Callable[[], str]] | None = None
+    # (model dir, the vLLM python's resolver, the engine's arguments) for media refs' processor helper; None: none here.
+    media_processor: tuple[str, Callable[[], str], tuple[str, ...]] | None = None
     # Trace continuation (--otlp-traces-endpoint: runtime/lifetime/tracing.py); None: off.
     tracing: Any = None
 
@@ -255,7 +255,8 @@ def compose(plan: Composition) -> Servicer:
               media=MediaService(media_settings(), registry=metrics.registry if metrics is not None else None,
                                  labels={"model": plan.served_model_name, "rank": "0"},
                                  model_dir=plan.media_processor[0] if plan.media_processor else None,
-                                 processor_python=plan.media_processor[1] if plan.media_processor else None))
+                                 processor_python=plan.media_processor[1] if plan.media_processor else None,
+                                 engine_args=plan.media_processor[2] if plan.media_processor else ()))
     if plan.tracing is not None:
         from enginelink.runtime.lifetime.tracing import Tracing  # imports OpenTelemetry: only when tracing
 

@@ -306,12 +306,16 @@ class GrpcFront:
             await trio_asyncio.aio_as_trio(self.server.wait_closed)()
 
 
-def _media_processor(launcher, model_dir: Path | None = None) -> tuple[str, object] | None:
-    """(model dir, the vLLM venv's python) for the media processor helper: a real vLLM engine's only."""
+def _media_processor(launcher, model_dir: Path | None = None) -> tuple[str, object, tuple[str, ...]] | None:
+    """(model dir, the vLLM venv's python, the engine's arguments) for the media processor helper: a real vLLM
+    engine's only. The helper's model config is built from the engine's own arguments (its media limits and
+    kwargs), credentials left out (the helper reads the local model directory)."""
+    from enginelink.runtime.engine.launchers import move_secrets
+
     python, model_dir = getattr(launcher, "python", None), model_dir or getattr(launcher, "model_dir", None)
     if launcher.engine != "vllm" or not python or model_dir is None:
         return None
-    return str(model_dir), lambda: python
+    return str(model_dir), lambda: python, tuple(move_secrets(list(getattr(launcher, "extra_args", ())))[0])
 
 
 def _tokenizer_or_none(model: ModelFacts):

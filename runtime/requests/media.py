@@ -8,14 +8,17 @@ to fetch. This module holds the second path's shell:
 - ``MediaSettings``: the operator's knobs (``SMG_VLLM_MM_*``,
   ``SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS``, ``ENGINELINK_*``), read once per process;
 - ``MediaService.prepare``: check the field's shape (on this worker at all,
-  modalities, item count), take a job slot (at ``inflight_max`` the call is
+  modalities, items per modality against the engine's limits,
+  ``media_bounds.py``), take a job slot (at ``inflight_max`` the call is
   refused UNAVAILABLE at once, so the router retries elsewhere instead of
   queueing behind slow origins), fetch every item concurrently under one
   deadline (``media_fetch.py``: the SSRF policy, size caps, redirects), check
   each is the media its modality says, then hand them to the model's own
   processor (``media_processor.py``: a helper process in the vLLM venv),
   which returns the prompt with its placeholders expanded and the engine's
-  ``mm_features``;
+  ``mm_features`` (images, videos and audio, each through vLLM's own loader
+  and processor); each item's feature tokens are held to the engine's
+  encoder budget before the engine sees them;
 - metrics: fetches by scheme and outcome, refusals by reason, fetch latency,
   jobs in flight and their cap.
 
@@ -44,8 +47,9 @@ from smg_grpc_proto.generated import common_pb2
 
 from enginelink.machines.media_policy import MediaPolicy, normalize_domain
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
+from enginelink.runtime.requests.media_bounds import MediaBounds
 from enginelink.runtime.requests.media_fetch import Fetcher
-from enginelink.runtime.requests.media_processor import MediaProcessor
+from enginelink.runtime.requests.media_processor import MediaProcessor, Processed
 
 MIB = 1 << 20
 FETCH_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -68,7 +72,10 @@ class MediaSettings:
     processor: str = ""  # SMG_VLLM_MM_PROCESSOR / --mm-processor: "" (off) or "inprocess"
     item_bytes_max: int = 32 * MIB  # SMG_VLLM_MM_MAX_ITEM_BYTES: one fetched or decoded item
     inflight_max: int = 64  # SMG_VLLM_MM_MAX_INFLIGHT: requests fetching media at once
-    items_max: int = 16  # SMG_VLLM_MM_MAX_ITEMS: media refs in one request
+    # SMG_VLLM_MM_MAX_ITEMS / --mm-max-items: items of one modality in one request, a ceiling on the engine's
+    # own --limit-mm-per-prompt (media_bounds.py); None: the engine's limits alone.
+    items_max: int | None = None
+    max_video_frames: int = 0  # SMG_VLLM_MM_MAX_VIDEO_FRAMES: a video's sampled frames (0: vLLM decides)
     fetch_timeout_s: float = 10.0  # SMG_VLLM_MM_FETCH_TIMEOUT_MS: one item, connect to last byte
     video_fetch_timeout_s: float = 30.0  # SMG_VLLM_MM_VIDEO_FETCH_TIMEOUT_MS
     redirects_max: int = 5  # ENGINELINK_MM_MAX_REDIRECTS
@@ -145,7 +152,8 @@ def media_settings_from(environ: Mapping[str, str]) -> MediaSettings:
         processor=processor,
         item_bytes_max=_whole(environ, "SMG_VLLM_MM_MAX_ITEM_BYTES", MediaSettings.item_bytes_max),
         inflight_max=_whole(environ, "SMG_VLLM_MM_MAX_INFLIGHT", MediaSettings.inflight_max),
-        items_max=_whole(environ, "SMG_VLLM_MM_MAX_ITEMS", MediaSettings.items_max),
+        items_max=_whole(environ, "SMG_VLLM_MM_MAX_ITEMS", 0) or None,
+        max_video_frames=_whole(environ, "SMG_VLLM_MM_MAX_VIDEO_FRAMES", 0, minimum=0),
         fetch_timeout_s=_whole(environ, "SMG_VLLM_MM_FETCH_TIMEOUT_MS", 10_000) / 1000,
         video_fetch_timeout_s=_whole(environ, "SMG_VLLM_MM_VIDEO_FETCH_TIMEOUT_MS", 30_000) / 1000,
         redirects_max=_whole(environ, "ENGINELINK_MM_MAX_REDIRECTS", MediaSettings.redirects_max, minimum=0),
@@ -232,7 +240,7 @@ class MediaService:
 
     def __init__(self, settings: MediaSettings, *, registry: CollectorRegistry | None = None,
                  labels: Mapping[str, str] | None = None, network=None, model_dir: str | None = None,
-                 processor_python=None) -> None:  # fmt: skip
+                 processor_python=None, engine_args: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.settings = settings
         self.jobs = 0
         self.metrics = MediaMetrics(registry or CollectorRegistry(), labels or {}, settings.inflight_max,
@@ -247,7 +255,8 @@ class MediaService:
             self.processor = MediaProcessor(
                 model_dir, processor_python, start_timeout_s=settings.processor_start_timeout_s,
                 process_timeout_s=settings.process_timeout_s, reply_bytes_max=settings.tensor_bytes_max,
-                on_start=self.metrics.processor_started)  # fmt: skip
+                on_start=self.metrics.processor_started, engine_args=engine_args,
+                max_video_frames=settings.max_video_frames)  # fmt: skip
 
     async def aclose(self) -> None:
         if self.processor is not None:
@@ -262,8 +271,9 @@ class MediaService:
 
     # -- one request's media ---------------------------------------------------------
 
-    def check_refs(self, media_refs) -> list[tuple[str, str]]:
+    def check_refs(self, media_refs, bounds: MediaBounds | None = None) -> list[tuple[str, str]]:
         """The refs as (modality, url), or the client's error naming the item; nothing fetched yet."""
+        bounds = bounds or MediaBounds(items_max=self.settings.items_max)
         if not self.settings.enabled:
             self.metrics.refused("processor_off")
             raise ClientError("media_refs", "media_refs sent but --mm-processor (SMG_VLLM_MM_PROCESSOR) is off "
@@ -271,10 +281,6 @@ class MediaService:
         items = list(media_refs.items)
         if not items:
             raise ClientError("media_refs", "has no items")
-        if len(items) > self.settings.items_max:
-            self.metrics.refused("too_many_items")
-            raise ClientError("media_refs", f"{len(items)} items; at most {self.settings.items_max} "
-                              "(SMG_VLLM_MM_MAX_ITEMS)")  # fmt: skip
         refs = []
         for index, item in enumerate(items):
             name = f"media_refs.items[{index}]"
@@ -286,14 +292,22 @@ class MediaService:
             if not item.url:
                 raise ClientError(name, "url must not be empty")
             refs.append((modality, item.url))
+        try:
+            bounds.check_counts((modality for modality, _ in refs), "media_refs")
+        except ClientError:
+            self.metrics.refused("too_many_items")
+            raise
         return refs
 
-    async def prepare(self, media_refs, prompt: list[int] | None = None) -> tuple[list[int], list]:
-        """(the prompt with its placeholders expanded, the engine's ``mm_features``) for these refs.
+    async def prepare(self, media_refs, prompt: list[int] | None = None,
+                      bounds: MediaBounds | None = None) -> Processed:  # fmt: skip
+        """These refs through the model's processor: the prompt with its placeholders expanded, the engine's
+        ``mm_features``, each item's feature tokens (held to ``bounds``' encoder budget) and the media identity.
 
         Fetch and check every ref, then run the model's processor (the caller's task waits; bounded by
         ``inflight_max``, the fetch deadlines and the processor's)."""
-        refs = self.check_refs(media_refs)
+        bounds = bounds or MediaBounds(items_max=self.settings.items_max)
+        refs = self.check_refs(media_refs, bounds)
         if self.jobs >= self.settings.inflight_max:
             self.metrics.refused("saturated")
             raise Unavailable(f"media_refs: {self.jobs} media jobs in flight, at SMG_VLLM_MM_MAX_INFLIGHT="
@@ -308,12 +322,22 @@ class MediaService:
                     f"media_refs: fetched and checked {len(items)} item(s), but this worker's engine has no model "
                     "processor to turn them into multimodal inputs; send preprocessed mm_inputs"
                 )
-            return await in_trio(self._process, list(prompt or ()), [(item.modality, item.data) for item in items])
+            processed = await in_trio(self._process, list(prompt or ()), [(item.modality, item.data) for item in items])
         finally:
             self.jobs -= 1
             self.metrics.set_inflight(self.jobs)
+        # Each item's feature tokens against what the engine's encoder can place (it would never schedule it).
+        for modality, nth, tokens in processed.embeds:
+            of_modality = [i for i, (kind, _) in enumerate(refs) if kind == modality]
+            where = f"media_refs.items[{of_modality[nth]}]" if nth < len(of_modality) else "media_refs"
+            try:
+                bounds.check_features(modality, tokens, where)
+            except ClientError:
+                self.metrics.refused("over_encoder_budget")
+                raise
+        return processed
 
-    async def _process(self, prompt: list[int], items: list[tuple[str, bytes]]) -> tuple[list[int], list]:
+    async def _process(self, prompt: list[int], items: list[tuple[str, bytes]]) -> Processed:
         started = trio.current_time()
         try:
             return await self.processor.process(prompt, items)
