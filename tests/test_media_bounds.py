@@ -22,10 +22,10 @@ def test_the_operators_cap_tightens_the_engines_limits_per_modality_and_never_lo
 
 
 @pytest.mark.parametrize("items_max, modalities, words", [
-    (None, ["image"] * 3, "media_refs: 3 image item(s); at most 2 per request (the engine's --limit-mm-per-prompt)"),
+    (None, ["image"] * 3, "media_refs: 3 image item(s); at most 2 per request (the engine's limit: --limit-mm-per-prompt, within what the model takes)"),
     (1, ["image"] * 2, "2 image item(s); at most 1 per request on this worker (--mm-max-items / SMG_VLLM_MM_MAX_ITEMS)"),
     (None, ["audio"], "1 audio item(s); this model takes no audio input"),
-    (9, ["video", "video"], "2 video item(s); at most 1 per request (the engine's --limit-mm-per-prompt)"),
+    (9, ["video", "video"], "2 video item(s); at most 1 per request (the engine's limit: --limit-mm-per-prompt, within what the model takes)"),
 ])  # fmt: skip
 def test_too_many_items_of_a_modality_are_the_clients_error_in_words_that_name_the_bound(items_max, modalities, words):
     bounds = media_bounds(ENGINE, items_max)

@@ -195,8 +195,8 @@ _REFERENCE_OTHER = [
          "warned at start-up", _WARN_TEST, contracts=("vllm",), why=_SIDECAR_WHY),
     Knob("SMG_VLLM_MM_MAX_VIDEO_FRAMES", HONOURED, "frames sampled from one video media ref (0: vLLM decides)",
          "a cap on the frames vLLM's video loader samples (its --media-io-kwargs num_frames, else its default), "
-         "never a raise", "tests/vllm/test_vllm_av.py::test_media_io_kwargs_and_the_frame_cap_change_the_sampled_"
-         "video", contracts=("vllm",)),
+         "never a raise", "tests/test_media_processor_child.py::test_the_frame_cap_lowers_the_loaders_sampling_and_"
+         "never_raises_it", contracts=("vllm",)),
     Knob("SMG_VLLM_CUDAGRAPH_CAPTURE_CAP", HONOURED, "CUDA-graph capture cap: auto, engine or a number",
          "the same derivation (runtime/engine/capture_cap.py)",
          "tests/test_capture_cap.py::test_a_knob_value_it_does_not_take_is_refused_by_name", contracts=("vllm",)),

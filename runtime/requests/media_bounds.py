@@ -75,7 +75,7 @@ class MediaBounds:
             return f"this model takes no {modality} input"
         if self.items_max is not None and (engine is None or self.items_max < engine):
             return f"at most {limit} per request on this worker (--mm-max-items / SMG_VLLM_MM_MAX_ITEMS)"
-        return f"at most {limit} per request (the engine's --limit-mm-per-prompt)"
+        return f"at most {limit} per request (the engine's limit: --limit-mm-per-prompt, within what the model takes)"
 
     def check_features(self, modality: str, tokens: int, where: str, at: str = "") -> None:
         """Refuse an item with more feature tokens than the engine's encoder can place."""

@@ -79,16 +79,21 @@ GRID_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "video_se
 
 
 def capped_video_kwargs(video: dict, max_frames: int, loader_default: int | None) -> dict:
-    """The engine's video media kwargs with the frame count capped at ``max_frames`` (0: left as they are).
+    """The engine's video media kwargs with the sampled frames capped at ``max_frames`` (0: left as they are).
 
-    A cap never raises sampling: the count is the kwargs' own, else the loader's default; unknown, the
-    kwargs are left alone. A count <= 0 means every frame to vLLM's loader, so it is capped as well."""
+    vLLM's loaders sample either a count (``num_frames``: the generic OpenCV loader) or by fps up to a
+    maximum (``max_frames``: Qwen2-VL's); both are capped. A cap never raises sampling: each is the kwargs'
+    own, else the loader's default (unknown and unset: only ``max_frames`` is set, which can only lower it).
+    A count <= 0 means every frame to vLLM's loader, so it is capped as well."""
     if max_frames <= 0:
         return video
+    out = dict(video)
     current = video.get("num_frames", loader_default)
-    if current is None:
-        return video
-    return {**video, "num_frames": max_frames if int(current) <= 0 else min(int(current), max_frames)}
+    if current is not None:
+        out["num_frames"] = max_frames if int(current) <= 0 else min(int(current), max_frames)
+    ceiling = video.get("max_frames")
+    out["max_frames"] = max_frames if ceiling is None or int(ceiling) <= 0 else min(int(ceiling), max_frames)
+    return out
 
 
 def model_config_from(model: str, engine_argv: list[str]):
