@@ -340,3 +340,23 @@ def test_sigterm_stops_the_servicer_and_engine_the_bench_started(test_model_dir)
         for pid in started:  # what a failed check left behind
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_media_ref_share_puts_the_image_ref_on_every_nth_call_and_splits_the_text_tokens_out():
+    from enginelink.tools import bench_load
+
+    assert [bench_load.media_every(s) for s in (0.0, 0.1, 0.25, 1.0)] == [0, 10, 4, 1]
+    with pytest.raises(ValueError, match="--media-ref-share 1.5"):
+        bench_load.media_every(1.5)
+    plan = {"wire": "vllm", "vocab_size": 4096, "prompt_tokens": 4, "tag": "t", "media_every": 10,
+            "media_url": bench_load.DEFAULT_MEDIA_URL}
+    request = bench_load._request_factory(plan, 0)
+    carrying = [n for n in range(30) if request(n, 8).HasField("media_refs")]
+    assert carrying == [0, 10, 20] and request(10, 8).media_refs.items[0].url.startswith("data:image/png;base64,")
+    record = bench_load.CallRecorder(8, plan)
+    for n in (0, 1, 2):
+        record.start(n)
+        record.open[n][2] = 5 if n == 0 else 8  # the tokens its chunks brought (on_response counts them)
+        record.end(n, None)
+    report = record.report(0.0)
+    assert (report["media_requests"], report["media_tokens"], report["tokens"]) == (1, 5, 21)

@@ -345,6 +345,25 @@ def call_numbers(requests: int | None, stop_at: float | None):
     return take
 
 
+# A 64x48 PNG (one colour), as a data: URL: the default media ref of --media-ref-share.
+DEFAULT_MEDIA_URL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAEAAAAAwCAIAAAAuKetIAAAAQ0lEQVR42u3P"
+                     "AQ0AAAQAMATRP4pYWthsf4PndMdnFc8JCAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgI3FmvFwFkpERfBAAAAABJRU5ErkJggg==")
+
+
+def media_every(share: float) -> int:
+    """Every how many calls one carries a media ref (0: none), for ``--media-ref-share``."""
+    if not share:
+        return 0
+    if not 0 < share <= 1:
+        raise ValueError(f"--media-ref-share {share}: expected a fraction in (0, 1]")
+    return max(1, round(1 / share))
+
+
+def carries_media(plan: dict, n: int) -> bool:
+    every = plan.get("media_every") or 0
+    return bool(every) and n >= 0 and n % every == 0
+
+
 def _request_factory(plan: dict, index: int):
     """``request(n, tokens)``: call number ``n`` of this client process, the same for either client."""
     import random
@@ -359,13 +378,18 @@ def _request_factory(plan: dict, index: int):
     tag = f"bench-{plan['tag']}-{index}"
 
     def request(n: int, tokens: int) -> pb.GenerateRequest:
-        return pb.GenerateRequest(
+        call = pb.GenerateRequest(
             request_id=f"{tag}-{n}",
             tokenized=pb.TokenizedInput(
                 input_ids=prompt if rng is None else [3 + rng.randrange(max(1, plan["vocab_size"] - 3)) for _ in prompt]),
             sampling_params=pb.SamplingParams(temperature=temperature, ignore_eos=True, **{max_field: tokens}),
             stream=True,
         )
+        if carries_media(plan, n):  # the router's worker-side form: the image by URL, for this worker to fetch
+            from smg_grpc_proto.generated import common_pb2
+
+            call.media_refs.items.add(modality=common_pb2.IMAGE, url=plan["media_url"])
+        return call
 
     return request
 
@@ -373,10 +397,12 @@ def _request_factory(plan: dict, index: int):
 class CallRecorder:
     """What a client process reports of its calls, whichever client made them: counts, TTFT and the gaps."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, plan: dict | None = None) -> None:
         self.max_tokens = max_tokens
+        self.plan = plan or {}  # --media-ref-share: which calls carry a media ref
         self.ttft, self.gap_msg, self.gap_tok = array("d"), array("d"), array("d")
-        self.counts = {"requests": 0, "ok": 0, "short": 0, "errors": 0, "tokens": 0, "messages": 0, "chunks": 0}
+        self.counts = {"requests": 0, "ok": 0, "short": 0, "errors": 0, "tokens": 0, "messages": 0, "chunks": 0,
+                       "media_requests": 0, "media_tokens": 0}
         self.error_codes: dict[str, int] = {}
         self.open: dict[int, list] = {}  # call number -> [start, last chunk, tokens, complete seen]
         self.clock = time.perf_counter
@@ -408,6 +434,9 @@ class CallRecorder:
         """The call ended: OK (``error`` None) or with the gRPC status named ``error``."""
         _, _, tokens, completed = self.open.pop(n)
         self.counts["tokens"] += tokens
+        if carries_media(self.plan, n):
+            self.counts["media_requests"] += 1
+            self.counts["media_tokens"] += tokens
         if error is not None:
             self.counts["errors"] += 1
             self.error_codes[error] = self.error_codes.get(error, 0) + 1
@@ -456,7 +485,7 @@ def _h2_client(conn, index: int, plan: dict) -> dict:
         if warm.counts["ok"] != 1:
             raise RuntimeError(f"the warm-up call failed: {warm.counts} {warm.error_codes}")
 
-        record = CallRecorder(plan["max_tokens"])
+        record = CallRecorder(plan["max_tokens"], plan)
         conn.send(("ready", None))
         message, stop_at = conn.recv()
         assert message == "go", message
@@ -545,6 +574,8 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None) ->
                 "requests": reqs[i], "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "vocab_size": server["vocab_size"],
                 "temperature": getattr(args, "temperature", 0.0), "random_prompt": getattr(args, "random_prompt", False),
+                "media_every": media_every(getattr(args, "media_ref_share", 0.0)),
+                "media_url": getattr(args, "media_ref_url", None) or DEFAULT_MEDIA_URL,
                 # The client stands for the router: it runs where the servicer runs, so off the CPUs
                 # an engine binds when the servicer keeps off them (ENGINELINK_PLACEMENT).
                 "cpus": sorted(os.sched_getaffinity(servicer_pid)) if servicer_pid else None,
@@ -706,7 +737,9 @@ def summarize(args, results: list[dict], wall_s: float, servicer_cpu: tuple[floa
               engine_cpu_s: float | None) -> dict:
     """The report: counts, rates, latency percentiles and CPU per output token."""
     servicer_cpu_s = None if servicer_cpu is None else sum(servicer_cpu)
-    total = {k: sum(r[k] for r in results) for k in ("requests", "ok", "short", "errors", "tokens", "messages", "chunks")}
+    total = {k: sum(r.get(k, 0) for r in results)
+             for k in ("requests", "ok", "short", "errors", "tokens", "messages", "chunks", "media_requests",
+                       "media_tokens")}  # fmt: skip
     codes: dict[str, int] = {}
     for r in results:
         for code, n in r["error_codes"].items():
@@ -743,6 +776,10 @@ def summarize(args, results: list[dict], wall_s: float, servicer_cpu: tuple[floa
         "servicer_cpu_user_s": None if servicer_cpu is None else servicer_cpu[0],
         "servicer_cpu_sys_s": None if servicer_cpu is None else servicer_cpu[1],
         "servicer_cpu_us_per_token": per_token(servicer_cpu_s),
+        # --media-ref-share: all the servicer's CPU (the media calls' fetch and refit included) over the text
+        # calls' tokens only, the conservative reading of "the text calls' CPU per token".
+        "servicer_cpu_us_per_text_token": None if servicer_cpu_s is None or tokens <= total["media_tokens"]
+        else servicer_cpu_s / (tokens - total["media_tokens"]) * 1e6,
         "servicer_cpu_util": None if servicer_cpu_s is None else servicer_cpu_s / wall_s,
         "engine_cpu_s": engine_cpu_s,
         "engine_cpu_us_per_token": per_token(engine_cpu_s),
