@@ -112,6 +112,7 @@ class RunView(msgspec.Struct):
     exit_status: int | None = None
     reason: str | None = None
     engine: str | None = None  # codec name of the engine wire
+    media: dict | None = None  # run.start's media settings: the processor, its source, every bound
 
 
 class FoldState(msgspec.Struct):
@@ -240,7 +241,7 @@ def _apply(st: FoldState, rec: Record) -> None:
     p = rec.payload
     match rec.kind:
         case r.KIND_TRANSITION:
-            if p["machine"] == r.MACHINE_LINK:
+            if p["machine"] in (r.MACHINE_LINK, r.MACHINE_ROUTER):  # the router link shows as a link
                 link = _link(st, p["id"], rec.time)
                 link.state = p["dest"]
                 link.since = rec.time
@@ -285,6 +286,11 @@ def _apply(st: FoldState, rec: Record) -> None:
                 view.tokens_sent += p["tokens_sent"]
                 view.finish_reason = p["finish_reason"]
                 view.choices_done += 1
+        case r.KIND_ROUTER_HANDSHAKE:
+            # The router link's facts: where it dialled, what it registered with (inspect shows them).
+            link = _link(st, p["link"], rec.time)
+            link.facts = {**link.facts, **{k: v for k, v in p.items() if k not in ("link", "step", "ready_response")},
+                          **p.get("ready_response", {})}
         case r.KIND_ENGINE_FACTS:
             link = _link(st, p["link"], rec.time)
             link.pid = p["pid"]
@@ -296,6 +302,7 @@ def _apply(st: FoldState, rec: Record) -> None:
             st.run.pid = p["pid"]
             st.run.version = p["version"]
             st.run.engine = p.get("engine")
+            st.run.media = p.get("media")
         case r.KIND_RUN_STOP:
             st.run.stopped_at = rec.time
             st.run.exit_status = p["exit_status"]

@@ -79,6 +79,10 @@ KIND_ENGINE_HANDSHAKE: Final = "engine.handshake"
 KIND_ENGINE_FACTS: Final = "engine.facts"
 KIND_ENGINE_REQUEST: Final = "engine.request"
 KIND_ENGINE_KV_RELEASE: Final = "engine.kv_release"
+# The router's direct ZMQ lane (``enginelink headless``): its handshake messages, and each request
+# message it sent (type byte + payload, as received).
+KIND_ROUTER_HANDSHAKE: Final = "router.handshake"
+KIND_ROUTER_FRAME: Final = "router.frame"
 KIND_ERROR: Final = "error"
 KIND_INTERNAL_ERROR: Final = "internal_error"
 KIND_SNAPSHOT: Final = "snapshot"
@@ -101,6 +105,8 @@ KINDS: Final = frozenset(
         KIND_ENGINE_FACTS,
         KIND_ENGINE_REQUEST,
         KIND_ENGINE_KV_RELEASE,
+        KIND_ROUTER_HANDSHAKE,
+        KIND_ROUTER_FRAME,
         KIND_ERROR,
         KIND_INTERNAL_ERROR,
         KIND_SNAPSHOT,
@@ -113,10 +119,11 @@ KINDS: Final = frozenset(
 
 # Kinds whose payload is stored as the raw bytes given (wire frames: decoding
 # them is the codec's job, and only when someone asks).
-RAW_KINDS: Final = frozenset({KIND_ENGINE_FRAME})
+RAW_KINDS: Final = frozenset({KIND_ENGINE_FRAME, KIND_ROUTER_FRAME})
 
 MACHINE_LINK: Final = "link"
 MACHINE_REQUEST: Final = "request"
+MACHINE_ROUTER: Final = "router"  # the router link of ``enginelink headless`` (machines/router_link.py)
 
 RUN_STREAM: Final = "run"
 

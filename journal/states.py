@@ -1,4 +1,4 @@
-"""The state names of the link and request machines: one definition for both layers.
+"""The state names of the link, router-link and request machines: one definition for both layers.
 
 A transition record carries a machine's state names (``source``, ``dest``),
 and the fold, ``verify`` and ``inspect`` read them back. The machines
@@ -28,6 +28,20 @@ class LinkState(StrEnum):
 
 LINK_INITIAL: Final = LinkState.STARTING
 LINK_TERMINAL: Final = frozenset({LinkState.STOPPED, LinkState.FAILED})
+
+
+class RouterLinkState(StrEnum):
+    """The router link of ``enginelink headless`` (the router's direct ZMQ lane; machines/router_link.py)."""
+
+    WAITING = "waiting"  # the engine is not serving yet: the router has not been dialled
+    DIALING = "dialing"  # HELLO sent; the router's INIT awaited
+    REGISTERED = "registered"  # READY and the ready response sent: the router sends requests
+    CLOSED = "closed"
+    FAILED = "failed"
+
+
+ROUTER_LINK_INITIAL: Final = RouterLinkState.WAITING
+ROUTER_LINK_TERMINAL: Final = frozenset({RouterLinkState.CLOSED, RouterLinkState.FAILED})
 
 
 class RequestState(StrEnum):

@@ -179,7 +179,7 @@ class _Verifier:
         p = rec.payload
         machine, mid, source, dest, event = p["machine"], p["id"], p["source"], p["dest"], p["event"]
         table = self.tables.get(machine)
-        if machine == r.MACHINE_LINK:
+        if machine in (r.MACHINE_LINK, r.MACHINE_ROUTER):
             self.report.link_transitions += 1
             view = self.st.links.get(mid)
             current = None if view is None or view.state == STATE_UNSEEN else view.state

@@ -47,12 +47,14 @@ from array import array
 from typing import Any, Final, Sequence
 
 from enginelink.machines.sim_core import SimEngineCore
+from enginelink.machines.sim_legs import SimLeg, room_line
 from enginelink.wire import sglang, sglang_structs as ss, tokenspeed, vllm
 from enginelink.wire.engine import (
     EngineDead, FinishReason, GenerateSpec, OutputBatch, PoolingSpec, SamplingSpec, WireError,
 )
 
 _VLLM: Final = vllm.VllmCodec()
+NO_LEG: Final = SimLeg()
 SGLANG_PROFILE_OK: Final = "Succeeded"
 SGLANG_PROFILE_RUNNING: Final = "Profiling is already in progress. Call /stop_profile first."
 SGLANG_PROFILE_IDLE: Final = "Profiling is not in progress. Call /start_profile first."
@@ -74,8 +76,10 @@ class _Totals:
 class _Personality:
     """The translation both wires share: specs into the core, its outputs back out."""
 
-    def __init__(self, core: SimEngineCore) -> None:
+    def __init__(self, core: SimEngineCore, leg: SimLeg = NO_LEG) -> None:
         self.core = core
+        self.leg = leg  # its PD role (machines/sim_legs.py)
+        self.notes: list[str] = []  # lines for the shell to log (the PD rooms a leg took); it empties it
         self._totals: dict[str, _Totals] = {}
         self._call_id = 0
         # Prompt logprob rows of a request's first output, for a wire that sends them (SGLang's input columns).
@@ -185,8 +189,8 @@ def _refusal(core: SimEngineCore, prompt: Sequence[int], pooling: bool) -> str:
 class SglangPersonality(_Personality):
     """The engine side of SGLang 0.5.23's scheduler wire (msgpack mode, ``--skip-tokenizer-init``)."""
 
-    def __init__(self, core: SimEngineCore) -> None:
-        super().__init__(core)
+    def __init__(self, core: SimEngineCore, leg: SimLeg = NO_LEG) -> None:
+        super().__init__(core, leg)
         self._profiling = False
         self._pooling: set[str] = set()
         self._prompt_ids: dict[str, list[int]] = {}
@@ -223,7 +227,16 @@ class SglangPersonality(_Personality):
     def _generate(self, req: ss.TokenizedGenerateReqInput, now: float) -> list[list[bytes]]:
         sp = req.sampling_params
         prompt = _ids(req.input_ids, req.rid)
-        max_new = sp.max_new_tokens
+        rank = self.core.config.engine_index
+        refused = self.leg.refusal(req.bootstrap_host, req.bootstrap_room, rank)
+        if refused is not None:
+            return [sglang.encode_outputs(sglang.token_batch(
+                [req.rid or ""], [[]], [sglang.finish_abort(*refused)], prompt_tokens=[len(prompt)],
+                completion_tokens=[0]))]
+        if self.leg.is_leg:
+            self.notes.append(room_line(self.leg, rank, req.rid or "", req.bootstrap_host, req.bootstrap_port,
+                                        req.bootstrap_room))
+        max_new = self.leg.max_new_tokens(sp.max_new_tokens)
         sampling = _sampling(
             sp.temperature, sp.top_k, max_tokens=self._room(prompt) if max_new is None else max(1, max_new),
             top_p=sp.top_p, min_p=sp.min_p, frequency_penalty=sp.frequency_penalty,
@@ -302,6 +315,9 @@ class SglangPersonality(_Personality):
         prompts = [self._prompt_rows.pop(out.request_id, None) for out, _, _ in entries]
         if any(p is not None for p in prompts):
             columns.update(self._input_columns(prompts, [self._prompt_ids.pop(o.request_id, []) for o, _, _ in entries]))
+        # The producing rank, as SGLang's output streamer names it (``dp_ranks``; None without DP).
+        config = self.core.config
+        columns["dp_ranks"] = [config.engine_index if config.data_parallel_size > 1 else None] * len(entries)
         batch = sglang.token_batch(
             [o.request_id for o, _, _ in entries], [list(o.new_token_ids) for o, _, _ in entries], reasons,
             prompt_tokens=[t.prompt for _, t, _ in entries], completion_tokens=[t.completion for _, t, _ in entries],
@@ -358,18 +374,23 @@ class TokenSpeedPersonality(_Personality):
         sp = req.sampling_params
         rid = req.rid or ""
         prompt = list(req.input_ids or ())
-        if sp.n != 1 or req.validation_error:
+        rank = self.core.config.engine_index
+        if sp.n != 1 or req.validation_error or self.leg.refusal(req.bootstrap_host, req.bootstrap_room, rank):
             return [self._slim([(rid, [], "abort", len(prompt), 0, 0, None)])]
+        if self.leg.is_leg:
+            self.notes.append(room_line(self.leg, rank, rid, req.bootstrap_host, req.bootstrap_port,
+                                        req.bootstrap_room))
+        max_new = self.leg.max_new_tokens(sp.max_new_tokens)
         sampling = _sampling(
             sp.temperature, sp.top_k,
-            max_tokens=self._room(prompt) if sp.max_new_tokens is None else max(1, sp.max_new_tokens),
+            max_tokens=self._room(prompt) if max_new is None else max(1, max_new),
             top_p=sp.top_p, min_p=sp.min_p, frequency_penalty=sp.frequency_penalty,
             presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
             min_tokens=sp.min_new_tokens, stop_token_ids=tuple(sp.stop_token_ids or ()), eos_token_ids=self._eos(),
             ignore_eos=sp.ignore_eos, seed=sp.seed, logprobs=0 if req.return_logprob else None,
         )
         spec = GenerateSpec(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
-        entries = self._add(spec, now, prefill_only=sp.max_new_tokens == 0)
+        entries = self._add(spec, now, prefill_only=max_new == 0)
         return [self._slim([(rid, [], "abort", len(prompt), 0, 0, None)])] if entries else []
 
     def _batches(self, entries: list) -> list[list[bytes]]:

@@ -24,9 +24,9 @@ def gc_gauges(metrics_port: int) -> dict[str, float]:
             for name in ("frozen_objects", "young_threshold", "collections_young", "collections_full")}
 
 
-def gc_gauges_after_calls(servicer: Servicer, metrics_port: int) -> dict[str, float]:
-    """20 calls of 64 tokens, then the gauges."""
-    for i in range(20):
+def gc_gauges_after_calls(servicer: Servicer, metrics_port: int, calls: int = 20) -> dict[str, float]:
+    """``calls`` calls of 64 tokens, then the gauges."""
+    for i in range(calls):
         list(servicer.stub.Generate(generate_request(f"r-{i}", PROMPT, max_tokens=64, ignore_eos=True), timeout=30))
     return gc_gauges(metrics_port)
 
@@ -48,7 +48,7 @@ def test_a_serving_servicer_has_frozen_its_start_up_heap_and_collects_young_obje
         assert before["frozen_objects"] > 10_000, before
         assert before["young_threshold"] == YOUNG_DEFAULT
         after = gc_gauges_after_calls(servicer, metrics_port)
-        # Python's own threshold (700) took 15 young collections for these 20 calls (the test below).
+        # Python's own threshold (700) takes about 5 young collections for 20 such calls (the test below).
         assert after["collections_young"] - before["collections_young"] <= 2, (before, after)
         # Frozen once, at SERVING: the count only falls, as frozen objects are freed.
         assert after["frozen_objects"] <= before["frozen_objects"], (before, after)
@@ -63,8 +63,10 @@ def test_the_knobs_give_pythons_own_collector_back(tmp_path, test_model_dir):
     try:
         before = gc_gauges(metrics_port)
         assert before["frozen_objects"] == 0 and before["young_threshold"] == 700, before
-        after = gc_gauges_after_calls(servicer, metrics_port)
-        assert after["collections_young"] - before["collections_young"] >= 5, (before, after)
+        # 80 calls: about 20 young collections at Python's threshold (5 per 20 calls, measured), where the
+        # default policy's threshold makes at most 2 for 20 calls (the test above).
+        after = gc_gauges_after_calls(servicer, metrics_port, calls=80)
+        assert after["collections_young"] - before["collections_young"] >= 10, (before, after)
     finally:
         servicer.stop()
 

@@ -108,13 +108,8 @@ def test_metrics_flag_then_the_contracts_name_then_the_vllm_name():
 
 
 @pytest.mark.parametrize("argv, env, words", [
-    (["--mm-processor", "redis"], {}, "--mm-processor=redis: enginelink has no Redis media sidecar yet"),
-    ([], {"SMG_VLLM_MM_PROCESSOR": "REDIS"}, "SMG_VLLM_MM_PROCESSOR=redis: enginelink has no Redis media sidecar"),
     (["--mm-processor", "smg"], {}, "smg's own media pipeline runs only inside the reference's Rust servicer"),
-    (["--mm-redis-url", "redis://r:6379/0"], {}, "--mm-redis-url configures the Redis media sidecar"),
-    (["--mm-sidecar-timeout-ms", "5"], {}, "--mm-sidecar-timeout-ms configures the Redis media sidecar"),
-    (["--mm-sidecar-max-queue", "5"], {}, "--mm-sidecar-max-queue configures the Redis media sidecar"),
-    (["--mm-sidecar-namespace", "n"], {}, "--mm-sidecar-namespace configures the Redis media sidecar"),
+    ([], {"SMG_VLLM_MM_PROCESSOR": "SMG"}, "SMG_VLLM_MM_PROCESSOR=smg: smg's own media pipeline"),
 ])  # fmt: skip
 def test_a_feature_enginelink_lacks_is_refused_naming_it(argv, env, words):
     [refusal] = resolve(*argv, env=env).refusals
@@ -134,10 +129,30 @@ def test_a_feature_enginelink_lacks_is_refused_naming_it(argv, env, words):
                             "which enginelink does not run: ignored"]
 
 
+def test_the_redis_sidecar_settings_are_taken_and_handed_on():
+    ref = resolve("--mm-processor", "REDIS", "--mm-redis-url", "unix:///run/r.sock", "--mm-sidecar-timeout-ms",
+                  "2500", "--mm-sidecar-max-queue", "9", "--mm-sidecar-namespace", "fleet-a",
+                  env={"SMG_VLLM_MM_SIDECAR_MAX_QUEUE": "100"})
+    assert not ref.refusals and ref.warnings == []
+    assert ref.media_line() == "worker-side media processing: redis (source=flag)"
+    assert "mm_sidecar_max_queue=9 (--mm-sidecar-max-queue)" in ref.line()
+    settings = media_settings_from({"SMG_VLLM_MM_SIDECAR_MAX_QUEUE": "100", **ref.exports}, "flag")
+    assert (settings.processor, settings.processor_source, settings.redis_url) == ("redis", "flag",
+                                                                                  "unix:///run/r.sock")
+    assert (settings.sidecar_timeout_s, settings.sidecar_queue_max, settings.sidecar_namespace) == (2.5, 9, "fleet-a")
+    # The variables alone, as the reference reads them when no flag is given.
+    settings = media_settings_from({"SMG_VLLM_MM_PROCESSOR": "redis", "SMG_VLLM_MM_SIDECAR_NAMESPACE": " ns "})
+    assert (settings.processor_source, settings.sidecar_namespace, settings.sidecar_timeout_s) == ("env", "ns", 30.0)
+    assert media_settings_from({}).redis_url == "redis://127.0.0.1:6379/0"  # the reference's default
+
+
 @pytest.mark.process
 def test_serve_exits_2_before_anything_starts_with_one_line_per_refusal(tmp_path):
-    line = refused_with_one_line(serve_process(tmp_path, "--mm-processor", "redis", "--port", free_port()))
-    assert line.startswith("enginelink serve: --mm-processor=redis: enginelink has no Redis media sidecar yet")
+    line = refused_with_one_line(serve_process(tmp_path, "--mm-processor", "smg", "--port", free_port()))
+    assert line.startswith("enginelink serve: --mm-processor=smg: smg's own media pipeline")
+    line = refused_with_one_line(serve_process(tmp_path, "--mm-sidecar-timeout-ms", "0", "--port", free_port()))
+    assert line == ("enginelink serve: --mm-sidecar-timeout-ms (SMG_VLLM_MM_SIDECAR_TIMEOUT_MS)='0': must be at "
+                    "least 1")
     done = serve_process(tmp_path, "--port", free_port(), env={"SMG_VLLM_MM_PROCESSOR": "smg"})
     assert "SMG_VLLM_MM_PROCESSOR=smg: smg's own media pipeline" in refused_with_one_line(done)
     assert not (tmp_path / "state").exists(), "refused before the test model or a journal was made"

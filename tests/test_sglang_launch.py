@@ -54,12 +54,22 @@ def test_the_scheduler_command_names_our_addresses_the_model_and_msgpack_ipc(tmp
 @pytest.mark.parametrize("args, words", [
     (["--model-path", "/elsewhere"], "--model-path: enginelink sets it itself"),
     (["--port", "1"], "--port: enginelink sets it itself"),
-    (["--dp-size", "2"], "--dp-size 2: enginelink drives one SGLang scheduler DP rank"),
-    (["--data-parallel-size=4"], "--data-parallel-size 4"),
+    (["--dp-size", "two"], "--dp-size two: expected a count of data-parallel ranks (>= 1)"),
+    (["--data-parallel-size=0"], "--data-parallel-size 0: expected a count"),
 ])
 def test_arguments_enginelink_owns_or_cannot_drive_are_refused(tmp_path, args, words):
     with pytest.raises(LauncherError, match=re.escape(words)):
         _launcher(tmp_path, *args).check_args({"ENGINELINK_SGLANG_GPU_GLOB": str(tmp_path)})
+
+
+def test_data_parallel_ranks_are_accepted_and_counted(tmp_path):
+    """``--dp-size N`` runs SGLang's own DP controller in front of N ranks (it was refused before)."""
+    from enginelink.runtime.kv.kv_config import engine_ranks
+
+    for args in (["--dp-size", "2"], ["--dp", "2"], ["--data-parallel-size=2"]):
+        _launcher(tmp_path, *args).check_args({"ENGINELINK_SGLANG_GPU_GLOB": str(tmp_path)})
+        assert engine_ranks("sglang", args) == (0, 1)
+    assert engine_ranks("sglang", []) == (0,)
 
 
 def test_no_cuda_device_is_refused_in_words_and_one_passes(tmp_path):
@@ -87,11 +97,9 @@ def _layout_file(tmp_path, drift: bool) -> str:
 
 
 @pytest.mark.process
-def test_serve_refuses_a_wire_the_engine_does_not_speak_and_sglang_dp(tmp_path, socket_dir, test_model_dir):
+def test_serve_refuses_a_wire_the_engine_does_not_speak(tmp_path, socket_dir, test_model_dir):
     done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "vllm", "--wire", "sglang")
     assert done.returncode == 2 and "--engine vllm does not speak --wire sglang; it speaks: vllm" in done.stderr
-    done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sim", "--wire", "sglang", "--", "-dp", "2")
-    assert done.returncode == 2 and "--wire sglang: one scheduler rank" in done.stderr
     for value in ("soon", "0", "-3"):
         done = _serve(tmp_path, socket_dir, test_model_dir, "--engine", "sim", "--wire", "sglang",
                       env={"SGLANG_HEALTH_CHECK_TIMEOUT": value})

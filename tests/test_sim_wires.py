@@ -180,8 +180,8 @@ def test_tokenspeed_dp_ranks_each_run_their_handshake(model_dir):
 @pytest.mark.process
 @pytest.mark.parametrize("argv, says", [
     (("--wire", "sglang"), "--wire sglang needs --scheduler-input-ipc and --tokenizer-ipc"),
-    (("--wire", "sglang", "--scheduler-input-ipc", "ipc:///x", "--tokenizer-ipc", "ipc:///y", "-dp", "2"),
-     "--wire sglang runs one scheduler rank"),
+    (("--wire", "sglang", "--scheduler-input-ipc", "ipc:///x", "--tokenizer-ipc", "ipc:///y",
+      "--disaggregation-mode", "both"), "--disaggregation-mode: invalid choice: 'both'"),
     (("--wire", "tokenspeed"), "--wire tokenspeed needs --handshake"),
 ])
 def test_a_wire_without_its_addresses_is_refused(model_dir, argv, says):

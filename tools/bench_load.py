@@ -276,8 +276,12 @@ class Servicer:
         self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         try:
             wait_serving(self.target, timeout_s, self.process, self.contract)
-        except Exception as error:
+        except BaseException as error:
+            # SystemExit too: a bench's SIGTERM (bench.run) lands here while a slow start-up waits, and
+            # the servicer and its engine must stop with it, not run on orphaned.
             self.stop()
+            if not isinstance(error, Exception):
+                raise
             raise RuntimeError(f"servicer did not start: {error}") from None
 
     def log(self) -> str:

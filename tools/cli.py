@@ -15,6 +15,7 @@ import sys
 # subcommand -> (module under enginelink.tools, one-line help)
 SUBCOMMANDS = {
     "serve": ("serve", "run the servicer in front of an engine (default: the sim engine)"),
+    "headless": ("headless", "run the servicer as an engine on the SMG router's direct ZMQ lane (--engine sglang)"),
     "sim-engine": ("sim_engine", "run the deterministic sim engine (the vLLM headless wire; --wire tokenspeed|sglang)"),
     "make-test-model": ("test_model", "build the tiny test model directory, offline and deterministically"),
     "bench": ("bench", "measure the servicer's overhead per token"),
@@ -22,6 +23,7 @@ SUBCOMMANDS = {
     "inspect": ("inspect", "a servicer's state (links, requests in flight, journal), read from its journal"),
     "journal": ("journal_cmd", "post-mortem on a journal file: show, replay, verify, export, timeline"),
     "worker-probe": ("worker_probe", "liveness of a multi-node engine's worker: attached to its leader's store?"),
+    "media-sidecar": ("media_sidecar", "the GPU-free media sidecar for workers under --mm-processor redis (Redis jobs)"),
 }
 
 

@@ -25,26 +25,32 @@ from enginelink.tools import knobs, ref_flags
 DOC = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
 
 _MM_BEHAVIOUR = {
-    "processor": ("`off`, `inprocess`: served; `redis`, `smg`: exit 2 naming why",
-                  "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
+    "processor": ("`off`, `inprocess`, `redis` (with `enginelink media-sidecar` or the reference's sidecar): "
+                  "served, the `mm_processor_source` label saying which setting decided; `smg`: exit 2 naming why",
+                  "tests/test_ref_settings.py::test_the_redis_sidecar_settings_are_taken_and_handed_on"),
     "max_inflight": ("honoured", "tests/test_ref_settings.py::test_flag_then_variable_then_default_with_the_source"),
     "max_item_bytes": ("honoured", "tests/test_ref_settings.py::test_flag_then_variable_then_default_with_the_source"),
-    "max_items": ("honoured: media refs per request, all modalities together (default 16, not the model's "
-                  "per-modality limits)",
-                  "tests/test_ref_settings.py::test_flag_then_variable_then_default_with_the_source"),
-    "redis_url": ("exit 2: the Redis media sidecar is not in enginelink",
-                  "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
-    "sidecar_timeout_ms": ("exit 2: the Redis media sidecar is not in enginelink",
-                           "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
-    "sidecar_max_queue": ("exit 2: the Redis media sidecar is not in enginelink",
-                          "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
-    "sidecar_namespace": ("exit 2: the Redis media sidecar is not in enginelink",
-                          "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
-    "turbojpeg": ("a WARNING: only smg's Rust media pipeline reads it",
+    "max_items": ("honoured: items of one modality per request, media refs and router tensors alike; it tightens "
+                  "the engine's own `--limit-mm-per-prompt`, never loosens it (unset: the engine's limits)",
+                  "tests/test_media_bounds.py::test_the_operators_cap_tightens_the_engines_limits_per_modality_and_"
+                  "never_loosens_them"),
+    "redis_url": ("honoured: the sidecar's Redis (a bad URL exits 2 naming it)",
+                  "tests/adversarial/test_adv_media_sidecar.py::test_redis_killed_mid_job_is_unavailable_at_once_"
+                  "and_the_worker_recovers"),
+    "sidecar_timeout_ms": ("honoured: the result wait, and each job's deadline",
+                           "tests/adversarial/test_adv_media_sidecar.py::test_with_no_sidecar_the_wait_ends_"
+                           "unavailable_at_the_timeout"),
+    "sidecar_max_queue": ("honoured: UNAVAILABLE at once past it",
+                          "tests/adversarial/test_adv_media_sidecar.py::test_a_deep_queue_is_refused_at_once_and_"
+                          "nothing_more_is_queued"),
+    "sidecar_namespace": ("honoured: the keys' namespace instead of the fingerprint's",
+                          "tests/adversarial/test_adv_media_sidecar.py::test_the_namespace_is_the_fingerprints_"
+                          "unless_the_operator_names_one"),
+    "turbojpeg": ("validated (exit 2 on a bad value); a WARNING: only smg's Rust media pipeline reads it",
                   "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
     "fetch_timeout_ms": ("honoured by enginelink's own fetcher (the reference's smg pipeline only)",
                          "tests/test_ref_settings.py::test_flag_then_variable_then_default_with_the_source"),
-    "video_fetch_timeout_ms": ("honoured by enginelink's own fetcher (video refs themselves are refused)",
+    "video_fetch_timeout_ms": ("honoured by enginelink's own fetcher",
                                "tests/test_ref_settings.py::test_flag_then_variable_then_default_with_the_source"),
 }
 _OTHER_SERVICER = {
@@ -61,11 +67,12 @@ _OTHER_SERVICER = {
     "--allowed-local-media-path": ("ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH",
                                    "`file:` media refs under it only (the engine gets it too under `vllm serve`)",
                                    "tests/adversarial/test_adv_media.py::test_file_urls_only_under_the_allowed_folder"),
-    "--allowed-media-domains": ("", "read by the servicer (the engine gets it too); with `--mm-processor "
-                                "inprocess`, exit 2 until enginelink's fetcher enforces it",
+    "--allowed-media-domains": ("", "enforced by the servicer's fetcher at every redirect (and by `enginelink "
+                                "media-sidecar`'s, given it); the engine gets it too",
                                 "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
-    "--media-io-kwargs": ("", "honoured: a vLLM engine argument, from which `--mm-processor inprocess`'s media "
-                          "processor builds vLLM's loaders (`enginelink serve`'s own flag is handed to the engine)",
+    "--media-io-kwargs": ("", "honoured: a vLLM engine argument, from which the media processor builds vLLM's "
+                          "loaders (the worker's under `inprocess`, `enginelink media-sidecar`'s under `redis`: give "
+                          "it the engine's arguments); `enginelink serve`'s own flag is handed to the engine",
                           "tests/vllm/test_vllm_av.py::test_media_io_kwargs_and_the_frame_cap_change_the_sampled_video"),
 }
 
@@ -97,19 +104,35 @@ OTHER_FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "tests/tools/test_worker_probe.py::test_dist_init_addr_in_each_spelling"),
     ("--leader", "the reference's worker probe", "`enginelink worker-probe --leader`",
      "tests/tools/test_worker_probe.py::test_dist_init_addr_in_each_spelling"),
-    ("--limit-mm-per-prompt", "vLLM", "passed to the engine; not applied to media refs on the worker", ""),
-    ("--mm-processor-kwargs, --mm-device-do-normalize", "vLLM / smg's Rust media pipeline",
-     "passed to the engine; enginelink's media processor does not read them", ""),
+    ("--limit-mm-per-prompt", "vLLM", "passed to the engine; held by the worker before the engine on media refs and "
+     "router tensors alike, and advertised as `mm_item_limits`",
+     "tests/vllm/test_vllm_av.py::test_media_refs_give_vllm_offlines_tokens_and_the_engines_bounds_hold_before_it"),
+    ("--mm-processor-kwargs", "vLLM", "passed to the engine; the media processor builds the model's processor from "
+     "the engine's arguments, so it reads them too", ""),
+    ("--mm-device-do-normalize", "smg's Rust media pipeline", "passed to the engine; not read by enginelink", ""),
     ("--reasoning-parser, --grammar-backend", "engine", "passed to the engine", ""),
-    ("--tp-size, --dp-size, --attn-dp-size, --chunked-prefill-size, --max-prefill-tokens, "
-     "--max-running-requests, --return-hidden-states-mode", "SGLang, TokenSpeed",
-     "passed to the scheduler (SGLang `--dp-size` > 1 exits 2)", ""),
-    ("--disaggregation-mode, --language-only, --encoder-only, --encoder-bootstrap-port, --encoder-urls, "
-     "--limit-mm-data-per-request", "SGLang, TokenSpeed", "passed to the engine; the disaggregated roles are not "
-     "served (refused per request)", ""),
+    ("--tp-size, --attn-dp-size, --chunked-prefill-size, --max-prefill-tokens, "
+     "--max-running-requests, --return-hidden-states-mode", "SGLang, TokenSpeed", "passed to the scheduler", ""),
+    ("--dp-size", "SGLang, TokenSpeed", "passed to the scheduler; SGLang's N ranks run behind its own DP controller, "
+     "each request carrying enginelink's rank (`routed_dp_rank`)",
+     "tests/contract/test_legs_and_ranks.py::test_sglang_dp_pin_runs_on_its_rank_and_out_of_range_is_refused"),
+    ("--disaggregation-mode, --disaggregation-bootstrap-port, --disaggregation-transfer-backend",
+     "SGLang, TokenSpeed", "passed to the engine; a prefill/decode leg takes the request's bootstrap, "
+     "advertises its role, places a prefill under DP on its room's residue (docs/pd.md)",
+     "tests/contract/test_legs_and_ranks.py::test_sglang_prefill_leg_runs_on_the_rooms_residue_and_prefills_only"),
+    ("--language-only, --encoder-only, --encoder-bootstrap-port, --encoder-urls, --limit-mm-data-per-request",
+     "SGLang, TokenSpeed", "passed to the engine; the encode roles are not served (refused per request)", ""),
     ("--zmq-handshake-address, --zmq-engine-index", "the reference's SGLang headless launcher",
-     "not provided: enginelink drives the scheduler over SGLang's own sockets", ""),
-    ("--redis-url, --namespace", "the reference's media sidecar", "not provided (no sidecar)", ""),
+     "`enginelink headless --engine sglang --zmq-handshake-address ...` (the router's ZMQ lane)",
+     "tests/router/test_router_headless.py::test_the_router_registers_enginelink_as_its_sglang_engine"),
+    ("--redis-url, --namespace, --concurrency", "the reference's media sidecar",
+     "`enginelink media-sidecar` takes the same (the engine's own arguments after `--`); either sidecar serves "
+     "either worker", "tests/adversarial/test_adv_media_sidecar.py::test_enginelinks_sidecar_serves_a_job_with_"
+     "the_processors_tensors"),
+    ("VLLM_IMAGE_FETCH_TIMEOUT, VLLM_VIDEO_FETCH_TIMEOUT, VLLM_AUDIO_FETCH_TIMEOUT", "vLLM (variables)",
+     "each modality's fetch deadline, on the worker (`inprocess`) and in `enginelink media-sidecar`, where set "
+     "and `SMG_VLLM_MM_*FETCH_TIMEOUT_MS` is not", "tests/adversarial/test_adv_media.py::test_vllms_fetch_"
+     "timeouts_are_honoured_where_the_reference_honours_them"),
     ("--backend, --connection-mode, --mm-processing, --max-payload-size, --zmq-startup-timeout-secs, "
      "--router-zmq-startup-timeout-secs", "router (smg)", "not a servicer's: the router's", ""),
     ("--installed, --launcher-tree, --servicer-root", "the reference's launcher-switch smoke script",

@@ -237,6 +237,7 @@ def describe(st: FoldState, reader: Reader, path: Path) -> dict[str, Any]:
             "status": status, "pid": run.pid, "pid_alive": alive, "version": run.version, "engine": run.engine,
             "started_wall": run.wall_time, "started": _iso(run.wall_time),
             "stopped_t": _round(_rel(run.stopped_at, origin)), "exit_status": run.exit_status, "reason": run.reason,
+            "media": run.media,
         },
         "links": links,
         "requests": requests,
@@ -343,6 +344,7 @@ def render_view(view: dict[str, Any]) -> str:
             f"{_bytes(jr['bytes_max'])} payload ({100 * jr['payload_bytes'] / max(1, jr['bytes_max']):.1f}% used); "
             f"last snapshot: {'none' if jr['last_snapshot_seq'] is None else 'seq ' + str(jr['last_snapshot_seq'])}"
         )
+    lines += render_media(run.get("media"))
     lines += render_health(jr.get("health"), run.get("pid"))
     if jr.get("previous_runs"):
         lines.append(f"  previous runs' journals kept: {len(jr['previous_runs'])} "
@@ -355,6 +357,16 @@ def render_view(view: dict[str, Any]) -> str:
         lines.append("warm-up requests: " + ", ".join(f"{n} {s}" for s, n in sorted(view["warmup"].items())))
     lines += render_kv(view.get("kv"))
     return "\n".join(lines)
+
+
+def render_media(media: dict[str, Any] | None) -> list[str]:
+    """Worker-side media processing and each of its bounds, as the servicer started with them."""
+    if not media:
+        return []
+    bounds = ", ".join(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
+                       for name, value in sorted((media.get("bounds") or {}).items()))
+    return [f"media: mm_processor={media.get('mm_processor')} (source={media.get('mm_processor_source')}); "
+            f"bounds: {bounds}"]
 
 
 def render_health(health: dict[str, Any] | None, pid: int | None) -> list[str]:
@@ -401,6 +413,8 @@ def render_links(links: list[dict[str, Any]]) -> list[str]:
         pid = f"engine pid {link['engine_pid']}"
         if link["engine_alive"] is not None:
             pid += " (alive)" if link["engine_alive"] else " (gone)"
+        if link["facts"].get("address"):  # the router link of `enginelink headless`: where it dialled
+            pid = f"router {link['facts']['address']}"
         lasting = "" if link["for_s"] is None else f" (for {link['for_s']} s)"
         lines.append(f"  {link['name']:<10} {link['state']:<11} since t={link['since_t']} s{lasting}  {pid}")
         if facts:

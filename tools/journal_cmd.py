@@ -363,9 +363,11 @@ def _replay(reader: Reader, args: argparse.Namespace) -> int:
 
 def _verify(reader: Reader, args: argparse.Namespace) -> int:
     from enginelink.machines.link import LINK_TABLE
+    from enginelink.machines.router_link import ROUTER_LINK_TABLE
     from enginelink.machines.request import REQUEST_TABLE
 
-    report = verify(reader.iter_records(), tables={"link": LINK_TABLE, "request": REQUEST_TABLE})
+    report = verify(reader.iter_records(), tables={"link": LINK_TABLE, "request": REQUEST_TABLE,
+                                                   "router": ROUTER_LINK_TABLE})
     if args.json:
         print(json.dumps({"ok": report.ok, **msgspec.to_builtins(report)}))
     else:

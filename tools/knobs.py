@@ -147,13 +147,24 @@ def _engine_knobs(contract: str) -> list[Knob]:
 
 _RDMA_WHY = ("the RDMA pixel lane of the reference's encode/prefill disaggregation, which enginelink "
              "does not provide")
-_SIDECAR_WHY = "the Redis media sidecar (--mm-processor redis) is not in enginelink; nothing reads it"
 _WARN_TEST = "tests/test_ref_settings.py::test_inapplicable_names_get_one_warning_each_naming_why"
 _ROUTER_TEST = "tests/test_ref_settings.py::test_router_names_are_listed_not_warned"
 
 _MM_BEHAVIOUR = {
-    "processor": ("off and inprocess are served; redis and smg exit 2 naming why",
-                  "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
+    "processor": ("off, inprocess and redis are served; smg exits 2 naming why",
+                  "tests/test_ref_settings.py::test_the_redis_sidecar_settings_are_taken_and_handed_on"),
+    "redis_url": ("the sidecar's Redis (a URL redis-py cannot parse exits 2)",
+                  "tests/adversarial/test_adv_media_sidecar.py::test_redis_killed_mid_job_is_unavailable_at_once_"
+                  "and_the_worker_recovers"),
+    "sidecar_timeout_ms": ("the result wait, and each job's deadline",
+                           "tests/adversarial/test_adv_media_sidecar.py::test_with_no_sidecar_the_wait_ends_"
+                           "unavailable_at_the_timeout"),
+    "sidecar_max_queue": ("UNAVAILABLE at once past it",
+                          "tests/adversarial/test_adv_media_sidecar.py::test_a_deep_queue_is_refused_at_once_and_"
+                          "nothing_more_is_queued"),
+    "sidecar_namespace": ("the keys' namespace instead of the fingerprint's",
+                          "tests/adversarial/test_adv_media_sidecar.py::test_the_namespace_is_the_fingerprints_"
+                          "unless_the_operator_names_one"),
     "max_inflight": ("the fetcher's job cap (UNAVAILABLE past it)",
                      "tests/adversarial/test_adv_media.py::test_at_the_inflight_cap_a_request_is_unavailable_at_once"),
     "max_item_bytes": ("one item's size cap",
@@ -184,19 +195,21 @@ def _mm_knobs() -> list[Knob]:
                               _WARN_TEST, contracts=("vllm",),
                               why="it is the libjpeg-turbo policy of smg's own Rust media pipeline "
                                   "(--mm-processor smg), which enginelink does not run"))
-        else:
-            knobs.append(Knob(spec.env, INAPPLICABLE, f"`{spec.flag}`'s fallback: {spec.help}", "warned at start-up",
-                              _WARN_TEST, contracts=("vllm",), why=_SIDECAR_WHY))
     return knobs
 
 
 _REFERENCE_OTHER = [
-    Knob("SMG_VLLM_MM_MAX_RESULT_BYTES", INAPPLICABLE, "largest result the media sidecar writes back (512 MiB)",
-         "warned at start-up", _WARN_TEST, contracts=("vllm",), why=_SIDECAR_WHY),
+    Knob("SMG_VLLM_MM_MAX_RESULT_BYTES", HONOURED, "largest result the media sidecar writes back (512 MiB, lowered "
+         "to Redis's proto-max-bulk-len)", "read by `enginelink media-sidecar`: a larger result is answered "
+         "`result_too_large` (the worker's INVALID_ARGUMENT `media_too_large`)",
+         "tests/adversarial/test_adv_media_sidecar.py::test_a_result_over_the_cap_is_media_too_large_and_one_redis_"
+         "refuses_is_reported_at_once", contracts=("vllm",)),
     Knob("SMG_VLLM_MM_MAX_VIDEO_FRAMES", HONOURED, "frames sampled from one video media ref (0: vLLM decides)",
          "a cap on the frames vLLM's video loader samples (its --media-io-kwargs num_frames, else its default), "
-         "never a raise", "tests/test_media_processor_child.py::test_the_frame_cap_lowers_the_loaders_sampling_and_"
-         "never_raises_it", contracts=("vllm",)),
+         "never a raise; read by the worker's processor under inprocess, by `enginelink media-sidecar` under "
+         "redis (as the reference's sidecar reads it)",
+         "tests/test_media_processor_child.py::test_the_frame_cap_lowers_the_loaders_sampling_and_never_raises_it",
+         contracts=("vllm",)),
     Knob("SMG_VLLM_CUDAGRAPH_CAPTURE_CAP", HONOURED, "CUDA-graph capture cap: auto, engine or a number",
          "the same derivation (runtime/engine/capture_cap.py)",
          "tests/test_capture_cap.py::test_a_knob_value_it_does_not_take_is_refused_by_name", contracts=("vllm",)),
@@ -309,6 +322,8 @@ _OWN = {
     "ENGINELINK_MM_MAX_TENSOR_BYTES": ("router tensor bytes per request", ""),
     "ENGINELINK_MM_PROCESSOR_START_TIMEOUT_S": ("media processor helper's start bound", ""),
     "ENGINELINK_MM_PROCESS_TIMEOUT_S": ("one request's turn in the media processor", ""),
+    "ENGINELINK_MM_ENGINE_ARGS": ("set by enginelink for its media processor helper: the engine's arguments (JSON), "
+                                  "the model's config is built from", ""),
     "ENGINELINK_ENGINE_FACTS": ("set by enginelink for its engine: where the engine writes its facts", ""),
     "ENGINELINK_PYTHON": ("enginelink's interpreter for `ts serve`'s engine module", ""),
     "ENGINELINK_VLLM_PYTHON": ("the vLLM engine's interpreter", ""),
@@ -340,6 +355,10 @@ _OWN_TOOLING = {
     "ENGINELINK_VLLM_WHEELS": "a folder of vLLM wheels for tools/vllm_layouts.py --check (tests/wire)",
     "ENGINELINK_SKIP_VLLM_0_28": "tools/run-tests leaves the vLLM 0.28.0 venv out",
     "ENGINELINK_REQUIRE_VLLM_0_28": "a missing vLLM 0.28.0 install fails its tests instead of skipping them",
+    "ENGINELINK_SKIP_REDIS": "tools/run-tests leaves Debian's redis-server out (tools/setup-redis)",
+    "ENGINELINK_REQUIRE_REDIS": "a missing redis-server fails the Redis media sidecar's tests instead of skipping them",
+    "ENGINELINK_REF_SIDECAR_VENV": "the reference servicer's venv for the Redis sidecar interop tests",
+    "ENGINELINK_REQUIRE_REF_SIDECAR": "a missing reference venv fails the sidecar interop tests instead of skipping",
     **{f"ENGINELINK_SKIP_{e}": f"tools/run-tests leaves the {e.title()} venv out" for e in
        ("VLLM", "MLX", "SGLANG", "TOKENSPEED")},
     **{f"ENGINELINK_REQUIRE_{e}": f"a missing {e.title()} install fails its tests instead of skipping them" for e in

@@ -31,7 +31,7 @@ REFERENCE_IMPLS = ("python", "rust")
 METRICS_PORT_FLAG = "--metrics-port"
 METRICS_HOST_FLAG = "--metrics-host"
 
-# The processor modes the reference's flag takes; enginelink serves off and inprocess.
+# The processor modes the reference's flag takes; enginelink serves off, inprocess and redis.
 MM_MODES = ("off", "inprocess", "redis", "smg")
 TURBOJPEG_POLICIES = ("prefer", "require")
 
@@ -54,24 +54,28 @@ class MmFlag:
 
 MM_FLAGS: tuple[MmFlag, ...] = (
     MmFlag("processor", "--mm-processor", "SMG_VLLM_MM_PROCESSOR", "off", "mode",
-           "worker-side media processing: off (the router preprocesses media) or inprocess (this worker fetches "
-           "media_refs and runs the model's own processor); redis and smg are the reference's and refused"),
+           "worker-side media processing: off (the router preprocesses media), inprocess (this worker fetches "
+           "media_refs and runs the model's own processor) or redis (a media sidecar beside a private Redis does, "
+           "`enginelink media-sidecar`); smg is the reference's Rust pipeline and refused"),
     MmFlag("max_inflight", "--mm-max-inflight", "SMG_VLLM_MM_MAX_INFLIGHT", 64, "int",
            "requests this worker fetches media for at once (one more: UNAVAILABLE)"),
     MmFlag("max_item_bytes", "--mm-max-item-bytes", "SMG_VLLM_MM_MAX_ITEM_BYTES", 32 * 1024 * 1024, "int",
            "one media item, fetched or decoded (data:), in bytes"),
     MmFlag("max_items", "--mm-max-items", "SMG_VLLM_MM_MAX_ITEMS", None, "int",
-           "media refs one request may carry (enginelink's default: 16)"),
-    MmFlag("redis_url", "--mm-redis-url", "SMG_VLLM_MM_REDIS_URL", "redis://localhost:6379/0", "text",
-           "the media sidecar's Redis URL (--mm-processor redis: not in enginelink, refused)"),
+           "items of one modality one request may carry, media refs and router tensors alike: tightens the "
+           "engine's --limit-mm-per-prompt, never loosens it (unset: the engine's limits)"),
+    MmFlag("redis_url", "--mm-redis-url", "SMG_VLLM_MM_REDIS_URL", "redis://127.0.0.1:6379/0", "text",
+           "the media sidecar's Redis URL (--mm-processor redis)"),
     MmFlag("sidecar_timeout_ms", "--mm-sidecar-timeout-ms", "SMG_VLLM_MM_SIDECAR_TIMEOUT_MS", 30_000, "int",
-           "the media sidecar's result wait, ms (--mm-processor redis: not in enginelink, refused)"),
+           "the media sidecar's result wait, ms; it travels with each job as its deadline (--mm-processor redis)"),
     MmFlag("sidecar_max_queue", "--mm-sidecar-max-queue", "SMG_VLLM_MM_SIDECAR_MAX_QUEUE", 256, "int",
-           "the media sidecar's queue bound (--mm-processor redis: not in enginelink, refused)"),
+           "jobs waiting for the media sidecar past which a request is UNAVAILABLE at once (--mm-processor redis)"),
     MmFlag("sidecar_namespace", "--mm-sidecar-namespace", "SMG_VLLM_MM_SIDECAR_NAMESPACE", None, "text",
-           "the media sidecar's Redis key namespace (--mm-processor redis: not in enginelink, refused)"),
+           "the media sidecar's Redis key namespace, instead of the one derived from the fingerprint "
+           "(--mm-processor redis)"),
     MmFlag("turbojpeg", "--mm-turbojpeg", "SMG_VLLM_MM_TURBOJPEG", "prefer", "policy",
-           "libjpeg-turbo policy of smg's own Rust media pipeline (--mm-processor smg): not read by enginelink"),
+           "libjpeg-turbo policy of smg's own Rust media pipeline (--mm-processor smg): validated, not read by "
+           "enginelink"),
     MmFlag("fetch_timeout_ms", "--mm-fetch-timeout-ms", "SMG_VLLM_MM_FETCH_TIMEOUT_MS", 10_000, "int",
            "one image/audio item's fetch, connect to last byte, ms"),
     MmFlag("video_fetch_timeout_ms", "--mm-video-fetch-timeout-ms", "SMG_VLLM_MM_VIDEO_FETCH_TIMEOUT_MS", 30_000,

@@ -9,9 +9,9 @@ environment into:
   or the default (flag > ``ENGINELINK_*`` > the served contract's ``SMG_*`` >
   ``SMG_VLLM_*`` > default, ``knobs.names``), for the start-up line that says
   which decided;
-- ``refusals``: what asks for a feature enginelink does not have (the Redis
-  media sidecar, smg's Rust media pipeline), one line each, which ``serve`` turns into
-  exit 2 before anything starts;
+- ``refusals``: what asks for a feature enginelink does not have (smg's Rust
+  media pipeline), one line each, which ``serve`` turns into exit 2 before
+  anything starts;
 - ``warnings``: the variables set that cannot apply here (``knobs.environment_warnings``)
   and the flags that only the reference's Rust pipeline reads;
 - ``exports``: the media values a flag decided, for the environment the
@@ -30,10 +30,10 @@ from enginelink.tools import knobs
 from enginelink.tools.ref_flags import MM_FLAGS
 
 DEFAULT = "default"
-# The media settings enginelink's own fetcher and processor read (runtime/requests/media.py).
-SERVED_MM = ("processor", "max_inflight", "max_item_bytes", "max_items", "fetch_timeout_ms", "video_fetch_timeout_ms")
-SIDECAR_MM = ("redis_url", "sidecar_timeout_ms", "sidecar_max_queue", "sidecar_namespace")
-SIDECAR_WHY = "enginelink has no Redis media sidecar yet"
+# The media settings enginelink's own fetcher, processor and Redis sidecar client read (runtime/requests/media.py),
+# and the one it only validates (turbojpeg: a bad value exits 2 there too).
+SERVED_MM = ("processor", "max_inflight", "max_item_bytes", "max_items", "fetch_timeout_ms", "video_fetch_timeout_ms",
+             "redis_url", "sidecar_timeout_ms", "sidecar_max_queue", "sidecar_namespace", "turbojpeg")
 
 
 @dataclass(frozen=True)
@@ -120,18 +120,12 @@ def _media(args: Any, environ: Mapping[str, str], out: Resolved) -> None:
         out.values[f"mm_{spec.setting}"] = value
         if spec.setting in SERVED_MM and value.source == "flag":
             out.exports[spec.env] = str(value.value)
-        elif spec.setting in SIDECAR_MM and value.source == "flag":
-            out.refusals.append(f"{spec.flag} configures the Redis media sidecar (--mm-processor redis): "
-                                f"{SIDECAR_WHY}; enginelink serves --mm-processor inprocess or off")
-        elif spec.setting == "turbojpeg" and value.source == "flag":
+        if spec.setting == "turbojpeg" and value.source == "flag":
             out.warnings.append(f"{spec.flag} is read only by smg's own Rust media pipeline (--mm-processor smg), "
                                 "which enginelink does not run: ignored")
     mode = str(out.get("mm_processor") or "off").strip().lower()
     label = out.values["mm_processor"].label
-    if mode == "redis":
-        out.refusals.append(f"{label}=redis: {SIDECAR_WHY}; serve media refs with --mm-processor inprocess, "
-                            "or let the router process media (--mm-processing router)")
-    elif mode == "smg":
+    if mode == "smg":
         out.refusals.append(f"{label}=smg: smg's own media pipeline runs only inside the reference's Rust "
                             "servicer; enginelink serves --mm-processor inprocess or off")
     local = getattr(args, "allowed_local_media_path", None)

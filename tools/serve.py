@@ -495,9 +495,6 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
             health_check_timeout_s(os.environ)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    if choice.codec == "sglang" and len(ranks) != 1:
-        raise ConfigError(f"--wire sglang: one scheduler rank (got DP ranks {list(ranks)}); SGLang's DP "
-                          "controller is not driven: run one enginelink per rank")
     engine_model, engine_args = _engine_model(args, source, tokenizer, engine_args)
     if args.engine == "mlx":
         launcher = _mlx_launcher(model_dir, engine_args)
@@ -513,6 +510,10 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
     else:
         launcher = SimLauncher(model_dir=model_dir, extra_args=engine_args, engine=choice.codec)
     launcher.ranks = ranks
+    if choice.codec in ("sglang", "tokenspeed"):
+        from enginelink.runtime.requests.pd_bootstrap import launch_facts
+
+        launcher.launch_facts = launch_facts(choice.codec, engine_args)  # the PD role (--disaggregation-mode)
     return ServeConfig(
         launcher=launcher,
         model=model,
@@ -549,6 +550,8 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
         codec=choice.codec,
         contract=choice.contract,
         otlp_traces_endpoint=_traces_endpoint(args),
+        # GetServerInfo's mm_processor_source: a flag's value reaches the media settings as its variable.
+        media_source="flag" if ref.source("mm_processor") == "flag" else None,
     )
 
 
@@ -646,10 +649,21 @@ def log_reference_settings(args: argparse.Namespace, ref: ref_settings.Resolved)
         log.warning("%s", line)
 
 
-def run(args: argparse.Namespace) -> int:
+def _named_by_flag(message: str, ref: ref_settings.Resolved) -> str:
+    """A media setting's refusal names the flag where a flag gave the value (it reached the settings as its
+    variable): ``--mm-sidecar-timeout-ms (SMG_VLLM_MM_SIDECAR_TIMEOUT_MS)='0': ...``."""
+    for spec in ref_flags.MM_FLAGS:
+        if message.startswith(spec.env) and ref.source(f"mm_{spec.setting}") == "flag":
+            return f"{spec.flag} ({spec.env}){message[len(spec.env):]}"
+    return message
+
+
+def prepare(args: argparse.Namespace, prog: str = "enginelink serve"):
+    """The checked configuration, or the exit status (2) of a refused one, said on stderr; logging set up.
+    ``serve`` runs it on a gRPC port, ``headless`` (tools/headless.py) on the router's ZMQ lane."""
     level = str(args.log_level).strip().upper()
     if level not in LOG_LEVELS:
-        print(f"enginelink serve: log level {args.log_level!r}: expected one of {', '.join(LOG_LEVELS)}"
+        print(f"{prog}: log level {args.log_level!r}: expected one of {', '.join(LOG_LEVELS)}"
               " (--log-level, ENGINELINK_LOG_LEVEL)", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -657,22 +671,34 @@ def run(args: argparse.Namespace) -> int:
         ref = reference_settings(args)
         if ref.refusals:  # a feature enginelink does not have: one line each, before anything starts
             for line in ref.refusals:
-                print(f"enginelink serve: {line}", file=sys.stderr)
+                print(f"{prog}: {line}", file=sys.stderr)
             return 2
         # The flags of the media knobs stand for their variables, which the media settings read.
         os.environ.update(ref.exports)
+        _allowed_media_domains(args)
+        # SMG_VLLM_MM_* (every one, the reference's unread ones too), vLLM's fetch deadlines and the media-host
+        # knobs: a bad one is refused here, before anything is made.
+        settings = media_settings()
         config = build_config(args, ref)
         input_limits()  # the ENGINELINK_MAX_* request-input knobs: a bad one is refused here
-        _allowed_media_domains(args)
-        settings = media_settings()  # SMG_VLLM_MM_* and the media-host knobs: a bad one is refused here
         if settings.enabled and not settings.allowed_domains:
             logging.getLogger("enginelink").warning(
                 "--mm-processor %s with no --allowed-media-domains: this worker fetches media from any public "
                 "host the router forwards", settings.processor)
-    except (ConfigError, InputKnobError, MediaKnobError) as error:
-        print(f"enginelink serve: {error}", file=sys.stderr)
+    except MediaKnobError as error:
+        print(f"{prog}: {_named_by_flag(str(error), ref)}", file=sys.stderr)
+        return 2
+    except (ConfigError, InputKnobError) as error:
+        print(f"{prog}: {error}", file=sys.stderr)
         return 2
     log_reference_settings(args, ref)
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    config = prepare(args)
+    if isinstance(config, int):
+        return config
     from enginelink.runtime.lifetime import core
     from enginelink.runtime.lifetime.server import serve
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from enginelink.machines.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
+from enginelink.machines.sim_legs import LEG_MODES, SimLeg
 from enginelink.tools.sim_kv import KvEventHooks, SimKvFaults, SimKvPublisher
 from enginelink.wire import kv_events, vllm
 from enginelink.wire.engine import WireError
@@ -82,8 +83,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sglang: write the scheduler's ready report, one JSON line, to this inherited fd")
     parser.add_argument("--model", required=True, type=Path, help="model directory holding config.json")
     parser.add_argument("--rank", type=int, default=0, help="data-parallel rank (engine index and identity)")
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
-                        help="run N engine ranks (0..N-1), one process each, as vllm serve --headless does")
+    parser.add_argument("--data-parallel-size", "-dp", "--dp-size", "--dp", type=int, default=1, metavar="N",
+                        help="run N engine ranks (0..N-1), one process each, as vllm serve --headless does "
+                        "(--wire sglang: N scheduler ranks behind SGLang's DP controller, in this process)")
+    parser.add_argument("--disaggregation-mode", choices=LEG_MODES, default="null",
+                        help="sglang, tokenspeed: a PD leg (prefill: one token, then done; decode: a whole "
+                        "generation), as the engines' flag; docs/pd.md")
+    parser.add_argument("--disaggregation-bootstrap-port", type=int, default=8998, metavar="PORT",
+                        help="a prefill leg listens on it (127.0.0.1) as the engine's KV bootstrap server does")
+    parser.add_argument("--disaggregation-transfer-backend", default="mooncake",
+                        help="accepted for the engines' argv (the sim moves no KV)")
+    parser.add_argument("--load-balance-method", default="auto",
+                        help="sglang: the DP controller's balance (auto: follow_bootstrap_room on a prefill "
+                        "leg, else round_robin)")
     parser.add_argument("--data-parallel-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prefill-us-per-token", type=float, default=0.0, metavar="US",
                         help="cost model: microseconds of a step per prompt token it prefills (default 0)")
@@ -440,13 +452,17 @@ class _VllmWire:
 
 
 def _serve(core: "_VllmWire | SimWire", inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime,
-           kv: _KvSockets | None = None) -> str:  # fmt: skip
-    """The engine loop of any wire (``core``: handle, step, has_work); returns why it stopped."""
+           kv: "_KvSockets | list[_KvSockets] | None" = None) -> str:  # fmt: skip
+    """The engine loop of any wire (``core``: handle, step, has_work); returns why it stopped.
+
+    ``kv``: the rank's KV-event sockets, or every rank's (SGLang's DP ranks in one process)."""
     next_step = 0.0  # monotonic time the current step's cost runs out
+    publishers = kv if isinstance(kv, list) else [kv] if kv is not None else []
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
-    if kv is not None and kv.replay is not None:
-        poller.register(kv.replay, zmq.POLLIN)
+    for publisher in publishers:
+        if publisher.replay is not None:
+            poller.register(publisher.replay, zmq.POLLIN)
     while True:
         if (reason := life.reason()) is not None:
             return reason
@@ -455,8 +471,9 @@ def _serve(core: "_VllmWire | SimWire", inputs: zmq.Socket, outputs: zmq.Socket,
         else:
             timeout_ms = IDLE_POLL_MS
         ready = dict(poller.poll(timeout_ms))
-        if kv is not None and kv.replay in ready:
-            kv.serve_replay()
+        for publisher in publishers:
+            if publisher.replay is not None and publisher.replay in ready:
+                publisher.serve_replay()
         if inputs in ready:
             while True:  # drain everything that is already here
                 try:
@@ -470,14 +487,23 @@ def _serve(core: "_VllmWire | SimWire", inputs: zmq.Socket, outputs: zmq.Socket,
                     continue
                 for message in messages:
                     outputs.send_multipart(message)
+                _log_notes(core)
         now = time.monotonic()
         if core.has_work and now >= next_step:
             messages, cost_s = core.step(now)
             for message in messages:
                 outputs.send_multipart(message)
-            if kv is not None:
-                kv.flush()
+            for publisher in publishers:
+                publisher.flush()
             next_step = now + cost_s
+
+
+def _log_notes(core) -> None:
+    """What the personalities asked to have logged (the PD rooms a leg took), once each."""
+    for personality in getattr(core, "ranks", None) or [core]:
+        notes = getattr(personality, "notes", None)
+        while notes:
+            _log(notes.pop(0))
 
 
 def _write_pd_facts(config: SimConfig, kv_transfer: dict) -> None:
@@ -504,13 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     _write_facts(os.environ.get(ENGINE_FACTS_ENV), args)
     if args.wire == "sglang" and (args.scheduler_input_ipc is None or args.tokenizer_ipc is None):
         parser.error("--wire sglang needs --scheduler-input-ipc and --tokenizer-ipc (the front end binds them)")
-    if args.wire == "sglang" and args.data_parallel_size != 1:
-        parser.error("--wire sglang runs one scheduler rank (SGLang's DP controller is not simulated)")
     if args.wire != "sglang" and args.handshake is None:
         parser.error(f"--wire {args.wire} needs --handshake")
     if args.data_parallel_size < 1:
         parser.error(f"--data-parallel-size {args.data_parallel_size}: expected >= 1")
-    if args.data_parallel_size > 1 and not args.data_parallel_child:
+    if args.data_parallel_size > 1 and not args.data_parallel_child and args.wire != "sglang":
         from enginelink.tools.sim_ranks import run_ranks
 
         return run_ranks(sys.argv[1:] if argv is None else list(argv), args.data_parallel_size)

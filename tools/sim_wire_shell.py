@@ -19,6 +19,13 @@ the same polling, step timing, KV publishing, signals and parent watch).
   with the ``server_args`` enginelink's launch script adds to the real one's
   (``sglang_server_args``: its SGLang flags as given, SGLang's defaults else).
   The rpc and metrics sockets are not simulated (enginelink uses neither).
+  ``--dp-size N``: N scheduler ranks (one sim core each) behind SGLang's DP
+  controller, in this one process (``machines/sim_legs.py``); one ready
+  report for all, as the controller sends.
+- PD (both wires, ``--disaggregation-mode prefill|decode``): the personality
+  plays the leg (``machines/sim_legs.py``); a prefill leg also listens on
+  ``--disaggregation-bootstrap-port`` (127.0.0.1), as the engine's KV
+  bootstrap server does, so the router's registration probe finds it.
 """
 
 from __future__ import annotations
@@ -27,11 +34,15 @@ import argparse
 import contextlib
 import json
 import os
+import socket
+import threading
 import time
 
+import msgspec
 import zmq
 
 from enginelink.machines.sim_core import SimConfig, SimEngineCore
+from enginelink.machines.sim_legs import SglangDpController, SimLeg
 from enginelink.machines.sim_wires import SglangPersonality, TokenSpeedPersonality
 from enginelink.tools import sim_engine as shell
 from enginelink.wire import tokenspeed, vllm
@@ -40,12 +51,34 @@ from enginelink.wire import tokenspeed, vllm
 def run_wire(args: argparse.Namespace, config: SimConfig) -> int:
     life = shell._Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
     ctx = zmq.Context()
+    leg = SimLeg(mode=args.disaggregation_mode, bootstrap_port=args.disaggregation_bootstrap_port,
+                 load_balance_method=args.load_balance_method, dp_size=args.data_parallel_size)
+    # One listener per launch: a TokenSpeed DP rank other than 0 leaves it to rank 0.
+    bootstrap = _bootstrap_listener(leg) if leg.mode == "prefill" and args.rank == 0 else None
     try:
         if args.wire == "tokenspeed":
-            return _run_tokenspeed(ctx, args, config, life)
-        return _run_sglang(ctx, args, config, life)
+            return _run_tokenspeed(ctx, args, config, life, leg)
+        return _run_sglang(ctx, args, config, life, leg)
     finally:
         ctx.destroy(linger=0)
+        if bootstrap is not None:
+            bootstrap.close()
+
+
+def _bootstrap_listener(leg: SimLeg) -> socket.socket:
+    """The prefill leg's KV bootstrap port, listening on loopback: connections are accepted and closed
+    (a thread of its own; the sim moves no KV), so a probe of the port finds a server."""
+    listener = socket.create_server(("127.0.0.1", leg.bootstrap_port), reuse_port=False)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):  # closed at exit
+            while True:
+                connection, _ = listener.accept()
+                connection.close()
+
+    threading.Thread(target=serve, name="sim-bootstrap", daemon=True).start()
+    shell._log(f"pd prefill leg: bootstrap server on 127.0.0.1:{leg.bootstrap_port}")
+    return listener
 
 
 def _load(args: argparse.Namespace, life: shell._Lifetime) -> None:
@@ -57,7 +90,8 @@ def _load(args: argparse.Namespace, life: shell._Lifetime) -> None:
         shell._start_bound_thread(args.bind_cpu)
 
 
-def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime) -> int:
+def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime,
+                    leg: SimLeg) -> int:
     identity = tokenspeed.TokenSpeedHandshake.identity(args.rank)
     hs = ctx.socket(zmq.DEALER)
     hs.setsockopt(zmq.IDENTITY, identity)
@@ -88,7 +122,7 @@ def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfi
     shell._log(f"ready (tokenspeed wire, rank {args.rank}, vocab {config.vocab_size})")
     if args.fault_stray_child:
         shell._log(f"stray child {shell._start_stray_child()} started")
-    personality = TokenSpeedPersonality(SimEngineCore(config, hooks))
+    personality = TokenSpeedPersonality(SimEngineCore(config, hooks), leg)
     reason = shell._serve(personality, inputs, outputs, life, kv_sockets)
     shell._log(f"stopping: {reason}")
     return 0
@@ -125,14 +159,20 @@ def sglang_ready_report(config: SimConfig, started: float, server_args: dict | N
             "is_generation": config.runner != "pooling", "server_args": server_args or {}}
 
 
-def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime) -> int:
+def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime,
+                leg: SimLeg) -> int:
     started = time.time()
     while args.hello_gate is not None and not args.hello_gate.exists():
         if life.reason():
             return 0
         time.sleep(shell.IDLE_POLL_MS / 1000)
     _load(args, life)
-    hooks, kv_sockets, _ = shell._kv_publisher(ctx, args, config)
+    ranks, kv_sockets = [], []
+    for rank in range(args.data_parallel_size):  # SGLang's DP ranks, each its own core and KV publisher
+        rank_config = msgspec.structs.replace(config, engine_index=rank)
+        hooks, kv, _ = shell._kv_publisher(ctx, argparse.Namespace(**{**vars(args), "rank": rank}), rank_config)
+        ranks.append(SglangPersonality(SimEngineCore(rank_config, hooks), leg))
+        kv_sockets += [kv] if kv is not None else []
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(args.scheduler_input_ipc)
     outputs = ctx.socket(zmq.PUSH)
@@ -145,7 +185,7 @@ def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, l
     shell._log(f"ready (sglang wire) {report}")
     if args.fault_stray_child:
         shell._log(f"stray child {shell._start_stray_child()} started")
-    personality = SglangPersonality(SimEngineCore(config, hooks))
+    personality = ranks[0] if len(ranks) == 1 else SglangDpController(ranks, leg)
     reason = shell._serve(personality, inputs, outputs, life, kv_sockets)
     shell._log(f"stopping: {reason}")
     return 0

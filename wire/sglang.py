@@ -413,6 +413,9 @@ class SglangCodec:
     """
 
     name: str = "sglang"
+    # Under data parallelism every request names its rank (``routed_dp_rank``): one input address
+    # reaches all ranks through SGLang's DP controller, which places a request by it.
+    rank_in_request: bool = True
 
     def encode_add(self, spec: GenerateSpec) -> list[bytes]:
         return [s.ENCODER.encode(request_for(spec))]

@@ -145,7 +145,8 @@ class EngineLink:
         # (requests in flight, prompt tokens not yet prefilled), for the silence limit.
         self.load_probe: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self._next_call_id = 1
-        self._utility_waiters: dict[int, tuple[trio.Event, list]] = {}
+        # call id -> (answered, replies, replies expected: more than one where one message reaches every rank)
+        self._utility_waiters: dict[int, tuple[trio.Event, list, int]] = {}
         self._startup_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self.handshake_done = False
@@ -196,12 +197,18 @@ class EngineLink:
         client does (``call_utility_async``: all engines, the first one's answer); raises LinkFailed
         when a rank refuses or does not answer within ``timeout_s``."""
         ranks = [rank] if rank is not None else list(self.ranks.ranks or (self._first_rank,))
+        # A transport whose one control message reaches every rank (SGLang's DP controller fans it out,
+        # each rank answering under the same id) is sent it once, and every rank's answer is awaited.
+        fan_out = getattr(self.transport, "control_fan_out", 1)
+        replies = 1
+        if rank is None and fan_out > 1:
+            ranks, replies = ranks[:1], fan_out
         calls: dict[int, tuple[int, trio.Event, list]] = {}
         try:
             for target in ranks:
                 call_id = self.next_call_id()
                 done, box = trio.Event(), []
-                self._utility_waiters[call_id] = (done, box)
+                self._utility_waiters[call_id] = (done, box, replies)
                 calls[target] = (call_id, done, box)
                 self.send(self.codec.encode_utility(call_id, method, args), target)
             with trio.move_on_after(timeout_s):
@@ -213,10 +220,13 @@ class EngineLink:
         results = []
         for target, (_, _, box) in calls.items():
             who = "engine" if len(ranks) == 1 else f"engine DP rank {target}"
-            if not box:
+            if replies > 1:
+                who = "an engine DP rank" if len(box) == replies else f"{replies - len(box)} of the engine's DP ranks"
+            if len(box) < replies:
                 raise LinkFailed(f"{who} did not answer {method} within {timeout_s:g} s")
-            if box[0].failure:
-                raise LinkFailed(f"{who} refused {method}: {box[0].failure}")
+            for reply in box:
+                if reply.failure:
+                    raise LinkFailed(f"{who} refused {method}: {reply.failure}")
             results.append(box[0].result)
         return results[0]
 
@@ -371,7 +381,9 @@ class EngineLink:
         return None
 
     def read_facts(self, facts_path: Path | None) -> None:
-        """Merge the engine's own config facts into ``ready`` where the response lacks them; journal them."""
+        """Merge the engine's own config facts into ``ready`` where the response lacks them, then what the
+        launch itself says (``launcher.launch_facts``: the engine's arguments read by the servicer, e.g.
+        its PD role); journal them."""
         facts = {}
         if facts_path is not None:
             try:
@@ -379,6 +391,7 @@ class EngineLink:
             except (OSError, ValueError):
                 facts = {}
         if isinstance(facts, dict):
+            facts = {**getattr(self.launcher, "launch_facts", {}), **facts}
             for ready in (self.ready, *self.rank_ready.values()):
                 for key, value in facts.items():
                     ready.setdefault(key, value)
@@ -428,7 +441,8 @@ class EngineLink:
             waiter = self._utility_waiters.get(batch.utility.call_id)
             if waiter is not None:
                 waiter[1].append(batch.utility)
-                waiter[0].set()
+                if len(waiter[1]) >= waiter[2]:
+                    waiter[0].set()
         if batch.outputs or batch.stats is not None:
             self.on_batch(batch, now)
         return True

@@ -221,6 +221,8 @@ class SimLauncher:
     engine: str = "vllm"  # the wire it speaks (codecs.NAMES): vllm by default, `serve --wire` picks another
     warnings: list[str] = field(default_factory=list)  # from the last ``command``
     ranks: tuple[int, ...] = (0,)  # the DP ranks it runs (kv_config.engine_ranks of its arguments)
+    # What the servicer reads off the engine's arguments into its ready facts (e.g. the PD role).
+    launch_facts: dict = field(default_factory=dict)
 
     def _base(self) -> list[str]:
         argv = [sys.executable, "-m", "enginelink.tools.sim_engine", "--model", str(self.model_dir)]

@@ -15,6 +15,18 @@ SGLang resolved them (the grammar backend its scheduler builds, the reasoning
 parser an ``auto`` became, ...; ``resolved_server_args``). It then
 blocks until the schedulers exit; SIGTERM stops them. Requires a CUDA GPU; not runnable on a CPU-only machine (written from
 SGLang's source, verified only up to the release check there).
+
+Data parallelism (``--dp-size N``): SGLang's own launcher starts its DP
+controller, which reads requests from our input address and places each on
+a rank (enginelink names the rank in every request: ``routed_dp_rank``);
+every rank pushes its outputs to our output address. Under attention DP
+(``--enable-dp-attention``) SGLang gives each rank TCP addresses derived from
+``--port`` instead (``PortArgs.init_new``), so this script forwards what
+arrives there to our output address (``forward_outputs``).
+
+A prefill leg (``--disaggregation-mode prefill``): the KV bootstrap server the
+decode side meets it at starts here, before the ranks that register with it,
+as SGLang's tokenizer manager would start it (``start_disagg_service``).
 """
 
 import argparse
@@ -66,7 +78,9 @@ def main() -> int:
     parser.add_argument("--ready-fd", type=int, required=True)
     args = parser.parse_args(sys.argv[1:split])
     import sglang.srt.entrypoints.engine as engine
+    from sglang.srt.managers.disagg_service import start_disagg_service
     from sglang.srt.managers.scheduler import run_scheduler_process
+    from sglang.srt.runtime_context import get_parallel
     from sglang.srt.server_args import PortArgs, prepare_server_args
 
     server_args = prepare_server_args(sys.argv[split + 1:])
@@ -83,11 +97,16 @@ def main() -> int:
             and not grammar_attribution_loaded():
         print("sglang_headless: enginelink's SGLang plugin is not installed here (tools/setup-sglang-plugin): "
               "a grammar's aborts stay unnamed and answer INTERNAL, not FAILED_PRECONDITION", file=sys.stderr)
+    bootstrap_server = start_disagg_service()  # a prefill leg's; None on any other role (held while we run)
     port_args = PortArgs.init_new(server_args)
+    # Where attention-DP ranks push (their own PortArgs, derived from --port), before ours replace them.
+    derived_outputs = {port_args.tokenizer_ipc_name, port_args.detokenizer_ipc_name}
     port_args.scheduler_input_ipc_name = args.scheduler_input_ipc
     # Outputs go to the detokenizer address (to the tokenizer's under --skip-tokenizer-init): both are ours.
     port_args.tokenizer_ipc_name = args.tokenizer_ipc
     port_args.detokenizer_ipc_name = args.tokenizer_ipc
+    if get_parallel().attn_dp_enabled:
+        forward_outputs(sorted(a for a in derived_outputs if a.startswith("tcp://")), args.tokenizer_ipc)
     result, procs = engine.Engine._launch_scheduler_processes(server_args, port_args, run_scheduler_process)
     signal.signal(signal.SIGTERM, lambda *_: [proc.terminate() for proc in procs or ()])
     result.wait_for_ready()  # raises when a rank dies before it is ready
@@ -97,7 +116,22 @@ def main() -> int:
     with os.fdopen(args.ready_fd, "w") as pipe:
         pipe.write(json.dumps(report, default=str) + "\n")
     result.block_until_scheduler_exits()
+    del bootstrap_server
     return next((proc.exitcode for proc in procs or () if proc.exitcode), 0)
+
+
+def forward_outputs(addresses: list[str], ours: str) -> None:
+    """Attention DP: bind where the ranks push and relay every message to our output address."""
+    import threading
+
+    import zmq
+
+    context = zmq.Context.instance()
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    for address in addresses:
+        pull.bind(address)
+    push.connect(ours)
+    threading.Thread(target=zmq.proxy, args=(pull, push), name="outputs", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ on the ranks' grammar attribution (``tools/sglang_grammar_attribution.py``).
 
 Checked before anything starts (exit 2, ``tools/serve.py``):
 - the release check (``engine_compat``): the installed structs against our codec;
-- the arguments: one DP rank (SGLang's DP controller is not driven), no
-  flags enginelink sets itself;
+- the arguments: no flags enginelink sets itself; ``--dp-size`` a positive
+  count (N > 1 runs SGLang's own DP controller in front of N scheduler ranks,
+  ``runtime/engine/sglang_link.py``);
 - a CUDA device: SGLang's scheduler cannot run without one (``sglang-kernel``
   ships CUDA binaries only; ``reference/sglang-wire.md`` §7), so on a
   machine without ``/dev/nvidia*`` the launch is refused in those words
@@ -71,6 +72,8 @@ class SglangLauncher:
     engine: str = "sglang"
     warnings: list[str] = field(default_factory=list)
     ranks: tuple[int, ...] = (0,)
+    # What the servicer reads off the engine's arguments into its ready facts (e.g. the PD role).
+    launch_facts: dict = field(default_factory=dict)
 
     def check_args(self, environ=os.environ) -> None:
         """Refuse what cannot work, naming it (LauncherError → exit 2)."""
@@ -80,9 +83,8 @@ class SglangLauncher:
                                     "(--model DIR before `--`; the addresses and encoding are the link's)")
         for flag in DP_FLAGS:
             size = flag_value(self.extra_args, flag)
-            if size not in (None, "1"):
-                raise LauncherError(f"{flag} {size}: enginelink drives one SGLang scheduler DP rank "
-                                    "(SGLang's DP controller is not supported); run one enginelink per rank")
+            if size is not None and not (size.isdigit() and int(size) >= 1):
+                raise LauncherError(f"{flag} {size}: expected a count of data-parallel ranks (>= 1)")
         pattern = environ.get("ENGINELINK_SGLANG_GPU_GLOB") or GPU_GLOB_DEFAULT
         if not glob.glob(pattern):
             raise LauncherError(

@@ -19,11 +19,24 @@ Readiness is the line with ``status == "ready"``; the pipe closing first, a
 line that is not JSON, a line over ``READY_LINE_MAX_BYTES`` or another
 status fail the start-up.
 
+Data parallelism (``--dp-size N``): SGLang's own DP controller runs the N
+scheduler ranks behind the one input address (it binds each rank's input
+and places each request; ``runtime/engine/sglang_headless.py`` launches it
+as SGLang's own launcher does), and every rank pushes its outputs to the one
+output address. enginelink still decides the rank: the hub puts its pick in
+every request (``routed_dp_rank``, which the controller honours before any
+balancing of its own; the codec's ``rank_in_request``), so a pin, the
+least-loaded choice and a prefill leg's room residue all land where
+enginelink says. A control call (flush, profile) reaches every rank through
+the controller, each answering under the call's id (``control_fan_out``).
+Driving each rank's scheduler directly (one PUSH per rank) would leave out
+SGLang's own rank layout (its GPU ids, worker ports and attention-DP groups),
+which only the controller's launch code knows.
+
 Not on this wire: the idle liveness probe (SGLang has no side-effect-free
 control call to ask: flush and profile change the engine; ``HealthCheck``
-runs a real one-token request instead), DP ranks (one scheduler rank; the
-DP controller is not driven), the engine's facts file (its ready report is
-its facts).
+runs a real one-token request instead), the engine's facts file (its ready
+report is its facts, with what the launch says, ``launcher.launch_facts``).
 """
 
 from __future__ import annotations
@@ -89,6 +102,11 @@ def ready_facts(report: dict, max_model_len: int | None) -> dict:
     return facts
 
 
+def launcher_ranks(launcher) -> tuple[int, ...]:
+    """The DP ranks the launch runs (``--dp-size``; ``tools/serve.py`` sets them), 0..N-1."""
+    return tuple(getattr(launcher, "ranks", None) or (0,))
+
+
 class SglangTransport:
     """The engine connects to our PUSH/PULL and reports readiness on a pipe it inherits."""
 
@@ -100,6 +118,12 @@ class SglangTransport:
         self.max_model_len = max_model_len  # the model directory's, a cap on what the report implies
         self.ipc = IpcSockets()
         self._push: zmq.Socket | None = None
+        self._ranks = frozenset(launcher_ranks(launcher))
+
+    @property
+    def control_fan_out(self) -> int:
+        """How many answers one control message gets: one per rank behind SGLang's DP controller."""
+        return len(self._ranks)
 
     async def start(self, link, nursery) -> LinkFailed | None:
         """Bind, launch, wait for the ready report; the failure if the engine did not come up."""
@@ -127,7 +151,7 @@ class SglangTransport:
         """One message to the scheduler (its single rank); never blocks."""
         if self._push is None:
             raise LinkFailed("engine link is not connected")
-        if rank != 0:
+        if rank not in self._ranks:
             raise LinkFailed(f"the engine has no DP rank {rank}")
         self._push.send_multipart(frames, zmq.NOBLOCK)
 
@@ -165,7 +189,10 @@ class SglangTransport:
         if not isinstance(report, dict) or report.get("status") != "ready":
             raise LinkFailed(f"the engine reported {str(report)[:300]} instead of ready")
         link.journal_handshake("ready", report)
-        link.ready = ready_facts({**launch_facts(getattr(self.launcher, "extra_args", [])), **report},
-                                 self.max_model_len)
-        link.rank_ready = {0: link.ready}
-        link.ranks.set_ranks((0,))
+        ranks = launcher_ranks(self.launcher)
+        link.ready = ready_facts({**launch_facts(getattr(self.launcher, "extra_args", [])),
+                                  **getattr(self.launcher, "launch_facts", {}),
+                                  "data_parallel_size": len(ranks), **report}, self.max_model_len)
+        # The DP controller reports for all its ranks at once (SGLang's own ready dict has no rank).
+        link.rank_ready = {rank: {**link.ready, "data_parallel_rank": rank} for rank in ranks}
+        link.ranks.set_ranks(ranks)

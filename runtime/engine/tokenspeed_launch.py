@@ -66,6 +66,8 @@ class TokenSpeedLauncher:
     handshake_port: int | None = None
     warnings: list[str] = field(default_factory=list)
     ranks: tuple[int, ...] = (0,)
+    # What the servicer reads off the engine's arguments into its ready facts (e.g. the PD role).
+    launch_facts: dict = field(default_factory=dict)
 
     @property
     def output_logprobs(self) -> bool:

@@ -96,11 +96,17 @@ def kv_events_enabled(env: Mapping[str, str], knobs: tuple[str, ...] = KV_EVENTS
 def engine_ranks(engine: str, engine_args: list[str]) -> tuple[int, ...]:
     """The DP ranks the launched engine process runs (each one publishes, each handshakes)."""
     if engine == "sim":
-        # The sim engine runs N ranks from 0 with vLLM's flag, else the one rank it is told.
-        size = _int_flag(engine_args, "--data-parallel-size", 0) or _int_flag(engine_args, "-dp", 1)
+        # The sim engine runs N ranks from 0 with vLLM's flag (or SGLang's), else the one rank it is told.
+        size = (_int_flag(engine_args, "--data-parallel-size", 0) or _int_flag(engine_args, "--dp-size", 0)
+                or _int_flag(engine_args, "-dp", 1))
         if size > 1:
             return tuple(range(size))
         return (_int_flag(engine_args, "--rank", 0),)
+    if engine == "sglang":
+        # SGLang's spellings (its DP controller runs ranks 0..N-1 behind one launch).
+        size = (_int_flag(engine_args, "--dp-size", 0) or _int_flag(engine_args, "--dp", 0)
+                or _int_flag(engine_args, "--data-parallel-size", 1))
+        return tuple(range(max(1, size)))
     size = _int_flag(engine_args, "--data-parallel-size-local", 0) or _int_flag(
         engine_args, "--data-parallel-size", 0) or _int_flag(engine_args, "-dp", 1)  # fmt: skip
     start = _int_flag(engine_args, "--data-parallel-rank", 0) or _int_flag(engine_args, "--data-parallel-start-rank", 0)

@@ -24,6 +24,7 @@ from enginelink.runtime.engine.model_dir import ModelFacts
 from enginelink.runtime.engine.tokenizer_bundle import tokenizer_bundle_chunks
 from enginelink.runtime.requests.media import media_settings
 from enginelink.runtime.requests.media_bounds import MediaBounds, media_bounds
+from enginelink.runtime.requests.pd_bootstrap import PdLeg
 from enginelink.runtime.requests.validate import LOGPROBS_MAX, EngineLimits
 
 # The journal stream and id prefix kept for a call refused for its request id.
@@ -95,6 +96,7 @@ class App:
             grammar_backend=str(ready.get("structured_outputs_backend") or DEFAULT_BACKEND),
             engine_release=str(ready.get("vllm_version") or ""),
             custom_logit_processors=bool((ready.get("server_args") or {}).get("enable_custom_logit_processor")),
+            pd_leg=PdLeg.of(ready),  # a prefill/decode leg of SGLang or TokenSpeed (their launch facts)
         )
 
     @property

@@ -31,7 +31,7 @@ import functools
 import logging
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Protocol
 
 import trio
@@ -121,8 +121,11 @@ class Composition:
     edge: object | None = None
     # The hub, given the link and RequestHub's keyword arguments (the simulation observes it).
     new_hub: Callable[..., RequestHub] = lambda engine_link, **kwargs: RequestHub(**kwargs)
-    # (model dir, the vLLM python's resolver, the engine's arguments) for media refs' processor helper; None: none here.
-    media_processor: tuple[str, Callable[[], str], tuple[str, ...]] | None = None
+    # (model dir, the vLLM python's resolver, the engine's arguments) for media refs' processor helper;
+    # None: no processor here.
+    media_processor: tuple[str, Callable[[], str], list[str]] | None = None
+    # Which setting decided --mm-processor ("flag"; None: the variable's or the default, as media.py reads it).
+    media_source: str | None = None
     # Trace continuation (--otlp-traces-endpoint: runtime/lifetime/tracing.py); None: off.
     tracing: Any = None
 
@@ -152,6 +155,8 @@ class Servicer:
             await self._start_recording(nursery)
             await self._start_metrics(nursery)
             await front.start(self, nursery)
+            if self.app.media is not None:
+                nursery.start_soon(self.app.media.run)  # under --mm-processor redis: the sidecar's hello watch
             failed = trio.Event()
             core.connect(self.link, self.hub, self.app, failed, self.on_failed)
             try:
@@ -252,11 +257,11 @@ def compose(plan: Composition) -> Servicer:
     run_start_trio = trio.current_time()
     app = App(link=link, hub=hub, journal=journal, model=plan.model, served_model_name=plan.served_model_name,
               run_start_wall=plan.wall_clock(), run_start_trio=run_start_trio,
-              media=MediaService(media_settings(), registry=metrics.registry if metrics is not None else None,
+              media=MediaService(_media_settings(plan), registry=metrics.registry if metrics is not None else None,
                                  labels={"model": plan.served_model_name, "rank": "0"},
                                  model_dir=plan.media_processor[0] if plan.media_processor else None,
                                  processor_python=plan.media_processor[1] if plan.media_processor else None,
-                                 engine_args=plan.media_processor[2] if plan.media_processor else ()))
+                                 engine_args=list(plan.media_processor[2]) if plan.media_processor else None))
     if plan.tracing is not None:
         from enginelink.runtime.lifetime.tracing import Tracing  # imports OpenTelemetry: only when tracing
 
@@ -269,6 +274,11 @@ def compose(plan: Composition) -> Servicer:
     if metrics is not None:
         _watch(metrics, servicer)
     return servicer
+
+
+def _media_settings(plan: Composition):
+    settings = media_settings()
+    return replace(settings, processor_source=plan.media_source) if plan.media_source else settings
 
 
 def _kv_relay(plan: Composition, journal: Journal, link: EngineLink, hub: RequestHub, app: App) -> KvRelayShell | None:

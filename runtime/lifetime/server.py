@@ -22,6 +22,7 @@ crossings are start/stop of the server and rare utility calls, never per token.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -44,6 +45,7 @@ from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.lifetime.gc_policy import GcPolicy
 from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
+from enginelink.runtime.requests.media import media_record, media_settings
 from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
 from enginelink.runtime.rpc.grpc_limits import GrpcLimits
@@ -65,6 +67,8 @@ class ServeConfig:
     # The directory the model's facts were read from (a Hub id's snapshot: runtime/engine/model_source.py);
     # None: the launcher's. The media processor reads the model's processor files there.
     model_dir: Path | None = None
+    # "flag" where --mm-processor decided (the GetServerInfo label and the start-up line say which setting did).
+    media_source: str | None = None
     host: str = "127.0.0.1"
     port: int = 50051
     journal_path: Path | None = None
@@ -225,9 +229,11 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
             "engine": config.launcher.engine,
             "port": config.port,
             "version": _version(),
+            "media": media_record(media_settings(), config.media_source),  # enginelink inspect shows the bounds
         },
         where=f"{config.host}:{config.port}",
         media_processor=_media_processor(config.launcher, config.model_dir),
+        media_source=config.media_source,
         kv_events=config.kv_events,
         metrics_host=config.metrics_host,
         metrics_port=config.metrics_port,
@@ -306,16 +312,13 @@ class GrpcFront:
             await trio_asyncio.aio_as_trio(self.server.wait_closed)()
 
 
-def _media_processor(launcher, model_dir: Path | None = None) -> tuple[str, object, tuple[str, ...]] | None:
+def _media_processor(launcher, model_dir: Path | None = None) -> tuple[str, object, list[str]] | None:
     """(model dir, the vLLM venv's python, the engine's arguments) for the media processor helper: a real vLLM
-    engine's only. The helper's model config is built from the engine's own arguments (its media limits and
-    kwargs), credentials left out (the helper reads the local model directory)."""
-    from enginelink.runtime.engine.launchers import move_secrets
-
+    engine's only. The helper builds the model's config from the engine's own arguments, as the engine does."""
     python, model_dir = getattr(launcher, "python", None), model_dir or getattr(launcher, "model_dir", None)
     if launcher.engine != "vllm" or not python or model_dir is None:
         return None
-    return str(model_dir), lambda: python, tuple(move_secrets(list(getattr(launcher, "extra_args", ())))[0])
+    return str(model_dir), lambda: python, list(getattr(launcher, "extra_args", None) or [])
 
 
 def _tokenizer_or_none(model: ModelFacts):
@@ -335,3 +338,42 @@ def _version() -> str:
         return version("enginelink")
     except PackageNotFoundError:
         return "unknown"
+
+
+async def serve_headless(config: ServeConfig, lane, task_status=trio.TASK_STATUS_IGNORED) -> int:
+    """``enginelink headless``: the same servicer with the router's ZMQ lane as its front
+    (``runtime/lifetime/router_front.py``), no gRPC port; ``lane`` is its ``LaneConfig``.
+
+    The journal, metrics, engine link, hub and warm-up are ``serve``'s; the run file is keyed by the
+    router's handshake port, so ``enginelink inspect --port <that port>`` finds the journal."""
+    from enginelink.runtime.lifetime.router_front import RouterFront
+    from enginelink.runtime.requests.contract_lane import LANE_EDGE
+
+    port = int(lane.handshake_address.rsplit(":", 1)[1])
+    lock = _lock_journal(config)
+    try:
+        metrics_listeners = await _bind_metrics(config)
+        plan = JournalPlan(config.journal_path, lock, config.journal_keep)
+        status = ServiceStatus()  # readiness still follows the link (metrics); no health service reads it
+        composition = dataclasses.replace(_composition(config, plan, metrics_listeners, status), edge=LANE_EDGE,
+                                          where=f"the router's ZMQ lane at {lane.handshake_address}")
+        composition.run_record["port"] = port
+        servicer = compose(composition)
+        front = RouterFront(lane)
+
+        def on_serving() -> None:
+            config.gc_policy.apply()
+            front.on_serving()
+
+        if config.journal_path is not None:
+            write_run_file(port, config.journal_path, host="zmq")
+        try:
+            async with trio_asyncio.open_loop():
+                signals = lambda: trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)  # noqa: E731
+                return await servicer.run(front, signals, _OnServing(task_status, on_serving))
+        finally:
+            if config.journal_path is not None:
+                remove_run_file(port)
+    finally:
+        if lock is not None:
+            lock.release()

@@ -42,6 +42,7 @@ from enginelink.machines.warmup import (
     plan_warmup,
 )
 from enginelink.runtime.requests.embed import RUNNER_POOLING, runner_type
+from enginelink.runtime.requests.pd_bootstrap import stand_in_params
 from enginelink.runtime.errors import DuplicateRequest, ServicerError, Unavailable
 from enginelink.runtime.requests.validate import EngineLimits, GenerateCall
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
@@ -217,6 +218,9 @@ def warmup_call(request: WarmupRequest, limits: EngineLimits, now: float) -> Gen
         sampling=sampling,
         arrival_time=now,
         data_parallel_rank=request.data_parallel_rank,
+        # On an SGLang PD leg: the engine's own stand-in bootstrap (a transfer to nobody), its room the rank
+        # the request is pinned to, so a prefill leg's residue places it there (pd_bootstrap.py).
+        kv_transfer_params=stand_in_params(limits.pd_leg, request.data_parallel_rank),
     )
     return GenerateCall(
         request_id=request.request_id,
@@ -316,6 +320,11 @@ async def warm_up(setting: WarmupSetting, *, link, hub, limits: EngineLimits, lo
     if runner_type(link.ready) == RUNNER_POOLING:
         # The plan is generation requests; a pooling engine takes none (vLLM plans none for pooling models either).
         log.info("warm-up skipped: the engine runs a pooling model")
+        return None
+    if limits.pd_leg.is_leg and stand_in_params(limits.pd_leg, 0) is None:
+        # A leg's request needs a peer's bootstrap, and this engine (TokenSpeed) has no stand-in transfer to
+        # nobody: the reference plans no warm-up on such a leg either.
+        log.info("warm-up skipped: a %s leg of an engine with no stand-in bootstrap", limits.pd_leg.mode)
         return None
     # Every rank the link fronts gets every step pinned (the pins are places in [0, N), as a client's).
     facts = facts_from_ready({**link.ready, "data_parallel_size": limits.data_parallel_size}, limits.vocab_size)

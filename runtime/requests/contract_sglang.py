@@ -26,8 +26,11 @@ with SGLang's semantics (``reference/sglang-contract.md`` §2, §3):
   ``--enable-custom-logit-processor``, as its front end requires; refused
   otherwise), ``require_reasoning``; the finish's ``reasoning_tokens``;
 - refused before the engine, naming the field: no ``tokenized``, hidden
-  states, multimodal input, input embeddings, ``token_ids_logprob``, PD
-  bootstrap params (this worker is not a PD leg).
+  states, multimodal input, input embeddings, ``token_ids_logprob``;
+- PD (``pd_bootstrap.py``): ``disaggregated_params`` (bootstrap host, port,
+  room) go to the engine on a prefill/decode leg (``--disaggregation-mode``)
+  and are required there, refused on a whole engine; a prefill leg under data
+  parallelism runs the request on its room's residue rank.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from enginelink.runtime.requests.pb_fields import (
     check_token_ids, check_top_p, fill_chunk, fill_matched, fill_output_logprobs, fill_prompt_logprobs, finite,
     logprobs_cap, no_release_params, raw_request_id,
 )
+from enginelink.runtime.requests.pd_bootstrap import bootstrap_params, leg_rank
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 
@@ -67,6 +71,8 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     logprobs, prompt_logprobs = _logprobs(request, limits)
     constraint = _constraint(sp, limits)
     dp_rank = check_dp_rank(request, limits)
+    bootstrap = _bootstrap(request, limits, n)
+    dp_rank = leg_rank(limits.pd_leg, bootstrap, dp_rank, limits.data_parallel_size, request.request_id)
     sampling = SamplingSpec(
         max_tokens=max_tokens,
         **numbers,
@@ -87,7 +93,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     specs = [GenerateSpec(request_id=engine_id, prompt_token_ids=prompt, sampling=sampling, arrival_time=now,
                           data_parallel_rank=dp_rank, lora_id=request.lora_id or None,
                           custom_logit_processor=_logit_processor(request, limits),
-                          require_reasoning=request.require_reasoning)
+                          require_reasoning=request.require_reasoning, kv_transfer_params=bootstrap)
              for engine_id in engine_ids]
     return StampedCall(
         request_id=request.request_id,
@@ -115,8 +121,6 @@ def _unsupported(request: pb.GenerateRequest) -> None:
         raise ClientError("input_embeds", "input embeddings are not supported; send tokenized.input_ids")
     if len(request.token_ids_logprob):
         raise ClientError("token_ids_logprob", "logprobs of chosen token ids are not served by this worker")
-    if request.HasField("disaggregated_params"):
-        raise ClientError("disaggregated_params", "this worker is not a prefill/decode leg (no bootstrap server)")
     if request.sampling_params.HasField("custom_params") and request.sampling_params.custom_params.fields:
         raise ClientError("sampling_params.custom_params", "custom params are not accepted by this worker")
 
@@ -141,6 +145,18 @@ def _logit_processor(request: pb.GenerateRequest, limits: EngineLimits) -> str |
     if size > LOGIT_PROCESSOR_BYTES_MAX:
         raise ClientError("custom_logit_processor", f"is {size} bytes; at most {LOGIT_PROCESSOR_BYTES_MAX}")
     return processor
+
+
+def _bootstrap(request: pb.GenerateRequest, limits: EngineLimits, n: int) -> dict | None:
+    """PD: ``disaggregated_params`` on a prefill/decode leg, required there and refused elsewhere
+    (``pd_bootstrap.py``); one room is one request, so a leg serves n = 1."""
+    params = request.disaggregated_params
+    bootstrap = bootstrap_params(limits.pd_leg, "disaggregated_params", request.HasField("disaggregated_params"),
+                                 params.bootstrap_host, params.bootstrap_port, params.bootstrap_room)
+    if bootstrap is not None and n > 1:
+        raise ClientError("sampling_params.n", f"{n} choices on a {limits.pd_leg.mode} leg: one bootstrap room "
+                                               "carries one request's KV (n = 1)")
+    return bootstrap
 
 
 def _prompt(request: pb.GenerateRequest, limits: EngineLimits) -> list[int]:
@@ -264,7 +280,9 @@ class SglangEdge:
     validate = staticmethod(validate_generate)
     encode = staticmethod(encode)
     chunk_body = staticmethod(chunk_body)
-    release_params = staticmethod(no_release_params)  # PD bootstrap params are refused (``_unsupported``)
+    # SGLang's scheduler has no add-and-abort (vLLM's ``abort_immediately``): a decode leg refused here
+    # leaves the prefill side's KV to its own bootstrap timeout (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT).
+    release_params = staticmethod(no_release_params)
     raw_request_id = staticmethod(raw_request_id)
 
 

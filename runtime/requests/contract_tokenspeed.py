@@ -13,6 +13,11 @@ servicer (``reference/tokenspeed.md`` §2-3), and where they differ from vLLM's:
   refused here, INVALID_ARGUMENT, in the engine's words
   (``wire.tokenspeed.preabort_reason``); ``token_ids_logprob`` and multimodal
   input, which the wire cannot carry, likewise;
+- PD (``pd_bootstrap.py``): ``kv_bootstrap_info`` goes to the engine on a
+  prefill/decode leg (``--disaggregation-mode``), required there and refused
+  on a whole engine; under attention data parallelism a prefill leg runs the
+  request on its room's residue rank (where TokenSpeed's decode receiver
+  looks for the KV), a pin yielding to it;
 - the matched stop token is trimmed unless ``no_stop_trim`` (the codec does
   it: ``wire.tokenspeed.TokenSpeedCodec``);
 - responses carry ``request_id``; chunk counts are running totals (the
@@ -39,6 +44,7 @@ from enginelink.runtime.requests.pb_fields import (
     check_dp_rank, check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk,
     fill_matched, fill_output_logprobs, finite, no_release_params, raw_request_id,
 )
+from enginelink.runtime.requests.pd_bootstrap import bootstrap_params, leg_rank
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 from enginelink.wire.tokenspeed import preabort_reason
@@ -88,8 +94,15 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
         raise ClientError("token_ids_logprob", "logprobs of chosen token ids are not carried on TokenSpeed's wire")
     engine_ids = [child_id(request.request_id, index, n) for index in range(n)]
     dp_rank = check_dp_rank(request, limits)
+    info = request.kv_bootstrap_info
+    bootstrap = bootstrap_params(limits.pd_leg, "kv_bootstrap_info", request.HasField("kv_bootstrap_info"),
+                                 info.bootstrap_host, info.bootstrap_port, info.bootstrap_room)
+    if bootstrap is not None and n > 1:
+        raise ClientError("sampling_params.n", f"{n} choices on a {limits.pd_leg.mode} leg: one bootstrap room "
+                                               "carries one request's KV (n = 1)")
+    dp_rank = leg_rank(limits.pd_leg, bootstrap, dp_rank, limits.data_parallel_size, request.request_id)
     specs = [GenerateSpec(request_id=engine_id, prompt_token_ids=prompt, sampling=sampling, arrival_time=now,
-                          data_parallel_rank=dp_rank) for engine_id in engine_ids]
+                          data_parallel_rank=dp_rank, kv_transfer_params=bootstrap) for engine_id in engine_ids]
     refused = preabort_reason(specs[0], output_logprobs_enabled=output_logprobs)  # each child is sent with n = 1
     if refused is not None:
         raise ClientError(refused[0], refused[1], words=refused[1])
@@ -110,9 +123,6 @@ def _prompt(request, limits: EngineLimits) -> list[int]:
     """Tokenized input only (the reference requires it), in the vocabulary, with room to generate."""
     if request.HasField("mm_inputs") or request.HasField("encode_bootstrap_info"):
         raise ClientError("mm_inputs", "multimodal input is not supported by this worker (text-only)")
-    if request.HasField("kv_bootstrap_info"):
-        raise ClientError("kv_bootstrap_info", "PD disaggregation is not supported by this worker "
-                                               "(enginelink's TokenSpeed front end serves whole requests)")
     if not request.HasField("tokenized"):
         raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
     prompt = check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
@@ -222,7 +232,9 @@ class TokenSpeedEdge:
         return validate_generate(request, limits, now, output_logprobs=self.output_logprobs)
 
     chunk_body = staticmethod(chunk_body)
-    release_params = staticmethod(no_release_params)  # no PD on this contract (``kv_bootstrap_info`` is refused)
+    # TokenSpeed's wire has no add-and-abort: a decode leg refused here leaves the prefill side's KV to
+    # the engine's own bootstrap timeout.
+    release_params = staticmethod(no_release_params)
     raw_request_id = staticmethod(raw_request_id)
 
 

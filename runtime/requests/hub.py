@@ -35,6 +35,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
+import msgspec
+
 from enginelink.journal.states import WriterState
 from enginelink.machines.link import LinkMachine
 from enginelink.machines.ranks import RankTable
@@ -85,6 +87,7 @@ class RequestHub:
         self.link = link
         self.codec = codec
         self.send_frames = send_frames  # (frames, DP rank): the link sends to that rank's identity
+        self.rank_in_request = bool(getattr(codec, "rank_in_request", False))
         self.journal = journal
         self.edge = edge  # the contract's (runtime/requests/contract.py); None: take returns the core's messages
         self.metrics = metrics if metrics is not None else NoMetrics()
@@ -146,7 +149,11 @@ class RequestHub:
         sent = 0  # ADDs handed to the link so far
         try:
             self._apply(actions, now)
+            # A wire that reaches every DP rank through one address carries the rank in the request.
+            rank_in_request = self.rank_in_request and self.core.ranks.size > 1
             for index, (choice, engine_spec) in enumerate(zip(call.choices, call.spec.specs, strict=True)):
+                if rank_in_request and engine_spec.data_parallel_rank != choice.rank:
+                    engine_spec = msgspec.structs.replace(engine_spec, data_parallel_rank=choice.rank)
                 error = self._send(self.codec.encode_add(engine_spec), choice.rank)
                 if error is not None:
                     actions = Actions()

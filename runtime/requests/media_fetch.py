@@ -15,7 +15,7 @@ The policy (which schemes, hosts, addresses, redirects) is sans-io in
   the connect-time check judge the proxy, not the origin;
 - bodies are read in chunks and refused as soon as they pass
   ``item_bytes_max`` (a Content-Length above it is refused before reading);
-- each item runs under one deadline (``fetch_timeout_s``; video's own),
+- each item runs under one deadline (``fetch_deadline``: its modality's),
   connect to last byte, so a slow-drip origin cannot hold a job slot;
 - ``data:`` is decoded with its size judged from its length first;
   ``file:`` only under the operator's folder, after symlinks are resolved.
@@ -138,8 +138,10 @@ class Fetcher:
         resolve, connect = network or (_resolve, _connect)
         self.backend = GuardedBackend(self.policy, resolve, connect)
         self.bytes_held = 0  # all jobs' fetched bytes, against ENGINELINK_MM_MAX_BYTES_IN_FLIGHT
+        # httpx's own bound is per operation; each item's deadline is the trio scope in ``fetch``.
+        longest_s = max(settings.fetch_deadline(modality)[0] for modality in ("image", "video", "audio"))
         self.client = httpx.AsyncClient(transport=_guarded_transport(self.backend), follow_redirects=False,
-                                        trust_env=False, timeout=httpx.Timeout(settings.fetch_timeout_s))  # fmt: skip
+                                        trust_env=False, timeout=httpx.Timeout(longest_s))  # fmt: skip
 
     async def fetch_all(self, refs: list[tuple[str, str]]) -> list[FetchedMedia]:
         """Every ref, fetched concurrently; the first failure cancels the rest and is raised."""
@@ -182,7 +184,7 @@ class Fetcher:
         name = f"media_refs.items[{index}]"
         scheme = _scheme_label(url)
         started = time.perf_counter()
-        timeout_s = self.settings.video_fetch_timeout_s if modality == "video" else self.settings.fetch_timeout_s
+        timeout_s, timeout_name = self.settings.fetch_deadline(modality)
         try:
             with trio.fail_after(timeout_s):
                 media_url = check_url(url, self.policy)
@@ -199,8 +201,8 @@ class Fetcher:
             raise ClientError(name, str(error)) from None
         except trio.TooSlowError:
             self.metrics.fetched(scheme, "origin_error", time.perf_counter() - started)
-            raise Unavailable(f"{name}: the fetch took longer than {timeout_s:g} s "
-                              "(SMG_VLLM_MM_FETCH_TIMEOUT_MS)", reason="media_fetch") from None  # fmt: skip
+            raise Unavailable(f"{name}: the fetch took longer than {timeout_s:g} s ({timeout_name})",
+                              reason="media_fetch") from None  # fmt: skip
         except _OriginFault as error:
             self.metrics.fetched(scheme, "origin_error", time.perf_counter() - started)
             raise Unavailable(f"{name}: {error}", reason="media_fetch") from None

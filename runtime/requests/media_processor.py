@@ -34,9 +34,11 @@ an exception inside the processor on good input is ``INTERNAL``.
 
 from __future__ import annotations
 
+import json
+import os
 import struct
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,6 +49,7 @@ from enginelink.runtime.errors import ClientError, ServicerError, Unavailable
 
 CHILD_SCRIPT = Path(__file__).with_name("media_processor_child.py")
 HEADER = struct.Struct(">I")
+ENGINE_ARGS_ENV = "ENGINELINK_MM_ENGINE_ARGS"  # media_processor_child.py reads the engine's arguments there
 # What a reply frame may hold beyond its tensors: the prompt's ids, hashes, field specs.
 REPLY_SLACK_BYTES = 16 << 20
 
@@ -77,12 +80,10 @@ class MediaProcessor:
 
     def __init__(self, model_dir: str, python: Callable[[], str], *, start_timeout_s: float,
                  process_timeout_s: float, reply_bytes_max: int, on_start: Callable[[], None] = lambda: None,
-                 script: Path = CHILD_SCRIPT, engine_args: Sequence[str] = (), max_video_frames: int = 0) -> None:  # fmt: skip
+                 script: Path = CHILD_SCRIPT, engine_args: list[str] | None = None,
+                 video_frames_max: int = 0) -> None:  # fmt: skip
         self.model_dir = model_dir
-        # The engine's arguments (its --limit-mm-per-prompt, --media-io-kwargs, --mm-processor-kwargs, ...):
-        # the helper's model config is built from them, so it processes media as the engine's front end would.
-        self.engine_args = list(engine_args)
-        self.max_video_frames = max_video_frames  # SMG_VLLM_MM_MAX_VIDEO_FRAMES (0: vLLM's sampling)
+        self.video_frames_max = video_frames_max  # SMG_VLLM_MM_MAX_VIDEO_FRAMES (0: vLLM's sampling)
         self._python = python  # resolved at the first start: a servicer with media off never needs vLLM's venv
         self.start_timeout_s = start_timeout_s
         self.process_timeout_s = process_timeout_s
@@ -96,6 +97,12 @@ class MediaProcessor:
         self._decoder = msgspec.msgpack.Decoder(ext_hook=_Ext.hook)
         self._encoder = msgspec.msgpack.Encoder()
         self.version = ""
+        # The engine's own arguments (its --limit-mm-per-prompt, --media-io-kwargs, --mm-processor-kwargs, ...):
+        # the child builds the model's config and vLLM's loaders from them, as the engine's front end does
+        # (None: the model's defaults). Through the environment, so a secret among them is not in argv.
+        self.engine_args = engine_args
+        # What a Redis media sidecar must agree on with its worker (wire/mm_sidecar.py), from the ready frame.
+        self.fingerprint: dict | None = None
 
     @property
     def running(self) -> bool:
@@ -118,6 +125,13 @@ class MediaProcessor:
         finally:
             self._lock.release()
 
+    async def ensure_started(self) -> dict | None:
+        """Start the child if it is not running (within the start bound); its fingerprint."""
+        async with self._lock:
+            if not self.running:
+                await self._start()
+        return self.fingerprint
+
     async def aclose(self) -> None:
         """End the child (the servicer's shutdown): closing its stdin ends it; a kill if it lingers."""
         async with self._lock:
@@ -132,11 +146,12 @@ class MediaProcessor:
         except Exception as error:  # no vLLM interpreter: a deployment fault the router can route around
             raise Unavailable(f"media_refs: no interpreter for the media processor: {error}",
                               reason="media_processor_down") from None  # fmt: skip
-        argv = [python, str(self._script), "--model", self.model_dir, "--max-video-frames",
-                str(self.max_video_frames), "--", *self.engine_args]
+        argv = [python, str(self._script), "--model", self.model_dir, "--max-video-frames", str(self.video_frames_max)]
         self._on_start()
         # stderr is the servicer's (its log shows vLLM's lines); a pipe nobody drains would block the child.
-        self._process = await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        env = None if self.engine_args is None else {**os.environ, ENGINE_ARGS_ENV: json.dumps(self.engine_args)}
+        self._process = await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                         env=env)  # fmt: skip
         self._buffer.clear()
         with trio.move_on_after(self.start_timeout_s):
             try:
@@ -150,6 +165,8 @@ class MediaProcessor:
                 raise Unavailable("media_refs: the media processor's first frame was not its ready frame",
                                   reason="media_processor_down")  # fmt: skip
             self.version = str(ready.get("version", ""))
+            found = ready.get("fingerprint")
+            self.fingerprint = dict(found) if isinstance(found, dict) else None
             return
         await self._stop()
         raise Unavailable(f"media_refs: the media processor did not start within "

@@ -3,7 +3,7 @@
 Run BY PATH with the vLLM venv's python (enginelink is not installed there,
 and enginelink's venv has no torch):
 
-    VENV/bin/python media_processor_child.py --model DIR [--max-video-frames N] [-- ENGINE ARGS...]
+    ENGINELINK_MM_ENGINE_ARGS='[...]' VENV/bin/python media_processor_child.py --model DIR [--max-video-frames N]
 
 Why a process of its own (docs/limits.md, "Media processor"): vLLM 0.32's
 engine core takes only processed ``mm_features`` (tensors, placeholder
@@ -12,9 +12,8 @@ front end's job (``vllm/renderers/base.py`` ``_process_multimodal``), which
 needs torch, transformers and the model's HF processors. This helper does
 exactly that front-end step and nothing else, with vLLM's own code:
 
-- the model config is the engine's: built by vLLM's own engine-argument
-  parser from the engine's arguments (``--limit-mm-per-prompt``,
-  ``--media-io-kwargs``, ``--mm-processor-kwargs``, ``--max-model-len``, ...);
+- the model config is the engine's (below): its ``--limit-mm-per-prompt``,
+  ``--media-io-kwargs``, ``--mm-processor-kwargs``, ``--max-model-len``, ...;
 - the bytes are decoded by vLLM's own loaders as ``vllm serve`` builds them
   for a URL (``MediaConnector.fetch_*``): ``ImageMediaIO`` (RGB unless the
   media kwargs say otherwise), ``VideoMediaIO`` (the video backend the
@@ -32,9 +31,16 @@ exactly that front-end step and nothing else, with vLLM's own code:
   holds to the engine's encoder budget, and the request's media identity
   (hashes, placeholders, grid tensors: what a PD decode side needs).
 
+The model's config is the engine's: built from the engine's own arguments
+(``ENGINELINK_MM_ENGINE_ARGS``, a JSON list, given by the servicer or the
+media sidecar; read from the environment so that a secret among them never
+shows in a process list) with vLLM's own parser, as the engine builds it.
+
 Wire (stdin → stdout; stdout is kept for frames only, vLLM's logging goes to
 stderr): frames of a 4-byte big-endian length and a msgpack map.
-- first, unasked: ``{"ready": true, "version": vllm.__version__}``;
+- first, unasked: ``{"ready": true, "version": vllm.__version__, "fingerprint": {...}}``,
+  the fingerprint being what a Redis media sidecar and its worker must agree
+  on (``wire/mm_sidecar.py``): the same derivation on both sides;
 - then per request ``{"id", "prompt": [ids], "items": [{"modality", "data"}]}``
   → ``{"id", "prompt": [expanded ids], "features": [specs], "embeds":
   [[modality, index in its modality, feature tokens]], "identity": [per
@@ -56,6 +62,9 @@ import sys
 import warnings
 
 HEADER = struct.Struct(">I")
+ENGINE_ARGS_ENV = "ENGINELINK_MM_ENGINE_ARGS"
+# A modality vLLM never configures: its limit is the one every unconfigured modality gets.
+UNSET_MODALITY = "__unset__"
 
 
 def read_frame(stream) -> bytes | None:
@@ -70,7 +79,6 @@ def read_frame(stream) -> bytes | None:
 def write_frame(stream, body: bytes) -> None:
     stream.write(HEADER.pack(len(body)) + body)
     stream.flush()
-
 
 
 # The per-item tensors a PD decode side needs besides pixels, to place the media and hash its blocks: the
@@ -96,29 +104,12 @@ def capped_video_kwargs(video: dict, max_frames: int, loader_default: int | None
     return out
 
 
-def model_config_from(model: str, engine_argv: list[str]):
-    """The engine's model config, from vLLM's own engine-argument parser over the engine's arguments."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="media_processor_child.py"))
-    args, _unknown = parser.parse_known_args(list(engine_argv))  # the launcher's own flags are not the model's
-    args.model = model
-    return EngineArgs.from_cli_args(args).create_model_config()
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    engine_argv: list[str] = []
-    if "--" in argv:
-        argv, engine_argv = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--model", required=True)
     args.add_argument("--max-model-len", type=int, default=None)
     args.add_argument("--max-video-frames", type=int, default=0)
     opts = args.parse_args(argv)
-    if opts.max_model_len is not None:
-        engine_argv += ["--max-model-len", str(opts.max_model_len)]
     # Frames only on the real stdout: anything vLLM or transformers prints goes to stderr.
     frames_out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
@@ -130,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     import PIL.Image
     import torch
     import vllm
+    from vllm.config import ModelConfig
     from vllm.exceptions import VLLMClientError
     from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.multimodal.inputs import MultiModalFeatureSpec
@@ -142,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # A decompression bomb (a few KiB of PNG that decode to gigapixels) is the caller's fault, not a crash.
     warnings.simplefilter("error", PIL.Image.DecompressionBombWarning)
-    model_config = model_config_from(opts.model, engine_argv)
+    model_config = _model_config(opts.model, opts.max_model_len, ModelConfig)
     processor = MULTIMODAL_REGISTRY.create_processor(model_config)
     io_kwargs = dict(getattr(model_config.get_multimodal_config(), "media_io_kwargs", None) or {})
     # As vLLM's MediaConnector builds its loaders for a URL (fetch_image / fetch_video / fetch_audio).
@@ -159,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 **video_kwargs)  # fmt: skip
     encoder = MsgpackEncoder(size_threshold=1 << 62)  # every tensor inline (ext 3), as the engine's decoder takes it
     decoder = msgspec.msgpack.Decoder()
-    write_frame(frames_out, encoder.encode({"ready": True, "version": vllm.__version__})[0])
+    write_frame(frames_out, encoder.encode({"ready": True, "version": vllm.__version__,
+                                            "fingerprint": fingerprint(model_config)})[0])
 
     def load(modality: str, data: bytes):
         loader = loaders.get(modality)
@@ -241,6 +234,63 @@ def main(argv: list[str] | None = None) -> int:
             reply = {"error": f"{type(error).__name__}: {error}"[:500], "fault": "internal", "item": None}
         reply["id"] = request["id"]
         write_frame(frames_out, b"".join(bytes(part) for part in encoder.encode(reply)))
+
+
+def _model_config(model: str, max_model_len: int | None, model_config_cls):
+    """The engine's model config: its own arguments through vLLM's own parser, else the model's defaults."""
+    import json
+
+    words = json.loads(os.environ.get(ENGINE_ARGS_ENV) or "null")
+    if words is None:
+        return model_config_cls(model=model, max_model_len=max_model_len)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="enginelink media processor"))
+    # parse_known_args: a flag of vllm serve's front end among them (--api-key, ...) is not the model's.
+    args, _unknown = parser.parse_known_args(["--model", model, *([] if max_model_len is None else
+                                                                  ["--max-model-len", str(max_model_len)]), *words])
+    config = AsyncEngineArgs.from_cli_args(args).create_model_config()
+    config.quantization = None  # preprocessing only: no kernels
+    return config
+
+
+def fingerprint(model_config) -> dict[str, str]:
+    """What a worker and its media sidecar must agree on, each a string; kwargs and limits as sorted JSON,
+    the limits per modality as vLLM resolved them (so equivalent spellings of --limit-mm-per-prompt match)."""
+    import dataclasses
+    import json
+
+    import vllm
+    from vllm import envs
+
+    mm = getattr(model_config, "multimodal_config", None)
+
+    def canon(value) -> str:
+        return json.dumps(value, sort_keys=True, default=str)
+
+    limits: dict = {}
+    if mm is not None:
+        unset = {"count": mm.get_limit_per_prompt(UNSET_MODALITY)}
+        limits["*"] = unset
+        for modality in sorted(mm.limit_per_prompt or {}):
+            options = mm.limit_per_prompt[modality]
+            given = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else \
+                dict(options) if isinstance(options, dict) else {"count": options}
+            entry = {"count": mm.get_limit_per_prompt(modality),
+                     **{key: value for key, value in given.items() if key != "count" and value is not None}}
+            if entry != unset:
+                limits[modality] = entry
+    processor_kwargs = getattr(mm, "mm_processor_kwargs", None)
+    return {
+        "model": str(model_config.model),
+        "vllm_version": vllm.__version__,
+        "dtype": str(model_config.dtype),
+        "video_backend": str(envs.VLLM_VIDEO_LOADER_BACKEND),
+        "media_io_kwargs": canon(dict(getattr(mm, "media_io_kwargs", None) or {})),
+        "mm_processor_kwargs": canon(dict(processor_kwargs) if isinstance(processor_kwargs, dict) else {}),
+        "limit_per_prompt": canon(limits),
+    }
 
 
 class _Refused(Exception):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enginelink.machines.request_api import GenerateCall, choice_engine_id
 from enginelink.runtime.requests.constraints import DEFAULT_BACKEND
 from enginelink.runtime.requests.inputs import InputLimits, input_limits
+from enginelink.runtime.requests.pd_bootstrap import NO_PD, PdLeg
 
 __all__ = ["EngineLimits", "GenerateCall", "LOGPROBS_MAX", "N_MAX", "choice_engine_id", "validate_generate"]
 
@@ -49,6 +50,8 @@ class EngineLimits:
     inputs: InputLimits = field(default_factory=input_limits)
     # SGLang's --enable-custom-logit-processor (its resolved arguments): the scheduler runs them.
     custom_logit_processors: bool = False
+    # The engine's PD role (SGLang's and TokenSpeed's --disaggregation-mode; runtime/requests/pd_bootstrap.py).
+    pd_leg: PdLeg = NO_PD
 
 
 def __getattr__(name: str):

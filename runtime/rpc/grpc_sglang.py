@@ -44,6 +44,7 @@ from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, 
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec
 from enginelink.runtime.lifetime.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
+from enginelink.runtime.requests.pd_bootstrap import PdLeg
 from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
 from enginelink.wire.sglang import SGLANG_VERSION
@@ -189,6 +190,8 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
             "skip_tokenizer_init": bool(resolved.get("skip_tokenizer_init")), "dp_size": app.link.ranks.size,
             "max_running_requests": int(ready.get("max_running_requests") or 0),
             **sglang_labels(resolved),
+            # The PD role the router pairs legs by, and the operator's pairing protocol (pd_bootstrap.py).
+            **PdLeg.of(ready).server_fields(),
         })
         scheduler_info = struct_pb2.Struct()
         scheduler_info.update(json.loads(json.dumps({k: v for k, v in ready.items() if k != "server_args"},

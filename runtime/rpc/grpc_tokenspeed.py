@@ -35,6 +35,7 @@ from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT
 from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, TokenSpeedEdge
 from enginelink.runtime.lifetime.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
+from enginelink.runtime.requests.pd_bootstrap import PdLeg
 from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
 from enginelink.wire.tokenspeed import ENGINE_VERSION_PREFIX, TOKENSPEED_VERSION
@@ -158,6 +159,8 @@ def server_info(app, server_args: dict, constrained_decoding: str = "") -> pb.Ge
         "dp_size": app.link.ranks.size,
         CONSTRAINED_DECODING_START_KEY: FIRST_TOKEN,  # TokenSpeed's grammar runs from the first token
         **server_args,  # the engine's arguments and the labels resolved from them (``configure``)
+        # The PD role the router pairs legs by, and the operator's pairing protocol (pd_bootstrap.py).
+        **PdLeg.of(ready).server_fields(),
     })
     scheduler = struct_pb2.Struct()
     scheduler.update({

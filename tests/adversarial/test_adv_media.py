@@ -415,7 +415,16 @@ def _closed_port() -> int:
 
 
 @pytest.mark.parametrize("env,words", [
-    ({"SMG_VLLM_MM_PROCESSOR": "redis"}, "expected one of inprocess"),
+    ({"SMG_VLLM_MM_PROCESSOR": "smg"}, "expected one of inprocess, redis"),
+    # The reference's settings enginelink does not act on are validated all the same, as the reference does.
+    ({"SMG_VLLM_MM_TURBOJPEG": "always"}, "SMG_VLLM_MM_TURBOJPEG='always': expected one of prefer, require"),
+    ({"SMG_VLLM_MM_MAX_VIDEO_FRAMES": "-1"}, "SMG_VLLM_MM_MAX_VIDEO_FRAMES='-1': must be at least 0"),
+    ({"SMG_VLLM_MM_REDIS_URL": "http://r:6379"}, "SMG_VLLM_MM_REDIS_URL='http://r:6379': Redis URL must specify"),
+    ({"SMG_VLLM_MM_REDIS_URL": "redis://u:secret@r:port/0"},
+     r"SMG_VLLM_MM_REDIS_URL='redis://\*\*\*@r:port/0': Port could not be cast"),  # the password masked
+    ({"SMG_VLLM_MM_SIDECAR_TIMEOUT_MS": "0"}, "SMG_VLLM_MM_SIDECAR_TIMEOUT_MS='0': must be at least 1"),
+    ({"SMG_VLLM_MM_SIDECAR_MAX_QUEUE": "many"}, "SMG_VLLM_MM_SIDECAR_MAX_QUEUE='many': expected a whole number"),
+    ({"VLLM_IMAGE_FETCH_TIMEOUT": "2.5"}, "VLLM_IMAGE_FETCH_TIMEOUT='2.5': expected a whole number"),
     ({"SMG_VLLM_MM_MAX_INFLIGHT": "0"}, "must be at least 1"),
     ({"SMG_VLLM_MM_MAX_ITEM_BYTES": "32MiB"}, "expected a whole number"),
     ({"SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS": "yes please"}, "expected 1 or 0"),
@@ -438,12 +447,57 @@ def test_media_knobs_defaults_and_values():
         True, True, 2.5, 0)
     assert MediaSettings().item_bytes_max == 32 << 20 and MediaSettings().inflight_max == 64
     # The item cap is unset by default (the engine's limits alone) and the frame cap off (vLLM's sampling).
-    assert (MediaSettings().items_max, MediaSettings().max_video_frames) == (None, 0)
+    assert (MediaSettings().items_max, MediaSettings().video_frames_max) == (None, 0)
     video = media_settings_from({"SMG_VLLM_MM_MAX_VIDEO_FRAMES": "4", "SMG_VLLM_MM_MAX_ITEMS": "3",
                                  "SMG_VLLM_MM_VIDEO_FETCH_TIMEOUT_MS": "45000"})
-    assert (video.max_video_frames, video.items_max, video.video_fetch_timeout_s) == (4, 3, 45.0)
+    assert (video.video_frames_max, video.items_max, video.video_fetch_timeout_s) == (4, 3, 45.0)
     with pytest.raises(MediaKnobError, match="SMG_VLLM_MM_MAX_VIDEO_FRAMES='-1': must be at least 0"):
         media_settings_from({"SMG_VLLM_MM_MAX_VIDEO_FRAMES": "-1"})
+
+
+def test_vllms_fetch_timeouts_are_honoured_where_the_reference_honours_them():
+    # Under inprocess (and in the sidecar), the reference fetches with vLLM's own connector, whose deadlines are
+    # VLLM_<MODALITY>_FETCH_TIMEOUT; enginelink's own SMG_VLLM_MM_*FETCH_TIMEOUT_MS, where set, stays first.
+    settings = media_settings_from({"VLLM_IMAGE_FETCH_TIMEOUT": "1", "VLLM_VIDEO_FETCH_TIMEOUT": "7",
+                                    "VLLM_AUDIO_FETCH_TIMEOUT": "3"})
+    assert settings.fetch_deadline("image") == (1.0, "VLLM_IMAGE_FETCH_TIMEOUT")
+    assert settings.fetch_deadline("video") == (7.0, "VLLM_VIDEO_FETCH_TIMEOUT")
+    assert settings.fetch_deadline("audio") == (3.0, "VLLM_AUDIO_FETCH_TIMEOUT")
+    settings = media_settings_from({"VLLM_IMAGE_FETCH_TIMEOUT": "1", "SMG_VLLM_MM_FETCH_TIMEOUT_MS": "2500"})
+    assert settings.fetch_deadline("image") == (2.5, "SMG_VLLM_MM_FETCH_TIMEOUT_MS")
+    assert settings.fetch_deadline("video") == (30.0, "SMG_VLLM_MM_VIDEO_FETCH_TIMEOUT_MS")  # unset: the default
+
+
+async def test_a_stalled_origin_is_cut_at_vllms_image_fetch_timeout_naming_it(origin):
+    settings = media_settings_from({"SMG_VLLM_MM_PROCESSOR": "inprocess", "SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS": "1",
+                                    "VLLM_IMAGE_FETCH_TIMEOUT": "1"})  # fmt: skip
+    service = MediaService(settings)
+    started = trio.current_time()
+    with pytest.raises(Unavailable, match=r"longer than 1 s \(VLLM_IMAGE_FETCH_TIMEOUT\)"):
+        await service.prepare(_refs(origin.url("/slow.png")))
+    assert 1.0 <= trio.current_time() - started < 3.0
+
+
+def test_every_media_bound_is_a_metric_and_in_the_run_record():
+    from enginelink.runtime.requests.media import media_record
+
+    settings = media_settings_from({"SMG_VLLM_MM_PROCESSOR": "redis", "SMG_VLLM_MM_SIDECAR_TIMEOUT_MS": "1500",
+                                    "SMG_VLLM_MM_SIDECAR_MAX_QUEUE": "7", "SMG_VLLM_MM_MAX_ITEMS": "3",
+                                    "VLLM_VIDEO_FETCH_TIMEOUT": "9", "SMG_VLLM_MM_MAX_VIDEO_FRAMES": "4"})
+    registry = CollectorRegistry()
+    MediaService(settings, registry=registry, sidecar_fingerprint=None)
+    sample = registry.get_sample_value
+    assert (sample("smg_servicer_media_sidecar_timeout_seconds"), sample("smg_servicer_media_sidecar_queue_max"),
+            sample("smg_servicer_media_items_max"), sample("smg_servicer_media_video_fetch_timeout_seconds"),
+            sample("smg_servicer_media_image_fetch_timeout_seconds"), sample("smg_servicer_media_item_bytes_max"),
+            sample("smg_servicer_media_video_frames_max")) == (1.5, 7, 3, 9, 10, 32 << 20, 4)
+    assert sample("smg_servicer_media_sidecar_advertised") == 0  # not yet probed
+    record = media_record(settings, "flag")
+    assert (record["mm_processor"], record["mm_processor_source"]) == ("redis", "flag")
+    assert record["bounds"]["SMG_VLLM_MM_SIDECAR_MAX_QUEUE"] == 7
+    assert record["bounds"]["VLLM_VIDEO_FETCH_TIMEOUT"] == 9.0
+    assert record["bounds"]["SMG_VLLM_MM_MAX_INFLIGHT"] == 64
+    assert media_record(media_settings_from({}))["mm_processor_source"] == "default"
 
 
 def test_the_processor_helpers_bounds_are_knobs_shown_in_metrics():

@@ -77,6 +77,20 @@ def test_media_refs_are_refused_where_the_processor_is_off(servicer):
 def test_server_info_advertises_the_processor_and_schemes(strict):
     info = strict.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     assert (info.mm_processor, info.mm_media_ref_schemes) == ("inprocess", "http,https,data")
+    assert info.mm_processor_source == "env"  # which setting decided: SMG_VLLM_MM_PROCESSOR
+
+
+def test_redis_without_a_model_processor_is_never_advertised_and_says_why(tmp_path, test_model_dir):
+    # The sim engine has no vLLM to derive the sidecar's fingerprint from: no sidecar can be matched.
+    servicer = limited_servicer(tmp_path, test_model_dir, {})
+    servicer.argv += ["--mm-processor", "redis", "--mm-redis-url", "unix:///nonexistent/redis.sock"]
+    with shared(servicer) as running:
+        info = running.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        assert (info.mm_processor, info.mm_processor_source) == ("", "")
+        error = _status(running, _request("https://cdn.example/cat.png"))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the media sidecar cannot be used yet (this worker's engine has no model processor" in error.details()
+        assert "worker-side media processing: redis (source=flag)" in running.log()
 
 
 def test_loopback_is_refused_by_default_and_counted(strict, origin):
