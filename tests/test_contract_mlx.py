@@ -14,6 +14,7 @@ import pytest
 from grpclib.const import Status
 from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 
+from enginelink.machines.logprobs import LogprobRun
 from enginelink.machines.request_api import Chunk, Complete
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.contract_mlx import MLX_EDGE, encode, validate_generate
@@ -95,8 +96,10 @@ def test_logprobs_zero_or_below_means_none_as_mlx_says(value):
     assert validate_generate(request(logprobs=value), LIMITS, 0.0).specs[0].sampling.logprobs is None
 
 
-def _position(token: int, value: float, top: list[tuple[int, float]]):
-    return (value, token, array.array("f", [v for _, v in top]), array.array("i", [t for t, _ in top]))
+def _position(token: int, value: float, top: list[tuple[int, float]]) -> LogprobRun:
+    """One position as the core keeps it: a run of one row (its own token, then its top entries)."""
+    return LogprobRun(1, 1 + len(top), len(top), array.array("i", [token] + [t for t, _ in top]),
+                      array.array("f", [value] + [v for _, v in top]))
 
 
 def test_a_chunk_of_several_tokens_goes_out_as_one_message_per_token_with_running_counts():

@@ -17,7 +17,7 @@ import zmq
 
 from enginelink.machines.link import LinkState
 from enginelink.runtime.engine import engine_link as el
-from enginelink.runtime.engine.zmq_transport import receive_frames
+from enginelink.runtime.engine.zmq_transport import OUTPUTS_PER_WAKEUP, receive_frames
 from enginelink.runtime.engine.zmq_trio import LOST_EDGE_RECHECK_S, make_socket
 from enginelink.wire.vllm import EngineCoreOutput, EngineCoreOutputs, VllmCodec, encode_outputs
 from tests.harness import ListJournal
@@ -141,3 +141,35 @@ async def test_a_frame_that_fails_the_link_still_ends_the_wake_up_with_frames_do
         await receive_frames(pull, link)
     # Frame 1's writes were held for the wake-up's end: they still go out.
     assert seen == [("a", 1)] and done and done[-1] == 1
+
+
+async def test_a_wake_up_ends_once_its_frames_carried_enough_outputs():
+    """Frames of 256 outputs each: a wake-up takes frames until they carried OUTPUTS_PER_WAKEUP outputs
+    (never part of a frame), then yields, so a burst of big frames (sequences asking for logprobs, whose
+    fan-out costs microseconds an output) does not hold the event loop for all 64 (issue 38)."""
+    context = zmq.Context.instance()
+    pull = make_socket(context, zmq.PULL)
+    push = make_socket(context, zmq.PUSH)
+    pull.bind("inproc://outputs-per-wake-up")
+    push.connect("inproc://outputs-per-wake-up")
+    try:
+        link, seen = make_link()
+        done: list[int] = []
+        link.on_frames_done = lambda now: done.append(len(seen))
+        per_frame, outputs_max = 128, 256  # the latter is OUTPUTS_PER_WAKEUP, written out
+        frames = 2 * outputs_max // per_frame + 1
+        for index in range(frames):
+            push.send_multipart(encode_outputs(EngineCoreOutputs(
+                0, [EngineCoreOutput(f"r{i}", [index]) for i in range(per_frame)])))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receive_frames, pull, link)
+            with trio.fail_after(5):
+                await wait_for(seen, frames * per_frame)
+                while not done or done[-1] < len(seen):
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+        assert done == [outputs_max, 2 * outputs_max, frames * per_frame]
+        assert OUTPUTS_PER_WAKEUP == outputs_max
+    finally:
+        push.close()
+        pull.close()

@@ -13,6 +13,7 @@ import asyncio
 import struct
 
 import msgspec
+import trio
 from grpclib.const import Status
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
@@ -114,3 +115,33 @@ def test_unreadable_logprobs_fail_only_their_call():
     liar = admit(hub, "liar", logprobs=0)
     hub.on_batch(OutputBatch(0, [vllm.EngineCoreOutput("liar", [15], new_logprobs=sample(16, [], -0.3))]), 2.0)
     assert liar.error is not None and "is for token 16" in str(liar.error)
+
+
+def test_a_chunk_with_more_logprobs_than_one_step_is_left_to_the_writer():
+    """Prompt logprobs of 300 positions x top-20 ride on the first chunk: more than the fan-out fills at
+    once (``SLICE_ENTRIES``), so it writes nothing for the call and its writer gets the chunk, to
+    serialize in slices (``generate.serialize_in_slices``); what the client gets is the same chunk."""
+    from enginelink.runtime.requests.generate import serialize_in_slices
+    from enginelink.runtime.requests.logprob_bytes import SlicedResponse
+
+    hub, _ = make_hub()
+    prompt = [10 + i for i in range(301)]
+    request = generate_request("big", prompt, stream=True, max_tokens=4, logprobs=20, prompt_logprobs=20)
+    call = hub.admit(validate_generate(request, LIMITS, 0.0), 0.0, wake=asyncio.Event())
+    call.direct = Wire()
+    ids = [11 + r if c == 0 else 500 + c for r in range(300) for c in range(21)]
+    values = [-0.25 - c for r in range(300) for c in range(21)]
+    rows = [["<i4", [300, 21], EXT(3, struct.pack(f"<{len(ids)}i", *ids))],
+            ["<f4", [300, 21], EXT(3, struct.pack(f"<{len(values)}f", *values))],
+            ["<i8", [300], EXT(3, struct.pack("<300q", *[0] * 300))]]
+    hub.on_batch(OutputBatch(0, [vllm.EngineCoreOutput(
+        "big", [12], new_logprobs=sample(12, [(12, -0.5)] * 20, -0.5), new_prompt_logprobs_tensors=rows)]), 1.0)
+    assert call.direct.ways == [] and call.wake.is_set()
+    (message,) = hub.take(call, 1.0)
+    assert type(message) is SlicedResponse
+    body = trio.run(serialize_in_slices, message)
+    chunk = pb.GenerateResponse.FromString(body).chunk
+    assert list(chunk.token_ids) == [12]
+    assert len(chunk.input_logprobs.token_logprobs) == 301 and len(chunk.input_logprobs.top_logprobs) == 301
+    assert list(chunk.input_logprobs.token_ids) == prompt
+    assert list(chunk.input_logprobs.top_logprobs[1].token_ids) == [500 + c for c in range(1, 21)]

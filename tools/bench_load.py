@@ -692,7 +692,7 @@ def _stop_py_spy(spy: subprocess.Popen) -> None:
 PROFILE_ACTIVITIES: list[tuple[str, tuple[str, ...]]] = [
     ("journal writer thread (SQLite)", ("WorkerThread._work",)),
     ("snapshot fold task", ("run_snapshots",)),
-    ("engine frames: zmq recv, journal append, decode, fan-out", ("EngineLink._receive_loop",)),
+    ("engine frames: zmq recv, journal append, decode, fan-out", ("receive_frames", "EngineLink.handle_frames")),
     ("response headers + trailers", ("send_initial_metadata", "send_trailing_metadata", "Stream.__aexit__",
                                      "Stream.send_headers")),
     ("response messages: take, protobuf, grpclib, h2, socket write",

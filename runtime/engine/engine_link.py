@@ -162,6 +162,7 @@ class EngineLink:
         self.rank_heard_at: dict[int, float] = {}
         self.frames_received = 0
         self.probe_answers = 0  # frames that were only an idle probe's answer: not journaled
+        self.wakeup_outputs = 0  # engine outputs handled in the current wake-up (zmq_transport.OUTPUTS_PER_WAKEUP)
 
     # -- public --------------------------------------------------------------------
 
@@ -444,6 +445,7 @@ class EngineLink:
                 if len(waiter[1]) >= waiter[2]:
                     waiter[0].set()
         if batch.outputs or batch.stats is not None:
+            self.wakeup_outputs += len(batch.outputs)
             self.on_batch(batch, now)
         return True
 

@@ -56,7 +56,7 @@ from enginelink.machines.sim_core import SimConfig, SimEngineCore, SimHooks, rea
 from enginelink.runtime.engine.engine_link import EngineLink
 from enginelink.runtime.engine.link_errors import LinkFailed
 from enginelink.runtime.engine.supervision import Supervision
-from enginelink.runtime.engine.zmq_transport import FRAMES_PER_WAKEUP
+from enginelink.runtime.engine.zmq_transport import FRAMES_PER_WAKEUP, OUTPUTS_PER_WAKEUP
 from enginelink.wire import vllm
 from enginelink.wire.engine import EngineDead, WireError
 
@@ -184,12 +184,13 @@ class MemoryTransport:
         while True:
             frames = await rx.receive()
             handled = 0
+            link.wakeup_outputs = 0  # counted by link.handle_frames
             while frames is not None:
                 if not link.handle_frames(frames):
                     link.on_frames_done(trio.current_time())
                     return
                 handled += 1
-                if handled >= FRAMES_PER_WAKEUP:
+                if handled >= FRAMES_PER_WAKEUP or link.wakeup_outputs >= OUTPUTS_PER_WAKEUP:
                     break
                 try:
                     frames = rx.receive_nowait()

@@ -53,6 +53,13 @@ log = logging.getLogger("enginelink.link")
 
 # Frames handled per wake-up before yielding, so writers get to coalesce.
 FRAMES_PER_WAKEUP = 64
+# ... and the engine outputs those frames may carry together before the loop yields: an output's fan-out
+# costs microseconds (about ten with top-20 logprobs on a slow core, tens when it carries a long
+# prompt's logprobs), so 64 frames of 256 sequences asking for logprobs held the event loop a quarter
+# of a second against a zero-cost engine (issue 38); 256 is one full batch of 256 sequences. A frame is
+# never split: one frame of any size per wake-up, as at a real engine's pace; a zero-cost engine's
+# small frames (2-3 outputs each) never reach it.
+OUTPUTS_PER_WAKEUP = 256
 # The handshake is a one-off: polling it keeps the code simple.
 HANDSHAKE_POLL_S = 0.01
 # Where the link asks an engine to write the config facts its ready response lacks.
@@ -85,7 +92,8 @@ async def receive_frames(outputs: zmq.Socket, link) -> None:
     fd = outputs.getsockopt(zmq.FD)
     while True:
         handled = 0
-        while handled < FRAMES_PER_WAKEUP and has_message(outputs):
+        link.wakeup_outputs = 0  # counted by link.handle_frames
+        while handled < FRAMES_PER_WAKEUP and link.wakeup_outputs < OUTPUTS_PER_WAKEUP and has_message(outputs):
             try:
                 frames = outputs.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:  # EVENTS said a message was there; do not trust it blindly
@@ -97,7 +105,7 @@ async def receive_frames(outputs: zmq.Socket, link) -> None:
         if handled:
             link.last_frame_at = trio.current_time()
             link.on_frames_done(link.last_frame_at)
-        if handled == FRAMES_PER_WAKEUP:
+        if handled == FRAMES_PER_WAKEUP or link.wakeup_outputs >= OUTPUTS_PER_WAKEUP:
             await trio.lowlevel.checkpoint()  # more waiting: let the writers run first
         else:
             await wait_fd(fd)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from enginelink.machines.request_api import GenerateCall
+from enginelink.runtime.requests.chunk_bytes import string_field
 
 
 @dataclass
@@ -38,6 +39,10 @@ class CallStamp:
         self.request_id = request_id
 
     def stamp(self, message):
+        if type(message) is bytes:
+            # A response its writer serialized in slices (logprob_bytes.py), never stamped before: the
+            # id's field first (a field may come anywhere in a message's bytes).
+            return string_field(b"\x0a", self.request_id) + message
         if not message.request_id:
             message.request_id = self.request_id
         return message

@@ -45,7 +45,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.inputs import InputLimits, check_json_nesting, parse_json, utf8_len
+from enginelink.runtime.requests.inputs import (
+    CHOICE_OVERHEAD_BYTES, InputLimits, check_count, check_json_nesting, parse_json, utf8_len,
+)
 
 DEFAULT_BACKEND = "auto"
 
@@ -109,12 +111,18 @@ def _params(kind: str, sp, name: str, limits: InputLimits) -> dict:
             raise ClientError(name, "must be true if set; leave the constraint unset for unconstrained output")
         return {"json_object": True}
     if kind == "choice":
-        choices = list(sp.choice.choices)
-        if not choices:
+        # Counted before they are copied, and each costs its bytes plus its place in the grammar
+        # (CHOICE_OVERHEAD_BYTES): an empty choice is 2 bytes on the wire, not free (issue 38).
+        count = check_count(name, sp.choice.choices, limits.choices, "ENGINELINK_MAX_CHOICES", "choices")
+        if not count:
             raise ClientError(name, "needs at least one choice")
-        size = sum(utf8_len(c, cap) for c in choices)
-        if size > cap:
-            raise ClientError(name, f"choices total {size} bytes; at most {cap} (ENGINELINK_MAX_CONSTRAINT_BYTES)")
+        choices = list(sp.choice.choices)
+        size = CHOICE_OVERHEAD_BYTES * count
+        for choice in choices:  # stops at the cap: what is encoded to be measured is at most twice the cap
+            size += utf8_len(choice, cap)
+            if size > cap:
+                raise ClientError(name, f"choices total over {cap} bytes, {CHOICE_OVERHEAD_BYTES} a choice beyond "
+                                        f"its text (ENGINELINK_MAX_CONSTRAINT_BYTES)")
         return {"choice": choices}
     value = getattr(sp, kind)
     if not value:

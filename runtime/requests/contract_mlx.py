@@ -32,14 +32,14 @@ from __future__ import annotations
 
 from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 
-from enginelink.machines.logprobs import Position
+from enginelink.machines.logprobs import Position, positions_of
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.chunk_bytes import stream_chunk
 from enginelink.runtime.requests.inputs import check_request_id
 from enginelink.runtime.requests.pb_fields import (
-    check_logit_bias, check_max_tokens, check_prompt_room, check_token_ids, logprobs_cap, no_release_params,
-    raw_request_id, tokenized_input, vllm_sampling_numbers,
+    check_logit_bias, check_max_tokens, logprobs_cap, no_release_params, prompt_ids, raw_request_id, stop_token_ids,
+    tokenized_ids, vllm_sampling_numbers,
 )
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
@@ -64,8 +64,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     sampling = SamplingSpec(
         max_tokens=max_tokens,
         **vllm_sampling_numbers(sp),  # vLLM's fields, ranges and defaults (temperature unset: 1.0)
-        stop_token_ids=tuple(check_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids,
-                                             limits.vocab_size)),
+        stop_token_ids=stop_token_ids(sp, limits),
         eos_token_ids=limits.eos_token_ids,
         ignore_eos=sp.ignore_eos,
         logprobs=_logprobs(sp, limits),
@@ -85,8 +84,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
 
 
 def _prompt(request: pb.GenerateRequest, limits: EngineLimits) -> list[int]:
-    prompt = tokenized_input(request, limits)
-    return check_prompt_room(prompt, limits)
+    return prompt_ids(tokenized_ids(request), limits)
 
 
 def _logprobs(sp: pb.SamplingParams, limits: EngineLimits) -> int | None:
@@ -118,6 +116,8 @@ def encode_chunk(m: Chunk) -> list[pb.GenerateResponse]:
     count = len(m.token_ids)
     first = m.completion_tokens - count  # the running count before this chunk
     replies = []
+    # MLX's engine sends small top-k (its --max-logprobs): per-position tuples are cheap here.
+    positions = positions_of(m.logprobs) if m.logprobs else None
     for i, token in enumerate(m.token_ids):
         message = pb.GenerateResponse()
         chunk = message.chunk
@@ -126,8 +126,8 @@ def encode_chunk(m: Chunk) -> list[pb.GenerateResponse]:
         chunk.completion_tokens = first + i + 1
         chunk.cached_tokens = m.cached_tokens
         chunk.index = m.index
-        if m.logprobs:
-            _fill(chunk.output_logprobs, m.logprobs[i : i + 1], m.logprobs_top)
+        if positions:
+            _fill(chunk.output_logprobs, positions[i : i + 1], m.logprobs_top)
         replies.append(message)
     return replies
 
@@ -143,7 +143,7 @@ def encode_complete(m: Complete) -> pb.GenerateResponse:
         index=m.index,
     )
     if m.logprobs and not m.stream:
-        _fill(complete.output_logprobs, m.logprobs, m.logprobs_top)
+        _fill(complete.output_logprobs, positions_of(m.logprobs), m.logprobs_top)
     if m.matched_token_id is not None:
         complete.matched_stop_token_id = m.matched_token_id
     return pb.GenerateResponse(complete=complete)

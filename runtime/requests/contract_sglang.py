@@ -44,9 +44,9 @@ from enginelink.runtime.requests.chunk_bytes import stream_chunk, string_field
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.requests.inputs import stop_strings as _stop_strings, utf8_len
 from enginelink.runtime.requests.pb_fields import (
-    check_dp_rank, check_logit_bias, check_max_tokens, check_min_p, check_n, check_penalties, check_prompt_room,
-    check_token_ids, check_top_p, fill_chunk, fill_matched, fill_output_logprobs, fill_prompt_logprobs, finite,
-    logprobs_cap, no_release_params, raw_request_id,
+    LogprobBudget, check_dp_rank, check_logit_bias, check_max_tokens, check_min_p, check_n, check_penalties,
+    check_top_p, fill_chunk, fill_matched, finite, logprobs_cap, no_release_params, prompt_ids, raw_request_id,
+    stop_token_ids as _stop_token_ids, with_logprobs,
 )
 from enginelink.runtime.requests.pd_bootstrap import bootstrap_params, leg_rank
 from enginelink.runtime.requests.validate import EngineLimits
@@ -66,7 +66,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     max_tokens = check_max_tokens(sp, "max_new_tokens", prompt, limits)
     numbers = _sampling_numbers(sp, max_tokens)
     n = check_n(sp)
-    stop_token_ids = tuple(check_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size))
+    stop_token_ids = _stop_token_ids(sp, limits)
     stop_strings = _stop_strings(sp.stop, limits.inputs)
     logprobs, prompt_logprobs = _logprobs(request, limits)
     constraint = _constraint(sp, limits)
@@ -162,8 +162,7 @@ def _bootstrap(request: pb.GenerateRequest, limits: EngineLimits, n: int) -> dic
 def _prompt(request: pb.GenerateRequest, limits: EngineLimits) -> list[int]:
     if not request.HasField("tokenized"):
         raise ClientError("tokenized", "an input is required (tokenized.input_ids; the router tokenizes)")
-    prompt = check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
-    return check_prompt_room(prompt, limits)
+    return prompt_ids(request.tokenized.input_ids, limits)  # judged by their number before they are copied
 
 
 def _sampling_numbers(sp, max_tokens: int) -> dict:
@@ -231,22 +230,21 @@ def _constraint(sp, limits: EngineLimits) -> Constraint | None:
 # -- the responses ----------------------------------------------------------------------
 
 
-def encode(messages: list[Message]) -> list[pb.GenerateResponse]:
-    return [encode_chunk(m) if type(m) is Chunk else encode_complete(m) for m in messages]
+def encode(messages: list[Message]) -> list:
+    """In order; a response over the step's logprob budget is a ``SlicedResponse`` (``logprob_bytes.py``)."""
+    budget = LogprobBudget()
+    return [encode_chunk(m, budget) if type(m) is Chunk else encode_complete(m, budget) for m in messages]
 
 
-def encode_chunk(m: Chunk) -> pb.GenerateResponse:
+def encode_chunk(m: Chunk, budget: LogprobBudget | None = None):
     message = pb.GenerateResponse()
-    chunk = message.chunk
-    fill_chunk(chunk, m, m.completion_tokens)  # SGLang's running total
-    if m.logprobs:
-        fill_output_logprobs(chunk.output_logprobs, m.logprobs, m.logprobs_top)
-    if m.prompt_logprobs is not None:
-        fill_prompt_logprobs(chunk.input_logprobs, m.prompt_logprobs, pb.InputTokenLogProb)
+    fill_chunk(message.chunk, m, m.completion_tokens)  # SGLang's running total
+    if m.logprobs or m.prompt_logprobs is not None:
+        return with_logprobs(message, "chunk", m, pb.InputTokenLogProb, budget)
     return message
 
 
-def encode_complete(m: Complete) -> pb.GenerateResponse:
+def encode_complete(m: Complete, budget: LogprobBudget | None = None):
     complete = pb.GenerateComplete(
         output_ids=m.output_ids,
         finish_reason=m.finish_reason,
@@ -256,12 +254,11 @@ def encode_complete(m: Complete) -> pb.GenerateResponse:
         index=m.index,
         reasoning_tokens=m.reasoning_tokens,
     )
-    if m.prompt_logprobs is not None:
-        fill_prompt_logprobs(complete.input_logprobs, m.prompt_logprobs, pb.InputTokenLogProb)
-    if m.logprobs:
-        fill_output_logprobs(complete.output_logprobs, m.logprobs, m.logprobs_top)
     fill_matched(complete, m)
-    return pb.GenerateResponse(complete=complete)
+    message = pb.GenerateResponse(complete=complete)
+    if m.logprobs or m.prompt_logprobs is not None:
+        return with_logprobs(message, "complete", m, pb.InputTokenLogProb, budget)
+    return message
 
 
 def chunk_body(call, choice, tokens: list[int]) -> bytes:

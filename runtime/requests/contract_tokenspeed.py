@@ -41,8 +41,8 @@ from enginelink.runtime.requests.constraints import check_json_nesting, parse_js
 from enginelink.runtime.requests.call_stamp import CallStamp, StampedCall  # noqa: F401 (CallStamp: grpc_tokenspeed, tests)
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings, utf8_len
 from enginelink.runtime.requests.pb_fields import (
-    check_dp_rank, check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk,
-    fill_matched, fill_output_logprobs, finite, no_release_params, raw_request_id,
+    LogprobBudget, check_dp_rank, check_logit_bias, check_max_tokens, check_n, fill_chunk, fill_matched, finite,
+    no_release_params, prompt_ids, raw_request_id, stop_token_ids as _stop_token_ids, with_logprobs,
 )
 from enginelink.runtime.requests.pd_bootstrap import bootstrap_params, leg_rank
 from enginelink.runtime.requests.validate import EngineLimits
@@ -76,7 +76,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     sampling = SamplingSpec(
         max_tokens=max_tokens,
         **_numbers(sp),
-        stop_token_ids=tuple(check_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size)),
+        stop_token_ids=_stop_token_ids(sp, limits),
         eos_token_ids=limits.eos_token_ids,
         ignore_eos=sp.ignore_eos,
         seed=sp.sampling_seed if sp.HasField("sampling_seed") else None,
@@ -125,8 +125,7 @@ def _prompt(request, limits: EngineLimits) -> list[int]:
         raise ClientError("mm_inputs", "multimodal input is not supported by this worker (text-only)")
     if not request.HasField("tokenized"):
         raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
-    prompt = check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
-    return check_prompt_room(prompt, limits)
+    return prompt_ids(request.tokenized.input_ids, limits)  # judged by their number before they are copied
 
 
 # Unset → the engine's default (TokenSpeed's SamplingParams defaults).
@@ -181,21 +180,23 @@ def _constraint(sp, inputs: InputLimits) -> dict | None:
 # -- the responses: Chunk / Complete → GenerateResponse -----------------------------------
 
 
-def encode(messages: list[Message]) -> list[pb.GenerateResponse]:
-    """The core's messages as ``GenerateResponse``s, in order; ``CallStamp`` adds the id."""
-    return [_chunk(m) if type(m) is Chunk else _complete(m) for m in messages]
+def encode(messages: list[Message]) -> list:
+    """The core's messages as ``GenerateResponse``s, in order; ``CallStamp`` adds the id. One over the
+    step's logprob budget is a ``SlicedResponse`` its writer serializes (``logprob_bytes.py``)."""
+    budget = LogprobBudget()
+    return [_chunk(m, budget) if type(m) is Chunk else _complete(m, budget) for m in messages]
 
 
-def _chunk(m: Chunk) -> pb.GenerateResponse:
+def _chunk(m: Chunk, budget: LogprobBudget | None = None):
     message = pb.GenerateResponse()
-    chunk = message.chunk
-    fill_chunk(chunk, m, m.completion_tokens)  # TokenSpeed's running total
+    fill_chunk(message.chunk, m, m.completion_tokens)  # TokenSpeed's running total
     if m.logprobs:
-        fill_output_logprobs(chunk.output_logprobs, m.logprobs, 0)  # top-k is refused: ids and values only
+        # Top-k is refused: ids and values only; prompt logprobs are not carried.
+        return with_logprobs(message, "chunk", m, None, budget, top=0)
     return message
 
 
-def _complete(m: Complete) -> pb.GenerateResponse:
+def _complete(m: Complete, budget: LogprobBudget | None = None):
     message = pb.GenerateResponse()
     complete = message.complete
     complete.output_ids.extend(m.output_ids)
@@ -204,9 +205,9 @@ def _complete(m: Complete) -> pb.GenerateResponse:
     complete.completion_tokens = m.completion_tokens  # streamed: the choice's total, not the last delta's
     complete.cached_tokens = m.cached_tokens
     complete.index = m.index
-    if m.logprobs:
-        fill_output_logprobs(complete.output_logprobs, m.logprobs, 0)
     fill_matched(complete, m)
+    if m.logprobs:
+        return with_logprobs(message, "complete", m, None, budget, top=0)
     return message
 
 

@@ -33,8 +33,8 @@ from enginelink.runtime.requests.media_identity import identity_bytes
 from enginelink.runtime.requests.media_refit import with_processed_media
 from enginelink.runtime.requests.mm_tensors import mm_features_of
 from enginelink.runtime.requests.pb_fields import (
-    check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk, fill_matched,
-    fill_output_logprobs, fill_prompt_logprobs, logprobs_cap, raw_request_id, tokenized_input, vllm_sampling_numbers,
+    LogprobBudget, check_logit_bias, check_max_tokens, check_n, fill_chunk, fill_matched, logprobs_cap, prompt_ids,
+    raw_request_id, stop_token_ids as _stop_token_ids, tokenized_ids, vllm_sampling_numbers, with_logprobs,
 )
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
@@ -58,7 +58,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     max_tokens = check_max_tokens(sp, "max_tokens", prompt, limits)
     numbers = _sampling_numbers(sp, max_tokens)
     n = check_n(sp)
-    stop_token_ids = tuple(check_token_ids("sampling_params.stop_token_ids", sp.stop_token_ids, limits.vocab_size))
+    stop_token_ids = _stop_token_ids(sp, limits)
     stop_strings = _stop_strings(sp.stop, inputs)
     logprobs = _logprobs(sp, "logprobs", "sample", limits)
     prompt_logprobs = _logprobs(sp, "prompt_logprobs", "prompt", limits)
@@ -123,8 +123,12 @@ def _with_seed(sampling: SamplingSpec, seed: int) -> SamplingSpec:
 
 
 def _prompt(request, limits: EngineLimits) -> list[int]:
-    """The prompt's token ids: tokenized input only, in the vocabulary, truncated as asked, with room to generate."""
-    prompt = tokenized_input(request, limits)
+    """The prompt's token ids: tokenized input only, truncated as asked, with room to generate, in the vocabulary.
+
+    Judged by their number before they are copied (``pb_fields.prompt_ids``); a prompt to truncate is cut
+    first, so only the part kept is ever copied, however long the rest (the 64 MiB message bound's).
+    """
+    ids = tokenized_ids(request)
     if request.HasField("media_refs") and (request.HasField("mm_inputs") or len(request.extra_mm_inputs)):
         raise ClientError("media_refs", "cannot be combined with preprocessed mm_inputs; send one or the other")
     sp = request.sampling_params
@@ -146,8 +150,8 @@ def _prompt(request, limits: EngineLimits) -> list[int]:
             )
         # The last N, as vLLM's OpenAI server truncates (left side): the end of a
         # prompt is what the answer continues.
-        prompt = prompt[-keep:]
-    return check_prompt_room(prompt, limits)
+        ids = ids[-keep:]
+    return prompt_ids(ids, limits)
 
 
 def _sampling_numbers(sp, max_tokens: int) -> dict:
@@ -201,25 +205,24 @@ def release_params(request: pb.GenerateRequest, limits: InputLimits) -> dict | N
 # -- the responses: Chunk / Complete → GenerateResponse -----------------------------------
 
 
-def encode(messages: list[Message]) -> list[pb.GenerateResponse]:
-    """The core's messages as ``GenerateResponse``s, in order."""
-    return [encode_chunk(m) if type(m) is Chunk else encode_complete(m) for m in messages]
+def encode(messages: list[Message]) -> list:
+    """The core's messages as ``GenerateResponse``s, in order; one whose logprobs are over the
+    step's budget is a ``SlicedResponse`` its writer serializes (``logprob_bytes.py``)."""
+    budget = LogprobBudget()
+    return [encode_chunk(m, budget) if type(m) is Chunk else encode_complete(m, budget) for m in messages]
 
 
-def encode_chunk(m: Chunk) -> pb.GenerateResponse:
+def encode_chunk(m: Chunk, budget: LogprobBudget | None = None):
     # Filled in place: building the chunk apart and passing it to the response's
     # constructor copies it (~2x the cost, upb).
     message = pb.GenerateResponse()
-    chunk = message.chunk
-    fill_chunk(chunk, m, len(m.token_ids))
-    if m.logprobs:
-        fill_output_logprobs(chunk.output_logprobs, m.logprobs, m.logprobs_top)
-    if m.prompt_logprobs is not None:
-        fill_prompt_logprobs(chunk.input_logprobs, m.prompt_logprobs, pb.InputTokenLogProb)
+    fill_chunk(message.chunk, m, len(m.token_ids))
+    if m.logprobs or m.prompt_logprobs is not None:
+        return with_logprobs(message, "chunk", m, pb.InputTokenLogProb, budget)
     return message
 
 
-def encode_complete(m: Complete) -> pb.GenerateResponse:
+def encode_complete(m: Complete, budget: LogprobBudget | None = None):
     complete = pb.GenerateComplete(
         output_ids=m.output_ids,
         finish_reason=m.finish_reason,
@@ -228,16 +231,15 @@ def encode_complete(m: Complete) -> pb.GenerateResponse:
         cached_tokens=m.cached_tokens,
         index=m.index,
     )
-    if m.prompt_logprobs is not None:
-        fill_prompt_logprobs(complete.input_logprobs, m.prompt_logprobs, pb.InputTokenLogProb)
-    if m.logprobs:
-        fill_output_logprobs(complete.output_logprobs, m.logprobs, m.logprobs_top)
     fill_matched(complete, m)
     if m.kv_transfer_params is not None:
         kv_transfer.fill_complete(complete, m.kv_transfer_params)
     if m.media_identity is not None:  # a PD prefill side's processed media (media_identity.py)
         complete.media_identity.ParseFromString(m.media_identity)
-    return pb.GenerateResponse(complete=complete)
+    message = pb.GenerateResponse(complete=complete)
+    if m.logprobs or m.prompt_logprobs is not None:
+        return with_logprobs(message, "complete", m, pb.InputTokenLogProb, budget)
+    return message
 
 
 # -- a stream chunk's bytes ----------------------------------------------------------

@@ -40,6 +40,7 @@ from enginelink.runtime.errors import (
     ServicerError,
 )
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
+from enginelink.runtime.requests.pb_fields import check_token_ids
 from enginelink.runtime.requests.validate import EngineLimits, GenerateCall
 from enginelink.runtime.requests.writers import counted
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec, WireError
@@ -75,18 +76,15 @@ def validate_embed(request, limits: EngineLimits, now: float) -> EmbedCall:
     check_request_id("request_id", request_id, limits.inputs)
     if not request.HasField("tokenized"):
         raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
-    prompt = list(request.tokenized.input_ids)
-    for position, token in enumerate(prompt):
-        if token >= limits.vocab_size:  # uint32 on the wire: never negative
-            raise ClientError("tokenized.input_ids",
-                              f"token id {token} at position {position} is outside the vocabulary (size {limits.vocab_size})")
-    if not prompt:
+    ids = request.tokenized.input_ids
+    if not ids:
         raise ClientError("tokenized.input_ids", "must not be empty")
-    if len(prompt) > limits.max_model_len:
+    if len(ids) > limits.max_model_len:  # by their number, before they are copied (issue 38)
         raise ClientError(
             "tokenized.input_ids",
-            f"input has {len(prompt)} tokens; the context is {limits.max_model_len}",
+            f"input has {len(ids)} tokens; the context is {limits.max_model_len}",
         )  # a pooling model generates nothing: the whole context is the prompt's, as vLLM allows
+    prompt = check_token_ids("tokenized.input_ids", ids, limits.vocab_size)  # uint32 on the wire: never negative
     spec = GenerateSpec(
         request_id=request_id,
         prompt_token_ids=prompt,

@@ -9,7 +9,8 @@ Parametrised by the two things that differ between callers:
 - ``wake``: what the hub sets when the call has something new; an
   ``asyncio.Event`` for grpclib handlers (asyncio under trio-asyncio), a
   ``warmup.TrioWake`` for trio code (the simulation's clients);
-- ``send``: an async callable taking one response message of the edge's contract.
+- ``send``: an async callable taking one response message of the edge's contract, or its
+  bytes (a response whose logprobs the writer serialized in slices: ``serialize_in_slices``).
 
 Errors: a refusal (validation, admission) is journaled through
 ``app.refused`` and raised as the ``ServicerError`` it is; a call the engine
@@ -25,6 +26,8 @@ from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
 from enginelink.runtime.requests.embed import check_generation
 from enginelink.runtime.errors import ClientError, ServicerError
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
+from enginelink.runtime.requests.logprob_bytes import SlicedResponse
+from enginelink.runtime.requests.media import in_trio
 from enginelink.runtime.requests.writers import counted
 
 
@@ -79,6 +82,8 @@ async def generate(app, request, *, wake, send, direct=None, send_headers=None, 
             messages = hub.take(call, trio.current_time())
             try:
                 for message in messages:
+                    if type(message) is SlicedResponse:
+                        message = await serialize_in_slices(message)
                     await send(message)
             finally:
                 hub.written(call)  # the writer is idle again (or leaving): the fan-out may write
@@ -114,3 +119,26 @@ def release_refused_kv(app, request, error: ServicerError, now: float, edge=VLLM
     params = edge.release_params(request, input_limits())
     if params is not None:
         app.hub.release_kv(edge.raw_request_id(request), params, now)
+
+
+async def serialize_in_slices(message: SlicedResponse) -> bytes:
+    """A response's logprobs serialized a slice at a time (``logprob_bytes.py``), the servicer's other
+    work running between slices: however many logprobs one call asked for, it holds the event loop for
+    one slice at a time (issue 38). Its bytes, for ``send`` (the gRPC codec passes bytes on).
+
+    The slices run in trio (``in_trio``), each followed by a trio checkpoint: an asyncio one would not
+    do, since the gRPC side runs up to 64 ready asyncio callbacks per trio round
+    (``fastpath.READY_CALLBACKS_MAX``), and a writer that yields with ``asyncio.sleep(0)`` is ready again
+    at once: 64 slices would pass before trio polled a socket.
+    """
+    await in_trio(_slices, message)
+    # Taken from the message, not returned through ``in_trio``: trio-asyncio's bridge keeps what it
+    # returns in a future inside a reference cycle, which the collector frees only much later
+    # (gc_policy.py): a vocabulary-wide response's megabytes, per response.
+    body, message.body = message.body, None
+    return body
+
+
+async def _slices(message: SlicedResponse) -> None:
+    for _ in message.steps():
+        await trio.sleep(0)

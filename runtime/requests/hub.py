@@ -46,6 +46,7 @@ from enginelink.machines.request_call import Call, Choice  # noqa: F401 - the hu
 from enginelink.machines.request_core import IN_FLIGHT_MAX, RETIRED_ENGINE_IDS_MAX, RequestCore  # noqa: F401
 from enginelink.runtime.errors import ConstraintFailed, from_failure, from_refusal
 from enginelink.runtime.lifetime.metrics import NoMetrics
+from enginelink.runtime.requests.logprob_bytes import SlicedResponse
 from enginelink.wire.engine import EngineCodec, OutputBatch
 
 log = logging.getLogger("enginelink.hub")
@@ -370,7 +371,17 @@ class RequestHub:
         # (The common one-choice chunk was tried by ``_write_touched``; it could not go
         # now, or the call is not that one: everything goes through ``take`` and ``send``.)
         messages = self._take(call, now, writer=False)
-        written = direct.send(messages)
+        # Logprobs over one step's budget are the writer's to serialize, in slices (logprob_bytes.py):
+        # what comes from the first of them on is its backlog.
+        sendable = len(messages)
+        for position, message in enumerate(messages):
+            if type(message) is SlicedResponse:
+                sendable = position
+                break
+        if sendable == len(messages):
+            written = direct.send(messages)
+        else:
+            written = direct.send(messages[:sendable]) if sendable else 0
         self.direct_writes += written
         if written < len(messages):
             self.direct_handovers += 1

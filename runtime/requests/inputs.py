@@ -48,6 +48,14 @@ class InputLimits:
     constraint_bytes: int = 65536  # ENGINELINK_MAX_CONSTRAINT_BYTES: json_schema, regex, grammar, structural_tag, choices
     kv_transfer_params_bytes: int = 16384  # ENGINELINK_MAX_KV_TRANSFER_PARAMS_BYTES
     json_depth: int = 64  # ENGINELINK_MAX_JSON_DEPTH: nesting of json_schema and kv_transfer_params_json
+    # Lists counted by their items (issue 38): an item may cost far more than its bytes on the wire
+    # (an empty choice is 2 bytes there), and each choice of n gets its own copy of a call's lists.
+    # ENGINELINK_MAX_STOP_TOKEN_IDS, per call: each choice's engine request has them all, and vLLM's wire
+    # sorts them into every one (n = 64 x 256: ~2 ms of encoding; x 1024 was 12 ms).
+    stop_token_ids: int = 256
+    logit_bias_entries: int = 1024  # ENGINELINK_MAX_LOGIT_BIAS_ENTRIES, per call (likewise)
+    choices: int = 1024  # ENGINELINK_MAX_CHOICES: items of a choice constraint
+    abort_ids: int = 4096  # ENGINELINK_MAX_ABORT_IDS: ids in one Abort (the in-flight cap's worth)
 
 
 # The environment variable of each InputLimits field.
@@ -59,7 +67,17 @@ INPUT_LIMIT_ENV = {
     "constraint_bytes": "ENGINELINK_MAX_CONSTRAINT_BYTES",
     "kv_transfer_params_bytes": "ENGINELINK_MAX_KV_TRANSFER_PARAMS_BYTES",
     "json_depth": "ENGINELINK_MAX_JSON_DEPTH",
+    "stop_token_ids": "ENGINELINK_MAX_STOP_TOKEN_IDS",
+    "logit_bias_entries": "ENGINELINK_MAX_LOGIT_BIAS_ENTRIES",
+    "choices": "ENGINELINK_MAX_CHOICES",
+    "abort_ids": "ENGINELINK_MAX_ABORT_IDS",
 }
+
+# What one choice of a ``choice`` constraint costs beyond its UTF-8 bytes, counted against
+# ENGINELINK_MAX_CONSTRAINT_BYTES: its quotes and separator in the grammar vLLM makes of the list
+# (``"..." | ``, 6 bytes), rounded up to a list slot (8). An empty choice is not free (issue 38:
+# 30,000,000 of them passed as 0 bytes and stalled every client for 37 s).
+CHOICE_OVERHEAD_BYTES = 8
 
 
 class InputKnobError(ValueError):
@@ -112,6 +130,15 @@ def check_request_id(name: str, request_id: str, limits: InputLimits) -> None:
     control = _CONTROL_CHARACTERS.search(request_id)
     if control is not None:
         raise ClientError(name, f"must not hold control characters (U+{ord(control.group()):04X})")
+
+
+def check_count(name: str, items, count_max: int, knob: str, what: str) -> int:
+    """Refuse a list (or map) of more than ``count_max`` items by its length alone: before anything
+    copies or walks it (a protobuf repeated field's ``len`` is free; its items are made one by one)."""
+    count = len(items)
+    if count > count_max:
+        raise ClientError(name, f"{count} {what}; at most {count_max} ({knob})")
+    return count
 
 
 def stop_strings(stops, limits: InputLimits) -> tuple[str, ...]:
@@ -241,6 +268,7 @@ def validate_abort_ids(request_ids, limits: InputLimits) -> list[str]:
 
     An empty id stays what the contract makes any unknown id: a no-op.
     """
+    check_count("request_ids", request_ids, limits.abort_ids, "ENGINELINK_MAX_ABORT_IDS", "ids")
     ids = list(request_ids)
     for request_id in ids:
         if request_id:

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import math
 
-from enginelink.machines.logprobs import Position, PromptLogprobs
 from enginelink.runtime.errors import ClientError
+from enginelink.runtime.requests.inputs import check_count
+# The logprob fills live with their sliced form (issue 38); the edges import them from here.
+from enginelink.runtime.requests.logprob_bytes import (  # noqa: F401
+    LogprobBudget, fill_output_logprobs, fill_prompt_logprobs, with_logprobs,
+)
 from enginelink.runtime.requests.validate import N_MAX, EngineLimits
 
 # -- the request ---------------------------------------------------------------------------
@@ -26,29 +30,50 @@ def finite(name: str, value: float) -> float:
 
 
 def check_token_ids(name: str, ids, vocab_size: int) -> list[int]:
-    """The ids as a list; a ClientError naming the first one outside the vocabulary."""
+    """The ids as a list; a ClientError naming the first one outside the vocabulary.
+
+    Callers bound ``ids`` by count first (``check_prompt_room``, ``stop_token_ids``): the copy here
+    is the first thing that costs per item.
+    """
     ids = list(ids)
-    for position, token in enumerate(ids):
-        if token >= vocab_size:
-            raise ClientError(
-                name, f"token id {token} at position {position} is outside the vocabulary (size {vocab_size})"
-            )
+    if ids and max(ids) >= vocab_size:  # one pass in C; the position only for the refusal
+        position, token = next((p, t) for p, t in enumerate(ids) if t >= vocab_size)
+        raise ClientError(
+            name, f"token id {token} at position {position} is outside the vocabulary (size {vocab_size})"
+        )
     return ids
 
 
-def tokenized_input(request, limits: EngineLimits) -> list[int]:
-    """The ``input`` oneof's token ids (vLLM's and MLX's requests): ``text`` is refused, as the references do."""
+def stop_token_ids(sp, limits: EngineLimits) -> tuple[int, ...]:
+    """``stop_token_ids``: counted before they are copied (each choice's engine request gets them all), in the
+    vocabulary."""
+    name = "sampling_params.stop_token_ids"
+    check_count(name, sp.stop_token_ids, limits.inputs.stop_token_ids, "ENGINELINK_MAX_STOP_TOKEN_IDS", "stop token ids")
+    return tuple(check_token_ids(name, sp.stop_token_ids, limits.vocab_size))
+
+
+def tokenized_ids(request):
+    """The ``input`` oneof's token ids, as the request holds them (vLLM's and MLX's requests): ``text`` is
+    refused, as the references do. Not copied: the caller judges their number first (``prompt_ids``)."""
     kind = request.WhichOneof("input")
     if kind == "text":
         raise ClientError("text", "text input is not supported; send tokenized.input_ids (the router tokenizes)")
     if kind != "tokenized":
         raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
-    return check_token_ids("tokenized.input_ids", request.tokenized.input_ids, limits.vocab_size)
+    return request.tokenized.input_ids
 
 
-def check_prompt_room(prompt: list[int], limits: EngineLimits) -> list[int]:
-    """A prompt that is not empty and leaves at least one token of the context to generate."""
-    if not prompt:
+def prompt_ids(ids, limits: EngineLimits) -> list[int]:
+    """A prompt's ids: not empty, room left in the context, judged by their number before anything copies
+    them (issue 38: a 32M-token prompt was copied into a Python list, +1.5 GB, before it was refused);
+    then in the vocabulary."""
+    return check_token_ids("tokenized.input_ids", check_prompt_room(ids, limits), limits.vocab_size)
+
+
+def check_prompt_room(prompt, limits: EngineLimits):
+    """A prompt that is not empty and leaves at least one token of the context to generate (by its length:
+    a list, or the request's repeated field before it is copied)."""
+    if not len(prompt):
         raise ClientError("tokenized.input_ids", "must not be empty")
     if len(prompt) >= limits.max_model_len:
         raise ClientError(
@@ -141,6 +166,9 @@ def check_logit_bias(sp, limits: EngineLimits, *, key_chars: int | None = None) 
     """
     if not sp.logit_bias:
         return None
+    # Counted before it is walked: each choice's engine request gets all of it.
+    check_count("sampling_params.logit_bias", sp.logit_bias, limits.inputs.logit_bias_entries,
+                "ENGINELINK_MAX_LOGIT_BIAS_ENTRIES", "entries")
     bias: dict[int, float] = {}
     for key, value in sp.logit_bias.items():
         if key_chars is None:
@@ -197,31 +225,3 @@ def fill_matched(complete, m) -> None:
         complete.matched_stop_str = m.matched_stop_str
     elif m.matched_token_id is not None:
         complete.matched_token_id = m.matched_token_id
-
-
-def fill_output_logprobs(message, positions: list[Position], top: int) -> None:
-    """``OutputLogProbs`` (in place): each position's logprob and id, and its top-k when k != 0."""
-    message.token_logprobs.extend([p[0] for p in positions])
-    message.token_ids.extend([p[1] for p in positions])
-    if top:
-        add = message.top_logprobs.add
-        for _, _, values, ids in positions:
-            entry = add()
-            entry.values.extend(values)
-            entry.token_ids.extend(ids)
-
-
-def fill_prompt_logprobs(message, prompt: PromptLogprobs, entry_type) -> None:
-    """``InputLogProbs`` (in place); position 0 has no logprob: an unset value, and an empty top list.
-
-    ``entry_type``: the contract's ``InputTokenLogProb`` class.
-    """
-    message.token_logprobs.add()
-    message.token_logprobs.extend([entry_type(value=p[0]) for p in prompt.positions])
-    message.token_ids.extend(prompt.ids)
-    if prompt.top:
-        message.top_logprobs.add()
-        for _, _, values, ids in prompt.positions:
-            entry = message.top_logprobs.add()
-            entry.values.extend(values)
-            entry.token_ids.extend(ids)

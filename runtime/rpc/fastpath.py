@@ -92,6 +92,7 @@ from h2.stream import StreamInputs, StreamState
 
 from enginelink.runtime.env_flags import on_off
 from enginelink.runtime.peers import LOCAL, peer_key
+from enginelink.runtime.rpc.codec import ServicerCodec
 from enginelink.runtime.rpc.grpc_limits import ConnectionGuard, GrpcLimits
 from enginelink.runtime.rpc.stream_memory import DormantEvent, LeanBuffer
 from enginelink.runtime.requests.hub import IN_FLIGHT_MAX
@@ -440,6 +441,7 @@ class GrpcServer(Server):
     """grpclib's server with ``GrpcLimits`` and, when ``fast_path``, the coalescing transport."""
 
     def __init__(self, handlers, *, limits: GrpcLimits | None = None, fast_path: bool = True, **kwargs) -> None:
+        kwargs.setdefault("codec", ServicerCodec())  # bytes pass as they are: responses serialized in slices
         super().__init__(handlers, **kwargs)
         self.guard = ConnectionGuard(limits or GrpcLimits())
         self.fast_path = fast_path

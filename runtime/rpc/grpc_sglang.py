@@ -53,6 +53,9 @@ from enginelink.wire.sglang import SGLANG_VERSION
 HEALTH_CHECK_TIMEOUT_S_DEFAULT = 20.0
 HEALTH_PROBE_PREFIX = f"{WARMUP_REQUEST_PREFIX}health-"
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+# Entries of one GetLoads ``include``: every section several times over; a list of millions would
+# hold the event loop while it is walked.
+LOAD_INCLUDE_MAX = 64
 # A control call's own bound: the reference's communicator waits max(30, timeout_s + 10).
 CONTROL_TIMEOUT_S_MIN = 30.0
 
@@ -206,6 +209,9 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
     @grpc_errors
     async def GetLoads(self, stream) -> None:
         request = await stream.recv_message()
+        if len(request.include) > LOAD_INCLUDE_MAX:  # by its length, before it is walked (issue 38)
+            raise GRPCError(Status.INVALID_ARGUMENT, f"include: {len(request.include)} sections; at most "
+                            f"{LOAD_INCLUDE_MAX} (there are {len(LOAD_SECTIONS)})")
         for section in request.include:
             if section not in LOAD_SECTIONS:
                 raise GRPCError(Status.INVALID_ARGUMENT,
