@@ -8,7 +8,10 @@ two of each that the model tells apart. vLLM offline is given them as
 video processor, ``fetch_audio``, under the engine's ``--media-io-kwargs``),
 with the chat template's prompt the router renders; enginelink gets them as
 ``media_refs`` (``--mm-processor inprocess``), directly and through the real
-SMG router (``--mm-processing worker``), and must give the same tokens.
+SMG router (``--mm-processing worker``), and must give the same tokens. (The
+router 1.13.0 takes video for Qwen3-VL only: its Qwen2-VL spec refuses a
+video chat before any worker is asked, so the video case through the router
+is a strict expected failure; the audio case passes through it.)
 
 The video engine runs with ``--media-io-kwargs '{"video": {"max_frames": 2}}'``
 (Qwen2-VL's loader samples by fps up to that many frames): the tokens equal
@@ -87,8 +90,9 @@ if __name__ == "__main__":
         mime = "video/mp4" if kind == "video" else "audio/wav"
         url = f"data:{mime};base64," + base64.b64encode(data).decode()
         case = {"data": base64.b64encode(data).decode(), "mime": mime}
-        # As vllm serve loads a URL: the engine's media kwargs, the model's own video loader.
-        for label, kwargs in (("output_ids", io_kwargs), ("default_output_ids", {})):
+        # As vllm serve loads a URL: the engine's media kwargs, the model's own video loader (and, where the
+        # engine has media kwargs, vLLM's defaults too: the tokens must differ, so the kwargs matter).
+        for label, kwargs in (("output_ids", io_kwargs), ("default_output_ids", {}))[: 2 if io_kwargs else 1]:
             conn = MediaConnector(media_io_kwargs=kwargs)
             item = conn.fetch_video(url, video_processor=name) if kind == "video" else conn.fetch_audio(url)
             result = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {kind: [item]}},
@@ -129,19 +133,34 @@ def case(request, tmp_path_factory, vllm_python):
     model = make_media_model(kind, tmp_path_factory.mktemp(f"{kind}-model") / "model", python=vllm_python)
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     io_kwargs = VIDEO_IO_KWARGS if kind == "video" else {}
-    done = subprocess.run([vllm_python, "-c", OFFLINE, kind, str(model), json.dumps(chat_ids(tokenizer, kind)),
-                           json.dumps(io_kwargs)], capture_output=True, timeout=900)  # fmt: skip
-    lines = [line for line in done.stdout.decode().splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr.decode()[-4000:]
-    offline = json.loads(lines[-1][len("RESULT "):])
+    # vLLM offline and the servicer's engine start side by side (each mostly waits on its own start-up): the
+    # module's two engine starts per clip kind overlap instead of adding up.
+    logs = tmp_path_factory.mktemp(f"{kind}-offline")
+    with open(logs / "stdout", "wb") as out, open(logs / "stderr", "wb") as err:
+        reference = subprocess.Popen([vllm_python, "-c", OFFLINE, kind, str(model),
+                                      json.dumps(chat_ids(tokenizer, kind)), json.dumps(io_kwargs)],
+                                     stdout=out, stderr=err)  # fmt: skip
     servicer = Servicer(tmp_path_factory.mktemp(kind), model_dir=model, extra=["--engine", "vllm"],
                         engine_args=ENGINE_ARGS[kind],
                         env={"ENGINELINK_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "0.5",
                              "SMG_VLLM_MM_PROCESSOR": "inprocess"})  # fmt: skip
-    servicer.start(timeout_s=START_TIMEOUT_S)
     try:
+        servicer.start(timeout_s=START_TIMEOUT_S)
+        try:
+            returncode = reference.wait(timeout=900)
+        finally:
+            if reference.poll() is None:
+                reference.kill()
+                reference.wait()
+        lines = [line for line in (logs / "stdout").read_text(errors="replace").splitlines()
+                 if line.startswith("RESULT ")]  # fmt: skip
+        assert returncode == 0 and lines, (logs / "stderr").read_text(errors="replace")[-4000:]
+        offline = json.loads(lines[-1][len("RESULT "):])
         yield Case(kind, model, tokenizer, offline, servicer)
     finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.wait()
         servicer.stop()
 
 
@@ -184,8 +203,14 @@ def test_media_io_kwargs_and_the_frame_cap_change_the_sampled_video(case):
 
 
 @pytest.mark.router
-def test_a_clip_through_the_real_router_gives_vllm_offlines_tokens(case, tmp_path):
+def test_a_clip_through_the_real_router_gives_vllm_offlines_tokens(case, tmp_path, request):
     """HTTP chat with a clip → smg 1.13.0 (``--mm-processing worker``) → enginelink → vLLM: offline's tokens."""
+    if case.kind == "video":
+        # smg 1.13.0's model registry takes video for qwen3_vl only: its qwen_vl spec (Qwen2-VL) refuses the
+        # chat with 400 "modality video is not supported by model spec qwen_vl" before any worker is asked.
+        # Strict: the day the router takes it, this passes and the mark must go.
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError,
+                                              reason="smg 1.13.0 refuses video for Qwen2-VL (qwen_vl spec)"))
     router = Router(tmp_path, case.servicer.port, case.model, extra=["--mm-processing", "worker"]).start(timeout_s=60)
     try:
         for index, expected in enumerate(case.offline):
