@@ -21,7 +21,7 @@ instead of one per record (and Python's sqlite3, which gives the GIL up
 around each step, one GIL round trip instead of one per record). The same
 10 s of a busy servicer's records cost SQLite alone 0.53 s of CPU as rows and
 0.24 s as blocks; in the servicer the writer thread went from 9-11% of its
-CPU to about 5% (docs/benchmarks.md, "Stop 21"). A record is still a record: the
+CPU to about 5% (docs/benchmarks-history.md, "Stop 21"). A record is still a record: the
 journal's seq, ring, fold and readers are unchanged, and ``Reader`` gives the
 same ``Record`` objects. No secondary index (schema 1 had two): filters on a
 stream or a kind scan the blocks in seq order, which is what their

@@ -142,8 +142,9 @@ def slices(runs: Sequence[LogprobRun], entries: int = SLICE_ENTRIES) -> Iterator
 
 
 class PromptLogprobs(NamedTuple):
-    """The prompt's logprobs: ``ids`` are the prompt's first ``positions + 1`` tokens, and
-    the runs' row i is the logprob of ``ids[i + 1]`` (position 0 has none)."""
+    """The prompt's logprobs from its position ``start`` (0 but for SGLang's ``logprob_start_len``): ``ids``
+    are the prompt's tokens ``start .. start + positions``, and the runs' row i is the logprob of
+    ``ids[i + 1]`` (``ids[0]`` has none: position 0 has no logprob, a later start begins the slice)."""
 
     top: int
     ids: list[int]
@@ -210,11 +211,12 @@ def _add_run(runs: list[LogprobRun], rows: LogprobRows, count: int, top: int,
 class ChoiceLogprobs:
     """The logprobs of one choice: fed per engine output, taken per message."""
 
-    __slots__ = ("top", "prompt_top", "pending", "last_delta", "all", "prompt", "prompt_sent")
+    __slots__ = ("top", "prompt_top", "prompt_start", "pending", "last_delta", "all", "prompt", "prompt_sent")
 
-    def __init__(self, top: int | None, prompt_top: int | None, keep_all: bool) -> None:
+    def __init__(self, top: int | None, prompt_top: int | None, keep_all: bool, prompt_start: int = 0) -> None:
         self.top = top  # output logprobs: k (-1: all); None: not asked
         self.prompt_top = prompt_top  # prompt logprobs likewise
+        self.prompt_start = prompt_start  # the prompt position they start from (its own has none)
         self.pending: list[LogprobRun] = []
         self.last_delta: list[LogprobRun] = []
         self.all: list[LogprobRun] | None = [] if keep_all else None
@@ -238,11 +240,12 @@ class ChoiceLogprobs:
             # A streaming choice's writer takes what is pending; a non-streaming one's complete takes all.
             _add_run(self.pending if self.all is None else self.all, sample, len(kept), self.top, kept)
         if self.prompt_top is not None and prompt is not None and self.prompt is None and not self.prompt_sent:
-            # Row r is the logprob of prompt token r + 1; position 0 has none.
-            count = min(prompt.rows, len(prompt_ids) - 1)
+            # Row r is the logprob of prompt token start + r + 1; the start position has none.
+            start = self.prompt_start
+            count = min(prompt.rows, len(prompt_ids) - 1 - start)
             runs: list[LogprobRun] = []
-            _add_run(runs, prompt, count, self.prompt_top, prompt_ids[1:1 + count])
-            self.prompt = PromptLogprobs(self.prompt_top, list(prompt_ids[:count + 1]), runs)
+            _add_run(runs, prompt, count, self.prompt_top, prompt_ids[start + 1:start + 1 + count])
+            self.prompt = PromptLogprobs(self.prompt_top, list(prompt_ids[start:start + count + 1]), runs)
 
     # -- to the client ---------------------------------------------------------------
 

@@ -100,7 +100,8 @@ class Call:
                 engine_id,
                 keep_output=not spec.stream,
                 stops=StopMatcher(automaton, tokenizer, spec.skip_special_tokens) if automaton else None,
-                logprobs=ChoiceLogprobs(top, prompt_top, keep_all=not spec.stream) if with_logprobs else None,
+                logprobs=ChoiceLogprobs(top, prompt_top, keep_all=not spec.stream,
+                                        prompt_start=sampling.prompt_logprobs_start) if with_logprobs else None,
             )
             for index, engine_id in enumerate(spec.engine_ids)
         ]

@@ -43,12 +43,17 @@ becomes the wire's dead frame.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from array import array
 from typing import Any, Final, Sequence
+
+import msgspec
 
 from enginelink.machines.sim_core import SimEngineCore
 from enginelink.machines.sim_legs import SimLeg, room_line
 from enginelink.wire import sglang, sglang_structs as ss, tokenspeed, vllm
+from enginelink.wire.vllm_mm import DTYPE_BYTES
 from enginelink.wire.engine import (
     EngineDead, FinishReason, GenerateSpec, OutputBatch, PoolingSpec, SamplingSpec, WireError,
 )
@@ -187,13 +192,23 @@ def _refusal(core: SimEngineCore, prompt: Sequence[int], pooling: bool) -> str:
 
 
 class SglangPersonality(_Personality):
-    """The engine side of SGLang 0.5.23's scheduler wire (msgpack mode, ``--skip-tokenizer-init``)."""
+    """The engine side of SGLang 0.5.23's scheduler wire (msgpack mode, ``--skip-tokenizer-init``).
 
-    def __init__(self, core: SimEngineCore, leg: SimLeg = NO_LEG) -> None:
+    ``supports_vision``: the model takes images (what the real launcher reports from SGLang's model
+    config). A request's ``mm_inputs`` (the scheduler's ``MultimodalProcessorOutput``) is then checked
+    as the scheduler would find it (one image item, its feature a tensor whose bytes fit its shape,
+    offsets inside the prompt) and its placeholder ranges padded with values drawn from the image's
+    bytes, as SGLang's ``pad_input_ids`` pads them with the item's hash-derived sentinels (folded into
+    the vocabulary here, so the sim's tokens and KV events stay ordinary ids): the same image gives the
+    same tokens and cache blocks, another image others. Without vision such a request ends ``abort`` 400.
+    """
+
+    def __init__(self, core: SimEngineCore, leg: SimLeg = NO_LEG, supports_vision: bool = False) -> None:
         super().__init__(core, leg)
+        self.supports_vision = supports_vision
         self._profiling = False
         self._pooling: set[str] = set()
-        self._prompt_ids: dict[str, list[int]] = {}
+        self._prompt_ids: dict[str, tuple[int, int]] = {}
 
     def handle(self, frames: Sequence[bytes], now: float) -> list[list[bytes]]:
         """One message from the front end's PUSH; the messages to push back now."""
@@ -237,6 +252,7 @@ class SglangPersonality(_Personality):
             self.notes.append(room_line(self.leg, rank, req.rid or "", req.bootstrap_host, req.bootstrap_port,
                                         req.bootstrap_room))
         max_new = self.leg.max_new_tokens(sp.max_new_tokens)
+        start = req.logprob_start_len
         sampling = _sampling(
             sp.temperature, sp.top_k, max_tokens=self._room(prompt) if max_new is None else max(1, max_new),
             top_p=sp.top_p, min_p=sp.min_p, frequency_penalty=sp.frequency_penalty,
@@ -244,13 +260,27 @@ class SglangPersonality(_Personality):
             min_tokens=sp.min_new_tokens, stop_token_ids=tuple(sp.stop_token_ids or ()), eos_token_ids=self._eos(),
             ignore_eos=sp.ignore_eos, seed=sp.sampling_seed,
             logprobs=req.top_logprobs_num if req.return_logprob else None,
-            # SGLang's logprob_start_len 0: every prompt position (the first has no value).
-            prompt_logprobs=req.top_logprobs_num if req.return_logprob and req.logprob_start_len == 0 else None,
+            # SGLang's logprob_start_len N: prompt positions N.. (N's own value is None); -1 or the
+            # prompt's end: none.
+            prompt_logprobs=req.top_logprobs_num if req.return_logprob and 0 <= start < len(prompt) else None,
         )
+        if req.mm_inputs is not None:
+            padded = _padded_prompt(req.mm_inputs, prompt, self.core.config.vocab_size, self.supports_vision)
+            if isinstance(padded, str):  # the scheduler's refusal, in the sim's words
+                return [sglang.encode_outputs(sglang.token_batch(
+                    [req.rid or ""], [[]], [sglang.finish_abort(padded, 400, "BadRequestError")],
+                    prompt_tokens=[len(prompt)], completion_tokens=[0]))]
+            prompt = padded
         spec = GenerateSpec(request_id=req.rid or "", prompt_token_ids=prompt, sampling=sampling,
                             cache_salt=req.cache_salt)
+        if req.return_logprob and start > len(prompt):  # the scheduler's own refusal (Scheduler.handle_generate_request)
+            message = (f"req.logprob_start_len={start} is higher than the number of input tokens "
+                       f"len(req.origin_input_ids)={len(prompt)}. Please use a smaller logprob_start_len.")
+            return [sglang.encode_outputs(sglang.token_batch(
+                [spec.request_id], [[]], [sglang.finish_abort(message, 400, "BadRequestError")],
+                prompt_tokens=[len(prompt)], completion_tokens=[0]))]
         if sampling.prompt_logprobs is not None:
-            self._prompt_ids[spec.request_id] = list(prompt[:1])  # position 0's id (it has no logprob row)
+            self._prompt_ids[spec.request_id] = (start, prompt[start])  # the start's id (it has no value)
         return self._now(self._add(spec, now, prefill_only=max_new == 0), prompt, pooling=False)
 
     def _embed(self, req: ss.TokenizedEmbeddingReqInput, now: float) -> list[list[bytes]]:
@@ -314,7 +344,8 @@ class SglangPersonality(_Personality):
                            output_top_logprobs_val=top_val, output_top_logprobs_idx=top_idx)
         prompts = [self._prompt_rows.pop(out.request_id, None) for out, _, _ in entries]
         if any(p is not None for p in prompts):
-            columns.update(self._input_columns(prompts, [self._prompt_ids.pop(o.request_id, []) for o, _, _ in entries]))
+            columns.update(self._input_columns(prompts, [self._prompt_ids.pop(o.request_id, (0, 0))
+                                                         for o, _, _ in entries]))
         # The producing rank, as SGLang's output streamer names it (``dp_ranks``; None without DP).
         config = self.core.config
         columns["dp_ranks"] = [config.engine_index if config.data_parallel_size > 1 else None] * len(entries)
@@ -325,18 +356,20 @@ class SglangPersonality(_Personality):
         return sglang.encode_outputs(batch)
 
     @staticmethod
-    def _input_columns(prompts: list, prompt_ids: list[list[int]]) -> dict[str, list]:
-        """SGLang's input logprob columns, sent once with a request's first output: position 0 has no value."""
+    def _input_columns(prompts: list, starts: list[tuple[int, int]]) -> dict[str, list]:
+        """SGLang's input logprob columns, sent once with a request's first output: from its start position
+        (``logprob_start_len``, whose own value is None: ``_process_input_token_logprobs``) to the prompt's end.
+        The core's rows are positions 1.. of the whole prompt: row r is position r + 1."""
         val, idx, top_val, top_idx = [], [], [], []
-        for rows, ids in zip(prompts, prompt_ids):
+        for rows, (start, first_id) in zip(prompts, starts):
             if rows is None:
                 val.append([]), idx.append([]), top_val.append([]), top_idx.append([])
                 continue
-            c = rows.cols
-            val.append([None, *(rows.logprobs[i * c] for i in range(rows.rows))])
-            idx.append([ids[0], *(rows.token_ids[i * c] for i in range(rows.rows))])
-            top_val.append([[], *([list(rows.logprobs[i * c + 1:(i + 1) * c]) for i in range(rows.rows)])])
-            top_idx.append([[], *([list(rows.token_ids[i * c + 1:(i + 1) * c]) for i in range(rows.rows)])])
+            c, kept = rows.cols, range(start, rows.rows)
+            val.append([None, *(rows.logprobs[i * c] for i in kept)])
+            idx.append([first_id, *(rows.token_ids[i * c] for i in kept)])
+            top_val.append([[], *([list(rows.logprobs[i * c + 1:(i + 1) * c]) for i in kept])])
+            top_idx.append([[], *([list(rows.token_ids[i * c + 1:(i + 1) * c]) for i in kept])])
         return dict(input_token_logprobs_val=val, input_token_logprobs_idx=idx,
                     input_top_logprobs_val=top_val, input_top_logprobs_idx=top_idx)
 
@@ -415,6 +448,38 @@ class TokenSpeedPersonality(_Personality):
 
 _TS_FINISH: Final = {None: "", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                      FinishReason.ABORT: "abort", FinishReason.ERROR: "abort", FinishReason.REPETITION: "stop"}
+
+
+def _padded_prompt(mm: ss.MultimodalProcessorOutput, prompt: list[int], vocab: int,
+                   supports_vision: bool) -> list[int] | str:
+    """The prompt with each image's offsets padded (see ``SglangPersonality``), or why the scheduler refuses."""
+    if not supports_vision:
+        return "The model does not take multimodal input (it is not multimodal, or --language-model-only)."
+    if len(mm.mm_items) != 1 or mm.mm_items[0].modality != ss.MODALITY_IMAGE:
+        return f"Expected one image item, got {[item.modality for item in mm.mm_items]}"
+    item = mm.mm_items[0]
+    digest = hashlib.blake2b(digest_size=8)
+    for name, value in [("feature", item.feature), *sorted(item.model_specific_data.items())]:
+        if not (isinstance(value, msgspec.msgpack.Ext) and value.code == ss.EXT_TORCH_TENSOR):
+            return f"multimodal {name} is not a tensor"
+        try:
+            shape, dtype, data = ss.unpack_tensor(value.data)
+        except ValueError as error:
+            return f"multimodal {name}: {error}"
+        width = DTYPE_BYTES.get(dtype)
+        if width is None or len(data) != math.prod(shape) * width:
+            return f"multimodal {name}: {len(data)} bytes for {dtype} {list(shape)}"
+        digest.update(name.encode() + data)
+    pad = _FIRST_PAD + int.from_bytes(digest.digest(), "little") % (vocab - _FIRST_PAD)
+    padded = list(prompt)
+    for start, end in item.offsets or ():
+        if not 0 <= start <= end < len(prompt):
+            return f"Invalid multimodal token offsets: offset=({start}, {end}), num_tokens={len(prompt)}"
+        padded[start:end + 1] = [pad] * (end - start + 1)
+    return padded
+
+
+_FIRST_PAD: Final = 16  # pad values stay clear of the low (special) ids
 
 
 def _ids(ids: Any, rid: str | None) -> list[int]:

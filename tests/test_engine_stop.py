@@ -4,7 +4,7 @@ A real vLLM engine once took 21 s to stop (its launcher sat on SIGTERM for
 11 s) and left its Worker running, reparented to PID 1. The property: when
 ``enginelink serve`` exits, no process whose session id is the engine's is
 left, and it exits within its drain time plus the documented bound
-(README, "Lifecycle": ``ENGINELINK_ENGINE_STOP_GRACE_SECS`` + 8 s).
+(docs/running.md, "Lifecycle, readiness and metrics": ``ENGINELINK_ENGINE_STOP_GRACE_SECS`` + 8 s).
 
 The sim engine plays the stubborn parts on request: a child that ignores
 SIGTERM and leaves the engine's process group (``--fault-stray-child``, a
@@ -27,7 +27,7 @@ from tests.test_lifecycle import PROMPT, SLOW_ENGINE, StreamReader
 
 pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
 
-# README: after the drain, a SIGTERMed servicer exits within the stop grace + this
+# docs/running.md: after the drain, a SIGTERMed servicer exits within the stop grace + this
 # (1 s for the drain's aborts, 5 s for a SIGKILLed process to vanish, 2 s to close gRPC).
 STOP_BOUND_OVER_GRACE_S = 8.0
 DRAIN_S = 1.0

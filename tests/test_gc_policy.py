@@ -2,7 +2,7 @@
 
 At SERVING the servicer freezes its start-up heap and raises the young
 collection threshold (runtime/lifetime/gc_policy.py; the cause in
-docs/benchmarks.md, "Stop 17"); ``ENGINELINK_GC_FREEZE=0`` with
+docs/benchmarks-history.md, "Stop 17"); ``ENGINELINK_GC_FREEZE=0`` with
 ``ENGINELINK_GC_YOUNG=700`` gives Python's own collector back.
 """
 

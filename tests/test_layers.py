@@ -81,3 +81,12 @@ def test_an_upward_import_is_reported(tmp_path):
     assert result.returncode == 1, output
     assert re.search(r"enginelink\.runtime\.[\w.]+ -> enginelink\.wire\.\w+", output), output
     assert "Contracts: 0 kept, 1 broken." in output, output
+
+
+def test_architecture_names_every_contract():
+    """docs/architecture.md, "Layers", says what each contract holds: one bold name per contract id, none stale."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    ids = {c["id"] for c in _config()["tool"]["importlinter"]["contracts"]}
+    named = set(re.findall(r"\*\*([a-z-]+)\*\*: ", text.split("## The hot path")[0]))
+    assert ids == named, f"contracts in pyproject.toml: {sorted(ids)}; named in docs/architecture.md: {sorted(named)}"
+

@@ -230,7 +230,7 @@ def test_make_test_model_prints_the_path_serve_uses(tmp_path):
 
 @pytest.mark.parametrize("command", [["serve"], ["sim-engine"], ["make-test-model"], ["inspect"]])
 def test_every_flag_is_explained(command):
-    """Each flag of these commands has a help text, and serve's help names the `--` rule and the README."""
+    """Each flag of these commands has a help text, and serve's help names the `--` rule and where the settings are."""
     import argparse
     import importlib
 
@@ -243,7 +243,7 @@ def test_every_flag_is_explained(command):
     if command == ["serve"]:
         text = parser.format_help()
         assert "Arguments after `--` go to the engine and nowhere else" in text
-        assert 'README.md, "Running"' in text
+        assert 'docs/running.md, "Settings"' in text
 
 
 @pytest.mark.process

@@ -1,6 +1,6 @@
 """What keeps the engine full: the front end gets the CPU first, and no transport limit below admission.
 
-Both were found measuring a real vLLM engine (docs/benchmarks.md): its
+Both were found measuring a real vLLM engine (docs/benchmarks-history.md): its
 processes busy-poll, so a servicer at the same priority waited for a core on
 every wake-up; and h2's default of 100 concurrent streams per connection held
 the 101st call in the client. These tests run ``enginelink serve`` over the

@@ -148,3 +148,61 @@ def test_sglangs_own_parser_takes_our_arguments_and_the_script_calls_names_the_r
     server_args_src = (root / "srt" / "server_args.py").read_text()
     for field in ("scheduler_input_ipc_name", "tokenizer_ipc_name", "detokenizer_ipc_name"):
         assert f"    {field}: str" in server_args_src, field
+
+
+# build_config in a process of its own (grpclib's and grpcio's protos cannot share a descriptor pool), with the
+# release check stood in for: the scheduler's argv after `--`, and what the relay's plan follows.
+KV_ARGV = """
+import argparse, json, sys
+from enginelink.runtime.engine.sglang_launch import SglangLauncher
+from enginelink.tools import serve
+serve._sglang_launcher = lambda model_dir, engine_args: SglangLauncher("/sgl/bin/python", model_dir, engine_args)
+parser = argparse.ArgumentParser()
+serve.add_arguments(parser)
+args = parser.parse_args(["--engine", "sglang", "--model", sys.argv[1]])
+args.engine_args = sys.argv[2:]
+config = serve.build_config(args)
+argv, _ = config.launcher.scheduler_command("ipc:///x/in", "ipc:///x/out", 3)
+plan = config.kv_events
+print(json.dumps([argv[argv.index("--") + 1:], plan and [[r.pub, r.sub_binds, r.replay] for r in plan.ranks]]))
+"""
+# SGLang's own reading of those arguments: its parser, then its publisher factory (constructors recorded).
+SGLANG_KV_PROBE = """
+import json, sys
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.disaggregation.kv_events import EventPublisherFactory as F
+a = prepare_server_args(json.loads(sys.argv[1]))
+made = {}
+F._registry = {k: (lambda k: lambda **kw: made.update(kind=k, **kw))(k) for k in F._registry}
+F.create(a.kv_events_config)
+print(json.dumps({k: made.get(k) for k in ("kind", "endpoint", "replay_endpoint", "topic")}))
+"""
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("given", [None, {"publisher": "zmq", "endpoint": "tcp://*:5557",
+                                          "replay_endpoint": "tcp://*:5558"}], ids=["default", "reference_example"])
+def test_sglangs_kv_publisher_is_on_in_its_own_config_form_and_the_relay_follows_it(tmp_path, socket_dir,
+                                                                                    test_model_dir, given):
+    """Issue 33 item 5: without a flag enginelink turns SGLang's publisher on in SGLang's own form; the reference's
+    example form (no vLLM switch) is kept and relayed, where it used to be read as "not publishing"."""
+    extra = [] if given is None else ["--kv-events-config", json.dumps(given)]
+    done = subprocess.run([sys.executable, "-c", KV_ARGV, str(test_model_dir), *extra], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "SMG_ZMQ_SOCKET_DIR": str(socket_dir)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs, ranks = json.loads(done.stdout.strip().splitlines()[-1])
+    text = theirs[theirs.index("--kv-events-config") + 1]
+    config = json.loads(text)
+    assert "enable_kv_cache_events" not in config and config["publisher"] == "zmq"
+    if given is None:
+        assert ranks == [[config["endpoint"], False, config["replay_endpoint"]]]
+        assert config["endpoint"].startswith(f"ipc://{socket_dir}/")
+    else:
+        assert config == given and ranks == [["tcp://127.0.0.1:5557", False, "tcp://127.0.0.1:5558"]]
+    python = side_python_or_skip("sglang")
+    probe = subprocess.run([python, "-c", SGLANG_KV_PROBE, json.dumps(theirs)], capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    made = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert made == {"kind": "zmq", "endpoint": config["endpoint"], "replay_endpoint": config["replay_endpoint"],
+                    "topic": config.get("topic", "")}

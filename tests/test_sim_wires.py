@@ -410,8 +410,10 @@ def test_sglang_publishes_kv_events_and_refuses_a_too_long_prompt(sgl_engine):
     front.send(front.codec.encode_add(spec("kv", max_tokens=1, prompt=[9] * 33, ignore_eos=True)))
     collect(front.next_batch, "kv")
     _, _, payload = kv_events.parse_pub_message(recv(sub))
-    stored = kv_events.decode_batch(payload).events[0]
-    assert isinstance(stored, kv_events.WireStored) and stored.token_ids == tuple([9] * 32)
+    first, second = kv_events.decode_batch(payload).events
+    # As SGLang's publisher: one BlockStored per page, each under the one before (wire/kv_engines.py).
+    assert isinstance(first, kv_events.WireStored) and first.token_ids == tuple([9] * 16)
+    assert second.token_ids == tuple([9] * 16) and second.parent_block_hash == first.block_hashes[0]
 
     front.send(front.codec.encode_add(spec("huge", prompt=[7] * MAX_LEN)))
     _, outs = collect(front.next_batch, "huge")

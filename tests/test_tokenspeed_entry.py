@@ -119,7 +119,9 @@ def test_ts_serve_starts_enginelink_as_its_engine(tmp_path, test_model_dir, sock
             assert replies[-1].complete.completion_tokens == 2
         engine = json.loads((tmp_path / "argv.json").read_text())
         assert engine[engine.index("--model-path") + 1] == str(test_model_dir)
-        assert engine[-2:] == ["--step-us", "1000"]
+        # The operator's engine args, then the KV-event publisher enginelink turns on (TokenSpeed's own form).
+        assert engine[-4:-1] == ["--step-us", "1000", "--kv-events-config"]
+        assert json.loads(engine[-1])["enable_kv_cache_events"] is True
     finally:
         end_process(process, lambda: process.send_signal(signal.SIGTERM))
         log.close()

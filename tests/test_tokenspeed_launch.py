@@ -120,7 +120,9 @@ def test_the_launch_path_end_to_end_through_a_stand_in_interpreter(tmp_path, tes
         argv = json.loads(recorded.read_text())
         port = argv[argv.index("--data-parallel-rpc-port") + 1]
         assert argv[argv.index("--data-parallel-address") + 1] == "127.0.0.1" and port.isdigit()
-        assert argv[-2:] == ["--step-us", "1000"]
+        # The operator's engine args, then the KV-event publisher enginelink turns on (TokenSpeed's own form).
+        assert argv[-4:-1] == ["--step-us", "1000", "--kv-events-config"]
+        assert json.loads(argv[-1])["enable_kv_cache_events"] is True
         stub = pb_grpc.TokenSpeedSchedulerStub(servicer.channel)
         replies = list(stub.Generate(pb.GenerateRequest(
             request_id="launched", tokenized=pb.TokenizedInput(input_ids=[5, 6, 7]),
@@ -194,3 +196,40 @@ def test_without_enable_output_logprobs_a_logprob_request_is_refused_before_the_
                 service.edge.validate(asks, limits, 0.0)
             assert refused.value.field == "return_logprob"
             assert "started without --enable-output-logprobs" in str(refused.value)
+
+
+@pytest.mark.process
+def test_the_engines_kv_events_are_turned_on_in_its_dialect_and_relayed(tmp_path, test_model_dir):
+    """Issue 33 item 5: `serve --engine tokenspeed` turns TokenSpeed's publisher on (its own config form, which
+    TokenSpeed's own factory reads as enabled) and SubscribeKvEvents relays it (the stand-in runs the sim's
+    TokenSpeed personality, which publishes as TokenSpeed's publisher does)."""
+    from tests.kv.kv_client import KvSubscription, prompt
+
+    stand_in = tmp_path / "ts-python"
+    stand_in.write_text(STAND_IN.replace("{python}", sys.executable).replace("{module}", ENGINE_MODULE))
+    stand_in.chmod(0o755)
+    recorded = tmp_path / "argv.json"
+    env = {"ENGINELINK_TOKENSPEED_PYTHON": str(stand_in), "ENGINELINK_TOKENSPEED_LAYOUT_FILE": str(LAYOUT_FILE),
+           "TS_STAND_IN_ARGV": str(recorded), "ENGINELINK_WARMUP": "off"}
+    with Servicer(tmp_path, model_dir=test_model_dir, extra=["--engine", "tokenspeed"], env=env,
+                  health_service=SERVICE) as servicer:
+        servicer.stub = pb_grpc.TokenSpeedSchedulerStub(servicer.channel)
+        argv = json.loads(recorded.read_text())
+        text = argv[argv.index("--kv-events-config") + 1]
+        assert json.loads(text)["enable_kv_cache_events"] is True
+        ids = prompt(5, 32)
+        with KvSubscription(servicer, 0) as sub:
+            list(servicer.stub.Generate(pb.GenerateRequest(
+                request_id="kv", tokenized=pb.TokenizedInput(input_ids=ids),
+                sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=1)), timeout=30))
+            (batch,) = sub.wait(lambda s: s.kv_batches(), what="the engine's first batch")
+            (stored,) = [e.stored for e in batch.events if e.WhichOneof("data") == "stored"]
+            assert [t for block in stored.blocks for t in block.token_ids] == ids  # two 16-token blocks
+    python = engine_compat.default_python("tokenspeed")
+    if Path(python).exists():  # TokenSpeed's own factory reads the text enginelink gave it as publishing
+        probe = ("import sys\nfrom tokenspeed.runtime.pd.kv_events import EventPublisherFactory as F\n"
+                 "print(F.is_enabled(sys.argv[1]))\n")
+        import subprocess
+
+        done = subprocess.run([python, "-c", probe, text], capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip().splitlines()[-1] == "True", done.stderr[-2000:]

@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sample the servicer with py-spy over the load window (.svg flame graph, "
                         ".txt collapsed stacks); needs py-spy on PATH or in the venv")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.svg",
+                   help="also draw the run's figures into this SVG: per arm and concurrency, tokens/s and the "
+                        "servicer's CPU per token (needs matplotlib: pip install 'enginelink[bench]')")
     p.set_defaults(engine_args=[])
 
 
@@ -215,6 +218,14 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     engine = getattr(args, "engine", "sim")
+    if getattr(args, "plot", None) is not None:
+        from enginelink.tools.bench_plot import PlotError, check
+
+        try:
+            check(args.plot)  # before the run, not after an hour of it
+        except PlotError as error:
+            print(f"enginelink bench: {error}", file=sys.stderr)
+            return 2
     if getattr(args, "wire", "vllm") != "vllm" and (engine != "sim" or args.against):
         print("enginelink bench: --wire goes with the sim engine (no --engine vllm/mlx, no --against)", file=sys.stderr)
         return 2
@@ -257,5 +268,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"enginelink bench: {error}", file=sys.stderr)
         return 2 if isinstance(error, OptionError) else 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    from enginelink.tools.bench_plot import maybe_write
+
+    maybe_write(args, report)
     # Failed or short calls make the figures suspect: say so in the exit status.
     return 0 if report["errors"] == 0 and report["short"] == 0 else 1

@@ -3,7 +3,7 @@
 ``python -m enginelink.tools.bench_contracts [--calls 128] [--steps 200] [--rounds 5]``
 
 Why: on a shared machine ``enginelink bench --wire X`` pairs scatter by tens of
-percent (docs/benchmarks.md), while what differs between the contracts is a
+percent (docs/benchmarks-history.md), while what differs between the contracts is a
 few known steps per token: the codec's decode of the engine's output frame,
 the edge's chunk bytes, the per-output objects. This runs exactly those, the
 way the servicer runs them: ``codec.decode_output`` of a step frame as each

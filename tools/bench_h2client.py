@@ -3,7 +3,7 @@
 Why it exists. On a small machine the load client shares the cores with
 the engine and the servicer, so its CPU is counted against enginelink:
 grpc.aio spends about as much per streamed message as the servicer
-(docs/benchmarks.md, "The load client counts against enginelink"). The
+(docs/benchmarks-history.md, "The load client counts against enginelink"). The
 users' router is native code. This
 client reads the wire directly (one ``recv`` per batch of frames, a 9-byte
 header parse per frame, one protobuf parse per message), so what the bench

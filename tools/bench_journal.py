@@ -7,7 +7,7 @@ pending buffer: the worst case of the hot path. Nothing is flushed to disk
 during the loop (the flusher is a trio task, and none runs here).
 
 It was a test that printed and asserted nothing; figures belong here and in
-docs/benchmarks.md, not in the test suite. Its output is one JSON object per
+docs/benchmarks-history.md, not in the test suite. Its output is one JSON object per
 payload kind (``--json``) or one line for a person.
 """
 

@@ -292,6 +292,9 @@ def run(args: argparse.Namespace) -> int:
             results.append(result)
     report = {"machine": machine_facts(), "engine": "mlx", "requests": requests, "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "model": str(model_dir), "results": results}
+    from enginelink.tools.bench_plot import maybe_write
+
+    maybe_write(args, report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

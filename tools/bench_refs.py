@@ -300,6 +300,9 @@ def run_sim(args: argparse.Namespace) -> int:
     report = {"machine": machine_facts(), "engine": "sim", "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "requests": args.requests, "duration_s": args.duration_s,
               "model": str(model_dir), "results": results}
+    from enginelink.tools.bench_plot import maybe_write
+
+    maybe_write(args, report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -32,7 +32,7 @@ enginelink: an SMG gRPC servicer (the smg VllmEngine contract) in front of an LL
 (a real vLLM, or the embedded sim engine), and its tools.
 
   enginelink serve [FLAGS] [-- ENGINE ARGS]   only what follows `--` goes to the engine"""
-KNOBS_POINTER = "Every setting (flags and ENGINELINK_* / SMG_* environment variables) is in README.md, \"Running\"."
+KNOBS_POINTER = "Every setting (flags and ENGINELINK_* / SMG_* environment variables) is in docs/running.md, \"Settings\"."
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,7 +258,7 @@ def render() -> str:
                                             rows), ""]
     own = [k for k in knobs.KNOBS if k.origin == "enginelink"]
     out += ["## enginelink's own names", "",
-            "Known to the typo check; what each sets is in README.md, \"Running\".", "",
+            "Known to the typo check; what each sets is in docs/running.md, \"Settings\".", "",
             *_table(("variable", "what"), [(f"`{k.name}`", k.meaning + (" (tooling)" if k.status == knobs.TOOLING
                                                                           else "")) for k in own]), ""]
     return "\n".join(out)

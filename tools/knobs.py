@@ -99,14 +99,10 @@ def _engine_knobs(contract: str) -> list[Knob]:
                       "planned warm-up: full, fast, off, a budget in seconds, or <level>:<seconds>",
                       "the warm-up setting (`ENGINELINK_WARMUP` wins); a bad value exits 2", _ENGINE_TEST,
                       contracts=CONTRACTS if contract == "vllm" else only, setting="warmup"))
-    kv_engines = ("tokenspeed",) if contract == "tokenspeed" else ()
     knobs.append(Knob(f"SMG_{word}_SERVICER_KV_EVENTS", HONOURED,
                       "0/off leaves the engine's KV-event publisher off when no --kv-events-config is given",
                       "the KV-event relay's on/off (`ENGINELINK_KV_EVENTS` wins)", _ENGINE_TEST,
-                      contracts=CONTRACTS if contract == "vllm" else only, setting="kv_events",
-                      unless_engine=kv_engines,
-                      engine_why="KV events from a real TokenSpeed engine are not relayed yet (README, "
-                                 "\"TokenSpeed\"); its publisher stays as its own --kv-events-config says"))
+                      contracts=CONTRACTS if contract == "vllm" else only, setting="kv_events"))
     for part, flag in (("PORT", "--metrics-port"), ("HOST", "--metrics-host")):
         knobs.append(Knob(f"SMG_{word}_SERVICER_METRICS_{part}", HONOURED,
                           f"the servicer's Prometheus endpoint {part.lower()} when `{flag}` is not given",

@@ -9,7 +9,7 @@ answering finished streams with new ones) lands spread over a millisecond
 or more; admitted as it landed, the first request of the burst started a
 step ahead of the others and the batch never came back into step: on the
 tiny test model such steps cost a third more CPU than the same batch in
-step, and the split joins more on top (docs/benchmarks.md, MLX). mlx-lm
+step, and the split joins more on top (docs/benchmarks-history.md, MLX). mlx-lm
 driven in-process inserts a burst at once; the reference servicer waits for
 an idle engine's burst (``MLX_COALESCE_MS``, 50 ms).
 

@@ -88,7 +88,7 @@ def _extend_keeping_dtype(original):
     empty one becomes float32, and every cache merged into it after that too. That happens
     whenever a prompt arrives while another is part-way through its prefill (a burst split
     across a step), so under any traffic that does not arrive in lockstep: the KV cache doubles
-    in size and each decode step on the tiny model cost 45-75% more CPU (docs/benchmarks.md,
+    in size and each decode step on the tiny model cost 45-75% more CPU (docs/benchmarks-history.md,
     MLX). The keys and values go back to the dtype the cache had (values that were that dtype
     upcast: exact)."""
 
@@ -156,7 +156,7 @@ def _draw(logprobs: mx.array, key: mx.array, inv_temp: mx.array) -> tuple[mx.arr
     Compiled (as mlx-lm's own ``categorical_sampling``): uncompiled, the split, its
     unpacking and the draw were a dozen graph nodes per row per step, each
     paid on this thread and on MLX's, which cost 18% more CPU per token than
-    mlx-lm's shared sampler (docs/benchmarks.md, MLX); compiled, the same.
+    mlx-lm's shared sampler (docs/benchmarks-history.md, MLX); compiled, the same.
     The same tokens either way. ``inv_temp`` is an array so one compiled graph
     serves every temperature.
     """

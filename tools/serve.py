@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # the description's lines are written as shown
     p.epilog = ("Every setting, flags and environment variables (ENGINELINK_*, SMG_*), with its default: "
-                "README.md, \"Running\".")
+                "docs/running.md, \"Settings\".")
     from enginelink.runtime.lifetime.engines import ENGINES, WIRES
 
     p.add_argument("--engine", choices=list(ENGINES), default=os.environ.get("ENGINELINK_ENGINE", "sim"),
@@ -307,18 +307,9 @@ def _seconds(setting: str, contract: str, default: float, positive: bool = False
     return (_env_positive if positive else _env_seconds)(*names, default=default)
 
 
-def _check_socket_dir() -> None:
-    from enginelink.runtime.engine.socket_files import socket_dir
-    from enginelink.runtime.engine.socket_files import SocketDirError
-
-    try:
-        socket_dir()
-    except SocketDirError as error:
-        raise ConfigError(str(error)) from None
-
-
-def _kv_events(engine: str, engine_args: list[str], contract: str):
-    """The engine args with the KV-event publisher turned on (unless off or given), and the relay's plan."""
+def _kv_events(engine: str, engine_args: list[str], contract: str, dialect: str):
+    """The engine args with the KV-event publisher turned on (unless off or given), and the relay's plan;
+    ``dialect`` is the engine wire's (``wire/kv_engines.py``: how it reads ``--kv-events-config``)."""
     from enginelink.runtime.engine.socket_files import SOCKET_PREFIX, socket_dir
     from enginelink.runtime.engine.socket_files import SocketDirError
     from enginelink.runtime.kv.kv_config import KvConfigError, plan_kv_events
@@ -330,7 +321,7 @@ def _kv_events(engine: str, engine_args: list[str], contract: str):
     try:
         return plan_kv_events(engine, engine_args, os.environ, socket_dir=directory,
                               prefix=f"{SOCKET_PREFIX}{os.getpid()}-{engine}",
-                              knobs=knobs.names("kv_events", contract))  # fmt: skip
+                              knobs=knobs.names("kv_events", contract), dialect=dialect)  # fmt: skip
     except KvConfigError as error:
         raise ConfigError(str(error)) from None
 
@@ -370,7 +361,7 @@ def _capture_cap(engine_args: list[str]) -> list[str]:
 
 def _node_rank(engine_args: list[str]) -> None:
     """A multi-node vLLM engine (``--nnodes N``): enginelink runs on the leader, node rank 0;
-    the other nodes run ``vllm serve --headless --node-rank K`` (README, "Multi-node engines")."""
+    the other nodes run ``vllm serve --headless --node-rank K`` (docs/running.md, "Multi-node engines")."""
     rank = flag_value(engine_args, "--node-rank") or flag_value(engine_args, "-r")
     if rank not in (None, "0"):
         raise ConfigError(f"--node-rank {rank}: enginelink fronts the leader, node rank 0; the other nodes run "
@@ -481,12 +472,8 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
     model_dir = source.local_dir
     if args.engine == "mlx":  # one rank, no KV-event publisher (mlx-lm has neither)
         engine_args, kv_events, ranks = list(args.engine_args), None, (0,)
-    elif args.engine == "tokenspeed":  # its --kv-events-config is its own: relayed only when that is verified
-        engine_args, kv_events = list(args.engine_args), None
-        _check_socket_dir()  # as _kv_events does for the others: exit 2 before anything starts
-        ranks = _engine_ranks(args.engine, engine_args)
-    else:
-        engine_args, kv_events = _kv_events(args.engine, list(args.engine_args), choice.contract)
+    else:  # each engine's publisher, read in its own dialect (the sim's: its wire's)
+        engine_args, kv_events = _kv_events(args.engine, list(args.engine_args), choice.contract, choice.codec)
         ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
     if choice.contract == "sglang":
         from enginelink.runtime.rpc.grpc_sglang import health_check_timeout_s

@@ -20,9 +20,11 @@ Rules:
 - it never orphans: SIGTERM/SIGINT end it with status 0, and it exits when
   its parent process goes away (``os.getppid`` changes).
 - plain blocking pyzmq is fine here: this is its own process, outside trio.
-- KV events (``--kv-events-config JSON``, vLLM's flag and keys): a PUB socket
-  that binds or connects by vLLM's rule and a replay ROUTER that always
-  binds, both offset by the rank; one batch per engine step that has events
+- KV events (``--kv-events-config JSON``, the flag and keys of the engine
+  its wire plays: vLLM's, SGLang's or TokenSpeed's, ``wire/kv_engines.py``):
+  a PUB socket that binds or connects by that engine's rule and a replay
+  ROUTER that always binds, both offset by the rank; one batch per engine
+  step that has events, encoded as that engine's publisher does
   (``sim_kv.py``). The ready response's ``kv_events_config`` carries the
   config with the endpoints this rank actually bound (a tcp port 0 resolved).
   ``--kv-fault-*`` plan publisher faults; the utility call
@@ -47,7 +49,7 @@ import zmq
 from enginelink.machines.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
 from enginelink.machines.sim_legs import LEG_MODES, SimLeg
 from enginelink.tools.sim_kv import KvEventHooks, SimKvFaults, SimKvPublisher
-from enginelink.wire import kv_events, vllm
+from enginelink.wire import kv_engines, kv_events, vllm
 from enginelink.wire.engine import WireError
 
 if TYPE_CHECKING:
@@ -64,7 +66,7 @@ Run the deterministic sim engine: one rank of `vllm serve --headless`, on vLLM's
 `enginelink serve` launches it (the default --engine sim) and fills in --handshake and
 --model; give it the other flags after serve's `--`, e.g.
   enginelink serve -- --step-us 20000 --max-num-seqs 64
-Settings of the servicer itself: README.md, "Running"."""
+Settings of the servicer itself: docs/running.md, "Settings"; this engine: docs/engines/sim.md."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,9 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generate (default), or pooling: an embedding engine, as vLLM's --runner pooling")
     parser.add_argument("--embed-dim", type=int, default=None, metavar="N",
                         help="pooled vector length under --runner pooling (default: config.json hidden_size, else 256)")
-    parser.add_argument("--kv-events-config", type=_kv_config, default=None, metavar="JSON",
-                        help="vLLM's KV-event publisher config, e.g. "
-                        '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\'')
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="the KV-event publisher config, in the dialect of the engine --wire plays: vLLM's "
+                        'and TokenSpeed\'s \'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":'
+                        '"tcp://*:5557"}\', SGLang\'s \'{"publisher":"zmq","endpoint":"tcp://*:5557"}\'')
     parser.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None, metavar="JSON",
                         help="vLLM's PD connector config: the sim echoes kv_transfer_params back as a connector "
                         'would, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both","engine_id":"e1"}\'')
@@ -136,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-fault-restart-after", type=int, default=None, metavar="N",
                         help="restart the KV publisher (and empty the cache) once after N batches")
     parser.add_argument("--kv-replay-no-topic", action="store_true",
-                        help="answer replay requests without the topic frame (SGLang's form)")
+                        help="answer replay requests without the topic frame (TokenSpeed's form, and older "
+                        "SGLang's; --wire tokenspeed always does)")
     # The SGLang / TokenSpeed server arguments the servicer reads back (a real scheduler resolves them; the
     # sim reports them as given, SGLang's defaults where unset: sim_wire_shell.sglang_server_args).
     engine = parser.add_argument_group("sglang / tokenspeed server arguments (reported, not enforced)")
@@ -146,6 +150,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sglang: report running without a tokenizer (so without a grammar backend)")
     engine.add_argument("--enable-custom-logit-processor", action="store_true",
                         help="sglang: accept custom logit processors (SGLang's flag; the sim applies none)")
+    engine.add_argument("--limit-mm-data-per-request", type=_json_object, default=None, metavar="JSON",
+                        help="sglang: the per-request media counts it reports, e.g. '{\"image\": 1}'")
+    engine.add_argument("--language-model-only", action="store_true",
+                        help="sglang: serve the language model only (it then takes no images)")
     engine.add_argument("--constrained-decoding", default=None, choices=("always", "requested"),
                         help="tokenspeed: the constrained-decoding policy a newer engine declares")
     parser.add_argument("--fault-ignore-sigterm", action="store_true",
@@ -155,11 +163,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(still in the session), as an engine worker that outlives its parent")
 
 
-def _kv_config(text: str) -> kv_events.KvEventsConfig:
+def _kv_config(text: str | None, wire: str) -> "kv_engines.EngineKvConfig | None":
+    """``--kv-events-config`` as the engine ``wire`` plays reads it (ValueError says why not)."""
+    return None if text is None else kv_engines.parse_config(text, wire)
+
+
+def _json_object(text: str) -> dict:
     try:
-        return kv_events.parse_config(text)
+        value = json.loads(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -299,6 +315,12 @@ def _handshake(
 
 
 def run(args: argparse.Namespace) -> int:
+    if isinstance(args.kv_events_config, str):  # `enginelink sim-engine` comes here without main()
+        try:
+            args.kv_events_config = _kv_config(args.kv_events_config, args.wire)
+        except ValueError as exc:
+            _log(f"argument --kv-events-config: {exc}")
+            return 2
     config = config_from_args(args)
     if args.wire != "vllm":
         from enginelink.tools.sim_wire_shell import run_wire
@@ -408,16 +430,17 @@ def _kv_publisher(
     if cfg is None or not cfg.publishing:
         return None, None, cfg.to_dict() if cfg is not None else None
     faults = SimKvFaults(
-        skip_seqs=args.kv_fault_skip, drop_seqs=args.kv_fault_drop,
-        restart_after_batches=args.kv_fault_restart_after, replay_topic=not args.kv_replay_no_topic,
+        skip_seqs=args.kv_fault_skip, drop_seqs=args.kv_fault_drop, restart_after_batches=args.kv_fault_restart_after,
+        replay_topic=not args.kv_replay_no_topic and kv_engines.replay_has_topic(args.wire),
     )  # fmt: skip
-    hooks = KvEventHooks(SimKvPublisher(cfg, args.rank, faults), config.block_size, time.time() - time.monotonic())
+    publisher = SimKvPublisher(cfg, args.rank, faults, dialect=args.wire)
+    hooks = KvEventHooks(publisher, config.block_size, time.time() - time.monotonic())
     pub = ctx.socket(zmq.PUB)
     pub.set_hwm(cfg.hwm)
     pub.setsockopt(zmq.LINGER, 1000)
     endpoint = kv_events.endpoint_for_rank(cfg.endpoint, args.rank)
     resolved = cfg.to_dict()
-    if kv_events.publisher_binds(endpoint):
+    if kv_engines.pub_binds(cfg, endpoint):
         pub.bind(endpoint)
         resolved["endpoint"] = pub.getsockopt_string(zmq.LAST_ENDPOINT)
     else:
@@ -527,6 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     # Launched by enginelink: a refusal (exit 2) is also reported where the servicer reads it.
     report_refused_arguments(parser, os.environ.get(ENGINE_FACTS_ENV))
     args = parser.parse_args(argv)
+    try:
+        args.kv_events_config = _kv_config(args.kv_events_config, args.wire)
+    except ValueError as exc:
+        parser.error(f"argument --kv-events-config: {exc}")
     _write_facts(os.environ.get(ENGINE_FACTS_ENV), args)
     if args.wire == "sglang" and (args.scheduler_input_ipc is None or args.tokenizer_ipc is None):
         parser.error("--wire sglang needs --scheduler-input-ipc and --tokenizer-ipc (the front end binds them)")

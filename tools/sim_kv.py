@@ -1,8 +1,11 @@
-"""The sim engine's KV-event publisher: vLLM's ``ZmqEventPublisher``, sans-io.
+"""The sim engine's KV-event publisher: vLLM's, SGLang's or TokenSpeed's ``ZmqEventPublisher``, sans-io.
 
 ``SimKvPublisher`` numbers batches (from 0 per publisher), keeps the last
 ``buffer_steps`` encoded batches for replay and answers replay requests,
-exactly as vLLM's publisher does on the wire (``wire/kv_events.py``).
+exactly as the engine its wire plays does on the wire (``dialect``:
+``wire/kv_events.py`` for vLLM, ``wire/kv_engines.py`` for SGLang, one
+BlockStored per page with signed hashes and ``cache_salt``, and TokenSpeed,
+tag-first arrays, no clear).
 ``KvEventHooks`` plugs it into ``SimEngineCore``: the core reports blocks
 stored (full blocks only, with their parent hash and token ids), removed
 (LRU eviction) and cleared (``reset_prefix_cache``); the hooks gather them
@@ -30,7 +33,7 @@ from collections import deque
 import msgspec
 
 from enginelink.machines.sim_core import SimHooks
-from enginelink.wire import kv_events as kv
+from enginelink.wire import kv_engines, kv_events as kv
 
 FAULT_KINDS = ("skip", "drop", "restart")
 
@@ -39,12 +42,14 @@ class SimKvFaults(msgspec.Struct, frozen=True, kw_only=True):
     skip_seqs: frozenset[int] = frozenset()  # sequence numbers never sent nor buffered
     drop_seqs: frozenset[int] = frozenset()  # sequence numbers buffered but not sent
     restart_after_batches: int | None = None  # restart once after this many batches
-    replay_topic: bool = True  # False: SGLang's replay replies, without the topic frame
+    replay_topic: bool = True  # False: TokenSpeed's replay replies (older SGLang's too), without the topic frame
 
 
 class SimKvPublisher:
-    def __init__(self, config: kv.KvEventsConfig, rank: int = 0, faults: SimKvFaults | None = None) -> None:
+    def __init__(self, config: kv_engines.EngineKvConfig, rank: int = 0, faults: SimKvFaults | None = None,
+                 dialect: str = "vllm") -> None:  # fmt: skip
         self.config = config
+        self.dialect = dialect
         self.rank = rank
         self.topic = config.topic.encode()
         self.faults = faults or SimKvFaults()
@@ -57,11 +62,16 @@ class SimKvPublisher:
         self.restarts = 0
 
     def publish(self, events: list[kv.EngineKvEvent], ts: float) -> list[bytes] | None:
-        """Number and encode one batch; the PUB message to send, or None if a fault ate it."""
+        """Number and encode one batch; the PUB message to send, or None if a fault ate it (or, on
+        TokenSpeed's wire, the step's events were only a clear, which its scheduler never publishes)."""
+        if self.dialect == "tokenspeed":
+            events = [e for e in events if not isinstance(e, kv.AllBlocksCleared)]
+            if not events:
+                return None
         seq = self.seq
         self.seq += 1
         self.published += 1
-        payload = kv.encode_batch(kv.KVEventBatch(ts, events, self.rank))
+        payload = kv_engines.encode_batch(self.dialect, ts, events, self.rank)
         self.last = (seq, payload)
         if self.skip_next or seq in self.faults.skip_seqs:
             self.skip_next = max(0, self.skip_next - 1)

@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -147,7 +148,20 @@ def sglang_server_args(args: argparse.Namespace) -> dict:
             "grammar_backend": getattr(args, "grammar_backend", None) or "xgrammar",
             "reasoning_parser": getattr(args, "reasoning_parser", None),
             "enable_custom_logit_processor": bool(getattr(args, "enable_custom_logit_processor", False)),
+            "limit_mm_data_per_request": getattr(args, "limit_mm_data_per_request", None),
             "tokenizer_path": str(args.model)}
+
+
+def sglang_supports_vision(args: argparse.Namespace) -> bool:
+    """What the real launcher reports from SGLang's model config (``sglang_headless.image_understanding``), as the
+    sim can tell it: a vision tower in the model's config.json, and no ``--language-model-only``."""
+    from enginelink.runtime.engine.model_dir import ModelDirError, read_model_facts
+
+    try:
+        facts = read_model_facts(Path(args.model))
+    except (ModelDirError, OSError):
+        return False
+    return facts.supports_vision and not getattr(args, "language_model_only", False)
 
 
 def sglang_ready_report(config: SimConfig, started: float, server_args: dict | None = None) -> dict:
@@ -167,18 +181,20 @@ def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, l
             return 0
         time.sleep(shell.IDLE_POLL_MS / 1000)
     _load(args, life)
+    vision = sglang_supports_vision(args)
     ranks, kv_sockets = [], []
     for rank in range(args.data_parallel_size):  # SGLang's DP ranks, each its own core and KV publisher
         rank_config = msgspec.structs.replace(config, engine_index=rank)
         hooks, kv, _ = shell._kv_publisher(ctx, argparse.Namespace(**{**vars(args), "rank": rank}), rank_config)
-        ranks.append(SglangPersonality(SimEngineCore(rank_config, hooks), leg))
+        ranks.append(SglangPersonality(SimEngineCore(rank_config, hooks), leg, supports_vision=vision))
         kv_sockets += [kv] if kv is not None else []
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(args.scheduler_input_ipc)
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 4000)
     outputs.connect(args.tokenizer_ipc)
-    report = json.dumps(sglang_ready_report(config, started, sglang_server_args(args)))
+    report = json.dumps({**sglang_ready_report(config, started, sglang_server_args(args)),
+                         "supports_vision": vision})
     if args.ready_fd is not None:
         with contextlib.suppress(OSError), os.fdopen(args.ready_fd, "w") as pipe:
             pipe.write(report + "\n")

@@ -28,7 +28,7 @@ fetcher reads and the engine gets as well (``docs/compatibility.md``);
 the engine gets it too); the
 model and every engine argument go to the headless engine; ``vllm serve``
 flags that only vLLM's HTTP front end reads are not used, and named once in a
-warning. Every other setting is enginelink's environment (README, "Running").
+warning. Every other setting is enginelink's environment (docs/running.md, "Settings").
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def run(args: Any) -> int:
     selected_by = plan.source if plan is not None else None
     if unused:
         log.warning("vllm serve flags that enginelink's servicer does not use: %s (vLLM's HTTP front end reads "
-                    "them; enginelink's settings are ENGINELINK_* / SMG_* variables, README \"Running\")",
+                    "them; enginelink's settings are ENGINELINK_* / SMG_* variables, docs/running.md)",
                     " ".join(unused))
     # The engine core runs from this launcher's own vLLM, unless the operator named another interpreter.
     os.environ["ENGINELINK_VLLM_PYTHON"] = os.environ.get("ENGINELINK_VLLM_PYTHON") or sys.executable

@@ -195,7 +195,7 @@ def verdict(leaders: set, port: int, connections: list[Connection]) -> tuple[boo
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Liveness probe for a multi-node engine's worker: exit 0 while a TCP connection to the "
-                     "leader's store is ESTABLISHED, 1 otherwise (README: \"Multi-node engines\").")
+                     "leader's store is ESTABLISHED, 1 otherwise (docs/running.md, \"Multi-node engines\").")
     p.add_argument("--engine", choices=sorted(ENGINES), required=True,
                    help="the engine whose command line names the leader (vllm: --master-addr/--master-port; "
                         "sglang, tokenspeed: --dist-init-addr host:port)")

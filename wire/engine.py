@@ -71,6 +71,9 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The first prompt position whose logprob is returned (its own has none: it starts the slice):
+    # SGLang's ``logprob_start_len``; vLLM's prompt logprobs always start at 0.
+    prompt_logprobs_start: int = 0
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -126,6 +129,9 @@ class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
     abort_immediately: bool = False
     # Router-preprocessed media as vLLM's ``mm_features`` entries (``wire/vllm_mm.py``), codec-ready.
     mm_features: list | None = None
+    # SGLang: the router's preprocessed image as the scheduler's ``MultimodalProcessorOutput``
+    # (``wire/sglang_structs.py``), codec-ready.
+    mm_inputs: object | None = None
     # SGLang only: the adapter id the router names (``lora_id``), a serialized custom logit processor
     # (the scheduler runs it under --enable-custom-logit-processor), and whether the prompt asks the
     # model to think (``require_reasoning``: the scheduler then defers a grammar past the thought).

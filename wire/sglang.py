@@ -194,12 +194,12 @@ def request_for(spec: GenerateSpec) -> s.TokenizedGenerateReqInput | s.Tokenized
         input_text=None,
         input_ids=ids,
         input_embeds=None,
-        mm_inputs=None,
+        mm_inputs=spec.mm_inputs,
         token_type_ids=None,
         sampling_params=sampling_params_for(sampling),
         return_logprob=sampling.logprobs is not None or sampling.prompt_logprobs is not None,
-        # -1: no prompt logprobs; 0: from the first prompt token (its own value is None).
-        logprob_start_len=-1 if sampling.prompt_logprobs is None else 0,
+        # -1: no prompt logprobs; N: from prompt position N (its own value is None, the scheduler's slice).
+        logprob_start_len=-1 if sampling.prompt_logprobs is None else sampling.prompt_logprobs_start,
         top_logprobs_num=max(sampling.logprobs or 0, sampling.prompt_logprobs or 0),
         token_ids_logprob=None,
         stream=True,  # every step's delta: the servicer does its own (non-)streaming
@@ -492,8 +492,10 @@ def _rows(batch: _Columns, side: str, i: int, *, skip_first: bool) -> LogprobRow
         if not row_ids and k:
             raise WireError(f"SGLang {side} top logprobs at {pos} of {batch.rids[i]!r} are missing")
     rows = len(values) - start
-    if not rows:
+    if not rows and not start:
         return None
+    # rows 0 after a skipped first: only the start position came (a logprob_start_len at the prompt's
+    # last token), which the contract still answers with its one value-less entry.
     # Typed views, as vLLM's zero-copy columns are: the core slices top-k rows by buffer (machines/logprobs.py).
     try:
         return LogprobRows(rows=rows, cols=k + 1, token_ids=memoryview(array("q", flat_ids)),

@@ -34,7 +34,8 @@ from enginelink.wire.struct_layout import read_struct
 
 SGLANG_VERSION: Final = "0.5.23"
 
-EXT_ARRAY: Final = 1  # array.array (token ids); 2-5 (tensors, numpy, shm, CUDA IPC) are never sent by us
+EXT_ARRAY: Final = 1  # array.array (token ids)
+EXT_TORCH_TENSOR: Final = 2  # a torch tensor (router-preprocessed pixels); 3-5 (numpy, shm, CUDA IPC): never sent
 _META_LEN: Final = struct.Struct(">I")
 # SGLang's Req concatenates arrays of typecode "q"; the reference servicer sends that too.
 TOKEN_TYPECODE: Final = "q"
@@ -49,6 +50,27 @@ def pack_array(values: Any, typecode: str = TOKEN_TYPECODE) -> msgspec.msgpack.E
         arr.byteswap()
     meta = msgspec.msgpack.encode(arr.typecode)
     return msgspec.msgpack.Ext(EXT_ARRAY, _META_LEN.pack(len(meta)) + meta + arr.tobytes())
+
+
+def pack_tensor(dtype: str, shape: tuple[int, ...], data: bytes) -> msgspec.msgpack.Ext:
+    """Ext 2 for a CPU torch tensor of ``dtype`` (torch's name: ``float32``, ``bfloat16``, ...) and ``shape``
+    whose C-contiguous little-endian bytes are ``data`` (SGLang's ``enc_hook``: the metadata
+    ``(shape, dtype, device)`` behind its uint32 big-endian length, then the raw bytes). No torch here:
+    the router's ``TensorData`` bytes are those bytes already."""
+    meta = msgspec.msgpack.encode((tuple(shape), dtype, "cpu"))
+    return msgspec.msgpack.Ext(EXT_TORCH_TENSOR, _META_LEN.pack(len(meta)) + meta + data)
+
+
+def unpack_tensor(data: memoryview | bytes) -> tuple[tuple[int, ...], str, bytes]:
+    """(shape, dtype, bytes) of an Ext 2 payload; ``ValueError`` when it is malformed."""
+    if len(data) < _META_LEN.size:
+        raise ValueError("tensor extension is missing its metadata length")
+    (size,) = _META_LEN.unpack_from(data)
+    start = _META_LEN.size + size
+    meta = msgspec.msgpack.decode(data[_META_LEN.size:start]) if start <= len(data) else None
+    if not (isinstance(meta, list) and len(meta) == 3 and isinstance(meta[0], list) and isinstance(meta[1], str)):
+        raise ValueError(f"tensor extension has metadata {meta!r}")
+    return tuple(meta[0]), meta[1], bytes(data[start:])
 
 
 def unpack_array(data: memoryview | bytes) -> array:
@@ -139,6 +161,54 @@ class SamplingParams(msgspec.Struct, array_like=True, kw_only=True):
     ebnf_full_assistant: bool = False
 
 
+MODALITY_IMAGE: Final = 1  # sglang.srt.multimodal.modality.Modality.IMAGE (an auto() Enum: its value on the wire)
+FORMAT_NORMAL: Final = 1  # MultimodalInputFormat.NORMAL
+
+
+class MultimodalDataItem(msgspec.Struct, array_like=True, kw_only=True):
+    """``sglang.srt.managers.schedule_batch.MultimodalDataItem``: one image (video, audio) of a request (11 fields).
+
+    ``feature`` is the processor's tensor (pixel values, Ext 2), ``offsets`` its placeholder token
+    ranges in the prompt as ``[start, end]`` inclusive; the scheduler computes ``hash`` and the pad
+    values itself (``MultimodalInputs.from_processor_output``) when they are None.
+    """
+
+    modality: int
+    hash: int | None = None
+    pad_value: int | None = None
+    offsets: list[tuple[int, int]] | None = None
+    format: int = FORMAT_NORMAL
+    feature: Any = None
+    precomputed_embeddings: Any = None
+    keep_device_embedding: bool = False
+    model_specific_data: dict[str, Any] = msgspec.field(default_factory=dict)
+    identity: bytes | None = None
+    pad_values: Any = None
+
+
+class MultimodalProcessorOutput(msgspec.Struct, array_like=True, kw_only=True):
+    """``schedule_batch.MultimodalProcessorOutput``: a request's ``mm_inputs`` as a processor leaves them (18 fields)."""
+
+    mm_items: list[MultimodalDataItem]
+    input_ids: Any = None
+    padded_input_ids: Any = None
+    im_token_id: int | None = None
+    im_start_id: int | None = None
+    im_end_id: int | None = None
+    slice_start_id: int | None = None
+    slice_end_id: int | None = None
+    video_token_id: int | None = None
+    audio_token_id: int | None = None
+    audio_start_id: int | None = None
+    audio_end_id: int | None = None
+    mrope_positions: Any = None
+    mrope_position_delta: Any = None
+    vision_position_ids: Any = None
+    media_nums_per_sample: Any = None
+    visible_frame_counts: Any = None
+    token_type_ids: Any = None
+
+
 class TokenizedGenerateReqInput(msgspec.Struct, tag="TokenizedGenerateReqInput", array_like=True, kw_only=True):
     """A generate request, front end -> scheduler (49 fields; ``input_text`` .. ``stream`` required)."""
 
@@ -147,7 +217,7 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag="TokenizedGenerateReqInput",
     input_text: Any
     input_ids: Any  # array.array, Ext 1 on the wire
     input_embeds: Any
-    mm_inputs: Any
+    mm_inputs: MultimodalProcessorOutput | None
     token_type_ids: Any
     sampling_params: SamplingParams
     return_logprob: bool
@@ -365,7 +435,7 @@ FROM_SCHEDULER: Final = msgspec.msgpack.Decoder(FromScheduler, ext_hook=ext_hook
 # and the front end reads nine. Decoded in full, every request of every step
 # built some twenty Python objects and one more array through ``ext_hook`` for
 # columns nobody reads: the SGLang wire's largest cost per streamed token
-# (docs/benchmarks.md, "Per-token cost of the SGLang and TokenSpeed contracts").
+# (docs/benchmarks-history.md, "Per-token cost of the SGLang and TokenSpeed contracts").
 # ``BatchTokenIDOutputRead`` is the same wire layout (built from the declaration
 # above, so it cannot drift from it) with every column the front end does not
 # read as ``msgspec.Raw``: still checked to be well-formed msgpack, never built.
@@ -423,4 +493,5 @@ STRUCTS: Final = {
                 FlushCacheReqInput, FlushCacheReqOutput, ProfileReq, ProfileReqOutput, HealthCheckOutput,
                 BatchTokenIDOutput, BatchEmbeddingOutput)
 }
+STRUCTS.update({"MultimodalDataItem": MultimodalDataItem, "MultimodalProcessorOutput": MultimodalProcessorOutput})
 STRUCTS_BY_TYPE: Final = {cls: name for name, cls in STRUCTS.items()}

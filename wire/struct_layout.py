@@ -44,6 +44,9 @@ ENGINES: dict[str, dict[str, Any]] = {
             for name in ("SamplingParams", "TokenizedGenerateReqInput", "TokenizedEmbeddingReqInput", "AbortReq",
                          "FlushCacheReqInput", "FlushCacheReqOutput", "ProfileReq", "ProfileReqOutput",
                          "HealthCheckOutput", "BatchTokenIDOutput", "BatchEmbeddingOutput")
+        } | {  # a request's mm_inputs (router-preprocessed images)
+            name: f"sglang.srt.managers.schedule_batch:{name}"
+            for name in ("MultimodalDataItem", "MultimodalProcessorOutput")
         },
     },
     "tokenspeed": {

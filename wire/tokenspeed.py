@@ -329,7 +329,7 @@ class TokenSpeedOutput(msgspec.Struct, gc=False):
     ``stop_reason`` and trims it (``TokenSpeedCodec``). Counts are running totals.
     A Struct, built positionally by ``map`` over the step's columns: one per
     request per step, so its construction is C, not an ``__init__``
-    (docs/benchmarks.md, "Per-token cost of the SGLang and TokenSpeed contracts").
+    (docs/benchmarks-history.md, "Per-token cost of the SGLang and TokenSpeed contracts").
     """
 
     request_id: str

@@ -16,7 +16,7 @@ from enginelink.runtime.engine.session import session_members
 # Nice levels between the servicer and its engine (ENGINELINK_ENGINE_NICE). Opt-in, 0 by default: a
 # reniced engine yields to every process on the host, not only to its servicer. In undisturbed pairs
 # on 2 cores +10 bought nothing measurable, and with other load on the machine the reniced engine lost
-# the most (issue 23; docs/benchmarks.md, "Defaults for production").
+# the most (issue 23; docs/benchmarks-history.md, "Defaults for production").
 ENGINE_NICE_DEFAULT = 0
 # The servicer's own scheduling policy once its engine runs (ENGINELINK_SERVICER_SCHED). Opt-in
 # `batch`, `normal` (SCHED_OTHER) by default, for the same measurements.
@@ -24,7 +24,7 @@ SERVICER_SCHED_CHOICES = ("batch", "normal")
 SERVICER_SCHED_DEFAULT = "normal"
 # Where the servicer and the engine's unbound threads run once the engine is up (ENGINELINK_PLACEMENT).
 PLACEMENT_CHOICES = ("auto", "off")
-PLACEMENT_DEFAULT = "off"  # opt-in: no throughput change measured on 2 cores (docs/benchmarks.md)
+PLACEMENT_DEFAULT = "off"  # opt-in: no throughput change measured on 2 cores (docs/benchmarks-history.md)
 NICE_MAX = 19
 
 
@@ -50,7 +50,7 @@ def lower_priority(session: int, levels: int) -> dict:
     (and the router) wait for a core every time they wake. Each hop they lag
     is time the engine runs under-full: on 2 cores the servicer spent 15.8 s
     of a 21 s load waiting to run, and the engine reached half of the tokens/s
-    a bare ZMQ driver gets (docs/benchmarks.md). The front end uses little CPU,
+    a bare ZMQ driver gets (docs/benchmarks-history.md). The front end uses little CPU,
     so letting it go first costs the engine almost nothing.
 
     Two settings, because with the kernel's autogroups (a session is its own
@@ -100,7 +100,7 @@ def run_threads_as_batch() -> dict:
     when the engine's busy-poll yields (``sched_yield``), i.e. while the
     engine waits anyway. Measured on 2 cores with a real vLLM engine at
     concurrency 128, side by side: +7% to +11% engine tokens/s
-    (docs/benchmarks.md). Where cores are free it changes nothing: a waking
+    (docs/benchmarks-history.md). Where cores are free it changes nothing: a waking
     task on an idle core runs at once.
 
     Call it after the engine is launched (``lower_priority`` gives the
@@ -159,7 +159,7 @@ def place_front_end(session: int) -> dict:
     front end then shares the one other core with EngineCore, which waits
     instead, and tokens/s did not change in side-by-side runs. So it is
     opt-in (``ENGINELINK_PLACEMENT=auto``), for machines with cores to spare
-    (docs/benchmarks.md).
+    (docs/benchmarks-history.md).
 
     Bound CPUs are those of the engine's threads whose affinity is narrower
     than the servicer's (the engine inherited the servicer's at launch). The

@@ -12,7 +12,9 @@ spawned by SGLang's own ``Engine._launch_scheduler_processes`` (TP x PP on this
 node), the first rank's ``{"status": "ready", ...}`` written as one JSON line
 to FD, with ``server_args``: the arguments enginelink reads (``REPORTED``) as
 SGLang resolved them (the grammar backend its scheduler builds, the reasoning
-parser an ``auto`` became, ...; ``resolved_server_args``). It then
+parser an ``auto`` became, ...; ``resolved_server_args``), and
+``supports_vision``: whether SGLang's model config takes images
+(``image_understanding``). It then
 blocks until the schedulers exit; SIGTERM stops them. Requires a CUDA GPU; not runnable on a CPU-only machine (written from
 SGLang's source, verified only up to the release check there).
 
@@ -57,6 +59,22 @@ def resolved_server_args(server_args) -> dict:
             continue
         report[name] = json.loads(json.dumps(value, default=str))
     return report
+
+
+def image_understanding(server_args) -> bool:
+    """Whether the scheduler takes images: SGLang's own ``ModelConfig.is_image_understandable_model`` for the
+    arguments as resolved (its HTTP server's ``/model_info`` ``has_image_understanding``: a multimodal
+    architecture with a vision tower, not under ``--language-model-only``); enginelink's GetModelInfo
+    ``supports_vision`` and its acceptance of router tensors follow it. False, said on stderr, when SGLang
+    cannot tell (a label must not stop a scheduler that runs)."""
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        return bool(ModelConfig.from_server_args(server_args).is_image_understandable_model)
+    except Exception as error:  # noqa: BLE001 - any failure only costs the label
+        print(f"sglang_headless: cannot tell whether the model takes images ({error}); reporting it does not",
+              file=sys.stderr)
+        return False
 
 
 def grammar_attribution_loaded() -> bool:
@@ -113,6 +131,7 @@ def main() -> int:
     infos = result.scheduler_infos
     report = dict(infos[0]) if infos else {"status": "no scheduler info"}
     report["server_args"] = resolved_server_args(server_args)
+    report["supports_vision"] = image_understanding(server_args)
     with os.fdopen(args.ready_fd, "w") as pipe:
         pipe.write(json.dumps(report, default=str) + "\n")
     result.block_until_scheduler_exits()

@@ -17,7 +17,7 @@ import zmq
 # Bound on a lost edge of ZMQ_FD: a missed wake-up costs at most this. Every wait reads EVENTS
 # first (which re-arms the edge), so a lost edge needs another reader of the socket's EVENTS; none
 # is known here. Each recheck is a timer wake-up of a parked wait, several sockets' worth per
-# interval: at 50 ms they were most of an idle servicer's 2.7% of a core (docs/benchmarks.md).
+# interval: at 50 ms they were most of an idle servicer's 2.7% of a core (docs/benchmarks-history.md).
 LOST_EDGE_RECHECK_S = 0.5
 
 

@@ -44,6 +44,12 @@ KV_OFF_MESSAGE: Final = (
     "KV cache events not enabled. Start vLLM with --kv-events-config "
     "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}'"
 )
+# The SGLang and TokenSpeed references' words: each names its engine's own config dialect.
+KV_OFF_MESSAGE_SGLANG: Final = "KV cache events not enabled. Start SGLang with --kv-events-config '{\"publisher\": \"zmq\"}'"
+KV_OFF_MESSAGE_TOKENSPEED: Final = (
+    "KV cache events not enabled. Start TokenSpeed with --kv-events-config "
+    "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}'"
+)
 FLUSH_CALL_CAP_S: Final = 30.0
 FLUSH_RETRY_S: Final = 0.1
 FLUSH_OK: Final = "Local KV prefix cache flushed successfully"
@@ -52,10 +58,10 @@ FLUSH_TIMED_OUT: Final = "Flush cache timed out; the engine may still complete a
 FLUSH_BAD_TIMEOUT: Final = "timeout_s must be finite and non-negative"
 
 
-async def subscribe_kv_events(shell, stream) -> None:
+async def subscribe_kv_events(shell, stream, off_message: str = KV_OFF_MESSAGE) -> None:
     request = await stream.recv_message()
     if shell is None:
-        raise GRPCError(Status.UNIMPLEMENTED, KV_OFF_MESSAGE)
+        raise GRPCError(Status.UNIMPLEMENTED, off_message)
     wake = asyncio.Event()
     opened = shell.open_stream(request.start_sequence_number, request.load_records_before_first_batch, wake,
                                peer_key(stream.peer.addr()))  # fmt: skip

@@ -20,11 +20,18 @@ Rules (issue 5; ``reference/vllm-engine-wire.md`` §7):
   the relay's SUB for rank r binds P + r — and the replay endpoint is
   ``tcp://127.0.0.1:Q``, the engine binding Q + r; P and Q are runs of ports
   found free now;
-- binding follows vLLM (``publisher_binds``): the PUB binds only for a
-  wildcard, ``::``, ipc or inproc endpoint, otherwise the relay's SUB binds
-  (and must keep reading from the moment it binds: libzmq #2267, see
-  ``runtime/kv/kv_relay.py``). A tcp port 0 the engine binds is learned from
-  its ready response after the handshake (one rank only).
+- binding follows the engine (``kv_engines.pub_binds``): vLLM's and
+  TokenSpeed's PUB binds only for a wildcard, ``::``, ipc or inproc
+  endpoint, SGLang's also for ``0.0.0.0`` or when its ``bind`` says so;
+  otherwise the relay's SUB binds (and must keep reading from the moment it
+  binds: libzmq #2267, see ``runtime/kv/kv_relay.py``). A tcp port 0 the
+  engine binds is learned from vLLM's ready response after the handshake
+  (one rank only); SGLang's and TokenSpeed's reports do not name it, so
+  there a port 0 is refused;
+- each engine reads the flag in its own dialect (``wire/kv_engines.py``):
+  SGLang's ``{"publisher": "zmq", ...}`` publishes without vLLM's
+  ``enable_kv_cache_events``, and the default config enginelink adds is
+  written in the served engine's dialect.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Mapping
 
+import msgspec
+
 from enginelink.machines.kv_relay_api import KvRelayConfig
 from enginelink.runtime.engine.launchers import flag_value
-from enginelink.wire import kv_events as kv
+from enginelink.wire import kv_engines, kv_events as kv
 
 KV_EVENTS_ENVS: Final = ("ENGINELINK_KV_EVENTS", "SMG_VLLM_SERVICER_KV_EVENTS")  # serve names the engine's (tools/knobs.py)
 KV_EVENTS_FLAG: Final = "--kv-events-config"
@@ -66,7 +75,7 @@ class RankEndpoints:
 
 @dataclass(frozen=True)
 class KvPlan:
-    config: kv.KvEventsConfig  # as the engine gets it
+    config: kv_engines.EngineKvConfig  # as the engine gets it (its own dialect)
     ranks: tuple[RankEndpoints, ...]
     explicit: bool  # the user's own --kv-events-config
     relay: KvRelayConfig = field(default_factory=KvRelayConfig)
@@ -114,12 +123,14 @@ def engine_ranks(engine: str, engine_args: list[str]) -> tuple[int, ...]:
 
 
 def plan_kv_events(engine: str, engine_args: list[str], env: Mapping[str, str], *, socket_dir: Path,
-                   prefix: str, knobs: tuple[str, ...] = KV_EVENTS_ENVS) -> tuple[list[str], KvPlan | None]:  # fmt: skip
+                   prefix: str, knobs: tuple[str, ...] = KV_EVENTS_ENVS,
+                   dialect: str = "vllm") -> tuple[list[str], KvPlan | None]:  # fmt: skip
     """(engine args to launch with, the relay's plan or None when KV events are off).
 
     ``prefix`` names our ipc files (``<socket_dir>/<prefix>-kv…``); it should
     start with the link's stale-file prefix and pid so a crashed run's files
-    are cleaned up by the next.
+    are cleaned up by the next. ``dialect``: the engine wire's
+    (``wire/kv_engines.py``), how the engine reads ``--kv-events-config``.
     """
     ranks = engine_ranks(engine, engine_args)
     given = flag_value(engine_args, KV_EVENTS_FLAG)
@@ -129,7 +140,7 @@ def plan_kv_events(engine: str, engine_args: list[str], env: Mapping[str, str], 
         raise KvConfigError(str(error)) from None
     if given is not None:
         try:
-            config = kv.parse_config(given)
+            config = kv_engines.parse_config(given, dialect)
         except ValueError as error:
             raise KvConfigError(str(error)) from None
         if not config.publishing:
@@ -142,15 +153,15 @@ def plan_kv_events(engine: str, engine_args: list[str], env: Mapping[str, str], 
     if len(ranks) == 1:
         base = socket_dir / f"{prefix}-kv"
         pub_path, replay_path = Path(f"{base}.sock"), Path(f"{base}-replay.sock")
-        config = kv.KvEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{pub_path}",
-                                   replay_endpoint=f"ipc://{replay_path}", topic=TOPIC)  # fmt: skip
+        config = kv_engines.publishing_config(dialect, endpoint=f"ipc://{pub_path}",
+                                              replay_endpoint=f"ipc://{replay_path}", topic=TOPIC)  # fmt: skip
         endpoints = (RankEndpoints(ranks[0], config.endpoint, False, config.replay_endpoint),)
         paths = (pub_path, replay_path)
     else:
         pub_port, replay_port = free_port_run(len(ranks)), free_port_run(len(ranks))
-        config = kv.KvEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                   endpoint=f"tcp://127.0.0.1:{pub_port}",
-                                   replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic=TOPIC)  # fmt: skip
+        config = kv_engines.publishing_config(dialect, endpoint=f"tcp://127.0.0.1:{pub_port}",
+                                              replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+                                              topic=TOPIC)  # fmt: skip
         first = ranks[0]
         endpoints = tuple(
             RankEndpoints(r, f"tcp://127.0.0.1:{pub_port + r - first}", True,
@@ -160,27 +171,28 @@ def plan_kv_events(engine: str, engine_args: list[str], env: Mapping[str, str], 
         paths = ()
         if first:
             # vLLM offsets by the rank itself: shift the base so rank `first` lands on the run.
-            config = kv.KvEventsConfig(**{**config.to_dict(), "endpoint": f"tcp://127.0.0.1:{pub_port - first}",
-                                          "replay_endpoint": f"tcp://127.0.0.1:{replay_port - first}"})  # fmt: skip
+            config = msgspec.structs.replace(config, endpoint=f"tcp://127.0.0.1:{pub_port - first}",
+                                             replay_endpoint=f"tcp://127.0.0.1:{replay_port - first}")  # fmt: skip
     text = json.dumps(config.to_dict(), separators=(",", ":"))
     return [*engine_args, KV_EVENTS_FLAG, text], KvPlan(config, endpoints, False, relay_bounds, paths)
 
 
 def _with_replay(bounds: KvRelayConfig, replay: bool) -> KvRelayConfig:
-    import msgspec
-
     return msgspec.structs.replace(bounds, replay=replay)
 
 
-def _explicit_endpoints(config: kv.KvEventsConfig, rank: int, rank_count: int) -> RankEndpoints:
+def _explicit_endpoints(config: kv_engines.EngineKvConfig, rank: int, rank_count: int) -> RankEndpoints:
     try:
         pub = kv.endpoint_for_rank(config.endpoint, rank)
         replay = kv.endpoint_for_rank(config.replay_endpoint, rank) if config.replay_endpoint else None
     except ValueError as error:
         raise KvConfigError(f"{KV_EVENTS_FLAG}: {error}") from None
-    binds = kv.publisher_binds(pub)
+    binds = kv_engines.pub_binds(config, pub)
     pub_late = binds and _port_zero(pub)
     replay_late = replay is not None and _port_zero(replay)
+    if (pub_late or replay_late) and not kv_engines.learns_ports(config):
+        raise KvConfigError(f"{KV_EVENTS_FLAG}: a port 0 cannot be followed: {config.dialect}'s ready report "
+                            "does not say which port its publisher got; give a port")
     if (pub_late or replay_late) and rank_count > 1:
         raise KvConfigError(f"{KV_EVENTS_FLAG}: a port 0 cannot be followed across {rank_count} DP ranks; give ports")
     if not binds and _port_zero(pub):

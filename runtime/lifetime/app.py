@@ -20,6 +20,7 @@ from enginelink.runtime.requests.embed import RUNNER_POOLING, runner_type
 from enginelink.runtime.requests.constraints import DEFAULT_BACKEND
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
 from enginelink.runtime.lifetime.loads import Loads
+from enginelink.runtime.engine.mm_item_limits import item_limits
 from enginelink.runtime.engine.model_dir import ModelFacts
 from enginelink.runtime.engine.tokenizer_bundle import tokenizer_bundle_chunks
 from enginelink.runtime.requests.media import media_settings
@@ -96,6 +97,8 @@ class App:
             grammar_backend=str(ready.get("structured_outputs_backend") or DEFAULT_BACKEND),
             engine_release=str(ready.get("vllm_version") or ""),
             custom_logit_processors=bool((ready.get("server_args") or {}).get("enable_custom_logit_processor")),
+            supports_vision=bool(ready.get("supports_vision", self.model.supports_vision)),
+            mm_item_limits=item_limits((ready.get("server_args") or {}).get("limit_mm_data_per_request")),
             pd_leg=PdLeg.of(ready),  # a prefill/decode leg of SGLang or TokenSpeed (their launch facts)
         )
 

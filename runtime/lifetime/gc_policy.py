@@ -1,7 +1,7 @@
 """The servicer's cyclic garbage collector, set once the servicer serves.
 
 Measured with ``gc.callbacks`` in the servicer under ``enginelink bench``
-(c=128, a real engine's pace; ``docs/benchmarks.md``, "Stop 17"), the
+(c=128, a real engine's pace; ``docs/benchmarks-history.md``, "Stop 17"), the
 collector took about a tenth of the servicer's CPU, 1.9 us per token on
 the vLLM contract and 2.5 on SGLang's: a young collection every few
 engine steps (each step allocates a list, a tuple or a struct per token),

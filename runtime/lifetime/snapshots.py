@@ -22,7 +22,7 @@ place of the bytes. Same outputs, so the same state as replay's fold of the
 bytes. (It used to decode every frame again, 13% of the servicer's CPU
 against a zero-cost engine; then to keep each decode for a fold every half
 second, which freed them cold and stalled the loop for the whole batch:
-docs/benchmarks.md.)
+docs/benchmarks-history.md.)
 """
 
 from __future__ import annotations

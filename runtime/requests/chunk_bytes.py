@@ -4,7 +4,7 @@ Why: the hub's direct path (``runtime/requests/hub.py``, ``_write_touched``)
 writes one chunk per call per engine frame, and building it as upb messages
 (two messages, their arena, five field sets, ``SerializeToString``) was the
 largest single cost of a streamed token between engine steps
-(docs/benchmarks.md, stop 15, and "Per-token cost of the SGLang and TokenSpeed
+(docs/benchmarks-history.md, stop 15, and "Per-token cost of the SGLang and TokenSpeed
 contracts"). Every contract's stream chunk is the same shape: a
 ``GenerateResponse`` whose chunk field holds a ``GenerateStreamChunk`` of
 packed ``token_ids`` = 1, ``prompt_tokens`` = 2, ``completion_tokens`` = 3,

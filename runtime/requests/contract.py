@@ -3,10 +3,10 @@
 The core (``machines/request_core.py``) speaks ``GenerateCall`` in and
 ``Chunk`` / ``Complete`` out (``machines/request_api.py``); the executor
 (``runtime/requests/hub.py``) runs it. A contract (vLLM's ``VllmEngine``, MLX's
-``MlxEngine``; SGLang's and TokenSpeed's next) adds one edge module providing the
+``MlxEngine``, SGLang's ``SglangScheduler``, TokenSpeed's ``TokenSpeedScheduler``) adds one edge module providing the
 four members below, and its service passes the edge to the hub when it is
 built. Nothing in ``machines/`` or the hub changes for a new contract
-(``tests/test_second_contract.py`` runs the simulation seeds through a
+(``tests/sim/test_second_contract.py`` runs the simulation seeds through a
 minimal one). ``docs/architecture.md``, "Contracts", has the picture.
 """
 

@@ -16,8 +16,11 @@ with SGLang's semantics (``reference/sglang-contract.md`` §2, §3):
   engine's prefix cache gives anyway: the n requests share their prompt's
   blocks), each choice's messages tagged with its ``index``;
 - logprobs: ``return_logprob`` + ``top_logprobs_num``; prompt logprobs when
-  ``logprob_start_len >= 0`` (only from the first prompt token);
-  each chunk carries its own positions (deltas), counts are cumulative;
+  ``logprob_start_len >= 0``, from that prompt position on (the scheduler's
+  own slice: the start position carries no value, then one per token to the
+  prompt's end); a start past the prompt is refused (the scheduler aborts
+  it), a start at its end asks for none; each chunk carries its own
+  positions (deltas), counts are cumulative;
 - every response repeats the call's ``request_id``, as the reference's do
   (the handler stamps them: ``call_stamp.py``);
 - forwarded to the scheduler's own fields: ``lora_id`` (the scheduler
@@ -25,8 +28,12 @@ with SGLang's semantics (``reference/sglang-contract.md`` §2, §3):
   one itself), ``custom_logit_processor`` (only under SGLang's own
   ``--enable-custom-logit-processor``, as its front end requires; refused
   otherwise), ``require_reasoning``; the finish's ``reasoning_tokens``;
+- router-preprocessed images (``mm_inputs``) in the scheduler's own
+  ``MultimodalProcessorOutput`` (``mm_sglang.py``), on a model that takes
+  them;
 - refused before the engine, naming the field: no ``tokenized``, hidden
-  states, multimodal input, input embeddings, ``token_ids_logprob``;
+  states, input embeddings, ``token_ids_logprob``, and what ``mm_sglang.py``
+  refuses;
 - PD (``pd_bootstrap.py``): ``disaggregated_params`` (bootstrap host, port,
   room) go to the engine on a prefill/decode leg (``--disaggregation-mode``)
   and are required there, refused on a whole engine; a prefill leg under data
@@ -43,6 +50,7 @@ from enginelink.runtime.requests.call_stamp import StampedCall
 from enginelink.runtime.requests.chunk_bytes import stream_chunk, string_field
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.requests.inputs import stop_strings as _stop_strings, utf8_len
+from enginelink.runtime.requests.mm_sglang import mm_inputs_of
 from enginelink.runtime.requests.pb_fields import (
     LogprobBudget, check_dp_rank, check_logit_bias, check_max_tokens, check_min_p, check_n, check_penalties,
     check_top_p, fill_chunk, fill_matched, finite, logprobs_cap, no_release_params, prompt_ids, raw_request_id,
@@ -68,7 +76,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     n = check_n(sp)
     stop_token_ids = _stop_token_ids(sp, limits)
     stop_strings = _stop_strings(sp.stop, limits.inputs)
-    logprobs, prompt_logprobs = _logprobs(request, limits)
+    logprobs, prompt_logprobs, prompt_start = _logprobs(request, limits, len(prompt))
     constraint = _constraint(sp, limits)
     dp_rank = check_dp_rank(request, limits)
     bootstrap = _bootstrap(request, limits, n)
@@ -81,6 +89,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
         ignore_eos=sp.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        prompt_logprobs_start=prompt_start,
         logit_bias=check_logit_bias(sp, limits, key_chars=40),
         skip_special_tokens=sp.skip_special_tokens,
         spaces_between_special_tokens=sp.spaces_between_special_tokens,
@@ -89,11 +98,14 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
         no_stop_trim=sp.no_stop_trim,
         stream_interval=sp.stream_interval if sp.HasField("stream_interval") else None,
     )
+    mm_inputs = mm_inputs_of(request, len(prompt), supports_vision=limits.supports_vision,
+                             item_limits=limits.mm_item_limits, vocab_size=limits.vocab_size)
     engine_ids = [choice_engine_id(request.request_id, index, n) for index in range(n)]
     specs = [GenerateSpec(request_id=engine_id, prompt_token_ids=prompt, sampling=sampling, arrival_time=now,
                           data_parallel_rank=dp_rank, lora_id=request.lora_id or None,
                           custom_logit_processor=_logit_processor(request, limits),
-                          require_reasoning=request.require_reasoning, kv_transfer_params=bootstrap)
+                          require_reasoning=request.require_reasoning, mm_inputs=mm_inputs,
+                          kv_transfer_params=bootstrap)
              for engine_id in engine_ids]
     return StampedCall(
         request_id=request.request_id,
@@ -115,8 +127,6 @@ def _unsupported(request: pb.GenerateRequest) -> None:
     """What this worker cannot do, refused by name before anything reaches the engine."""
     if request.return_hidden_states:
         raise ClientError("return_hidden_states", "hidden states are not served by this worker")
-    if request.HasField("mm_inputs"):
-        raise ClientError("mm_inputs", "multimodal input is not supported by this worker (text-only)")
     if len(request.input_embeds):
         raise ClientError("input_embeds", "input embeddings are not supported; send tokenized.input_ids")
     if len(request.token_ids_logprob):
@@ -188,10 +198,12 @@ def _sampling_numbers(sp, max_tokens: int) -> dict:
     }  # fmt: skip
 
 
-def _logprobs(request: pb.GenerateRequest, limits: EngineLimits) -> tuple[int | None, int | None]:
-    """(sample, prompt) logprob counts: None unless ``return_logprob``; prompt ones from ``logprob_start_len``."""
+def _logprobs(request: pb.GenerateRequest, limits: EngineLimits, prompt_len: int) -> tuple[int | None, int | None, int]:
+    """(sample, prompt) logprob counts, and the prompt position the prompt's start from: None unless
+    ``return_logprob``; prompt ones from ``logprob_start_len`` (SGLang's scheduler takes any start up to
+    the prompt's length, and aborts one past it: refused here, before it)."""
     if not request.return_logprob:
-        return None, None
+        return None, None, 0
     top = request.top_logprobs_num
     cap = logprobs_cap(limits)
     if not 0 <= top <= cap:
@@ -199,9 +211,11 @@ def _logprobs(request: pb.GenerateRequest, limits: EngineLimits) -> tuple[int | 
     start = request.logprob_start_len
     if start < -1:
         raise ClientError("logprob_start_len", f"must be -1 (no prompt logprobs) or >= 0, got {start}")
-    if start > 0:
-        raise ClientError("logprob_start_len", "prompt logprobs are served from the first prompt token only (0)")
-    return top, (top if start == 0 else None)
+    if start > prompt_len:
+        raise ClientError("logprob_start_len", f"{start} is past the prompt's {prompt_len} tokens")
+    if start == -1 or start == prompt_len:  # at the prompt's end: no prompt position left to return
+        return top, None, 0
+    return top, top, start
 
 
 def _constraint(sp, limits: EngineLimits) -> Constraint | None:

@@ -315,7 +315,7 @@ class RequestHub:
         bytes by the edge and framed by ``send_body``. This is the servicer's
         innermost loop at one token per message (once per call per engine
         frame), so what it reads is read once per frame, not per call
-        (docs/benchmarks.md, stop 15).
+        (docs/benchmarks-history.md, stop 15).
         """
         edge = self.edge
         chunk_body = None if edge is None else edge.chunk_body

@@ -90,7 +90,7 @@ class MediaKnobError(ValueError):
 
 @dataclass(frozen=True)
 class MediaSettings:
-    """The media knobs (README, "Settings"; docs/limits.md, "Media refs")."""
+    """The media knobs (docs/running.md, "Settings"; docs/limits.md, "Media refs")."""
 
     processor: str = ""  # SMG_VLLM_MM_PROCESSOR / --mm-processor: "" (off), "inprocess" or "redis"
     # Which setting decided the processor (the reference's words): "flag", "env" or "default".

@@ -50,6 +50,10 @@ class EngineLimits:
     inputs: InputLimits = field(default_factory=input_limits)
     # SGLang's --enable-custom-logit-processor (its resolved arguments): the scheduler runs them.
     custom_logit_processors: bool = False
+    # The model takes images (SGLang: its engine's report; else the model directory's vision tower), and the
+    # engine's own per-request media counts (SGLang's --limit-mm-data-per-request): router tensors' bounds.
+    supports_vision: bool = False
+    mm_item_limits: dict[str, int] = field(default_factory=dict)
     # The engine's PD role (SGLang's and TokenSpeed's --disaggregation-mode; runtime/requests/pd_bootstrap.py).
     pd_leg: PdLeg = NO_PD
 

@@ -119,7 +119,7 @@ class CoalescingTransport:
     grpclib writes once per message, header block and trailer: with hundreds
     of streams on the router's one connection that is one ``send`` syscall
     and one TCP segment per message. The writes of one tick go as one write on
-    the next tick (docs/benchmarks.md). Order is kept (one buffer, flushed in
+    the next tick (docs/benchmarks-history.md). Order is kept (one buffer, flushed in
     order); ``close`` flushes first; nothing is buffered once closing; flow
     control is untouched (the real transport still pauses the protocol).
     """
@@ -580,7 +580,7 @@ class DirectSender:
     A streamed token otherwise costs an asyncio wake-up of the call's writer
     task (under trio-asyncio: a hop through trio's queue), grpclib's event
     dispatch and three awaits, about half the servicer's CPU per message
-    (docs/benchmarks.md). This does what grpclib's ``send_message`` does
+    (docs/benchmarks-history.md). This does what grpclib's ``send_message`` does
     once its headers are out: encode, frame, send; the socket write itself
     is ``writes.flush``'s, once per connection per engine frame.
 
@@ -595,7 +595,7 @@ class DirectSender:
 
     One object with slots rather than a closure: at one message per call per
     engine frame, each call's state is read cold, and every closure cell is
-    another object to read (docs/benchmarks.md).
+    another object to read (docs/benchmarks-history.md).
 
     ``stream`` is a grpclib server ``Stream``; ``send`` may only be called
     once ``send_headers`` has sent its initial headers (``generate`` hands
@@ -624,7 +624,7 @@ class DirectSender:
         What grpclib's ``send_initial_metadata`` sends with no metadata, built
         here when the stream and the connection can take it now (h2's
         ``send_headers`` and grpclib's dispatch cost ~10% of a call's CPU;
-        docs/benchmarks.md); otherwise grpclib sends them, waiting as it does.
+        docs/benchmarks-history.md); otherwise grpclib sends them, waiting as it does.
         """
         stream = self._stream
         block = header_block(((":status", "200"), ("content-type", stream._content_type)))
@@ -679,7 +679,7 @@ class DirectSender:
 
         ``send_bodies`` for the common case, one chunk per call per engine
         frame: the same checks and charges, without the loop, the frame list
-        and the window ``min`` (docs/benchmarks.md, stop 15).
+        and the window ``min`` (docs/benchmarks-history.md, stop 15).
         """
         own = self._own
         if own is None or own.state_machine.state not in _SENDABLE_STREAM_STATES:
@@ -727,7 +727,7 @@ class DirectSender:
         the writer task they left 3-16 ms after the engine frame that finished
         the call (its wake-up waits behind the frame's fan-out and for a core),
         and the next call reached the engine a step later than a bare driver's
-        (docs/benchmarks.md). Here they go out in this engine frame's write.
+        (docs/benchmarks-history.md). Here they go out in this engine frame's write.
 
         The frame is built as ``send_headers`` builds the response headers,
         queued behind the call's DATA frames, so the wire order is the call's
@@ -794,7 +794,7 @@ def run_ready_callbacks_together(loop) -> ReadyCallbackStats:
     trio-asyncio runs each asyncio callback in a trio scheduling round of its
     own (``_main_loop_one``: a cancel scope with the next timer's deadline, one
     callback from a memory channel, a checkpoint). A gRPC call is several
-    callbacks, so it paid that round several times (docs/benchmarks.md). After
+    callbacks, so it paid that round several times (docs/benchmarks-history.md). After
     trio-asyncio's own ``_main_loop_one`` the loop calls it again with
     ``no_wait=True`` while callbacks are queued, up to ``READY_CALLBACKS_MAX``:
     trio-asyncio's own dispatch without the wait, as it drains the queue at

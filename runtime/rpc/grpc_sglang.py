@@ -33,11 +33,12 @@ from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2 as pb, vll
 
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
 from enginelink.runtime.engine.grammar_labels import sglang_labels
+from enginelink.runtime.engine.mm_item_limits import MM_ITEM_LIMITS_KEY, format_item_limits, item_limits
 from enginelink.machines.warmup import WarmupRequest
 from enginelink.proto.sglang_scheduler_grpc import SglangSchedulerBase
 from enginelink.runtime.errors import ClientError, current_request_id, grpc_errors
 from enginelink.runtime.errors import ServicerError
-from enginelink.runtime.kv.grpc_kv import retrieve_outcome
+from enginelink.runtime.kv.grpc_kv import KV_OFF_MESSAGE_SGLANG, retrieve_outcome
 from enginelink.runtime.lifetime.warmup import Outcome, TrioWake, hub_submit
 from enginelink.runtime.requests.contract_sglang import SGLANG_EDGE
 from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, runner_type
@@ -82,6 +83,7 @@ def health_check_timeout_s(environ=os.environ) -> float:
 class SglangSchedulerService(ContractService, SglangSchedulerBase):
     edge = SGLANG_EDGE
     stamped = True  # every response carries request_id, as the reference's do
+    kv_off_message = KV_OFF_MESSAGE_SGLANG
     # Generate, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
@@ -174,7 +176,10 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
         max_len = context_len(app)
         await stream.send_message(pb.GetModelInfoResponse(
             **model_facts(app), tokenizer_path=model.tokenizer_path,
-            is_generation=ready.get("runner_type") != "pooling", max_context_length=max_len, supports_vision=False,
+            is_generation=ready.get("runner_type") != "pooling", max_context_length=max_len,
+            # The engine's own answer (its ready report: SGLang's ModelConfig, runtime/engine/sglang_headless.py);
+            # router tensors are taken only then (runtime/requests/mm_sglang.py).
+            supports_vision=bool(ready.get("supports_vision", model.supports_vision)),
             max_req_input_len=int(ready.get("max_req_input_len") or max(max_len - 1, 0)),
             default_sampling_params_json=model.default_sampling_params_json,
         ))
@@ -196,6 +201,11 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
             # The PD role the router pairs legs by, and the operator's pairing protocol (pd_bootstrap.py).
             **PdLeg.of(ready).server_fields(),
         })
+        # The engine's own per-request media counts, flat, for the router's media pipeline (its precomputed
+        # inputs bypass the engine's front end, which checks them): the reference adds them only when set.
+        limits = format_item_limits(item_limits(resolved.get("limit_mm_data_per_request")))
+        if limits:
+            server_args.update({MM_ITEM_LIMITS_KEY: limits})
         scheduler_info = struct_pb2.Struct()
         scheduler_info.update(json.loads(json.dumps({k: v for k, v in ready.items() if k != "server_args"},
                                                     default=str)))

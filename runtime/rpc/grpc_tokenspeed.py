@@ -31,7 +31,7 @@ from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 from enginelink.proto.tokenspeed_scheduler_grpc import TokenSpeedSchedulerBase
 from enginelink.runtime.engine.grammar_labels import CONSTRAINED_DECODING_START_KEY, FIRST_TOKEN, tokenspeed_labels
 from enginelink.runtime.errors import Unavailable, grpc_errors
-from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT
+from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT, KV_OFF_MESSAGE_TOKENSPEED
 from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, TokenSpeedEdge
 from enginelink.runtime.lifetime.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
@@ -50,6 +50,7 @@ class TokenSpeedSchedulerService(ContractService, TokenSpeedSchedulerBase):
     health_reply = pb.HealthCheckResponse
     name = SERVICE
     stamped = True  # every response carries request_id (ContractService.Generate stamps them)
+    kv_off_message = KV_OFF_MESSAGE_TOKENSPEED
     # HealthCheck, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:

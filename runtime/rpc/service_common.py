@@ -16,7 +16,7 @@ from google.protobuf import timestamp_pb2
 from smg_grpc_proto.generated import common_pb2
 
 from enginelink.runtime.errors import current_request_id, grpc_errors
-from enginelink.runtime.kv.grpc_kv import subscribe_kv_events
+from enginelink.runtime.kv.grpc_kv import KV_OFF_MESSAGE, subscribe_kv_events
 from enginelink.runtime.requests.call_stamp import CallStamp
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.inputs import input_limits
@@ -35,6 +35,8 @@ class ContractService:
     health_reply = None
     # Every response repeats the call's request_id (SGLang's and TokenSpeed's protos, as their references do).
     stamped = False
+    # SubscribeKvEvents' UNIMPLEMENTED when KV events are off: the reference's words for the contract's engine.
+    kv_off_message = KV_OFF_MESSAGE
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
         self.app = app
@@ -95,7 +97,7 @@ class ContractService:
     @grpc_errors
     async def SubscribeKvEvents(self, stream) -> None:
         # runtime/kv/grpc_kv.py; a contract whose proto has no such RPC (MLX) never routes here.
-        await subscribe_kv_events(self.kv_relay, stream)
+        await subscribe_kv_events(self.kv_relay, stream, self.kv_off_message)
 
 
 class StampedSender(DirectSender):

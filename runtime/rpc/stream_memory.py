@@ -1,7 +1,7 @@
 """What an open gRPC stream keeps, cut: grpclib's per-stream asyncio objects made only when used.
 
 Why: measured with tracemalloc between 32 and 1,000 open streams (sim engine;
-docs/benchmarks.md, "Memory per open stream"), an open call held ~19 KiB of
+docs/benchmarks-history.md, "Memory per open stream"), an open call held ~19 KiB of
 Python heap, and the largest single items were grpclib's per-stream asyncio
 primitives: three ``asyncio.Event``s in ``Stream.__init__`` (each with its own
 waiter deque; ~2.3 KiB together) and the request ``Buffer``'s

@@ -1,7 +1,7 @@
 """An engine ERROR on a constrained call is the engine's own report, never inferred to be the constraint's.
 
 The sim engine enforces no constraint, but ends a request ERROR for the
-cases vLLM's engine would without a grammar compiler (tools/sim_core.py
+cases vLLM's engine would without a grammar compiler (machines/sim_core.py
 ``_grammar_fails``): here, an EBNF grammar with no ``root`` rule. vLLM's wire
 says only ERROR, the same finish a failed KV load or an encoder-cache miss
 gives, so the reference's servicers answer it as any ERROR

@@ -236,3 +236,53 @@ def test_tokenspeed_prefill_leg_places_by_residue_and_skips_the_warm_up(ts_prefi
     error = refusal(ts_prefill.ts, ts_request(new_id("tsnobs"), prompt(4)))
     assert error.details() == ("kv_bootstrap_info: this worker is a prefill leg: the bootstrap host, port and "
                                "room are required")
+
+
+# -- KV events from every rank: SGLang DP, a TokenSpeed PD leg under DP ------------------------
+
+
+def _launch_kv_config(servicer) -> dict:
+    """The ``--kv-events-config`` enginelink launched the engine with (the journal's launch record)."""
+    import json
+
+    (argv,) = [p["message"]["argv"] for _, _, kind, p in journal(servicer)
+               if kind == "engine.handshake" and p["step"] == "launch"]
+    return json.loads(argv[argv.index("--kv-events-config") + 1])
+
+
+def _stored_by_rank(servicer, stub, generate) -> None:
+    """Each rank's request is stored by that rank's own publisher, relayed with its ``dp_rank``."""
+    from types import SimpleNamespace
+
+    from tests.kv.kv_client import KvSubscription
+
+    with KvSubscription(SimpleNamespace(stub=stub)) as sub:
+        sub.caught_up()
+        seen = len(sub.kv_batches())
+        for rank in (0, 1):
+            (complete,) = completes(generate(rank))
+            assert complete.finish_reason == "length", complete
+
+        def stored_ranks(s) -> bool:
+            return {b.dp_rank for b in s.kv_batches()[seen:]
+                    if any(e.WhichOneof("data") == "stored" for e in b.events)} == {0, 1}
+
+        sub.wait(stored_ranks, CALL_TIMEOUT_S, "stored blocks from rank 0 and from rank 1")
+        sub.wait(lambda s: {b.dp_rank for b in s.snapshot() if b.load.load_only} == {0, 1}, CALL_TIMEOUT_S,
+                 "load records of both ranks")
+
+
+def test_sglang_dp_relays_each_ranks_kv_events_in_sglangs_dialect(sgl_dp):
+    # SGLang's own form (no vLLM switch); each DP rank offsets the port by its rank (select_kv_publisher_dp_rank).
+    config = _launch_kv_config(sgl_dp)
+    assert config["publisher"] == "zmq" and "enable_kv_cache_events" not in config
+    _stored_by_rank(sgl_dp, sgl_dp.sgl, lambda rank: sgl_dp.sgl.Generate(
+        sgl_request(new_id(f"kv{rank}"), prompt(300 + rank, 40), pin=rank), timeout=CALL_TIMEOUT_S))
+
+
+def test_tokenspeed_prefill_leg_under_dp_relays_each_ranks_kv_events(ts_prefill):
+    config = _launch_kv_config(ts_prefill)
+    assert config["enable_kv_cache_events"] is True and config["publisher"] == "zmq"  # TokenSpeed's dialect
+    # A prefill leg runs a request on its room's residue: room 4 on rank 0, room 5 on rank 1.
+    _stored_by_rank(ts_prefill, ts_prefill.ts, lambda rank: ts_prefill.ts.Generate(
+        ts_request(new_id(f"tskv{rank}"), prompt(310 + rank, 40), room=4 + rank), timeout=CALL_TIMEOUT_S))

@@ -191,6 +191,28 @@ def test_logprobs_are_per_chunk_deltas_and_prompt_logprobs_come_once(sgl):
     assert list(whole[0][0].output_logprobs.token_ids) == list(whole[0][0].output_ids)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_prompt_logprobs_from_any_start_position_are_the_schedulers_slice(sgl, stream):
+    """Issue 33 item 7: ``logprob_start_len`` N > 0 returns prompt positions N.. (N's own value unset, as the
+    scheduler's slice starts), the same values the whole prompt's have there; at the prompt's end, none."""
+    prompt = (61, 62, 63, 64, 65, 66, 67)
+
+    def input_logprobs(start: int):
+        chunks, completes = run(sgl, request(prompt, stream=stream, max_new_tokens=2, ignore_eos=True,
+                                             return_logprob=True, top_logprobs_num=2, logprob_start_len=start))
+        return chunks[0][0].input_logprobs if stream else completes[0][0].input_logprobs
+
+    whole = input_logprobs(0)
+    values = [p.value for p in whole.token_logprobs[1:]]
+    for start in (1, 3, 6):
+        part = input_logprobs(start)
+        assert list(part.token_ids) == list(prompt[start:])
+        assert not part.token_logprobs[0].HasField("value")
+        assert [p.value for p in part.token_logprobs[1:]] == values[start:]
+        assert [list(t.token_ids) for t in part.top_logprobs[1:]] == [list(t.token_ids) for t in whole.top_logprobs[start + 1:]]
+    assert not len(input_logprobs(len(prompt)).token_ids)  # nothing left to return
+
+
 REFUSALS = [
     ("no tokenized input", dict(tokenized=None), "tokenized"),
     ("empty prompt", dict(prompt=()), "tokenized.input_ids"),
@@ -211,6 +233,8 @@ REFUSALS = [
     ("custom logit processor without --enable-custom-logit-processor", dict(custom_logit_processor="{}"),
      "custom_logit_processor"),
     ("too many top logprobs", dict(return_logprob=True, top_logprobs_num=10**6), "top_logprobs_num"),
+    # SGLang's scheduler aborts a start past the prompt ("is higher than the number of input tokens").
+    ("prompt logprobs from past the prompt", dict(return_logprob=True, logprob_start_len=4), "logprob_start_len"),
     ("DP rank out of range", dict(data_parallel_rank=3), "data_parallel_rank"),
 ]
 
@@ -219,7 +243,8 @@ REFUSALS = [
 def test_bad_input_is_refused_before_the_engine_naming_the_field(sgl, mutation, field):
     mutation = dict(mutation)
     top = {k: mutation.pop(k) for k in ("return_hidden_states", "custom_logit_processor", "return_logprob",
-                                        "top_logprobs_num", "data_parallel_rank") if k in mutation}
+                                        "top_logprobs_num", "data_parallel_rank", "logprob_start_len")
+           if k in mutation}
     prompt = mutation.pop("prompt", (5, 6, 7))
     no_input = mutation.pop("tokenized", "keep") is None
     req = request(prompt, **mutation)

@@ -193,7 +193,7 @@ async def test_an_idle_flusher_sleeps_until_the_next_append(tmp_path, autojump_c
 async def test_the_end_of_a_write_wakes_the_trio_thread_only_for_a_waiter():
     # The flusher does not wait for its writes: a worker thread that ends one while nobody waits does
     # not touch trio. Waiting for each write cost the trio thread a second wake-up per flush, most of
-    # a flush's cost there at a real engine's pace (docs/benchmarks.md, "Stop 22").
+    # a flush's cost there at a real engine's pace (docs/benchmarks-history.md, "Stop 22").
     woken = []
 
     class Token:  # stands in for the trio token the write wakes the flusher through

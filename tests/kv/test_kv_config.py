@@ -103,3 +103,48 @@ def test_ranks_of_each_engine():
     assert engine_ranks("sim", ["--rank", "3"]) == (3,)
     assert engine_ranks("vllm", []) == (0,)
     assert engine_ranks("vllm", ["--data-parallel-size", "4"]) == (0, 1, 2, 3)
+
+
+# ---- SGLang's and TokenSpeed's dialects (wire/kv_engines.py) -----------------------------
+
+
+def test_sglangs_own_config_form_is_relayed():
+    """The reference's example, SGLang's keys only: it publishes (its publisher is zmq), so the relay follows it."""
+    text = '{"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}'
+    args, p = plan_kv_events("sglang", ["--kv-events-config", text], {}, socket_dir=DIR, prefix="p", dialect="sglang")
+    assert args == ["--kv-events-config", text]  # kept as given
+    assert p is not None and p.explicit and p.relay.replay and p.topic == b""
+    assert p.ranks == (RankEndpoints(0, "tcp://127.0.0.1:5557", False, "tcp://127.0.0.1:5558"),)
+    # SGLang binds 0.0.0.0 and honours its bind; vLLM's rule would have the relay bind there instead.
+    text = '{"publisher":"zmq","endpoint":"tcp://0.0.0.0:5557"}'
+    _, p = plan_kv_events("sglang", ["--kv-events-config", text], {}, socket_dir=DIR, prefix="p", dialect="sglang")
+    assert p.ranks == (RankEndpoints(0, "tcp://127.0.0.1:5557", False, None),)
+    text = '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557","bind":true}'
+    _, p = plan_kv_events("sglang", ["--kv-events-config", text], {}, socket_dir=DIR, prefix="p", dialect="sglang")
+    assert p.ranks == (RankEndpoints(0, "tcp://127.0.0.1:5557", False, None),)
+    # What SGLang reads as not publishing is not relayed: vLLM's switch alone, or the null publisher.
+    for off in ('{"enable_kv_cache_events":true}', '{"publisher":"null"}'):
+        assert plan_kv_events("sglang", ["--kv-events-config", off], {}, socket_dir=DIR, prefix="p",
+                              dialect="sglang")[1] is None  # fmt: skip
+
+
+def test_the_default_config_is_written_in_the_engines_dialect():
+    for dialect, switch in (("sglang", {"publisher": "zmq"}),
+                            ("tokenspeed", {"enable_kv_cache_events": True, "publisher": "zmq"})):
+        args, p = plan_kv_events(dialect, [], {}, socket_dir=DIR, prefix="p", dialect=dialect)
+        assert given(args) == {**switch, "endpoint": f"ipc://{DIR}/p-kv.sock",
+                               "replay_endpoint": f"ipc://{DIR}/p-kv-replay.sock", "topic": "kv"}
+        assert p.config.publishing and p.ranks[0].pub == f"ipc://{DIR}/p-kv.sock"
+        knob = f"SMG_{dialect.upper()}_SERVICER_KV_EVENTS"
+        assert plan_kv_events(dialect, [], {knob: "0"}, socket_dir=DIR, prefix="p", dialect=dialect,
+                              knobs=("ENGINELINK_KV_EVENTS", knob))[1] is None  # fmt: skip
+
+
+def test_a_port_0_is_refused_where_the_engines_report_cannot_name_it():
+    for dialect, text in (("sglang", '{"publisher":"zmq","endpoint":"tcp://*:0"}'),
+                          ("tokenspeed", '{"enable_kv_cache_events":true,"replay_endpoint":"tcp://*:0"}')):
+        with pytest.raises(KvConfigError, match="port 0 cannot be followed"):
+            plan_kv_events(dialect, ["--kv-events-config", text], {}, socket_dir=DIR, prefix="p", dialect=dialect)
+    with pytest.raises(KvConfigError, match="unknown publisher"):
+        plan_kv_events("sglang", ["--kv-events-config", '{"publisher":"kafka"}'], {}, socket_dir=DIR, prefix="p",
+                       dialect="sglang")  # fmt: skip

@@ -150,3 +150,52 @@ def test_client_disconnect_aborts_every_child(stack):
     request_id = one["request_ids"][0].removesuffix("-n0")
     aborts = [p for _, st, kind, p in journal(stack.servicer) if kind == "client.abort" and st == f"req/{request_id}"]
     assert len(aborts) == 1 and aborts[0]["reason"] in ("client_gone", "abort_rpc"), aborts
+
+
+# -- cache_aware routing by KV events across two TokenSpeed workers ----------------------------
+
+
+def test_cache_aware_routing_follows_two_tokenspeed_workers_kv_events(tmp_path, test_model_dir):
+    """Each prefix is generated directly on one worker (the router never sees it); requests sharing it then
+    land on that worker, which only its KV events (TokenSpeed's publisher, relayed on TokenSpeed's contract's
+    SubscribeKvEvents) can tell the router."""
+    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
+
+    from tests.kv.kv_client import prompt
+    from tests.kv.test_kv_router import PREFIX, PRIMED, prompt_lengths, router_metric
+
+    workers = [Servicer(tmp_path, model_dir=test_model_dir, extra=["--engine", "sim", "--wire", "tokenspeed"],
+                        health_service=SERVICE, env={"ENGINELINK_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "0.2"})
+               for _ in range(2)]
+    router = None
+    try:
+        for w in workers:
+            w.start()
+        router = Router(tmp_path, workers[0].port, test_model_dir, extra=["--policy", "cache_aware"])
+        router.argv.insert(router.argv.index(router.worker_url) + 1, f"grpc://127.0.0.1:{workers[1].port}")
+        router.start()
+        stubs = [pb_grpc.TokenSpeedSchedulerStub(w.channel) for w in workers]
+        prefixes = [prompt(300 + i, PREFIX) for i in range(PRIMED)]
+        for i, p in enumerate(prefixes):
+            list(stubs[i % 2].Generate(pb.GenerateRequest(
+                request_id=f"prime-{i}", tokenized=pb.TokenizedInput(input_ids=p),
+                sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=1)), timeout=30))
+        for w in workers:
+            wait_until(lambda: router_metric(router, "smg_kv_event_batches_total", w.port, disposition="applied") >= 3,
+                       15, f"the router applying {w.port}'s batches")  # fmt: skip
+        for i, p in enumerate(prefixes):
+            body = {"model": test_model_dir.name, "input_ids": p + prompt(400 + i, 8 + i),
+                    "sampling_params": {"max_new_tokens": 1}}  # fmt: skip
+            status, reply = post(router.url, "/generate", body)
+            assert status == 200, reply
+        for i in range(PRIMED):
+            length = PREFIX + 8 + i
+            holder, other = workers[i % 2], workers[1 - i % 2]
+            assert wait_until(lambda: length in prompt_lengths(holder), 5, f"request {i} on its prefix's worker")
+            assert length not in prompt_lengths(other)
+        assert "Detected backend: tokenspeed" in router.log()
+    finally:
+        if router is not None:
+            router.stop()
+        for w in workers:
+            w.stop()

@@ -76,7 +76,7 @@ def deterministic_trio(seed: int):
 
 def run_seed(seed: int, model, tokenizer, sc: Scenario | None = None,
              contract: ClientContract = VLLM_CLIENTS) -> SimRun:
-    """``contract``: the gRPC contract the clients speak (vLLM's; tests/test_second_contract.py another)."""
+    """``contract``: the gRPC contract the clients speak (vLLM's; tests/sim/test_second_contract.py another)."""
     sc = sc if sc is not None else scenario(seed)
     with deterministic_trio(seed):
         return trio.run(_main, sc, model, tokenizer, contract, clock=trio.testing.MockClock(autojump_threshold=0))

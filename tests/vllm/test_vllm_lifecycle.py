@@ -128,7 +128,7 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
         # Issue 22: the servicer never exits before every process of its engine's
         # session is gone (a Worker was once left running, reparented to PID 1)...
         assert session_members(launcher) == [], "processes of the engine's session outlived the servicer"
-        # ...and the stop is bounded: the drain, then the engine stop's grace + 8 s (README).
+        # ...and the stop is bounded: the drain, then the engine stop's grace + 8 s (docs/running.md).
         assert took <= DRAIN_S + ENGINE_STOP_GRACE_S + STOP_BOUND_OVER_GRACE_S, f"SIGTERM to exit took {took:.1f} s"
         for reader in short + long:
             reader.join(5)

@@ -50,6 +50,8 @@ SPECS = {
     "structural_tag": spec(structured_outputs={"structural_tag": '{"type":"structural_tag"}'}),
     "json_object": spec(structured_outputs={"json_object": True}),
     "logprobs": spec(logprobs=3, prompt_logprobs=3),
+    # Issue 33 item 7: prompt logprobs from a later position (SGLang's logprob_start_len).
+    "prompt_logprobs_from_2": spec(ids=(1, 2, 3, 4, 5), logprobs=1, prompt_logprobs=1, prompt_logprobs_start=2),
     "dp_salt_pd": spec(data_parallel_rank=1, cache_salt="salt",
                        kv_transfer_params={"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 5}),
     "long_prompt": spec(ids=range(3000), max_tokens=1),
@@ -323,3 +325,35 @@ def test_the_routers_request_features_ride_in_the_schedulers_own_fields():
     assert request.custom_logit_processor == '{"callable": "gASV"}'
     outputs = g.SglangCodec().decode_output(g.encode_outputs(_batch())).outputs
     assert [o.reasoning_tokens for o in outputs] == [0, 1, 5, 0, 2]
+
+
+def test_prompt_logprobs_from_a_start_position_go_as_logprob_start_len_and_come_back_as_its_slice():
+    """Issue 33 item 7: the start goes in the scheduler's own field; its slice (the start's id with no
+    value, then one value per later prompt token) comes back as the prompt's positions from there."""
+    from enginelink.machines.logprobs import ChoiceLogprobs
+
+    request = g.request_for(SPECS["prompt_logprobs_from_2"])
+    assert (request.return_logprob, request.logprob_start_len, request.top_logprobs_num) == (True, 2, 1)
+    assert g.request_for(SPECS["logprobs"]).logprob_start_len == 0
+    assert g.request_for(spec(logprobs=2)).logprob_start_len == -1
+    batch = g.token_batch(["a"], [[9]], [None], prompt_tokens=[5], completion_tokens=[1],
+                          output_token_logprobs_val=[[-0.5]], output_token_logprobs_idx=[[9]],
+                          output_top_logprobs_val=[[[-0.5]]], output_top_logprobs_idx=[[[9]]],
+                          input_token_logprobs_val=[[None, -1.5, -2.5]], input_token_logprobs_idx=[[3, 4, 5]],
+                          input_top_logprobs_val=[[None, [-1.0], [-2.0]]], input_top_logprobs_idx=[[None, [7], [8]]])
+    frames = g.encode_outputs(batch)
+    (out,) = g.SglangCodec().decode_output(frames).outputs
+    sample, prompt = g.SglangCodec.logprobs(out, frames)
+    lp = ChoiceLogprobs(1, 1, keep_all=True, prompt_start=2)
+    lp.feed(sample, prompt, 1, [9], [1, 2, 3, 4, 5])
+    assert lp.prompt.ids == [3, 4, 5] and [p[0] for p in lp.prompt.positions] == [-1.5, -2.5]
+    assert [list(p[3]) for p in lp.prompt.positions] == [[7], [8]]
+    # Started at the prompt's last token: its id alone, with no value (the scheduler's [None]).
+    batch = g.token_batch(["a"], [[9]], [None], prompt_tokens=[5], completion_tokens=[1],
+                          input_token_logprobs_val=[[None]], input_token_logprobs_idx=[[5]])
+    frames = g.encode_outputs(batch)
+    (out,) = g.SglangCodec().decode_output(frames).outputs
+    _, prompt = g.SglangCodec.logprobs(out, frames)
+    last = ChoiceLogprobs(None, 0, keep_all=True, prompt_start=4)
+    last.feed(None, prompt, 1, [9], [1, 2, 3, 4, 5])
+    assert last.prompt.ids == [5] and last.prompt.positions == []
