@@ -48,7 +48,8 @@ from tests.harness import Servicer, reap_stopped, shared
 # session fixtures that must stay inside it: a test on one elsewhere would start a second engine.)
 VLLM_SHARED_SCOPE = "real vLLM: the session's engine"
 VLLM_OWN_SCOPE = "real vLLM: own engines"
-# The vision model's engine (minutes on CPU: BLIP-2's encoder) runs beside the other two scopes.
+# The vision, video and audio models' engines (minutes on CPU: their encoders) run beside the other two
+# scopes, one at a time.
 VLLM_VISION_SCOPE = "real vLLM: vision"
 # vLLM 0.28.0 (the oldest release supported): one module on one engine and its offline reference,
 # each with a 64 MiB KV cache, started and stopped within the module (a few minutes, beside the rest).
@@ -62,7 +63,7 @@ ENGINE_SCOPES = (
                       "tests/vllm/test_vllm_launcher_plugin.py", "tests/vllm/test_vllm_lifecycle.py",
                       "tests/vllm/test_vllm_operator.py", "tests/vllm/test_vllm_pd.py", "tests/vllm/test_vllm_hub.py",
                       "tests/wire/test_vllm_logprobs.py"), ()),
-    (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py",
+    (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/vllm/test_vllm_av.py", "tests/wire/test_vllm_mm.py",
                          "tests/vllm/test_vllm_media_sidecar.py"), ()),
     (VLLM_SHARED_SCOPE, ("tests/vllm/",), ("vllm_stack", "vllm_quiet")),
     (MLX_SCOPE, ("tests/mlx/", "tests/sglang/"), ("mlx_stack",)),
