@@ -42,6 +42,8 @@ class GenerateCall:
     # an engine error on such a call is reported as the constraint's failure (request core).
     constraint: str | None = None
     grammar_backend: str | None = None
+    # A PD prefill side's processed media, serialized (runtime/requests/media_identity.py): every complete carries it.
+    media_identity: bytes | None = None
 
     @property
     def n(self) -> int:
@@ -88,6 +90,8 @@ class Complete(NamedTuple):
     completion_tokens: int = 0
     # Of them, the model's thinking (a wire that counts them: SGLang's ``reasoning_tokens``), else 0.
     reasoning_tokens: int = 0
+    # The call's media identity (``GenerateCall.media_identity``), opaque here.
+    media_identity: bytes | None = None
 
 
 Message = Chunk | Complete

@@ -172,4 +172,5 @@ class Call:
             kv_transfer_params=choice.kv_transfer_params,
             logprobs=positions, logprobs_top=top, prompt_logprobs=prompt, stream=self.spec.stream,
             completion_tokens=choice.tokens_sent, reasoning_tokens=choice.reasoning_tokens,
+            media_identity=self.spec.media_identity,
         )

@@ -48,8 +48,12 @@ from tests.harness import Servicer, reap_stopped, shared
 # session fixtures that must stay inside it: a test on one elsewhere would start a second engine.)
 VLLM_SHARED_SCOPE = "real vLLM: the session's engine"
 VLLM_OWN_SCOPE = "real vLLM: own engines"
-# The vision model's engine (minutes on CPU: BLIP-2's encoder) runs beside the other two scopes.
+# The vision, video and audio models' engines (minutes on CPU: their encoders) run beside the other two
+# scopes, one at a time.
 VLLM_VISION_SCOPE = "real vLLM: vision"
+# The video and audio models' engines and offline references: on the vision scope's worker they made it
+# the suite's tail (minutes of encoders per clip kind, after the image modules'), so a worker of their own.
+VLLM_AV_SCOPE = "real vLLM: audio and video"
 # vLLM 0.28.0 (the oldest release supported): one module on one engine and its offline reference,
 # each with a 64 MiB KV cache, started and stopped within the module (a few minutes, beside the rest).
 VLLM_0_28_SCOPE = "real vLLM 0.28.0"
@@ -65,11 +69,12 @@ ENGINE_SCOPES = (
                       "tests/wire/test_vllm_logprobs.py"), ()),
     (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py",
                          "tests/vllm/test_vllm_media_sidecar.py"), ()),
+    (VLLM_AV_SCOPE, ("tests/vllm/test_vllm_av.py",), ()),
     (VLLM_SHARED_SCOPE, ("tests/vllm/",), ("vllm_stack", "vllm_quiet")),
     (MLX_SCOPE, ("tests/mlx/", "tests/sglang/"), ("mlx_stack",)),
     (VLLM_0_28_SCOPE, ("tests/vllm_0_28/",), ("vllm_0_28",)),
 )
-VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE, VLLM_0_28_SCOPE)
+VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE, VLLM_AV_SCOPE, VLLM_0_28_SCOPE)
 # The simulation's seed sweeps (tests/sim: 400 seeds a module, each a second or so of CPU, on
 # a session fixture only): one scope per SEED_CHUNK seeds, so one module's sweep is not one
 # worker's minutes-long tail while the other workers are idle.

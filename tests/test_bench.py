@@ -137,7 +137,9 @@ def test_a_steady_window_measures_after_the_warm_up_and_reads_the_servicers_outp
         capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["steady"] and report["wall_s"] == pytest.approx(2.0, abs=0.5)
+    # The window is the --duration-s asked for, give or take the time its two /metrics reads take on a
+    # loaded box (a wall time bounded loosely: no timed assertion in tests).
+    assert report["steady"] and 1.0 <= report["wall_s"] < 12.0, report["wall_s"]
     assert report["errors"] == report["short"] == 0 and report["ok"] == report["requests"]
     # The window's tokens only: fewer than every call streamed (the warm-up and the tail are out).
     assert 0 < report["output_tokens"] < report["all_calls_tokens"]
@@ -391,3 +393,23 @@ def test_a_latency_plot_it_cannot_draw_is_refused_before_the_run(tmp_path, args,
                           timeout=60, cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     assert words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_media_ref_share_puts_the_image_ref_on_every_nth_call_and_splits_the_text_tokens_out():
+    from enginelink.tools import bench_load
+
+    assert [bench_load.media_every(s) for s in (0.0, 0.1, 0.25, 1.0)] == [0, 10, 4, 1]
+    with pytest.raises(ValueError, match="--media-ref-share 1.5"):
+        bench_load.media_every(1.5)
+    plan = {"wire": "vllm", "vocab_size": 4096, "prompt_tokens": 4, "tag": "t", "media_every": 10,
+            "media_url": bench_load.DEFAULT_MEDIA_URL}
+    request = bench_load._request_factory(plan, 0)
+    carrying = [n for n in range(30) if request(n, 8).HasField("media_refs")]
+    assert carrying == [0, 10, 20] and request(10, 8).media_refs.items[0].url.startswith("data:image/png;base64,")
+    record = bench_load.CallRecorder(8, plan)
+    for n in (0, 1, 2):
+        record.start(n)
+        record.open[n][2] = 5 if n == 0 else 8  # the tokens its chunks brought (on_response counts them)
+        record.end(n, None)
+    report = record.report(0.0)
+    assert (report["media_requests"], report["media_tokens"], report["tokens"]) == (1, 5, 21)

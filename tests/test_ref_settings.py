@@ -110,8 +110,6 @@ def test_metrics_flag_then_the_contracts_name_then_the_vllm_name():
 @pytest.mark.parametrize("argv, env, words", [
     (["--mm-processor", "smg"], {}, "smg's own media pipeline runs only inside the reference's Rust servicer"),
     ([], {"SMG_VLLM_MM_PROCESSOR": "SMG"}, "SMG_VLLM_MM_PROCESSOR=smg: smg's own media pipeline"),
-    (["--mm-processor", "inprocess", "--media-io-kwargs", '{"image": {}}'], {},
-     "--media-io-kwargs with --mm-processor inprocess: enginelink's media processor does not apply"),
 ])  # fmt: skip
 def test_a_feature_enginelink_lacks_is_refused_naming_it(argv, env, words):
     [refusal] = resolve(*argv, env=env).refusals
@@ -121,6 +119,9 @@ def test_a_feature_enginelink_lacks_is_refused_naming_it(argv, env, words):
     # The servicer's fetcher enforces the allow-list (machines/media_policy.py), so with it on it is taken.
     ref = resolve("--mm-processor", "inprocess", "--allowed-media-domains", "example.com", "cdn.example")
     assert not ref.refusals and ref.get("allowed_media_domains") == "example.com,cdn.example"
+    # vLLM's media-loader options are the media processor's too (the engine's arguments carry them to it).
+    ref = resolve("--mm-processor", "inprocess", "--media-io-kwargs", '{"video": {"num_frames": 4}}')
+    assert not ref.refusals and ref.get("media_io_kwargs") == '{"video": {"num_frames": 4}}'
     # A Rust-pipeline-only flag is a warning, not a refusal.
     ref = resolve("--mm-turbojpeg", "REQUIRE")
     assert not ref.refusals and ref.get("mm_turbojpeg") == "require"

@@ -81,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-args", dest="engine_args_text", default="", metavar="'ARGS'",
                    help="sim engine arguments, one shell-quoted string, e.g. --engine-args='--step-us 2000' "
                         "(arguments after -- are added too)")
+    p.add_argument("--media-ref-share", type=float, default=0.0, metavar="FRACTION",
+                   help="the share of calls that carry one image media ref (--media-ref-url), e.g. 0.1: every "
+                        "tenth call; the servicer needs --mm-processor inprocess (SMG_VLLM_MM_PROCESSOR). The "
+                        "report then splits the text calls' tokens out (servicer CPU per text token)")
+    p.add_argument("--media-ref-url", default=None, metavar="URL",
+                   help="the media ref's URL (default: a 64x48 PNG as a data: URL)")
     p.add_argument("--py-spy", type=Path, default=None, metavar="FILE",
                    help="sample the servicer with py-spy over the load window (.svg flame graph, "
                         ".txt collapsed stacks); needs py-spy on PATH or in the venv")

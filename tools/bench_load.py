@@ -352,6 +352,25 @@ def call_numbers(requests: int | None, stop_at: float | None):
     return take
 
 
+# A 64x48 PNG (one colour), as a data: URL: the default media ref of --media-ref-share.
+DEFAULT_MEDIA_URL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAEAAAAAwCAIAAAAuKetIAAAAQ0lEQVR42u3P"
+                     "AQ0AAAQAMATRP4pYWthsf4PndMdnFc8JCAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgI3FmvFwFkpERfBAAAAABJRU5ErkJggg==")
+
+
+def media_every(share: float) -> int:
+    """Every how many calls one carries a media ref (0: none), for ``--media-ref-share``."""
+    if not share:
+        return 0
+    if not 0 < share <= 1:
+        raise ValueError(f"--media-ref-share {share}: expected a fraction in (0, 1]")
+    return max(1, round(1 / share))
+
+
+def carries_media(plan: dict, n: int) -> bool:
+    every = plan.get("media_every") or 0
+    return bool(every) and n >= 0 and n % every == 0
+
+
 def _request_factory(plan: dict, index: int):
     """``request(n, tokens)``: call number ``n`` of this client process, the same for either client."""
     import random
@@ -366,13 +385,18 @@ def _request_factory(plan: dict, index: int):
     tag = f"bench-{plan['tag']}-{index}"
 
     def request(n: int, tokens: int) -> pb.GenerateRequest:
-        return pb.GenerateRequest(
+        call = pb.GenerateRequest(
             request_id=f"{tag}-{n}",
             tokenized=pb.TokenizedInput(
                 input_ids=prompt if rng is None else [3 + rng.randrange(max(1, plan["vocab_size"] - 3)) for _ in prompt]),
             sampling_params=pb.SamplingParams(temperature=temperature, ignore_eos=True, **{max_field: tokens}),
             stream=True,
         )
+        if carries_media(plan, n):  # the router's worker-side form: the image by URL, for this worker to fetch
+            from smg_grpc_proto.generated import common_pb2
+
+            call.media_refs.items.add(modality=common_pb2.IMAGE, url=plan["media_url"])
+        return call
 
     return request
 
@@ -380,16 +404,19 @@ def _request_factory(plan: dict, index: int):
 class CallRecorder:
     """What a client process reports of its calls, whichever client made them: counts, TTFT and the gaps."""
 
-    def __init__(self, max_tokens: int, window: tuple[float, float] | None = None) -> None:
+    def __init__(self, max_tokens: int, plan: dict | None = None, window: tuple[float, float] | None = None) -> None:
         self.max_tokens = max_tokens
+        self.plan = plan or {}  # --media-ref-share: which calls carry a media ref
         self.ttft, self.gap_msg, self.gap_tok = array("d"), array("d"), array("d")
-        self.counts = {"requests": 0, "ok": 0, "short": 0, "errors": 0, "tokens": 0, "messages": 0, "chunks": 0}
+        self.counts = {"requests": 0, "ok": 0, "short": 0, "errors": 0, "tokens": 0, "messages": 0, "chunks": 0,
+                       "media_requests": 0, "media_tokens": 0}
         self.error_codes: dict[str, int] = {}
         self.open: dict[int, list] = {}  # call number -> [start, last chunk, tokens, complete seen]
         # The steady window (time.monotonic, as the bench's parent reads it): latency samples and
         # window_tokens only from inside it; None: every call and chunk counts.
         self.window = window
         self.window_tokens = 0
+        self.media_window_tokens = 0  # of window_tokens, those of calls carrying a media ref
         self.clock = time.monotonic  # CLOCK_MONOTONIC: the parent's window is on the same clock
 
     def _inside(self, t: float) -> bool:
@@ -409,6 +436,8 @@ class CallRecorder:
             inside = self._inside(now)
             if inside:
                 self.window_tokens += got
+                if carries_media(self.plan, n):
+                    self.media_window_tokens += got
             if state[2] == 0:
                 if self._inside(state[0]):  # a call started in the window: its first token counts
                     self.ttft.append(now - state[0])
@@ -426,6 +455,9 @@ class CallRecorder:
         """The call ended: OK (``error`` None) or with the gRPC status named ``error``."""
         _, _, tokens, completed = self.open.pop(n)
         self.counts["tokens"] += tokens
+        if carries_media(self.plan, n):
+            self.counts["media_requests"] += 1
+            self.counts["media_tokens"] += tokens
         if error is not None:
             self.counts["errors"] += 1
             self.error_codes[error] = self.error_codes.get(error, 0) + 1
@@ -438,6 +470,7 @@ class CallRecorder:
         return {
             **self.counts,
             "window_tokens": self.window_tokens,
+            "media_window_tokens": self.media_window_tokens,
             "error_codes": self.error_codes,
             "cpu_s": cpu_s,
             "ttft": self.ttft.tobytes(),
@@ -478,7 +511,7 @@ def _h2_client(conn, index: int, plan: dict) -> dict:
         conn.send(("ready", None))
         message, stop_at, window = conn.recv()
         assert message == "go", message
-        record = CallRecorder(plan["max_tokens"], window)
+        record = CallRecorder(plan["max_tokens"], plan, window)
         cpu0 = time.process_time()
         run_calls(connection, plan["concurrency"], call_numbers(plan["requests"], stop_at),
                   *calls(record, plan["max_tokens"]), ramp_s=plan.get("ramp_s", 0.0))
@@ -511,7 +544,7 @@ async def _client(conn, index: int, plan: dict) -> dict:
     conn.send(("ready", None))
     message, stop_at, window = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
     assert message == "go", message
-    record = CallRecorder(max_tokens, window)
+    record = CallRecorder(max_tokens, plan, window)
     take = call_numbers(plan["requests"], stop_at)
     ramp_s = plan.get("ramp_s", 0.0)
 
@@ -573,6 +606,8 @@ def run_load(args: argparse.Namespace, target: str, servicer_pid: int | None, me
                 "requests": reqs[i], "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "vocab_size": server["vocab_size"],
                 "temperature": getattr(args, "temperature", 0.0), "random_prompt": getattr(args, "random_prompt", False),
+                "media_every": media_every(getattr(args, "media_ref_share", 0.0)),
+                "media_url": getattr(args, "media_ref_url", None) or DEFAULT_MEDIA_URL,
                 # The client stands for the router: it runs where the servicer runs, so off the CPUs
                 # an engine binds when the servicer keeps off them (ENGINELINK_PLACEMENT).
                 "cpus": sorted(os.sched_getaffinity(servicer_pid)) if servicer_pid else None,
@@ -828,10 +863,13 @@ def summarize(args, results: list[dict], wall_s: float, servicer_cpu: tuple[floa
     ``steady``: the rates and CPU per token are over the window's tokens (``window_tokens``), not
     every call's; the counts and checks are still every call's."""
     servicer_cpu_s = None if servicer_cpu is None else sum(servicer_cpu)
-    total = {k: sum(r[k] for r in results) for k in ("requests", "ok", "short", "errors", "tokens", "messages", "chunks")}
+    total = {k: sum(r.get(k, 0) for r in results)
+             for k in ("requests", "ok", "short", "errors", "tokens", "messages", "chunks", "media_requests",
+                       "media_tokens")}  # fmt: skip
     all_tokens = total["tokens"]
-    if steady:
+    if steady:  # the window's tokens, media calls' among them, as the CPU is the window's
         total["tokens"] = sum(r["window_tokens"] for r in results)
+        total["media_tokens"] = sum(r.get("media_window_tokens", 0) for r in results)
     codes: dict[str, int] = {}
     for r in results:
         for code, n in r["error_codes"].items():
@@ -872,6 +910,10 @@ def summarize(args, results: list[dict], wall_s: float, servicer_cpu: tuple[floa
         "servicer_cpu_user_s": None if servicer_cpu is None else servicer_cpu[0],
         "servicer_cpu_sys_s": None if servicer_cpu is None else servicer_cpu[1],
         "servicer_cpu_us_per_token": per_token(servicer_cpu_s),
+        # --media-ref-share: all the servicer's CPU (the media calls' fetch and refit included) over the text
+        # calls' tokens only, the conservative reading of "the text calls' CPU per token".
+        "servicer_cpu_us_per_text_token": None if servicer_cpu_s is None or tokens <= total["media_tokens"]
+        else servicer_cpu_s / (tokens - total["media_tokens"]) * 1e6,
         "servicer_cpu_util": None if servicer_cpu_s is None else servicer_cpu_s / wall_s,
         "engine_cpu_s": engine_cpu_s,
         "engine_cpu_us_per_token": per_token(engine_cpu_s),

@@ -30,9 +30,10 @@ _MM_BEHAVIOUR = {
                   "tests/test_ref_settings.py::test_the_redis_sidecar_settings_are_taken_and_handed_on"),
     "max_inflight": ("honoured", "tests/test_ref_settings.py::test_flag_then_variable_then_default_with_the_source"),
     "max_item_bytes": ("honoured", "tests/test_ref_settings.py::test_flag_then_variable_then_default_with_the_source"),
-    "max_items": ("honoured: media refs per request, all modalities together (default 16, not the model's "
-                  "per-modality limits)",
-                  "tests/test_ref_settings.py::test_flag_then_variable_then_default_with_the_source"),
+    "max_items": ("honoured: items of one modality per request, media refs and router tensors alike; it tightens "
+                  "the engine's own `--limit-mm-per-prompt`, never loosens it (unset: the engine's limits)",
+                  "tests/test_media_bounds.py::test_the_operators_cap_tightens_the_engines_limits_per_modality_and_"
+                  "never_loosens_them"),
     "redis_url": ("honoured: the sidecar's Redis (a bad URL exits 2 naming it)",
                   "tests/adversarial/test_adv_media_sidecar.py::test_redis_killed_mid_job_is_unavailable_at_once_"
                   "and_the_worker_recovers"),
@@ -49,7 +50,7 @@ _MM_BEHAVIOUR = {
                   "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
     "fetch_timeout_ms": ("honoured by enginelink's own fetcher (the reference's smg pipeline only)",
                          "tests/test_ref_settings.py::test_flag_then_variable_then_default_with_the_source"),
-    "video_fetch_timeout_ms": ("honoured by enginelink's own fetcher (video refs themselves are refused)",
+    "video_fetch_timeout_ms": ("honoured by enginelink's own fetcher",
                                "tests/test_ref_settings.py::test_flag_then_variable_then_default_with_the_source"),
 }
 _OTHER_SERVICER = {
@@ -66,12 +67,13 @@ _OTHER_SERVICER = {
     "--allowed-local-media-path": ("ENGINELINK_ALLOWED_LOCAL_MEDIA_PATH",
                                    "`file:` media refs under it only (the engine gets it too under `vllm serve`)",
                                    "tests/adversarial/test_adv_media.py::test_file_urls_only_under_the_allowed_folder"),
-    "--allowed-media-domains": ("", "read by the servicer (the engine gets it too); with `--mm-processor "
-                                "inprocess`, exit 2 until enginelink's fetcher enforces it",
+    "--allowed-media-domains": ("", "enforced by the servicer's fetcher at every redirect (and by `enginelink "
+                                "media-sidecar`'s, given it); the engine gets it too",
                                 "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
-    "--media-io-kwargs": ("", "read by the servicer (the engine gets it too); with `--mm-processor inprocess`, "
-                          "exit 2: enginelink's media processor decodes with vLLM's defaults",
-                          "tests/test_ref_settings.py::test_a_feature_enginelink_lacks_is_refused_naming_it"),
+    "--media-io-kwargs": ("", "honoured: a vLLM engine argument, from which the media processor builds vLLM's "
+                          "loaders (the worker's under `inprocess`, `enginelink media-sidecar`'s under `redis`: give "
+                          "it the engine's arguments); `enginelink serve`'s own flag is handed to the engine",
+                          "tests/vllm/test_vllm_av.py::test_media_io_kwargs_and_the_frame_cap_change_the_sampled_video"),
 }
 
 # Flags the reference's documentation names that are not the servicer's own: (flag, whose, what enginelink does, test).
@@ -102,9 +104,12 @@ OTHER_FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "tests/tools/test_worker_probe.py::test_dist_init_addr_in_each_spelling"),
     ("--leader", "the reference's worker probe", "`enginelink worker-probe --leader`",
      "tests/tools/test_worker_probe.py::test_dist_init_addr_in_each_spelling"),
-    ("--limit-mm-per-prompt", "vLLM", "passed to the engine; not applied to media refs on the worker", ""),
-    ("--mm-processor-kwargs, --mm-device-do-normalize", "vLLM / smg's Rust media pipeline",
-     "passed to the engine; enginelink's media processor does not read them", ""),
+    ("--limit-mm-per-prompt", "vLLM", "passed to the engine; held by the worker before the engine on media refs and "
+     "router tensors alike, and advertised as `mm_item_limits`",
+     "tests/vllm/test_vllm_av.py::test_media_refs_give_vllm_offlines_tokens_and_the_engines_bounds_hold_before_it"),
+    ("--mm-processor-kwargs", "vLLM", "passed to the engine; the media processor builds the model's processor from "
+     "the engine's arguments, so it reads them too", ""),
+    ("--mm-device-do-normalize", "smg's Rust media pipeline", "passed to the engine; not read by enginelink", ""),
     ("--reasoning-parser, --grammar-backend", "engine", "passed to the engine", ""),
     ("--tp-size, --attn-dp-size, --chunked-prefill-size, --max-prefill-tokens, "
      "--max-running-requests, --return-hidden-states-mode", "SGLang, TokenSpeed", "passed to the scheduler", ""),

@@ -166,15 +166,15 @@ _MM_BEHAVIOUR = {
     "max_item_bytes": ("one item's size cap",
                        "tests/adversarial/test_adv_media.py::test_an_oversized_body_is_refused_by_its_length_or_as_"
                        "it_streams"),
-    "max_items": ("media refs per request, all modalities together (enginelink's default 16, not the model's "
-                  "per-modality limits)",
-                  "tests/adversarial/test_adv_media.py::test_too_many_items_and_bad_items_are_refused_before_any_"
-                  "fetch"),
+    "max_items": ("items of one modality per request, media refs and router tensors alike: it tightens the "
+                  "engine's own --limit-mm-per-prompt, never loosens it (unset: the engine's limits)",
+                  "tests/test_media_bounds.py::test_the_operators_cap_tightens_the_engines_limits_per_modality_and_"
+                  "never_loosens_them"),
     "fetch_timeout_ms": ("enginelink's own fetcher's per-item deadline (the reference's smg pipeline's only)",
                          "tests/adversarial/test_adv_media.py::test_a_stalled_origin_is_unavailable_after_the_fetch_"
                          "deadline"),
-    "video_fetch_timeout_ms": ("enginelink's own fetcher's per-video deadline (video refs are refused: images "
-                               "only)", "tests/adversarial/test_adv_media.py::test_media_knobs_defaults_and_values"),
+    "video_fetch_timeout_ms": ("enginelink's own fetcher's per-video deadline",
+                               "tests/adversarial/test_adv_media.py::test_media_knobs_defaults_and_values"),
 }
 
 
@@ -200,9 +200,12 @@ _REFERENCE_OTHER = [
          "`result_too_large` (the worker's INVALID_ARGUMENT `media_too_large`)",
          "tests/adversarial/test_adv_media_sidecar.py::test_a_result_over_the_cap_is_media_too_large_and_one_redis_"
          "refuses_is_reported_at_once", contracts=("vllm",)),
-    Knob("SMG_VLLM_MM_MAX_VIDEO_FRAMES", INAPPLICABLE, "frames sampled from one video media ref",
-         "warned at start-up", _WARN_TEST, contracts=("vllm",),
-         why="enginelink's media processor takes images only: a video media ref is refused INVALID_ARGUMENT"),
+    Knob("SMG_VLLM_MM_MAX_VIDEO_FRAMES", HONOURED, "frames sampled from one video media ref (0: vLLM decides)",
+         "a cap on the frames vLLM's video loader samples (its --media-io-kwargs num_frames, else its default), "
+         "never a raise; read by the worker's processor under inprocess, by `enginelink media-sidecar` under "
+         "redis (as the reference's sidecar reads it)",
+         "tests/test_media_processor_child.py::test_the_frame_cap_lowers_the_loaders_sampling_and_never_raises_it",
+         contracts=("vllm",)),
     Knob("SMG_VLLM_CUDAGRAPH_CAPTURE_CAP", HONOURED, "CUDA-graph capture cap: auto, engine or a number",
          "the same derivation (runtime/engine/capture_cap.py)",
          "tests/test_capture_cap.py::test_a_knob_value_it_does_not_take_is_refused_by_name", contracts=("vllm",)),

@@ -4,7 +4,8 @@
         --allowed-media-domains example.com [-- ENGINE ARGS]
 
 Give it the worker's engine arguments after ``--`` (``--dtype``,
-``--limit-mm-per-prompt``, ``--media-io-kwargs``, ``--mm-processor-kwargs``):
+``--limit-mm-per-prompt``, ``--media-io-kwargs``, ``--mm-processor-kwargs``;
+images, videos and audio go through vLLM's own loaders built from them):
 the worker and its sidecars must agree on them, and the key namespace is
 derived from them (``wire/mm_sidecar.py``), so a sidecar given other values
 serves nobody rather than the wrong tensors. Run as many as the load needs,
@@ -14,7 +15,9 @@ reference servicer alike (``runtime/requests/media_sidecar.py`` says how).
 Settings as the worker reads them: ``--redis-url`` else
 ``SMG_VLLM_MM_REDIS_URL``; ``--namespace`` else ``SMG_VLLM_MM_SIDECAR_NAMESPACE``;
 the fetch caps and policy (``SMG_VLLM_MM_MAX_ITEM_BYTES``, the fetch
-deadlines, ``SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS``, ...) and
+deadlines, ``SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS``, the video frame cap
+``SMG_VLLM_MM_MAX_VIDEO_FRAMES``, read here as the reference's sidecar reads
+it, ...) and
 ``SMG_VLLM_MM_MAX_RESULT_BYTES`` (default 512 MiB, lowered to Redis's own
 ``proto-max-bulk-len``). A bad value exits 2 naming it. SIGTERM or SIGINT:
 no more jobs are taken, those in hand are answered within a few seconds,
@@ -79,11 +82,6 @@ def _settings(args: argparse.Namespace):
             if getattr(args, flag[2:].replace("-", "_")) is not None and message.startswith(name):
                 message = f"{flag} ({name}){message[len(name):]}"  # the flag gave the value: name it
         raise _Refused(message) from None
-    from enginelink.runtime.engine.launchers import flag_value
-
-    if flag_value(list(args.engine_args), "--media-io-kwargs") is not None:
-        raise _Refused("--media-io-kwargs: enginelink's media processor does not apply vLLM's media-loader options "
-                       "yet (it decodes with their defaults); run the reference's sidecar for them")
     if args.concurrency < 1:
         raise _Refused(f"--concurrency {args.concurrency}: must be at least 1")
     text = environ.get(RESULT_BYTES_ENV, "").strip()
@@ -130,7 +128,8 @@ async def _main(args: argparse.Namespace, settings, result_max: int, python: str
                            settings=settings)  # fmt: skip
     processor = MediaProcessor(args.model, lambda: python, start_timeout_s=settings.processor_start_timeout_s,
                                process_timeout_s=settings.process_timeout_s, reply_bytes_max=settings.tensor_bytes_max,
-                               on_start=metrics.processor_started, engine_args=list(args.engine_args))  # fmt: skip
+                               on_start=metrics.processor_started, engine_args=list(args.engine_args),
+                               video_frames_max=settings.video_frames_max)  # fmt: skip
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio_asyncio.open_loop():
             link = RedisLink(settings.redis_url, connections_max=args.concurrency + 4)

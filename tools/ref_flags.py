@@ -62,7 +62,8 @@ MM_FLAGS: tuple[MmFlag, ...] = (
     MmFlag("max_item_bytes", "--mm-max-item-bytes", "SMG_VLLM_MM_MAX_ITEM_BYTES", 32 * 1024 * 1024, "int",
            "one media item, fetched or decoded (data:), in bytes"),
     MmFlag("max_items", "--mm-max-items", "SMG_VLLM_MM_MAX_ITEMS", None, "int",
-           "media refs one request may carry (enginelink's default: 16)"),
+           "items of one modality one request may carry, media refs and router tensors alike: tightens the "
+           "engine's --limit-mm-per-prompt, never loosens it (unset: the engine's limits)"),
     MmFlag("redis_url", "--mm-redis-url", "SMG_VLLM_MM_REDIS_URL", "redis://127.0.0.1:6379/0", "text",
            "the media sidecar's Redis URL (--mm-processor redis)"),
     MmFlag("sidecar_timeout_ms", "--mm-sidecar-timeout-ms", "SMG_VLLM_MM_SIDECAR_TIMEOUT_MS", 30_000, "int",
@@ -180,8 +181,8 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> list[str]:
         added.append("--allowed-media-domains")
     if "--media-io-kwargs" not in actions:
         parser.add_argument("--media-io-kwargs", dest="media_io_kwargs", default=None, metavar="JSON",
-                            help="vLLM's media loaders' options per modality, JSON (not applied by enginelink's "
-                                 "media processor yet: refused with --mm-processor inprocess)")
+                            help="vLLM's media loaders' options per modality, JSON (the vLLM engine's, and the "
+                                 "media processor's with --mm-processor inprocess)")
         added.append("--media-io-kwargs")
     return added
 

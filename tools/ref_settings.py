@@ -10,8 +10,8 @@ environment into:
   ``SMG_VLLM_*`` > default, ``knobs.names``), for the start-up line that says
   which decided;
 - ``refusals``: what asks for a feature enginelink does not have (smg's Rust
-  media pipeline, ``--media-io-kwargs`` with its own processor), one line
-  each, which ``serve`` turns into exit 2 before anything starts;
+  media pipeline), one line each, which ``serve`` turns into exit 2 before
+  anything starts;
 - ``warnings``: the variables set that cannot apply here (``knobs.environment_warnings``)
   and the flags that only the reference's Rust pipeline reads;
 - ``exports``: the media values a flag decided, for the environment the
@@ -139,7 +139,6 @@ def _media(args: Any, environ: Mapping[str, str], out: Resolved) -> None:
         out.values["allowed_media_domains"] = Value(",".join(domains), "flag", "--allowed-media-domains")
     io_kwargs = getattr(args, "media_io_kwargs", None)
     if io_kwargs:
+        # Honoured: serve hands it to the vLLM engine's arguments, from which the media processor helper builds
+        # its loaders (runtime/requests/media_processor_child.py), as vLLM's own front end does.
         out.values["media_io_kwargs"] = Value(io_kwargs, "flag", "--media-io-kwargs")
-        if mode == "inprocess":
-            out.refusals.append("--media-io-kwargs with --mm-processor inprocess: enginelink's media processor "
-                                "does not apply vLLM's media-loader options yet (it decodes with their defaults)")

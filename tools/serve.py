@@ -10,6 +10,7 @@ any engine starts.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -551,7 +552,7 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
         launcher = _sglang_launcher(engine_model, engine_args)
     elif args.engine == "vllm":
         _node_rank(engine_args)
-        engine_args = _capture_cap(engine_args)
+        engine_args = _capture_cap(_media_io_kwargs(args, engine_args))
         launcher = _vllm_launcher(engine_model, engine_args, getattr(args, "allow_untested_vllm", False))
     elif args.engine == "tokenspeed":
         launcher = _tokenspeed_launcher(engine_model, engine_args)
@@ -628,6 +629,33 @@ def _traces_endpoint(args: argparse.Namespace) -> str | None:
     except TracingError as error:
         raise ConfigError(str(error)) from None
     return endpoint.strip()
+
+
+def _media_io_kwargs(args: argparse.Namespace, engine_args: list[str]) -> list[str]:
+    """``--media-io-kwargs`` (vLLM's media loaders' options) is a vLLM engine argument: enginelink's own flag
+    is handed to the engine, whose arguments the media processor helper builds its loaders from; the same
+    options given both ways are one, different ones are refused rather than one silently dropped."""
+    ours = getattr(args, "media_io_kwargs", None)
+    if not ours:
+        return engine_args
+    engines = flag_value(engine_args, "--media-io-kwargs")
+
+    def parsed(text, where: str):
+        try:
+            value = json.loads(text) if isinstance(text, str) else text
+        except ValueError as error:
+            raise ConfigError(f"{where}: not JSON ({error})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a JSON object of options per modality")
+        return value
+
+    mine = parsed(ours, "--media-io-kwargs")
+    if engines is not None:
+        if parsed(engines, "the engine argument --media-io-kwargs") != mine:
+            raise ConfigError(f"--media-io-kwargs {ours} and the engine argument --media-io-kwargs {engines} "
+                              "differ; give one")
+        return engine_args
+    return [*engine_args, "--media-io-kwargs", json.dumps(mine)]
 
 
 def _allowed_media_domains(args: argparse.Namespace) -> None:

@@ -356,6 +356,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vision", action="store_true",
                         help="build the tiny vision-language model instead (BLIP-2 on the text model's shape; "
                              "needs the vLLM venv's torch and transformers: tools/test_vision_model.py); DIR required")
+    parser.add_argument("--video", action="store_true",
+                        help="build the tiny video model instead (Qwen2-VL; tools/test_media_models.py); DIR required")
+    parser.add_argument("--audio", action="store_true",
+                        help="build the tiny audio model instead (Qwen2-Audio; tools/test_media_models.py); DIR "
+                             "required")
     parser.add_argument("--hub-id", default=None, metavar="ORG/NAME",
                         help="also file the model in the Hugging Face cache as this Hub id's snapshot on main, so "
                              "`enginelink serve --model ORG/NAME` (or `vllm serve ORG/NAME`) finds it offline; "
@@ -369,6 +374,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    kind = "video" if getattr(args, "video", False) else "audio" if getattr(args, "audio", False) else None
+    if kind is not None:
+        from enginelink.tools.test_media_models import make_media_model
+
+        if args.dir is None:
+            print(f"make-test-model: --{kind} needs DIR", file=sys.stderr)
+            return 2
+        try:
+            print(make_media_model(kind, args.dir, force=args.force))
+        except (FileExistsError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            print(f"make-test-model: {exc}\n{detail.decode(errors='replace')[-2000:]}", file=sys.stderr)
+            return 1
+        return 0
     if getattr(args, "vision", False):
         from enginelink.tools.test_vision_model import make_vision_model
 

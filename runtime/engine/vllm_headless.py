@@ -91,8 +91,29 @@ def _write_facts(path: str, vllm_config) -> None:
         # The grammar backend its front end would resolve constraints for (--structured-outputs-config).
         "structured_outputs_backend": getattr(vllm_config.structured_outputs_config, "backend", None),
         **_pd_facts(vllm_config),
+        **_media_facts(vllm_config),
     }
     _write_json(path, facts)
+
+
+def _media_facts(vllm_config) -> dict:
+    """A multimodal model's media bounds, as vLLM's own front end holds requests to them (enginelink's
+    runtime/requests/media_bounds.py): the items per modality it allows (``--limit-mm-per-prompt`` within
+    what the model supports; a modality absent takes none) and the encoder budget, the feature tokens one
+    item may carry, from the ``MultiModalBudget`` helper the front end and the model runner share."""
+    if not getattr(vllm_config.model_config, "is_multimodal_model", False):
+        return {}
+    try:
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+        from vllm.multimodal.encoder_budget import MultiModalBudget
+
+        budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY, enable_cache=False)
+        return {"mm_item_limits": {str(m): int(n) for m, n in budget.mm_limits.items()},
+                "mm_encoder_budget": max(int(budget.get_encoder_budget()), 0)}  # fmt: skip
+    except Exception as error:  # the bounds go unchecked; the engine still starts
+        print(f"vllm-headless: the media bounds are not known ({type(error).__name__}: {error}); media past "
+              "them reaches the engine unchecked", file=sys.stderr, flush=True)  # fmt: skip
+        return {}
 
 
 def _pd_facts(vllm_config) -> dict:

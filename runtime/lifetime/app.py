@@ -23,6 +23,8 @@ from enginelink.runtime.lifetime.loads import Loads
 from enginelink.runtime.engine.mm_item_limits import item_limits
 from enginelink.runtime.engine.model_dir import ModelFacts
 from enginelink.runtime.engine.tokenizer_bundle import tokenizer_bundle_chunks
+from enginelink.runtime.requests.media import media_settings
+from enginelink.runtime.requests.media_bounds import MediaBounds, media_bounds
 from enginelink.runtime.requests.pd_bootstrap import PdLeg
 from enginelink.runtime.requests.validate import LOGPROBS_MAX, EngineLimits
 
@@ -141,7 +143,14 @@ class App:
             **kv_transfer.server_fields(ready),
             # mm_processor and the schemes fetched, when media refs are on (runtime/requests/media.py).
             **(self.media.server_fields() if self.media is not None else {}),
+            # The engine's media bounds as this worker holds requests to them (runtime/requests/media_bounds.py).
+            mm_item_limits=self.media_bounds().label(),
+            mm_encoder_budget=self.media_bounds().encoder_budget,
         )
+
+    def media_bounds(self) -> MediaBounds:
+        items_max = self.media.settings.items_max if self.media is not None else media_settings().items_max
+        return media_bounds(self.ready, items_max)
 
     def uptime_s(self) -> float:
         return trio.current_time() - self.run_start_trio

@@ -27,7 +27,9 @@ from enginelink.runtime.requests.chunk_bytes import stream_chunk
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings as _stop_strings
-from enginelink.runtime.requests.media import in_trio
+from enginelink.runtime.requests.media import in_trio, media_settings
+from enginelink.runtime.requests.media_bounds import check_router_features, media_bounds
+from enginelink.runtime.requests.media_identity import identity_bytes
 from enginelink.runtime.requests.media_refit import with_processed_media
 from enginelink.runtime.requests.mm_tensors import mm_features_of
 from enginelink.runtime.requests.pb_fields import (
@@ -232,6 +234,8 @@ def encode_complete(m: Complete, budget: LogprobBudget | None = None):
     fill_matched(complete, m)
     if m.kv_transfer_params is not None:
         kv_transfer.fill_complete(complete, m.kv_transfer_params)
+    if m.media_identity is not None:  # a PD prefill side's processed media (media_identity.py)
+        complete.media_identity.ParseFromString(m.media_identity)
     message = pb.GenerateResponse(complete=complete)
     if m.logprobs or m.prompt_logprobs is not None:
         return with_logprobs(message, "complete", m, pb.InputTokenLogProb, budget)
@@ -261,17 +265,24 @@ def chunk_body(call, choice, tokens: list[int]) -> bytes:
 
 async def prepare_media(app, request: pb.GenerateRequest, spec: GenerateCall) -> GenerateCall:
     """The request's media before admission: refs fetched (``media.py``), router tensors made engine
-    features (``mm_tensors.py``, in a worker thread); the call unchanged when it has none."""
+    features (``mm_tensors.py``, in a worker thread), both held to the engine's bounds (``media_bounds.py``);
+    the call unchanged when it has none."""
     if request.HasField("media_refs"):
         if app.media is None:
             raise ClientError("media_refs", "media_refs sent but --mm-processor (SMG_VLLM_MM_PROCESSOR) is off "
                               "on this worker")  # fmt: skip
-        prompt, mm_features = await app.media.prepare(request.media_refs, spec.prompt_token_ids)
-        return with_processed_media(spec, request.sampling_params, prompt, mm_features, app.limits)
+        bounds = media_bounds(app.ready, app.media.settings.items_max)
+        processed = await app.media.prepare(request.media_refs, spec.prompt_token_ids, bounds)
+        spec = with_processed_media(spec, request.sampling_params, processed.prompt, processed.features, app.limits)
+        if spec.specs[0].kv_transfer_params is not None:  # a PD prefill side: the decode side is told what it was
+            spec.media_identity = identity_bytes(processed.prompt, processed.identity)
+        return spec
     if not (request.HasField("mm_inputs") or len(request.extra_mm_inputs)):
         return spec
     has_kv = spec.specs[0].kv_transfer_params is not None
     mm_features = await in_trio(mm_features_of, request, spec.prompt_token_ids, has_kv)
+    items_max = app.media.settings.items_max if app.media is not None else media_settings().items_max
+    check_router_features(media_bounds(app.ready, items_max), mm_features, "mm_inputs")
     spec.specs = [msgspec.structs.replace(s, mm_features=mm_features) for s in spec.specs]
     return spec
 

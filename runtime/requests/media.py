@@ -8,14 +8,17 @@ to fetch. This module holds the second path's shell:
 - ``MediaSettings``: the operator's knobs (``SMG_VLLM_MM_*``,
   ``SMG_MM_ALLOW_PRIVATE_MEDIA_HOSTS``, ``ENGINELINK_*``), read once per process;
 - ``MediaService.prepare``: check the field's shape (on this worker at all,
-  modalities, item count), take a job slot (at ``inflight_max`` the call is
+  modalities, items per modality against the engine's limits,
+  ``media_bounds.py``), take a job slot (at ``inflight_max`` the call is
   refused UNAVAILABLE at once, so the router retries elsewhere instead of
   queueing behind slow origins), fetch every item concurrently under one
   deadline (``media_fetch.py``: the SSRF policy, size caps, redirects), check
   each is the media its modality says, then hand them to the model's own
   processor (``media_processor.py``: a helper process in the vLLM venv),
   which returns the prompt with its placeholders expanded and the engine's
-  ``mm_features``;
+  ``mm_features`` (images, videos and audio, each through vLLM's own loader
+  and processor); each item's feature tokens are held to the engine's
+  encoder budget before the engine sees them;
 - metrics: fetches by scheme and outcome, refusals by reason, fetch latency,
   jobs in flight and their cap.
 
@@ -31,13 +34,15 @@ sees a request without its media.
 Under ``--mm-processor redis`` the worker fetches nothing: each request's
 refs become one job for a sidecar beside a private Redis, which fetches and
 preprocesses (``media_redis.py``, ``wire/mm_sidecar.py``, the sidecar
-``media_sidecar.py``); the job slot and the item checks above stay the
-worker's.
+``media_sidecar.py``, images, videos and audio alike); the job slot, the
+item checks above and the encoder budget (from the result's placeholder
+ranges) stay the worker's. A PD prefill side under redis gives no media
+identity (the decode side processes the media itself).
 
 Every setting is validated when read (``serve`` reads them at start: exit 2
 naming the setting), the reference's that enginelink does not act on too
-(``--mm-turbojpeg``'s policy, the video frame cap), so a stale unreadable
-value fails loudly wherever it is.
+(``--mm-turbojpeg``'s policy), so a stale unreadable value fails loudly
+wherever it is.
 """
 
 from __future__ import annotations
@@ -56,8 +61,9 @@ from smg_grpc_proto.generated import common_pb2
 
 from enginelink.machines.media_policy import MediaPolicy, normalize_domain
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
+from enginelink.runtime.requests.media_bounds import MediaBounds
 from enginelink.runtime.requests.media_fetch import Fetcher
-from enginelink.runtime.requests.media_processor import MediaProcessor
+from enginelink.runtime.requests.media_processor import MediaProcessor, Processed
 from enginelink.wire import mm_sidecar
 
 log = logging.getLogger("enginelink.media")
@@ -91,7 +97,9 @@ class MediaSettings:
     processor_source: str = "default"
     item_bytes_max: int = 32 * MIB  # SMG_VLLM_MM_MAX_ITEM_BYTES: one fetched or decoded item
     inflight_max: int = 64  # SMG_VLLM_MM_MAX_INFLIGHT: requests fetching media at once
-    items_max: int = 16  # SMG_VLLM_MM_MAX_ITEMS: media refs in one request
+    # SMG_VLLM_MM_MAX_ITEMS / --mm-max-items: items of one modality in one request, a ceiling on the engine's
+    # own --limit-mm-per-prompt (media_bounds.py); None: the engine's limits alone.
+    items_max: int | None = None
     fetch_timeout_s: float = 10.0  # SMG_VLLM_MM_FETCH_TIMEOUT_MS: one item, connect to last byte
     video_fetch_timeout_s: float = 30.0  # SMG_VLLM_MM_VIDEO_FETCH_TIMEOUT_MS
     audio_fetch_timeout_s: float = 10.0  # SMG_VLLM_MM_FETCH_TIMEOUT_MS as well, else VLLM_AUDIO_FETCH_TIMEOUT
@@ -115,9 +123,11 @@ class MediaSettings:
     sidecar_timeout_s: float = 30.0  # SMG_VLLM_MM_SIDECAR_TIMEOUT_MS / --mm-sidecar-timeout-ms
     sidecar_queue_max: int = 256  # SMG_VLLM_MM_SIDECAR_MAX_QUEUE / --mm-sidecar-max-queue
     sidecar_namespace: str | None = None  # SMG_VLLM_MM_SIDECAR_NAMESPACE / --mm-sidecar-namespace
-    # The reference's settings read by nothing here, validated all the same (a bad value exits 2).
+    # SMG_VLLM_MM_MAX_VIDEO_FRAMES: a video's sampled frames, a cap on vLLM's loader (0: vLLM decides); the
+    # processor's (this worker's under inprocess, the sidecar's own under redis, as the reference's reads it).
+    video_frames_max: int = 0
+    # The reference's setting read by nothing here, validated all the same (a bad value exits 2).
     turbojpeg: str = "prefer"  # SMG_VLLM_MM_TURBOJPEG: smg's Rust pipeline's libjpeg-turbo policy
-    video_frames_max: int = 0  # SMG_VLLM_MM_MAX_VIDEO_FRAMES: video refs are refused (images only)
 
     def fetch_deadline(self, modality: str) -> tuple[float, str]:
         """One item's fetch deadline, connect to last byte, and the setting that decided it."""
@@ -232,7 +242,7 @@ def media_settings_from(environ: Mapping[str, str], processor_source: str | None
         processor_source=source,
         item_bytes_max=_whole(environ, "SMG_VLLM_MM_MAX_ITEM_BYTES", MediaSettings.item_bytes_max),
         inflight_max=_whole(environ, "SMG_VLLM_MM_MAX_INFLIGHT", MediaSettings.inflight_max),
-        items_max=_whole(environ, "SMG_VLLM_MM_MAX_ITEMS", MediaSettings.items_max),
+        items_max=_whole(environ, "SMG_VLLM_MM_MAX_ITEMS", 0) or None,
         **_fetch_deadlines(environ),
         redirects_max=_whole(environ, "ENGINELINK_MM_MAX_REDIRECTS", MediaSettings.redirects_max, minimum=0),
         allow_private=allow in ("1", "true"),
@@ -340,7 +350,7 @@ def media_bounds(settings: MediaSettings) -> dict[str, tuple[str, float]]:
     fetch = {modality: settings.fetch_deadline(modality) for modality in ("image", "video", "audio")}
     return {
         "item_bytes_max": ("SMG_VLLM_MM_MAX_ITEM_BYTES", settings.item_bytes_max),
-        "items_max": ("SMG_VLLM_MM_MAX_ITEMS", settings.items_max),
+        "items_max": ("SMG_VLLM_MM_MAX_ITEMS", settings.items_max or 0),  # 0: the engine's limits alone
         "redirects_max": ("ENGINELINK_MM_MAX_REDIRECTS", settings.redirects_max),
         "tensor_bytes_max": ("ENGINELINK_MM_MAX_TENSOR_BYTES", settings.tensor_bytes_max),
         "image_fetch_timeout_seconds": (fetch["image"][1], fetch["image"][0]),
@@ -380,7 +390,8 @@ class MediaService:
             self.processor = MediaProcessor(
                 model_dir, processor_python, start_timeout_s=settings.processor_start_timeout_s,
                 process_timeout_s=settings.process_timeout_s, reply_bytes_max=settings.tensor_bytes_max,
-                on_start=self.metrics.processor_started, engine_args=engine_args)  # fmt: skip
+                on_start=self.metrics.processor_started, engine_args=engine_args,
+                video_frames_max=settings.video_frames_max)  # fmt: skip
         # --mm-processor redis: the sidecar's client; its fingerprint from the processor helper (run once at
         # start, then stopped: the sidecar processes), or given (tests). No helper, no fingerprint: never
         # advertised, and a media ref is UNAVAILABLE.
@@ -438,8 +449,9 @@ class MediaService:
 
     # -- one request's media ---------------------------------------------------------
 
-    def check_refs(self, media_refs) -> list[tuple[str, str]]:
+    def check_refs(self, media_refs, bounds: MediaBounds | None = None) -> list[tuple[str, str]]:
         """The refs as (modality, url), or the client's error naming the item; nothing fetched yet."""
+        bounds = bounds or MediaBounds(items_max=self.settings.items_max)
         if not self.settings.enabled:
             self.metrics.refused("processor_off")
             raise ClientError("media_refs", "media_refs sent but --mm-processor (SMG_VLLM_MM_PROCESSOR) is off "
@@ -447,10 +459,6 @@ class MediaService:
         items = list(media_refs.items)
         if not items:
             raise ClientError("media_refs", "has no items")
-        if len(items) > self.settings.items_max:
-            self.metrics.refused("too_many_items")
-            raise ClientError("media_refs", f"{len(items)} items; at most {self.settings.items_max} "
-                              "(SMG_VLLM_MM_MAX_ITEMS)")  # fmt: skip
         refs = []
         for index, item in enumerate(items):
             name = f"media_refs.items[{index}]"
@@ -462,14 +470,22 @@ class MediaService:
             if not item.url:
                 raise ClientError(name, "url must not be empty")
             refs.append((modality, item.url))
+        try:
+            bounds.check_counts((modality for modality, _ in refs), "media_refs")
+        except ClientError:
+            self.metrics.refused("too_many_items")
+            raise
         return refs
 
-    async def prepare(self, media_refs, prompt: list[int] | None = None) -> tuple[list[int], list]:
-        """(the prompt with its placeholders expanded, the engine's ``mm_features``) for these refs.
+    async def prepare(self, media_refs, prompt: list[int] | None = None,
+                      bounds: MediaBounds | None = None) -> Processed:  # fmt: skip
+        """These refs through the model's processor: the prompt with its placeholders expanded, the engine's
+        ``mm_features``, each item's feature tokens (held to ``bounds``' encoder budget) and the media identity.
 
         Fetch and check every ref, then run the model's processor (the caller's task waits; bounded by
         ``inflight_max``, the fetch deadlines and the processor's)."""
-        refs = self.check_refs(media_refs)
+        bounds = bounds or MediaBounds(items_max=self.settings.items_max)
+        refs = self.check_refs(media_refs, bounds)
         if self.jobs >= self.settings.inflight_max:
             self.metrics.refused("saturated")
             raise Unavailable(f"media_refs: {self.jobs} media jobs in flight, at SMG_VLLM_MM_MAX_INFLIGHT="
@@ -480,20 +496,32 @@ class MediaService:
         self.metrics.set_inflight(self.jobs)
         try:
             if self.sidecar is not None:
-                return await in_trio(self._via_sidecar, list(prompt or ()), refs)
-            items = await in_trio(self.fetcher.fetch_all, refs)
-            if self.processor is None:
-                self.metrics.refused("no_processor")
-                raise Precondition(
-                    f"media_refs: fetched and checked {len(items)} item(s), but this worker's engine has no model "
-                    "processor to turn them into multimodal inputs; send preprocessed mm_inputs"
-                )
-            return await in_trio(self._process, list(prompt or ()), [(item.modality, item.data) for item in items])
+                processed = await in_trio(self._via_sidecar, list(prompt or ()), refs)
+            else:
+                items = await in_trio(self.fetcher.fetch_all, refs)
+                if self.processor is None:
+                    self.metrics.refused("no_processor")
+                    raise Precondition(
+                        f"media_refs: fetched and checked {len(items)} item(s), but this worker's engine has no "
+                        "model processor to turn them into multimodal inputs; send preprocessed mm_inputs"
+                    )
+                processed = await in_trio(self._process, list(prompt or ()),
+                                          [(item.modality, item.data) for item in items])  # fmt: skip
         finally:
             self.jobs -= 1
             self.metrics.set_inflight(self.jobs)
+        # Each item's feature tokens against what the engine's encoder can place (it would never schedule it).
+        for modality, nth, tokens in processed.embeds:
+            of_modality = [i for i, (kind, _) in enumerate(refs) if kind == modality]
+            where = f"media_refs.items[{of_modality[nth]}]" if nth < len(of_modality) else "media_refs"
+            try:
+                bounds.check_features(modality, tokens, where)
+            except ClientError:
+                self.metrics.refused("over_encoder_budget")
+                raise
+        return processed
 
-    async def _via_sidecar(self, prompt: list[int], refs: list[tuple[str, str]]) -> tuple[list[int], list]:
+    async def _via_sidecar(self, prompt: list[int], refs: list[tuple[str, str]]) -> Processed:
         started = trio.current_time()
         try:
             return await self.sidecar.process(prompt, refs)
@@ -503,7 +531,7 @@ class MediaService:
         finally:
             self.metrics.processed(trio.current_time() - started)
 
-    async def _process(self, prompt: list[int], items: list[tuple[str, bytes]]) -> tuple[list[int], list]:
+    async def _process(self, prompt: list[int], items: list[tuple[str, bytes]]) -> Processed:
         started = trio.current_time()
         try:
             return await self.processor.process(prompt, items)

@@ -1,10 +1,13 @@
 """The media processor helper's shell: one child per servicer, bounded, restarted after a death.
 
-Fetched image bytes become vLLM's ``mm_features`` in the model's own
-processor, which needs torch and lives in the vLLM venv; enginelink's venv
-has no torch. So ``media_processor_child.py`` runs there (by path, with the
-vLLM venv's python) and this module is its trio-side client
-(docs/limits.md, "Media processor"):
+Fetched image, video and audio bytes become vLLM's ``mm_features`` in the
+model's own processors, which need torch and live in the vLLM venv;
+enginelink's venv has no torch. So ``media_processor_child.py`` runs there
+(by path, with the vLLM venv's python, given the engine's own arguments so
+its model config is the engine's) and this module is its trio-side client
+(docs/limits.md, "Media processor"). ``MediaProcessor.process`` is the one
+entry point, for the worker's ``inprocess`` mode and for anything else that
+processes media for a vLLM engine (the Redis sidecar):
 
 - **one child, started lazily** at the first media ref (a servicer that
   never sees one never pays vLLM's import), within
@@ -37,6 +40,7 @@ import struct
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import trio
@@ -48,6 +52,15 @@ HEADER = struct.Struct(">I")
 ENGINE_ARGS_ENV = "ENGINELINK_MM_ENGINE_ARGS"  # media_processor_child.py reads the engine's arguments there
 # What a reply frame may hold beyond its tensors: the prompt's ids, hashes, field specs.
 REPLY_SLACK_BYTES = 16 << 20
+
+
+class Processed(NamedTuple):
+    """One request's media, processed: what the engine takes, and what the servicer checks and reports."""
+
+    prompt: list[int]  # the prompt with its placeholders expanded
+    features: list  # the engine's mm_features, in prompt order (msgpack-ready, tensors inline)
+    embeds: list[tuple[str, int, int]]  # per item: (modality, its index in that modality, feature tokens)
+    identity: list[dict] | None  # per modality: hashes, placeholders, grid tensors (a PD decode side's)
 
 
 class ProcessorFailed(ServicerError):
@@ -67,8 +80,10 @@ class MediaProcessor:
 
     def __init__(self, model_dir: str, python: Callable[[], str], *, start_timeout_s: float,
                  process_timeout_s: float, reply_bytes_max: int, on_start: Callable[[], None] = lambda: None,
-                 script: Path = CHILD_SCRIPT, engine_args: list[str] | None = None) -> None:  # fmt: skip
+                 script: Path = CHILD_SCRIPT, engine_args: list[str] | None = None,
+                 video_frames_max: int = 0) -> None:  # fmt: skip
         self.model_dir = model_dir
+        self.video_frames_max = video_frames_max  # SMG_VLLM_MM_MAX_VIDEO_FRAMES (0: vLLM's sampling)
         self._python = python  # resolved at the first start: a servicer with media off never needs vLLM's venv
         self.start_timeout_s = start_timeout_s
         self.process_timeout_s = process_timeout_s
@@ -82,7 +97,8 @@ class MediaProcessor:
         self._decoder = msgspec.msgpack.Decoder(ext_hook=_Ext.hook)
         self._encoder = msgspec.msgpack.Encoder()
         self.version = ""
-        # The engine's own arguments: the child builds the model's config from them, as the engine does
+        # The engine's own arguments (its --limit-mm-per-prompt, --media-io-kwargs, --mm-processor-kwargs, ...):
+        # the child builds the model's config and vLLM's loaders from them, as the engine's front end does
         # (None: the model's defaults). Through the environment, so a secret among them is not in argv.
         self.engine_args = engine_args
         # What a Redis media sidecar must agree on with its worker (wire/mm_sidecar.py), from the ready frame.
@@ -94,8 +110,8 @@ class MediaProcessor:
         # reads as running, and the request sent to it meets its death (UNAVAILABLE, that request only).
         return self._process is not None and self._process.poll() is None
 
-    async def process(self, prompt: list[int], items: list[tuple[str, bytes]]) -> tuple[list[int], list]:
-        """(expanded prompt, mm_features) for these (modality, bytes) items, in their order."""
+    async def process(self, prompt: list[int], items: list[tuple[str, bytes]]) -> Processed:
+        """These (modality, bytes) items, in their order, through the model's processors."""
         with trio.move_on_after(self.process_timeout_s) as waiting:
             await self._lock.acquire()
         if waiting.cancelled_caught:
@@ -130,7 +146,7 @@ class MediaProcessor:
         except Exception as error:  # no vLLM interpreter: a deployment fault the router can route around
             raise Unavailable(f"media_refs: no interpreter for the media processor: {error}",
                               reason="media_processor_down") from None  # fmt: skip
-        argv = [python, str(self._script), "--model", self.model_dir]
+        argv = [python, str(self._script), "--model", self.model_dir, "--max-video-frames", str(self.video_frames_max)]
         self._on_start()
         # stderr is the servicer's (its log shows vLLM's lines); a pipe nobody drains would block the child.
         env = None if self.engine_args is None else {**os.environ, ENGINE_ARGS_ENV: json.dumps(self.engine_args)}
@@ -200,7 +216,10 @@ class MediaProcessor:
             if reply.get("fault") == "client":
                 raise ClientError(where, str(reply["error"]))
             raise ProcessorFailed(f"{where}: the media processor failed: {reply['error']}")
-        return list(reply["prompt"]), list(reply["features"])
+        embeds = [(str(m), int(i), int(n)) for m, i, n in reply.get("embeds") or ()]
+        identity = reply.get("identity")
+        return Processed(list(reply["prompt"]), list(reply["features"]), embeds,
+                         list(identity) if isinstance(identity, list) else None)
 
     async def _read_reply(self):
         head = await self._read_exactly(HEADER.size)

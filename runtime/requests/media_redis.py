@@ -42,6 +42,8 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from enginelink.runtime.errors import ClientError, Unavailable
+from enginelink.runtime.requests.media_bounds import feature_tokens
+from enginelink.runtime.requests.media_processor import Processed
 from enginelink.wire import mm_sidecar as wire
 
 log = logging.getLogger("enginelink.media")
@@ -202,8 +204,9 @@ class SidecarClient:
                     raise ClientError(f"media_refs.items[{index}]", f"decodes to about {size} bytes; at most "
                                       f"{item_bytes_max} (SMG_VLLM_MM_MAX_ITEM_BYTES)")  # fmt: skip
 
-    async def process(self, prompt: list[int], refs: list[tuple[str, str]], request_id: str = ""):
-        """(the expanded prompt, the engine's ``mm_features``) from the sidecar, or whose fault it is not."""
+    async def process(self, prompt: list[int], refs: list[tuple[str, str]], request_id: str = "") -> Processed:
+        """The expanded prompt, the engine's ``mm_features`` and each item's feature tokens from the sidecar, or
+        whose fault it is not."""
         if self.fingerprint is None or self.keys is None:
             raise Unavailable(f"media_refs: the media sidecar cannot be used yet ({self.why_not})",
                               reason="sidecar_unavailable")  # fmt: skip
@@ -236,7 +239,7 @@ class SidecarClient:
                               reason="sidecar_timeout")  # fmt: skip
         return popped[1]
 
-    def _read(self, job: wire.Job, raw: bytes):
+    def _read(self, job: wire.Job, raw: bytes) -> Processed:
         if len(raw) > self.result_bytes_max:
             raise Unavailable(f"media_refs: the sidecar's result is {len(raw)} bytes, over "
                               f"ENGINELINK_MM_MAX_TENSOR_BYTES={self.result_bytes_max}", reason="sidecar_protocol")
@@ -263,7 +266,13 @@ class SidecarClient:
             features = wire.features_of(result)
         except wire.ResultLayoutError as error:
             raise Unavailable(f"media_refs: sidecar_protocol: {error}", reason="sidecar_protocol") from None
-        return list(result.prompt_token_ids), features
+        # Each item's feature tokens from its placeholder range, in its modality's order, for the encoder budget;
+        # no media identity (the grids are inside the items' buffers): a PD decode side processes the media.
+        embeds, seen = [], {}
+        for feature in features:
+            nth = seen[feature["modality"]] = seen.get(feature["modality"], -1) + 1
+            embeds.append((feature["modality"], nth, feature_tokens(feature)))
+        return Processed(list(result.prompt_token_ids), features, embeds, None)
 
     async def aclose(self) -> None:
         await self.link.aclose()

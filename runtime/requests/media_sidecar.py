@@ -232,19 +232,19 @@ class Sidecar:
                 return wire.failure(job.job_id, "fetch_unavailable", str(error))
             fetched = time.time()
             try:
-                prompt, features = await self.processor.process(list(job.prompt_token_ids),
-                                                                [(item.modality, item.data) for item in items])
+                processed = await self.processor.process(list(job.prompt_token_ids),
+                                                         [(item.modality, item.data) for item in items])
             except ClientError as error:
                 return wire.failure(job.job_id, "decode_failed", str(error))
             except ServicerError as error:
                 return wire.failure(job.job_id, "processor_error", str(error))
         if scope.cancelled_caught:
             return wire.failure(job.job_id, "expired", "the job's deadline passed while it was processed")
-        kwargs, places, hashes = wire.result_parts(features)
+        kwargs, places, hashes = wire.result_parts(processed.features)
         now = time.time()
         return wire.JobResult(
             v=wire.SCHEMA_VERSION, job_id=job.job_id, ok=True, fingerprint=self.fingerprint,
-            prompt_token_ids=list(prompt), mm_hashes=hashes, mm_placeholders=places, mm_kwargs=kwargs,
+            prompt_token_ids=list(processed.prompt), mm_hashes=hashes, mm_placeholders=places, mm_kwargs=kwargs,
             timing=wire.Timing(queue_ms=max(0, int(started * 1000) - job.enqueued_ms),
                                fetch_ms=int((fetched - started) * 1000), process_ms=int((now - fetched) * 1000)),
         )  # fmt: skip

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.runtime.errors import ClientError, Precondition, Unavailable
-from enginelink.runtime.requests.media import MediaService, MediaSettings, media_settings_from
+from enginelink.runtime.requests.media import MediaKnobError, MediaService, MediaSettings, media_settings_from
 from tests.adversarial.media_origin import PNG, Origin
 
 PUBLIC = "93.184.216.34"  # stands for a public origin; connections to it go to the loopback origin
@@ -287,8 +287,13 @@ async def test_an_oversized_body_is_refused_by_its_length_or_as_it_streams(origi
 async def test_too_many_items_and_bad_items_are_refused_before_any_fetch(origin):
     service = _service(allow_private=True, items_max=2)
     url = origin.url("/cat.png")
-    with pytest.raises(ClientError, match="3 items; at most 2 .SMG_VLLM_MM_MAX_ITEMS."):
+    with pytest.raises(ClientError, match=r"3 image item\(s\); at most 2 per request on this worker "
+                       r"\(--mm-max-items / SMG_VLLM_MM_MAX_ITEMS\)"):
         service.check_refs(_refs(url, url, url))
+    # The cap is per modality, as the engine's own limits are: two images and two videos pass.
+    mixed = _refs(url, url)
+    mixed.items.extend(_refs(url, url, modality=common_pb2.VIDEO).items)
+    assert [m for m, _ in service.check_refs(mixed)] == ["image", "image", "video", "video"]
     with pytest.raises(ClientError, match="has no items"):
         service.check_refs(_refs())
     with pytest.raises(ClientError, match=r"items\[1\]: url must not be empty"):
@@ -441,6 +446,13 @@ def test_media_knobs_defaults_and_values():
     assert (settings.enabled, settings.allow_private, settings.fetch_timeout_s, settings.redirects_max) == (
         True, True, 2.5, 0)
     assert MediaSettings().item_bytes_max == 32 << 20 and MediaSettings().inflight_max == 64
+    # The item cap is unset by default (the engine's limits alone) and the frame cap off (vLLM's sampling).
+    assert (MediaSettings().items_max, MediaSettings().video_frames_max) == (None, 0)
+    video = media_settings_from({"SMG_VLLM_MM_MAX_VIDEO_FRAMES": "4", "SMG_VLLM_MM_MAX_ITEMS": "3",
+                                 "SMG_VLLM_MM_VIDEO_FETCH_TIMEOUT_MS": "45000"})
+    assert (video.video_frames_max, video.items_max, video.video_fetch_timeout_s) == (4, 3, 45.0)
+    with pytest.raises(MediaKnobError, match="SMG_VLLM_MM_MAX_VIDEO_FRAMES='-1': must be at least 0"):
+        media_settings_from({"SMG_VLLM_MM_MAX_VIDEO_FRAMES": "-1"})
 
 
 def test_vllms_fetch_timeouts_are_honoured_where_the_reference_honours_them():

@@ -102,7 +102,7 @@ def _zombie(pid: int) -> bool:
 async def test_a_good_reply_is_the_expanded_prompt_and_the_features_with_their_tensors_as_sent(child):
     processor = _processor(child)
     try:
-        prompt, features = await processor.process([OK, 5], ITEMS)
+        prompt, features, embeds, identity = await processor.process([OK, 5], ITEMS)
         assert prompt == [9, 9, OK, 5]
         assert features == [{"mm_hash": "7", "data": msgspec.msgpack.Ext(3, b"px")}]
         assert processor.version == "fake"

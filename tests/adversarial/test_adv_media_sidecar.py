@@ -37,6 +37,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.runtime.errors import ClientError, Unavailable
 from enginelink.runtime.requests.media import MediaMetrics, MediaService, media_settings_from
+from enginelink.runtime.requests.media_bounds import MediaBounds
 from enginelink.runtime.requests.media_fetch import Fetcher
 from enginelink.runtime.requests.media_processor import MediaProcessor
 from enginelink.runtime.requests.media_redis import RedisLink
@@ -157,7 +158,7 @@ async def test_a_job_carries_what_the_sidecar_needs_and_the_result_becomes_mm_fe
                         "image": [wire.Placeholder(0, 2, [False, True])]})))
 
                 nursery.start_soon(sidecar)
-                prompt, features = await service.prepare(_refs(DATA_URL, "https://example.com/a.png"), [5, 6])
+                prompt, features, *_ = await service.prepare(_refs(DATA_URL, "https://example.com/a.png"), [5, 6])
             job = jobs[0]
             assert job.v == 1 and job.fingerprint == FP and job.prompt_token_ids == [5, 6]
             assert [(item.modality, item.url) for item in job.items] == [("image", DATA_URL),
@@ -170,6 +171,55 @@ async def test_a_job_carries_what_the_sidecar_needs_and_the_result_becomes_mm_fe
             assert redis.client().llen(KEYS.jobs) == 0
         finally:
             await service.aclose()
+
+
+async def test_video_and_audio_refs_ride_the_sidecar_held_to_the_engines_limits_and_encoder_budget(redis):
+    """A video and an audio ref go to the sidecar as they came; the result's feature tokens (its placeholder
+    ranges, the embed mask counted) are held to the engine's encoder budget as the worker's own helper's are,
+    and a count past the engine's limit is refused before anything is queued."""
+    video, audio = "data:video/mp4;base64,AAAA", "data:audio/wav;base64,AAAA"
+    refs = pb.MediaRefs(items=[pb.MediaRef(modality=common_pb2.VIDEO, url=video),
+                               pb.MediaRef(modality=common_pb2.AUDIO, url=audio)])  # fmt: skip
+    bounds = MediaBounds(engine_limits={"image": 0, "video": 1, "audio": 1}, encoder_budget=3)
+    blob = msgspec.msgpack.encode(ITEM)
+
+    def answer(video_length: int):
+        return lambda job: _ok(job, prompt_token_ids=[7] * 6 + job.prompt_token_ids,
+                               mm_hashes={"video": ["v0"], "audio": ["a0"]}, mm_kwargs={"video": [blob], "audio": [blob]},
+                               mm_placeholders={"video": [wire.Placeholder(0, video_length)],
+                                                "audio": [wire.Placeholder(2, 4, [True, True, False, True])]})
+
+    async with trio_asyncio.open_loop():
+        service = _worker(redis)
+        try:
+            _hello(redis)
+            await service.sidecar.probe()
+            jobs = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: _grab(jobs, _sidecar_once(redis, answer(2))))
+                processed = await service.prepare(refs, [5], bounds)
+            assert [(item.modality, item.url) for item in jobs[0].items] == [("video", video), ("audio", audio)]
+            assert processed.prompt == [7] * 6 + [5]
+            assert [(f["modality"], f["mm_hash"]) for f in processed.features] == [("video", "v0"), ("audio", "a0")]
+            assert processed.embeds == [("video", 0, 2), ("audio", 0, 3)] and processed.identity is None
+            # A video whose features the engine's encoder cannot place: the client's, naming the item.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: _grab(jobs, _sidecar_once(redis, answer(4))))
+                with pytest.raises(ClientError) as refused:
+                    await service.prepare(refs, [5], bounds)
+            assert str(refused.value) == ("media_refs.items[0]: the video item has 4 feature tokens, above the "
+                                          "engine's encoder budget of 3 tokens (mm_encoder_budget); send a smaller "
+                                          "item")
+            # Two videos: past the engine's limit, refused before a job is queued.
+            with pytest.raises(ClientError, match=r"2 video item\(s\); at most 1 per request \(the engine's limit"):
+                await service.prepare(pb.MediaRefs(items=[refs.items[0], refs.items[0]]), [5], bounds)
+            assert redis.client().llen(KEYS.jobs) == 0 and len(jobs) == 2
+        finally:
+            await service.aclose()
+
+
+async def _grab(into: list, job) -> None:
+    into.append(await job)
 
 
 @pytest.mark.parametrize("answer, status, words", [
@@ -288,7 +338,7 @@ async def test_redis_killed_mid_job_is_unavailable_at_once_and_the_worker_recove
             assert await service.sidecar.probe()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_sidecar_once, redis, _ok)
-                prompt, features = await service.prepare(_refs(DATA_URL), [5])
+                prompt, features, *_ = await service.prepare(_refs(DATA_URL), [5])
             assert prompt == [7, 7, 5] and features[0]["mm_hash"] == "h0"
         finally:
             await service.aclose()
@@ -401,7 +451,7 @@ async def test_enginelinks_sidecar_serves_a_job_with_the_processors_tensors(redi
         service = _worker(redis)
         try:
             assert await service.sidecar.probe()
-            prompt, features = await service.prepare(_refs(DATA_URL, origin.url("/cat.png")), [1, 6])
+            prompt, features, *_ = await service.prepare(_refs(DATA_URL, origin.url("/cat.png")), [1, 6])
             assert prompt == [9, 9, 9, 9, 1, 6]
             assert [f["mm_hash"] for f in features] == ["h0", "h1"]
             assert features[1]["data"]["pixel_values"]["data"] == ["float32", [2],
@@ -470,7 +520,7 @@ async def test_a_result_over_the_cap_is_media_too_large_and_one_redis_refuses_is
             with pytest.raises(Unavailable, match="result_push_failed: the sidecar's result push failed"):
                 await service.prepare(_refs(DATA_URL), [5])  # cue 5: a 2 MiB tensor
             assert trio.current_time() - started < 10.0  # reported, not left to the 20 s timeout
-            prompt, _ = await service.prepare(_refs(DATA_URL), [6])  # and the sidecar serves on
+            prompt, *_ = await service.prepare(_refs(DATA_URL), [6])  # and the sidecar serves on
             assert prompt == [9, 9, 6]
         finally:
             await service.aclose()
@@ -488,7 +538,7 @@ async def test_the_sidecar_rides_out_a_redis_restart(redis, tmp_path, monkeypatc
             with trio.fail_after(wire.HELLO_REFRESH_S + 5):
                 while not await service.sidecar.probe():  # the hello comes back with the next refresh
                     await trio.sleep(0.2)
-            prompt, _ = await service.prepare(_refs(DATA_URL), [6])
+            prompt, *_ = await service.prepare(_refs(DATA_URL), [6])
             assert prompt == [9, 9, 6]
             with trio.fail_after(5):  # the sidecar counts a job once its push returns, a moment after the worker has it
                 while sidecar.done != 1:
@@ -504,7 +554,7 @@ async def test_the_sidecar_rides_out_a_redis_restart(redis, tmp_path, monkeypatc
     ([], {"SMG_VLLM_MM_MAX_RESULT_BYTES": "512MiB"}, "SMG_VLLM_MM_MAX_RESULT_BYTES='512MiB': expected a whole number"),
     ([], {"SMG_VLLM_MM_MAX_ITEM_BYTES": "0"}, "SMG_VLLM_MM_MAX_ITEM_BYTES='0': must be at least 1"),
     (["--concurrency", "0"], {}, "--concurrency 0: must be at least 1"),
-    (["--", "--media-io-kwargs", "{}"], {}, "--media-io-kwargs: enginelink's media processor does not apply"),
+    ([], {"SMG_VLLM_MM_MAX_VIDEO_FRAMES": "-1"}, "SMG_VLLM_MM_MAX_VIDEO_FRAMES='-1': must be at least 0"),
 ])  # fmt: skip
 def test_the_sidecar_command_refuses_a_bad_setting_with_exit_2_naming_it(argv, env, words, tmp_path):
     import os

@@ -87,10 +87,11 @@ def test_json_shows_links_requests_in_flight_and_the_live_run(busy):
     assert journal["path"] == str(busy.journal) and journal["first_seq"] == 1 and journal["pruned_at_start"] == 0
     assert journal["records"] == journal["last_seq"] and journal["by_kind"]["engine.frame"] > 0
     assert (journal["records_max"], journal["bytes_max"]) == (5_000_000, 1024 ** 3)
-    # The media settings it started with: the processor, the setting that decided it, every bound by name.
+    # The media settings it started with: the processor, the setting that decided it, every bound by name
+    # (the item cap 0: unset, the engine's own --limit-mm-per-prompt alone).
     media = view["run"]["media"]
     assert (media["mm_processor"], media["mm_processor_source"]) == ("off", "default")
-    assert media["bounds"]["SMG_VLLM_MM_MAX_ITEMS"] == 16 and media["bounds"]["SMG_VLLM_MM_SIDECAR_MAX_QUEUE"] == 256
+    assert media["bounds"]["SMG_VLLM_MM_MAX_ITEMS"] == 0 and media["bounds"]["SMG_VLLM_MM_SIDECAR_MAX_QUEUE"] == 256
 
     # Tokens so far keep growing while the streams run.
     before = requests["long-0"]["tokens"]

@@ -196,14 +196,15 @@ def test_an_image_through_enginelink_gives_vllm_offlines_tokens(servicer, offlin
             assert list(replies[-1].complete.output_ids) == case["output_ids"], (kind, servicer.log()[-3000:])
             assert replies[-1].complete.prompt_tokens == len(case["prompt_ids"])  # the placeholders counted
     assert origin.hits[hits_before:] == ["/image-0.png", "/image-1.png"]
-    # Media the model's own processor refuses, after the fetch passed: the client's fault in vLLM's words,
-    # and the helper serves on. BLIP-2 takes one image per prompt; this worker's processor takes images only.
+    # Media past the engine's own bounds, refused before any fetch (the engine's resolved limits, its facts):
+    # BLIP-2 takes one image per prompt, and no video.
     two = _media_request(offline[0], "ref-two", data_url)
     two.media_refs.items.add(modality=common_pb2.IMAGE, url=data_url)
     video = _media_request(offline[0], "ref-video", "data:video/mp4;base64," + base64.b64encode(b"mp4").decode())
     video.media_refs.items[0].modality = common_pb2.VIDEO
-    for request, words in ((two, "media_refs: At most 1 image(s) may be provided in one prompt"),
-                           (video, "media_refs.items[0]: modality video is not processed by this worker")):
+    for request, words in ((two, "media_refs: 2 image item(s); at most 1 per request (the engine's limit: "
+                                 "--limit-mm-per-prompt, within what the model takes)"),
+                           (video, "media_refs: 1 video item(s); this model takes no video input")):
         with pytest.raises(grpc.RpcError) as error:
             list(servicer.stub.Generate(request, timeout=120))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
@@ -233,11 +234,11 @@ def test_an_image_through_enginelink_gives_vllm_offlines_tokens(servicer, offlin
         return _sample(samples, name, *labels) - _sample(before, name, *labels)
 
     assert delta("smg_servicer_media_processor_starts_total") == (2 if hits_before == 0 else 1)
-    assert delta("smg_servicer_media_process_seconds_count") == 6 + after_kill
-    assert delta("smg_servicer_media_fetches_total", 'outcome="ok"', 'scheme="data"') == 5 + after_kill
+    assert delta("smg_servicer_media_process_seconds_count") == 4 + after_kill
+    assert delta("smg_servicer_media_fetches_total", 'outcome="ok"', 'scheme="data"') == 2 + after_kill
     assert delta("smg_servicer_media_fetches_total", 'outcome="ok"', 'scheme="http"') == 2
-    assert delta("smg_servicer_media_fetch_seconds_count") == 7 + after_kill
-    assert delta("smg_servicer_media_refusals_total", 'reason="processor_refused"') == 2
+    assert delta("smg_servicer_media_fetch_seconds_count") == 4 + after_kill
+    assert delta("smg_servicer_media_refusals_total", 'reason="too_many_items"') == 2
     assert delta("smg_servicer_media_refusals_total", 'reason="media_processor_down"') == after_kill - 1
     for index, case in enumerate(offline):
         replies = list(servicer.stub.Generate(_request(case, f"img-{index}"), timeout=120))
