@@ -35,7 +35,12 @@ Rules:
   ``starting`` without a transition record, so the fold takes the request's
   ``engine.request`` (the last step of admission) as entering ``admitted``,
   and the link's ``engine.handshake`` ``launch`` step as entering
-  ``starting``.
+  ``starting``;
+- engine restarts (docs/resume.md): ``engine.held`` marks a request held
+  (its engine ids stop taking tokens: that engine is gone), ``engine.resume``
+  re-opens its choices' engine ids on the new engine, so the tokens keep
+  adding up across engines, as the hub's ``tokens_engine`` does; the link
+  counts its restarts (``engine.restart``).
 
 ``to_dict`` / ``from_dict`` round-trip exactly, key order included (the order
 of ``ended`` is the eviction order), which is what ``snapshot`` records hold.
@@ -82,6 +87,8 @@ class LinkView(msgspec.Struct):
     placement: dict[str, Any] = {}
     # The engine's DP ranks, one entry each (rank, instance_id, …): the ``engine.facts`` record's ``ranks``.
     ranks: list[dict[str, Any]] = []
+    restarts: int = 0  # the engine started again after a crash (``engine.restart``)
+    last_crash: str | None = None  # why, the last time
 
 
 class RequestView(msgspec.Struct):
@@ -96,6 +103,10 @@ class RequestView(msgspec.Struct):
     # Per choice (index = choice index), from ``engine.request`` and frames.
     engine_ids: list[str] = []
     engine_tokens: list[int] = []  # tokens the engine produced for the choice
+    # Engine restarts (fields last: a snapshot stores a request as the array of its fields).
+    held: bool = False  # its engine died; waiting to be re-submitted to the restarted one
+    resumes: int = 0
+    reprefilled: int = 0  # generated tokens re-sent as prompt, over its resumes and choices
 
     @property
     def tokens(self) -> int:
@@ -258,6 +269,25 @@ def _apply(st: FoldState, rec: Record) -> None:
             view.prompt_tokens = p["prompt_tokens"]
         case r.KIND_ENGINE_REQUEST:
             _engine_request(st, rec)
+        case r.KIND_ENGINE_HELD:
+            view = st.requests.get(p["request_id"])
+            if view is not None:
+                view.held = True
+                _close_engine_ids(st, p["request_id"])
+        case r.KIND_ENGINE_RESUME:
+            rid = p["request_id"]
+            view = st.requests.get(rid)
+            if view is not None:
+                view.held = False
+                view.resumes = p["resumes"]
+                view.reprefilled += sum(p["reprefilled"])
+                for engine_id, index in zip(p["engine_ids"], p["indexes"]):
+                    if index < len(view.engine_tokens):
+                        st.open_engine_ids[engine_id] = (rid, index)
+        case r.KIND_ENGINE_RESTART:
+            link = _link(st, p["link"], rec.time)
+            link.restarts += 1
+            link.last_crash = p.get("crash")
         case r.KIND_ENGINE_FRAME:
             st.frames += 1
             if st.open_engine_ids:
@@ -394,6 +424,7 @@ def _request_transition(st: FoldState, rid: str, dest: str, now: float) -> None:
     if dest == REQUEST_INITIAL and view.admitted_at is None:
         view.admitted_at = now
     if dest in TERMINAL_REQUEST_STATES:
+        view.held = False
         _close_engine_ids(st, rid)
         st.ended.pop(rid, None)  # re-insert at the newest end
         st.ended[rid] = now

@@ -42,6 +42,16 @@ Payload shapes (keys; all required unless marked):
 ``engine.kv_release`` {link, request_id, engine_id, sent}  a refused PD decode
                       request's pre-aborted ADD, so the prefill side frees its KV
                       (runtime/requests/kv_transfer.py); never a call's engine request
+``engine.restart``    {link, attempt, crash, restarts_max, window_s}  the engine is
+                      started again after ``crash`` (engine restarts on;
+                      docs/resume.md): the launch and handshake records follow
+``engine.held``       {link, request_id, engine_ids, tokens}  the engine died under
+                      the request; it is held to be re-submitted (``tokens``: per
+                      engine id, those generated so far)
+``engine.resume``     {link, request_id, engine_ids, indexes, reprefilled, prompt_tokens,
+                      ranks, resumes}  the held request re-submitted to the new
+                      engine: each open choice (``indexes``) as its prompt plus
+                      the ``reprefilled`` tokens it had generated
 ``client.sent``       {request_id, index, tokens_sent, finish_reason}  written
                       ONCE per choice, when it completes (never per message:
                       the journal must stay cheap at 100k tokens/s)
@@ -79,6 +89,9 @@ KIND_ENGINE_HANDSHAKE: Final = "engine.handshake"
 KIND_ENGINE_FACTS: Final = "engine.facts"
 KIND_ENGINE_REQUEST: Final = "engine.request"
 KIND_ENGINE_KV_RELEASE: Final = "engine.kv_release"
+KIND_ENGINE_RESTART: Final = "engine.restart"
+KIND_ENGINE_HELD: Final = "engine.held"
+KIND_ENGINE_RESUME: Final = "engine.resume"
 # The router's direct ZMQ lane (``enginelink headless``): its handshake messages, and each request
 # message it sent (type byte + payload, as received).
 KIND_ROUTER_HANDSHAKE: Final = "router.handshake"
@@ -105,6 +118,9 @@ KINDS: Final = frozenset(
         KIND_ENGINE_FACTS,
         KIND_ENGINE_REQUEST,
         KIND_ENGINE_KV_RELEASE,
+        KIND_ENGINE_RESTART,
+        KIND_ENGINE_HELD,
+        KIND_ENGINE_RESUME,
         KIND_ROUTER_HANDSHAKE,
         KIND_ROUTER_FRAME,
         KIND_ERROR,

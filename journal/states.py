@@ -21,6 +21,8 @@ class LinkState(StrEnum):
     STARTING = "starting"
     WARMING_UP = "warming_up"
     SERVING = "serving"
+    # The engine died and is being started again, its open streams held (docs/resume.md).
+    RESTARTING = "restarting"
     DRAINING = "draining"
     STOPPED = "stopped"
     FAILED = "failed"

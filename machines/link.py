@@ -6,6 +6,14 @@ States: ``starting`` (sockets bound, engine launching, handshake under way) →
 ``stopped``; ``failed`` from any live state (engine died, went silent, or
 broke its wire). Exactly one of ``stopped`` / ``failed`` ends a link.
 
+With engine restarts on (``--engine-restarts N``, docs/resume.md), an engine
+that dies while the link serves takes it to ``restarting`` instead (``crash``):
+admission closed but for the restart's own warm-up, health NOT_SERVING, the
+open streams held; the engine is started again and the link goes back to
+``serving`` (``restarted``) once the held requests were re-submitted. A crash
+while restarting (the new engine died too) stays ``restarting``, counted
+against the same budget; when the budget is spent the link fails as before.
+
 Sans-io: ``handle(event, now)`` returns the transition it made (the shell
 journals it); the machine never reads a clock. Admission and health are pure
 functions of the state, so the gRPC layer and the journal's fold agree on
@@ -33,9 +41,12 @@ class LinkEvent(StrEnum):
     DRAIN = "drain"
     DRAINED = "drained"
     FAIL = "fail"
+    CRASH = "crash"  # the engine died and will be started again (restarts on, budget left)
+    RESTARTED = "restarted"  # the engine is back, the held requests re-submitted
 
 
-_LIVE = [LinkState.STARTING, LinkState.WARMING_UP, LinkState.SERVING, LinkState.DRAINING]
+_LIVE = [LinkState.STARTING, LinkState.WARMING_UP, LinkState.SERVING, LinkState.RESTARTING, LinkState.DRAINING]
+
 
 LINK_TABLE = build_table(
     MACHINE_LINK,
@@ -43,9 +54,12 @@ LINK_TABLE = build_table(
     transitions=[
         (LinkEvent.HANDSHAKE_DONE, LinkState.STARTING, LinkState.WARMING_UP),
         (LinkEvent.WARMUP_DONE, LinkState.WARMING_UP, LinkState.SERVING),
-        (LinkEvent.DRAIN, [LinkState.STARTING, LinkState.WARMING_UP, LinkState.SERVING], LinkState.DRAINING),
+        (LinkEvent.DRAIN, [LinkState.STARTING, LinkState.WARMING_UP, LinkState.SERVING, LinkState.RESTARTING],
+         LinkState.DRAINING),
         (LinkEvent.DRAINED, LinkState.DRAINING, LinkState.STOPPED),
         (LinkEvent.FAIL, list(_LIVE), LinkState.FAILED),
+        (LinkEvent.CRASH, [LinkState.SERVING, LinkState.RESTARTING], LinkState.RESTARTING),
+        (LinkEvent.RESTARTED, LinkState.RESTARTING, LinkState.SERVING),
     ],
     initial=LINK_INITIAL,
     terminal=LINK_TERMINAL,
@@ -56,6 +70,7 @@ _HEALTH_MESSAGES = {
     LinkState.STARTING: "Engine is starting",
     LinkState.WARMING_UP: "Engine is warming up",
     LinkState.SERVING: "Health",
+    LinkState.RESTARTING: "Engine is restarting",
     LinkState.DRAINING: "Draining",
     LinkState.STOPPED: "Engine is not alive",
     LinkState.FAILED: "Engine is not alive",
@@ -114,6 +129,11 @@ def admission_refusal(state: LinkState, request_id: str) -> str | None:
         return "engine is warming up; retry on another worker or later"
     if state is LinkState.STARTING:
         return "engine is starting; retry on another worker or later"
+    if state is LinkState.RESTARTING:
+        # The restart's own warm-up is admitted, as at the first start.
+        if request_id.startswith(WARMUP_REQUEST_PREFIX):
+            return None
+        return "engine is restarting after a crash; retry on another worker or later"
     if state is LinkState.DRAINING:
         return "servicer is draining; retry on another worker"
     return "engine is not alive; retry on another worker"

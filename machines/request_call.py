@@ -83,10 +83,10 @@ class Call:
 
     __slots__ = (
         "spec", "machine", "choices", "open_choices", "failure", "admitted_at", "prompt_tokens", "metrics",
-        "plain_one", "touched_at", "wake", "direct", "error", "backlog",
+        "plain_one", "touched_at", "wake", "direct", "error", "backlog", "resumes", "held_at",
     )
 
-    def __init__(self, spec: GenerateCall, now: float, tokenizer, metrics) -> None:
+    def __init__(self, spec: GenerateCall, now: float, tokenizer, metrics, keep_output: bool = False) -> None:
         self.spec = spec
         self.machine = RequestMachine(spec.request_id, now)
         # One automaton per call, built once; each choice keeps only its place in it.
@@ -98,7 +98,8 @@ class Call:
             Choice(
                 index,
                 engine_id,
-                keep_output=not spec.stream,
+                # A streaming call keeps its tokens only to be resumed from (engine restarts on).
+                keep_output=not spec.stream or keep_output,
                 stops=StopMatcher(automaton, tokenizer, spec.skip_special_tokens) if automaton else None,
                 logprobs=ChoiceLogprobs(top, prompt_top, keep_all=not spec.stream,
                                         prompt_start=sampling.prompt_logprobs_start) if with_logprobs else None,
@@ -117,6 +118,8 @@ class Call:
         self.direct = None
         self.error = None
         self.backlog: list = []
+        self.resumes = 0  # times re-submitted to a restarted engine (machines/resume.py)
+        self.held_at: float | None = None  # held since (the engine died; not yet re-submitted)
 
     @property
     def done(self) -> bool:

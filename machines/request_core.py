@@ -46,6 +46,7 @@ from enginelink.journal.records import (
     KIND_TRANSITION,
     request_stream,
 )
+from enginelink.machines import request_resume
 from enginelink.journal.states import LinkState, RequestState, WriterState
 from enginelink.machines.link import KV_RELEASE_REQUEST_PREFIX, WARMUP_REQUEST_PREFIX, LinkMachine
 from enginelink.machines.ranks import RankTable
@@ -86,8 +87,15 @@ class RequestCore:
         logprobs: Callable | None = None,
         in_flight_max: int = IN_FLIGHT_MAX,
         metrics=None,
+        resume=None,
     ) -> None:
         self.link = link
+        # Engine restarts (machines/resume.py ResumePolicy): None or off, an engine death fails every call.
+        self.resume = resume if resume is not None and resume.enabled else None
+        self.held: dict[str, Call] = {}  # calls held while the engine restarts, in hold order
+        self.resumed_requests = 0  # calls re-submitted to a restarted engine
+        self.resume_failures = 0  # calls the engine's death failed although restarts are on (each says why)
+        self.reprefilled_tokens = 0  # generated tokens re-sent as prompt to a restarted engine
         # The engine's DP ranks (the link fills them at its handshake); one rank 0 when none given.
         self.ranks = ranks if ranks is not None else RankTable((0,))
         self.tokenizer = tokenizer
@@ -138,7 +146,7 @@ class RequestCore:
                 return Refusal("duplicate", f"request_id {spec.request_id!r} is already in flight")
         # The servicer's own warm-up calls stay out of the client-facing metrics.
         metrics = NO_METRICS if spec.request_id.startswith(WARMUP_REQUEST_PREFIX) else self.metrics
-        call = Call(spec, now, self.tokenizer, metrics)
+        call = Call(spec, now, self.tokenizer, metrics, keep_output=self.resume is not None)
         record = (now, request_stream(spec.request_id), KIND_CLIENT_GENERATE, {
             "request_id": spec.request_id,
             "n": spec.n,
@@ -444,11 +452,22 @@ class RequestCore:
             self._end_failed(call, message, now, actions)
         return failed
 
+    # -- engine restarts (machines/request_resume.py) -------------------------------------
+
+    hold_all = request_resume.hold_all
+    resume_held = request_resume.resume_held
+    resumed = request_resume.resumed
+    resume_unreachable = request_resume.resume_unreachable
+    fail_held = request_resume.fail_held
+
     def _end(self, call: Call, event: RequestEvent, now: float, actions: Actions) -> None:
         if call.machine.state is RequestState.ADMITTED and event is RequestEvent.FINISH:
             self._step(call, RequestEvent.FIRST_OUTPUT, now, actions)
         self._step(call, event, now, actions)
         self.calls.pop(call.spec.request_id, None)
+        if call.held_at is not None:
+            call.held_at = None
+            self.held.pop(call.spec.request_id, None)
         for choice in call.choices:
             if choice.stops is not None:
                 self.stop_chars += choice.stops.chars

@@ -14,10 +14,15 @@ Theory of operation (mirrors vLLM's v1 scheduler where it is observable):
   EngineCoreOutputs frame carrying one new token per request that finished
   its prefill, scheduler stats, and the ids it retired, plus the step's cost
   in seconds (``step_us`` + ``prefill_us_per_token`` x uncached prompt tokens).
-- Tokens are a hash: blake2b of (seed, prompt ids; plus the request id when
-  sampling unseeded at temperature > 0) and the output position, so greedy
-  output is reproducible and depends on the prompt. A token lands
-  in [3, vocab); the model's EOS id comes out when the hash is 0 mod 16.
+- Tokens are a hash: blake2b of (seed; plus the request id when sampling
+  unseeded at temperature > 0) and a rolling hash of every token of the
+  context so far (the prompt, then each output), so greedy output is
+  reproducible, depends on the prompt, and, like a real model's, depends on
+  the tokens alone and not on where the prompt ends: a request re-submitted
+  as its prompt plus the tokens it had generated continues exactly as the
+  uninterrupted one would (what resuming after an engine restart relies on,
+  docs/resume.md). A token lands in [3, vocab); the model's EOS id comes out
+  when the hash is 0 mod 16.
   Before ``min_tokens`` stop ids are masked (vLLM's min-tokens processor).
 - Stop checks follow vLLM's ``check_stop``: EOS = the request's
   ``_eos_token_id`` (absent when ``ignore_eos``) -> STOP; a stop id -> STOP
@@ -64,6 +69,17 @@ from enginelink.wire.engine import FinishReason, WireError
 
 _PACK: Final = msgspec.msgpack.Encoder()
 _FIRST_TOKEN: Final = 3  # ids 0-2 are special in the test tokenizer
+# The context's rolling hash (``_Request.context``): polynomial, modulo a Mersenne prime.
+_CONTEXT_BASE: Final = 1_000_003
+_CONTEXT_MOD: Final = (1 << 61) - 1
+
+
+def context_hash(tokens: Sequence[int], start: int = 0) -> int:
+    """The rolling hash of ``tokens`` continued from ``start``: the same for one sequence however it is split."""
+    h = start
+    for token in tokens:
+        h = (h * _CONTEXT_BASE + token + 1) % _CONTEXT_MOD
+    return h
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -160,7 +176,7 @@ def block_hash(parent: int | None, token_ids: Sequence[int], salt: str | None = 
 class _Request:
     __slots__ = (
         "rid", "prompt", "salt", "max_tokens", "min_tokens", "eos", "model_eos",
-        "stop_ids", "masked", "digest", "queued_ts", "scheduled_ts", "num_computed",
+        "stop_ids", "masked", "digest", "base", "context", "step_digest", "queued_ts", "scheduled_ts", "num_computed",
         "cached", "output", "block_hashes", "num_committed", "reserved", "logprobs", "prompt_logprobs", "greedy", "pooling", "kv_params",
     )  # fmt: skip
 
@@ -187,6 +203,10 @@ class _Request:
         # choices of one call differ as they would on a real engine.
         salt = req.request_id if (params.temperature or 0) > 0 and params.seed is None else None
         self.digest = request_digest(params.seed, salt, prompt)
+        # What sampling hashes: the seed (and salt), and the whole context so far (``_sample``).
+        self.base = sampling_base(params.seed, salt)
+        self.context = context_hash(prompt)
+        self.step_digest = self.base
         # Logprobs as the request asked (machines/sim_logprobs.py); None: none.
         self.logprobs = params.logprobs
         self.prompt_logprobs = params.prompt_logprobs
@@ -209,13 +229,20 @@ class _Request:
 
 
 def request_digest(seed: int | None, salt: str | None, prompt: Sequence[int]) -> bytes:
-    """What a request's tokens are a function of: its seed, its id where sampling is unseeded at
-    temperature > 0 (``salt``), and its prompt."""
+    """A request's own digest: its seed, its id where sampling is unseeded at temperature > 0
+    (``salt``), and its prompt (its prompt logprobs come from it; its tokens from ``step_digest``)."""
     return hashlib.blake2b(_PACK.encode([seed, salt, list(prompt)]), digest_size=16).digest()
 
 
-def _position_hash(digest: bytes, position: int) -> int:
-    return int.from_bytes(hashlib.blake2b(digest + position.to_bytes(4, "little"), digest_size=8).digest(), "little")
+def sampling_base(seed: int | None, salt: str | None) -> bytes:
+    """What every sampling step of a request hashes besides its context: its seed and ``salt``."""
+    return hashlib.blake2b(_PACK.encode([seed, salt]), digest_size=16).digest()
+
+
+def step_digest(base: bytes, context: int) -> bytes:
+    """One sampling step's digest: the request's ``base`` and the whole context so far (prompt and
+    output, ``context_hash``), so a request re-sent as its prompt plus its tokens continues alike."""
+    return hashlib.blake2b(base + context.to_bytes(8, "little"), digest_size=8).digest()
 
 
 def expected_tokens(prompt: Sequence[int], count: int, *, vocab_size: int, eos_token_id: int | None,
@@ -225,11 +252,13 @@ def expected_tokens(prompt: Sequence[int], count: int, *, vocab_size: int, eos_t
 
     ``eos_token_id`` is the model's (``config.json``): it comes out where the hash says so, whether or
     not the request ignores EOS; a request that does not ignore it ends there."""
-    digest = request_digest(seed, None, prompt)
+    base, context = sampling_base(seed, None), context_hash(prompt)
     span = vocab_size - _FIRST_TOKEN
-    out = []
-    for i in range(count):
-        h = _position_hash(digest, i)
+    out: list[int] = []
+    for _ in range(count):
+        if out:
+            context = context_hash(out[-1:], context)
+        h = int.from_bytes(step_digest(base, context), "little")
         out.append(eos_token_id if eos_token_id is not None and h % 16 == 0 else _FIRST_TOKEN + (h >> 4) % span)
     return out
 
@@ -533,8 +562,10 @@ class SimEngineCore:
     def _logprobs(self, r: _Request, out: vllm.EngineCoreOutput, token: int, writer: vllm_arrays.ArrayWriter) -> None:
         vocab = self.config.vocab_size
         if r.logprobs is not None:
+            # The step's own digest and the token's place in the whole context: the same row
+            # for the same context, however the request was split (a resumed one).
             out.new_logprobs = sim_logprobs.sample_logprobs(
-                writer, r.digest, len(r.output) - 1, token, vocab, r.logprobs, r.greedy)
+                writer, r.step_digest, len(r.prompt) + len(r.output) - 1, token, vocab, r.logprobs, r.greedy)
         if r.prompt_logprobs is not None and len(r.output) == 1:
             # vLLM sends every prompt row at once, with the first token (no partial prefill outputs).
             out.new_prompt_logprobs_tensors = sim_logprobs.prompt_logprobs(
@@ -542,7 +573,10 @@ class SimEngineCore:
 
     def _sample(self, r: _Request) -> int:
         i = len(r.output)
-        h = _position_hash(r.digest, i)
+        if i:  # the context grew by the last output token
+            r.context = context_hash(r.output[-1:], r.context)
+        r.step_digest = step_digest(r.base, r.context)
+        h = int.from_bytes(r.step_digest, "little")
         span = self.config.vocab_size - _FIRST_TOKEN
         token = r.model_eos if r.model_eos is not None and h % 16 == 0 else _FIRST_TOKEN + (h >> 4) % span
         if i < r.min_tokens and token in r.masked:

@@ -65,6 +65,7 @@ ENGINE_SCOPES = (
     (VLLM_OWN_SCOPE, ("tests/vllm/test_vllm_dp.py", "tests/vllm/test_vllm_embed.py",
                       "tests/vllm/test_vllm_launcher_plugin.py", "tests/vllm/test_vllm_lifecycle.py",
                       "tests/vllm/test_vllm_operator.py", "tests/vllm/test_vllm_pd.py", "tests/vllm/test_vllm_hub.py",
+                      "tests/vllm/test_vllm_resume.py",
                       "tests/wire/test_vllm_logprobs.py"), ()),
     (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py",
                          "tests/vllm/test_vllm_media_sidecar.py"), ()),

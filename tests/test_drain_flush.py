@@ -13,17 +13,18 @@ from __future__ import annotations
 import pytest
 import trio
 
-from enginelink.machines.link import LinkEvent
+from enginelink.machines.link import LinkEvent, LinkState
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.requests.writers import counted
 
 
 class FakeLink:
-    """The link machine as drain steps it: DRAIN, then DRAINED."""
+    """The link machine as drain reads and steps it: serving (not restarting), DRAIN, then DRAINED."""
 
     def __init__(self) -> None:
         self.events: list[tuple[LinkEvent, float]] = []
         self.machine = self
+        self.state = LinkState.SERVING  # drain fails the held calls first when restarting (docs/resume.md)
 
     def can(self, event: LinkEvent) -> bool:
         return not any(e is event for e, _ in self.events)

@@ -33,10 +33,13 @@ class FakeScheduler:
     stay: bool = True
     engine: str = "sglang"
     seen: dict = field(default_factory=dict)
+    connect: bool = True  # connect a PULL to the input socket before the report, as a scheduler does
 
     def scheduler_command(self, input_address: str, output_address: str, ready_fd: int):
         self.seen = {"inputs": input_address, "outputs": output_address, "fd": ready_fd}
         code = ["import os, sys, time"]
+        if self.connect:
+            code.append(f"import zmq; pull = zmq.Context().socket(zmq.PULL); pull.connect({input_address!r})")
         if self.line is not None:
             code.append(f"os.write({ready_fd}, {self.line.encode()!r})")
         code.append("time.sleep(60)" if self.stay else "sys.exit(3)")
@@ -74,6 +77,15 @@ async def test_a_ready_report_brings_the_link_up_with_its_facts(monkeypatch, soc
     steps = [p["step"] for _, _, kind, p in link.journal.records if kind == "engine.handshake"]
     assert steps[0] == "launch" and "ready" in steps
     assert list(socket_dir.iterdir()) == []  # its sockets are gone with it
+
+
+async def test_a_ready_report_without_the_input_connection_fails_the_start_saying_so(monkeypatch, socket_dir):
+    # A request sent before the scheduler's PULL connected fails with EAGAIN (seen as a restart's re-sent
+    # requests failing at once): the start waits for the connection, and says so when it never comes.
+    monkeypatch.setattr("enginelink.runtime.engine.sglang_link.CONNECT_TIMEOUT_S", 0.5)
+    launcher = FakeScheduler(json.dumps({"status": "ready", "max_total_num_tokens": 65536}) + "\n", connect=False)
+    link, error = await _start(launcher, monkeypatch, socket_dir)
+    assert error is not None and "did not connect to its input socket within 0.5 s" in str(error)
 
 
 @pytest.mark.parametrize("line, stay, said", [

@@ -255,3 +255,29 @@ async def test_a_failure_of_tracings_own_never_reaches_the_call(model, receiver,
     assert sum(len(r.chunk.token_ids) for r in replies if r.WhichOneof("response") == "chunk") == 4
     assert stats.errors >= 2 and stats.spans == 1  # each output's fold, and the span's attributes
     assert spans[0].trace_id == TRACE_ID  # it still went out, with what it had
+
+
+def test_an_engine_restart_under_a_call_is_two_events_on_its_span_held_then_resumed():
+    """The journal's engine.held / engine.resume of a call (docs/resume.md) fold into its span's events: a
+    tracing backend shows the seam where the stream waited for the restarted engine."""
+    from enginelink.journal import records as r
+    from enginelink.runtime.lifetime.trace_fold import CallTrace, TraceTap
+    from enginelink.runtime.lifetime.tracing import _events
+
+    tap, call = TraceTap(decode=lambda frames: None), CallTrace(span=None, started_at=0.0, chunks_max=16)
+    token = tap.begin(call)
+    stream = r.request_stream("resumed-1")
+    tap.record(1, 1.0, stream, r.KIND_CLIENT_GENERATE, {"request_id": "resumed-1", "n": 1, "prompt_tokens": 6,
+                                                         "stream": True, "max_tokens": 40})
+    tap.record(2, 1.1, stream, r.KIND_ENGINE_REQUEST, {"request_ids": ["resumed-1"], "ranks": [0]})
+    tap.record(3, 2.0, stream, r.KIND_ENGINE_HELD, {"link": "engine-0", "request_id": "resumed-1",
+                                                     "engine_ids": ["resumed-1"], "tokens": [17]})
+    tap.record(4, 5.0, stream, r.KIND_ENGINE_RESUME, {"link": "engine-0", "request_id": "resumed-1",
+                                                       "engine_ids": ["resumed-1"], "indexes": [0], "reprefilled": [17],
+                                                       "prompt_tokens": [23], "ranks": [0], "resumes": 1})
+    tap.end(call, token)
+    assert [(name, at, attrs) for name, at, attrs in _events(call, 128) if name.startswith("engine.")] == [
+        ("engine.queued", 1.1, {"enginelink.engine.ranks": [0]}),
+        ("engine.held", 2.0, {"enginelink.tokens": [17]}),
+        ("engine.resumed", 5.0, {"enginelink.reprefilled": [17], "enginelink.engine.ranks": [0]}),
+    ]

@@ -223,12 +223,15 @@ def describe(st: FoldState, reader: Reader, path: Path) -> dict[str, Any]:
             "id": rid, "state": v.state or "admitted", "age_s": _round(None if now is None else now - start),
             "n": v.n, "prompt_tokens": v.prompt_tokens, "tokens": v.tokens, "engine_ids": v.engine_ids,
             "admitted_t": _round(_rel(start, origin)), "since_t": _round(_rel(v.since, origin)),
+            # Engine restarts (docs/resume.md): held for the restarted engine; resumed so far.
+            "held": v.held, "resumes": v.resumes, "reprefilled": v.reprefilled,
         })
     links = [{
         "name": name, "state": link.state or "starting", "since_t": _round(_rel(link.since, origin)),
         "for_s": _round(None if now is None else now - link.since), "engine_pid": link.pid,
         "engine_alive": pid_alive(link.pid, started_after=None if wall0 is None else wall0 - CLOCK_SLACK_S),
         "facts": link.facts, "priority": link.priority, "placement": link.placement, "ranks": link.ranks,
+        "restarts": link.restarts, "last_crash": link.last_crash,
     } for name, link in st.links.items()]
     return {
         "as_of": {"basis": as_of, "seq": st.last_seq, "t": _round(_rel(now, origin)),
@@ -417,6 +420,8 @@ def render_links(links: list[dict[str, Any]]) -> list[str]:
             pid = f"router {link['facts']['address']}"
         lasting = "" if link["for_s"] is None else f" (for {link['for_s']} s)"
         lines.append(f"  {link['name']:<10} {link['state']:<11} since t={link['since_t']} s{lasting}  {pid}")
+        if link.get("restarts"):
+            lines.append(f"             engine restarts: {link['restarts']}; the last after: {link.get('last_crash')}")
         if facts:
             lines.append(f"             {facts}")
         if link.get("priority"):
@@ -430,13 +435,21 @@ def render_links(links: list[dict[str, Any]]) -> list[str]:
 
 
 def render_requests(requests: list[dict[str, Any]]) -> list[str]:
-    lines = [f"requests in flight ({len(requests)})"]
+    held = sum(1 for q in requests if q.get("held"))
+    lines = [f"requests in flight ({len(requests)})" + (f", {held} held for the restarting engine" if held else "")]
     if requests:
         width = max(10, *(len(q["id"]) for q in requests))
-        lines.append(f"  {'ID':<{width}} {'STATE':<9} {'AGE_S':>8} {'N':>3} {'PROMPT':>7} {'TOKENS':>7}")
+        resumed = any(q.get("held") or q.get("resumes") for q in requests)
+        extra = f" {'RESUME':<7} {'REPREFILLED':>11}" if resumed else ""
+        lines.append(f"  {'ID':<{width}} {'STATE':<9} {'AGE_S':>8} {'N':>3} {'PROMPT':>7} {'TOKENS':>7}{extra}")
         for q in requests:
             age = "-" if q["age_s"] is None else f"{q['age_s']:.3f}"
-            lines.append(f"  {q['id']:<{width}} {q['state']:<9} {age:>8} {q['n']:>3} {q['prompt_tokens']:>7} {q['tokens']:>7}")
+            more = ""
+            if resumed:
+                status = "HELD" if q.get("held") else f"x{q['resumes']}" if q.get("resumes") else "-"
+                more = f" {status:<7} {q.get('reprefilled', 0):>11}"
+            lines.append(f"  {q['id']:<{width}} {q['state']:<9} {age:>8} {q['n']:>3} {q['prompt_tokens']:>7} "
+                         f"{q['tokens']:>7}{more}")
     return lines
 
 
@@ -450,17 +463,19 @@ def render_state(st: FoldState) -> str:
     lines += render_links([{
         "name": n, "state": v.state or "starting", "since_t": _round(_rel(v.since, origin)), "for_s": None,
         "engine_pid": v.pid, "engine_alive": None, "facts": v.facts, "priority": v.priority,
-        "placement": v.placement, "ranks": v.ranks}
+        "placement": v.placement, "ranks": v.ranks, "restarts": v.restarts, "last_crash": v.last_crash}
         for n, v in st.links.items()])
     live = {rid: v for rid, v in st.requests.items() if v.state not in TERMINAL_REQUEST_STATES}
     lines += render_requests([{
         "id": rid, "state": v.state or "admitted", "age_s": None, "n": v.n, "prompt_tokens": v.prompt_tokens,
-        "tokens": v.tokens} for rid, v in live.items()])
+        "tokens": v.tokens, "held": v.held, "resumes": v.resumes, "reprefilled": v.reprefilled}
+        for rid, v in live.items()])
     ended = [(rid, v) for rid, v in st.requests.items() if rid not in live]
     lines.append(f"requests ended (newest {min(len(ended), ENDED_SHOWN)} of the {len(ended)} kept)")
     for rid, v in ended[-ENDED_SHOWN:]:
         lines.append(f"  {rid:<10} {v.state:<9} at t={_round(_rel(v.since, origin))} s  n={v.n} "
-                     f"sent={v.tokens_sent} engine={v.tokens} finish={v.finish_reason}")
+                     f"sent={v.tokens_sent} engine={v.tokens} finish={v.finish_reason}"
+                     + (f" resumed={v.resumes} reprefilled={v.reprefilled}" if v.resumes else ""))
     lines.append(f"frames {st.frames} ({st.frames_undecodable} undecodable), client.sent unmatched {st.unmatched}")
     return "\n".join(lines)
 

@@ -281,6 +281,15 @@ _OWN = {
     "ENGINELINK_ENGINE_STOP_GRACE_SECS": ("engine stop grace", ""),
     "ENGINELINK_IDLE_PROBE_SECS": ("idle liveness probe period", ""),
     "ENGINELINK_IDLE_PROBE_TIMEOUT_SECS": ("idle liveness probe bound", ""),
+    "ENGINELINK_ENGINE_RESTARTS": ("`serve --engine-restarts`' default: engine restarts within the window, each "
+                                   "resuming the open streams (0: off; docs/resume.md)",
+                                   "tests/test_resume_serve.py::test_the_restart_knobs_come_from_flags_then_variables"),
+    "ENGINELINK_ENGINE_RESTART_WINDOW_SECS": ("`serve --engine-restart-window`' default: the window of the restart "
+                                              "count", "tests/test_resume_serve.py::test_the_restart_knobs_come_from_flags_then_variables"),
+    "ENGINELINK_RESUME_TIMEOUT_SECS": ("`serve --resume-timeout`' default: how long a held stream waits for the "
+                                       "restarted engine", "tests/test_resume_serve.py::test_the_restart_knobs_come_from_flags_then_variables"),
+    "ENGINELINK_RESUME_MEDIA_ITEMS_MAX": ("media items a request may carry and still be resumed",
+                                          "tests/test_resume_serve.py::test_the_restart_knobs_come_from_flags_then_variables"),
     "ENGINELINK_ENGINE_NICE": ("engine CPU priority", ""),
     "ENGINELINK_SERVICER_SCHED": ("servicer scheduling policy", ""),
     "ENGINELINK_PLACEMENT": ("CPU placement", ""),
@@ -351,6 +360,7 @@ _OWN_TOOLING = {
     "ENGINELINK_SIM_SEED": "one simulation seed (tests/sim)",
     "ENGINELINK_SIM_SEEDS": "simulation seeds per sweep (tests/sim)",
     "ENGINELINK_SIM_LOG": "keep the servicer's INFO log in simulation sweeps",
+    "ENGINELINK_RESUME_EVIDENCE": "tests/vllm/test_vllm_resume.py keeps its inspect view and journal story there",
     "ENGINELINK_MEASURE_STEPS": "tests/adversarial/measure_inputs.py: where the servicer writes its long loop steps",
     "ENGINELINK_FAST_LOOP_CANARY": "tests/test_fast_loop.py: the canary test that must fail under --fast",
     "ENGINELINK_VLLM_PLUGIN": "tools/setup-vllm: install enginelink into the vLLM venv (the plugin)",

@@ -114,6 +114,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-untested-vllm", action="store_true",
                    help="--engine vllm: run a vLLM release outside 0.28.0-0.34.0 when its wire layout matches "
                         "enginelink's codec (default: refused; ENGINELINK_ALLOW_UNTESTED_VLLM=1; docs/vllm-releases.md)")
+    # Engine restarts and resuming the open streams (docs/resume.md); off by default.
+    p.add_argument("--engine-restarts", type=int, default=None, metavar="N",
+                   help="when the engine dies, start it again and resume every open stream, up to N times within "
+                        "--engine-restart-window (default 0: off, every open call fails and the servicer exits 1; "
+                        "ENGINELINK_ENGINE_RESTARTS)")
+    p.add_argument("--engine-restart-window", type=float, default=None, metavar="SECONDS",
+                   help="the window the --engine-restarts count is kept over (default 600; "
+                        "ENGINELINK_ENGINE_RESTART_WINDOW_SECS)")
+    p.add_argument("--resume-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a held stream waits for the restarted engine before it fails (default 300; "
+                        "ENGINELINK_RESUME_TIMEOUT_SECS)")
     # Which launcher selected enginelink, and how (flag, env, module): its start-up line (docs/launchers.md).
     p.add_argument("--servicer-impl-source", default=None, help=argparse.SUPPRESS)
     p.set_defaults(engine_args=[])
@@ -244,6 +255,33 @@ def default_model_dir() -> Path:
     path = make_test_model(path, force=not is_complete(path))
     logging.getLogger("enginelink").info("model: the tiny test model at %s (give it to the router's --model-path)", path)
     return path
+
+
+def _resume_policy(args: argparse.Namespace):
+    """Engine restarts (docs/resume.md): each flag, else its ENGINELINK_* variable, else the default (off)."""
+    from enginelink.machines.resume import (
+        RESTART_WINDOW_S_DEFAULT,
+        RESUME_MEDIA_ITEMS_MAX_DEFAULT,
+        RESUME_TIMEOUT_S_DEFAULT,
+        ResumePolicy,
+    )
+
+    restarts = getattr(args, "engine_restarts", None)
+    if restarts is None:
+        restarts = _env_int("ENGINELINK_ENGINE_RESTARTS", "a whole number of restarts (0: off)") or 0
+    window = getattr(args, "engine_restart_window", None)
+    if window is None:
+        window = _env_positive("ENGINELINK_ENGINE_RESTART_WINDOW_SECS", default=RESTART_WINDOW_S_DEFAULT)
+    timeout = getattr(args, "resume_timeout", None)
+    if timeout is None:
+        timeout = _env_positive("ENGINELINK_RESUME_TIMEOUT_SECS", default=RESUME_TIMEOUT_S_DEFAULT)
+    media = _env_int("ENGINELINK_RESUME_MEDIA_ITEMS_MAX", "a whole number of media items")
+    try:
+        return ResumePolicy(restarts_max=restarts, window_s=window, resume_timeout_s=timeout,
+                            media_items_max=RESUME_MEDIA_ITEMS_MAX_DEFAULT if media is None else media)
+    except ValueError as error:
+        raise ConfigError(f"engine restarts (--engine-restarts, --engine-restart-window, --resume-timeout, "
+                          f"ENGINELINK_RESUME_MEDIA_ITEMS_MAX): {error}") from None
 
 
 def _journal_ring_records() -> int:
@@ -562,6 +600,7 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
         argv=list(sys.argv),
         codec=choice.codec,
         contract=choice.contract,
+        resume=_resume_policy(args),
         otlp_traces_endpoint=_traces_endpoint(args),
         # GetServerInfo's mm_processor_source: a flag's value reaches the media settings as its variable.
         media_source="flag" if ref.source("mm_processor") == "flag" else None,

@@ -29,6 +29,18 @@ Stopping: the transport closes its sockets, then the engine's whole session
 is stopped while its last words are still relayed, bounded
 (``session.stop_session``; none of its processes may outlive us).
 
+Restarts (docs/resume.md): given a restart budget (``restart_budget``, set
+by the composition when restarts are on), a link whose engine dies while it
+serves does not fail: ``fail`` asks
+the restart budget (``machines/resume.py``) and, with budget left, journals
+the crash, steps ``crash`` (``restarting``), tells ``on_crash`` (the hub
+holds the open calls) and ends this ``run``, which stops what is left of the
+engine. The composition then calls ``run`` again: each call is one start of
+the engine with the same arguments, its per-start state fresh
+(``_new_start``), the link's machine, ranks and counters its own. A failure
+while restarting is a crash too, against the same budget; once it is spent
+the link fails as it always did.
+
 Data parallelism: a launch with ``--data-parallel-size N`` runs N engine
 ranks, each handshaking on its own identity; the link waits for every
 rank's HELLO, ready response and READY. All ranks share the transport, the
@@ -53,6 +65,7 @@ from enginelink.journal.records import (
     KIND_ENGINE_FACTS,
     KIND_ENGINE_FRAME,
     KIND_ENGINE_HANDSHAKE,
+    KIND_ENGINE_RESTART,
     KIND_ERROR,
     KIND_TRANSITION,
     engine_stream,
@@ -62,6 +75,7 @@ from enginelink.machines.handshake import Action as HandshakeAction
 from enginelink.machines.handshake import EngineHandshake, HandshakeDone, HandshakeRefused, Record, SendInit
 from enginelink.machines.link import LinkEvent, LinkMachine, LinkState
 from enginelink.machines.ranks import RankTable
+from enginelink.machines.resume import RestartBudget
 from enginelink.runtime.engine.engine_output import RELAY_DRAIN_S, EngineOutputRelay, Redactor
 from enginelink.runtime.engine.placement import (
     ENGINE_NICE_DEFAULT,
@@ -108,6 +122,11 @@ class EngineLink:
         handshake_wire: HandshakeWire | None = None,
     ) -> None:
         self.name = name
+        # Engine restarts (docs/resume.md; the composition sets it from its policy): None when off,
+        # an engine death then fails the link.
+        self.restart_budget: RestartBudget | None = None
+        self.starts = 0  # starts of the engine so far (1 + restarts)
+        self.last_crash: str | None = None  # why the engine last died with a restart to follow
         self.engine_nice = engine_nice
         self.servicer_sched = servicer_sched
         self.placement = placement
@@ -140,6 +159,8 @@ class EngineLink:
         # After each wake-up's frames (the hub writes what it held: RequestHub.hold_writes).
         self.on_frames_done: Callable[[float], None] = lambda now: None
         self.on_failure: Callable[[str, float], None] = lambda message, now: None
+        # The engine died and will be started again (restarts on): the hub holds the open calls.
+        self.on_crash: Callable[[str, float], None] = lambda message, now: None
         # Hears every transition, after it is journaled (readiness follows the state).
         self.on_transition: Callable[[LinkState], None] = lambda state: None
         # (requests in flight, prompt tokens not yet prefilled), for the silence limit.
@@ -240,6 +261,10 @@ class EngineLink:
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Start the engine through the transport (then ``started``), receive until the engine goes."""
         transport = self.transport
+        if self.starts:
+            self._new_start()
+        self.starts += 1
+        started = False
         try:
             failure: LinkFailed | None = None
             async with trio.open_nursery() as nursery:
@@ -249,11 +274,16 @@ class EngineLink:
                     failure = EngineArgsRefused(str(failure))
                 if failure is None:
                     self._place_front_end()
-                    self.step(LinkEvent.HANDSHAKE_DONE)
+                    # A restart goes back to serving by itself (or not at all: a drain began meanwhile).
+                    if self.machine.state is not LinkState.RESTARTING and self.machine.state is not LinkState.DRAINING:
+                        self.step(LinkEvent.HANDSHAKE_DONE)
                     task_status.started()
+                    started = True
                     self.supervisor.serving(nursery, transport)
                     await transport.receive(self)
                 nursery.cancel_scope.cancel()
+            if failure is None and not started:  # the engine died during a restart's start (``_crash``)
+                failure = LinkFailed(self.last_crash or "engine start-up was cancelled")
             # Raised outside the nursery, so callers see it bare, not in an ExceptionGroup.
             if failure is not None:
                 raise failure
@@ -261,6 +291,28 @@ class EngineLink:
             transport.close()
             await self._stop_engine_relaying()
             transport.remove_files()
+
+    def _new_start(self) -> None:
+        """Another start of the engine (a restart): the last one's per-start state goes, the link's stays."""
+        now = trio.current_time()
+        budget = self.restart_budget
+        self.journal.append(now, link_stream(self.name), KIND_ENGINE_RESTART, {
+            "link": self.name, "attempt": self.starts, "crash": self.last_crash,
+            "restarts_max": budget.policy.restarts_max if budget else 0,
+            "window_s": budget.policy.window_s if budget else 0.0})
+        log.warning("starting the engine again (restart %d): it died: %s", self.starts, self.last_crash)
+        # ``ready`` and ``rank_ready`` stay until the new handshake replaces them (GetServerInfo meanwhile).
+        self._handshake_result = None
+        self.handshake_done = False
+        self.process = None
+        self._relay = None
+        self._stop_done = None
+        self._startup_scope = None
+        self._nursery = None
+        self.facts_path = None
+        self.progress_at = self.last_frame_at = now
+        self.rank_heard_at = {}
+        self.supervisor.new_start()
 
     async def launch(self, nursery: trio.Nursery, argv: list[str], env: dict[str, str], details: dict,
                      pass_fds: tuple[int, ...] = ()) -> None:
@@ -322,9 +374,12 @@ class EngineLink:
                 await self._stop_done.wait()
             return
         self._stop_done = trio.Event()
+        # After a crash with a restart to follow, what is left of the dead engine (vLLM's launcher outlives
+        # its EngineCore) has nothing to finish: it goes at once, so the restart does not wait the grace.
+        grace_s = 0.0 if self.machine.state is LinkState.RESTARTING else self.supervision.stop_grace_s
         with trio.CancelScope(shield=True):
             try:
-                await self.transport.stop_process(process, self.supervision.stop_grace_s)
+                await self.transport.stop_process(process, grace_s)
             finally:
                 self._stop_done.set()
 
@@ -453,6 +508,13 @@ class EngineLink:
         if not self.machine.live:
             return
         now = trio.current_time()
+        budget = self.restart_budget
+        if budget is not None and self.machine.can(LinkEvent.CRASH) and not self.stopping:
+            why_not = budget.crashed(now)
+            if why_not is None:
+                self._crash(message, now)
+                return
+            message = f"{message}; {why_not}"
         self.journal.append(now, link_stream(self.name), KIND_ERROR, {"whose": "engine", "code": "UNAVAILABLE", "message": message})
         self.step(LinkEvent.FAIL, message)
         if self._startup_scope is not None and not self.handshake_done:
@@ -460,4 +522,18 @@ class EngineLink:
         self.on_failure(message, now)
         if self.handshake_done and self._nursery is not None:
             # Nothing the engine sends matters any more: stop it now (run's finally).
+            self._nursery.cancel_scope.cancel()
+
+    def _crash(self, message: str, now: float) -> None:
+        """The engine died and will be started again: journal it, hold the calls, end this start."""
+        self.last_crash = message
+        self.journal.append(now, link_stream(self.name), KIND_ERROR,
+                            {"whose": "engine", "code": "UNAVAILABLE", "message": message, "restarting": True})
+        log.warning("engine died: %s; restarting it (%d of ENGINELINK_ENGINE_RESTARTS=%d in the window)",
+                    message, len(self.restart_budget.crashes), self.restart_budget.policy.restarts_max)
+        self.step(LinkEvent.CRASH, message)
+        self.on_crash(message, trio.current_time())  # the calls are held after the link restarts, as journaled
+        if self._nursery is not None:
+            # Nothing this engine sends matters any more, its start-up included: stop what is
+            # left of it (run's finally), and the composition starts it again.
             self._nursery.cancel_scope.cancel()

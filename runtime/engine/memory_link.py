@@ -37,7 +37,17 @@ killed): its sockets close, so sends to it fail as ROUTER_MANDATORY makes
 them fail, and the transport reports the dropped connection to the
 supervision (``wait_disconnected``), which fails the link after
 ``DISCONNECT_GRACE_S``;
-``hang_startup`` (a constructor flag) it never sends its ready response.
+``hang_startup`` (a constructor flag) it never sends its ready response;
+``poison_token`` (an option) an ADD whose prompt holds that token kills the
+engine as a segfault would (status -11), at every start it is sent to;
+``starts_ok`` (an option) only that many starts come up, every later one
+dies before its ready response (an engine that cannot start again).
+
+Restarts (docs/resume.md): every ``start`` is a new engine process: fresh
+channels, a fresh sim core (an empty prefix cache), a new pid
+(``MemoryEngineOptions.pid`` + the starts before it), as a relaunch would
+be; the test bookkeeping (``engine_tokens`` per ADD, ``send_seq``, frame
+counts) spans them all.
 
 Rules: no I/O, no threads, time only from ``trio.current_time()``; every
 channel is bounded; ``engine_tokens`` (what the engine produced, per ADD) is
@@ -67,6 +77,8 @@ FRAMES_IN_FLIGHT_MAX = 1000
 GARBAGE_FRAME = b"\xc1enginelink-sim-garbage"
 # The status an engine killed by a signal exits with (SIGKILL).
 KILLED_STATUS = -9
+# The status of an engine a poison request crashed (SIGSEGV).
+POISONED_STATUS = -11
 
 
 @dataclass
@@ -74,7 +86,9 @@ class MemoryEngineOptions:
     startup_delay_s: float = 0.0  # between the handshake init and the ready response
     latency_s: float = 0.0  # one-way wire latency, both directions
     hang_startup: bool = False  # never send the ready response (process stays alive)
-    pid: int = 4242  # the engine "process" id the journal records
+    pid: int = 4242  # the engine "process" id the journal records (a restart's: + the starts before it)
+    poison_token: int | None = None  # an ADD whose prompt holds it kills the engine (status -11)
+    starts_ok: int | None = None  # None: every start comes up; else the later ones die before ready
     argv: list[str] = field(default_factory=lambda: ["enginelink", "sim-engine", "--in-memory"])
 
 
@@ -115,8 +129,19 @@ class MemoryTransport:
                  hooks: SimHooks | None = None) -> None:
         self.config = config
         self.options = options or MemoryEngineOptions()
-        self.core = SimEngineCore(config, hooks)
+        self.hooks = hooks
         self.link: EngineLink | None = None
+        self.starts = 0
+        self._new_engine()
+        self.send_seq = 0
+        # Test bookkeeping: tokens the engine produced per ADD (by send sequence number).
+        self.engine_tokens: dict[int, list[int]] = {}
+        self.frames_sent_by_engine = 0
+        self.inputs_refused = 0  # inputs the engine could not take (WireError), as sim_engine logs them
+
+    def _new_engine(self) -> None:
+        """A new engine process's state: its core, its wire, its flags (each start has its own)."""
+        self.core = SimEngineCore(self.config, self.hooks)
         self.process: _SimProcess | None = None
         self._connected = False
         self._engine_scope: trio.CancelScope | None = None
@@ -133,12 +158,7 @@ class MemoryTransport:
         self._link_inbox_tx, self._link_inbox = trio.open_memory_channel(FRAMES_IN_FLIGHT_MAX)
         self._hs_to_link_tx, self._hs_to_link_rx = trio.open_memory_channel(4)
         self._hs_to_engine_tx, self._hs_to_engine_rx = trio.open_memory_channel(4)
-        self.send_seq = 0
-        # Test bookkeeping: tokens the engine produced per ADD (by send sequence number).
-        self.engine_tokens: dict[int, list[int]] = {}
         self._engine_current: dict[str, int] = {}
-        self.frames_sent_by_engine = 0
-        self.inputs_refused = 0  # inputs the engine could not take (WireError), as sim_engine logs them
 
     # -- the transport ---------------------------------------------------------------
 
@@ -164,8 +184,11 @@ class MemoryTransport:
         """Launch the engine task and hand-shake; the failure if it did not come up."""
         self.link = link
         opts = self.options
+        if self.starts:
+            self._new_engine()
+        self.starts += 1
         link.journal_handshake("launch", {"argv": list(opts.argv), "handshake_port": 0})
-        self.process = _SimProcess(opts.pid)
+        self.process = _SimProcess(opts.pid + self.starts - 1)
         link.adopt(nursery, self.process)
         nursery.start_soon(self._deliver, self._to_engine_wire, self._engine_inbox_tx)
         nursery.start_soon(self._deliver, self._from_engine_wire, self._link_inbox_tx)
@@ -318,6 +341,10 @@ class MemoryTransport:
         await trio.sleep(opts.startup_delay_s)
         if opts.hang_startup:
             await trio.sleep_forever()
+        if opts.starts_ok is not None and self.starts > opts.starts_ok:
+            self._exit_status = 1  # it cannot come up any more: it dies before its ready response
+            self._engine_scope.cancel()
+            await trio.lowlevel.checkpoint()
         await self._hs_to_link_tx.send(("input", identity, vllm.encode_ready_response(ready_response(self.config))))
         ready = vllm.HandshakeStatus(status="READY", local=False, headless=True)
         await self._hs_to_link_tx.send(("handshake", identity, vllm.encode_handshake_status(ready)))
@@ -365,6 +392,10 @@ class MemoryTransport:
             self.inputs_refused += 1
             return
         self._track_input(seq, frames)
+        if self._poisoned(frames):
+            self._exit_status = POISONED_STATUS
+            self._engine_scope.cancel()
+            await trio.sleep_forever()  # the cancellation takes it at once
         try:
             messages = self.core.handle_input(frames[0], frames[1], trio.current_time())
         except WireError:
@@ -372,6 +403,16 @@ class MemoryTransport:
             return
         for message in messages:
             await self._emit(message)
+
+    def _poisoned(self, frames: list[bytes]) -> bool:
+        poison = self.options.poison_token
+        if poison is None:
+            return False
+        try:
+            message = vllm.decode_input(frames[0], frames[1])
+        except WireError:
+            return False
+        return isinstance(message, vllm.AddRequest) and poison in (message.request.prompt_token_ids or ())
 
     def _track_input(self, seq: int, frames: list[bytes]) -> None:
         """Test bookkeeping: which ADD an engine id stands for now."""

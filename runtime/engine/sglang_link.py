@@ -58,6 +58,10 @@ log = logging.getLogger("enginelink.link")
 
 # The ready report is a small dict (a few numbers); anything longer is not one.
 READY_LINE_MAX_BYTES = 64 * 1024
+# The ready report may come before the scheduler's PULL has finished connecting to our PUSH (ZeroMQ
+# connects in the background; a send meanwhile fails with EAGAIN): the start waits this long for it.
+CONNECT_TIMEOUT_S = 10.0
+CONNECT_POLL_S = 0.005
 # SGLang 0.5.23's report (Scheduler.get_init_info) has no batch cap; without --max-running-requests
 # the warm-up plan and GetLoads assume this many.
 MAX_RUNNING_REQUESTS_ASSUMED = 256
@@ -141,7 +145,7 @@ class SglangTransport:
                                                        "readiness": "ready_fd"}, pass_fds=(write_fd,))
             finally:
                 os.close(write_fd)  # the engine's now: EOF on our end means it is gone
-            failure = await link.run_handshake(lambda: self._await_ready(link, pipe))
+            failure = await link.run_handshake(lambda: self._await_ready(link, pipe, push))
         if failure is None:
             link.read_facts(None)  # journals the facts (the report is all of them)
             self._push, ipc.outputs = push, outputs
@@ -171,8 +175,10 @@ class SglangTransport:
     def remove_files(self) -> None:
         self.ipc.remove_files()
 
-    async def _await_ready(self, link, pipe: trio.lowlevel.FdStream) -> None:
-        """Read the ready report's line; ``LinkFailed`` when it is not a ready report."""
+    async def _await_ready(self, link, pipe: trio.lowlevel.FdStream, push: zmq.Socket) -> None:
+        """Read the ready report's line, then wait for the scheduler's input connection (a request sent
+        before it would fail: seen when a restart re-sent its held requests at once); ``LinkFailed``
+        when it is not a ready report or the connection does not come."""
         buffer = b""
         while b"\n" not in buffer:
             data = await pipe.receive_some(READY_LINE_MAX_BYTES)
@@ -196,3 +202,8 @@ class SglangTransport:
         # The DP controller reports for all its ranks at once (SGLang's own ready dict has no rank).
         link.rank_ready = {rank: {**link.ready, "data_parallel_rank": rank} for rank in ranks}
         link.ranks.set_ranks(ranks)
+        with trio.move_on_after(CONNECT_TIMEOUT_S):
+            while not push.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                await trio.sleep(CONNECT_POLL_S)
+            return
+        raise LinkFailed(f"the engine reported ready but did not connect to its input socket within {CONNECT_TIMEOUT_S:g} s")

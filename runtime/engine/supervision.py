@@ -74,6 +74,11 @@ class Supervisor:
         self.idle_probe = IdleProbe(supervision.idle_probe)
         self.probe_call_id: int | None = None  # the outstanding idle probe's utility call
 
+    def new_start(self) -> None:
+        """The engine starts again (a restart): an outstanding probe went with the last one."""
+        self.idle_probe.sent_at = None
+        self.probe_call_id = None
+
     def process_started(self, nursery: trio.Nursery) -> None:
         """The engine's process (or the simulation's stand-in) runs: watch it and bound its start-up."""
         nursery.start_soon(self.watch_process)

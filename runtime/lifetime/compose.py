@@ -11,6 +11,13 @@ is the lifetime both share (DESIGN "Start", "Drain", "Engine death"):
     call UNAVAILABLE (exit 1), or bring-up refusing (``core.Exit``); finally
     NOT_SERVING, KV streams ended, engine stopped, front closed, run.stop.
 
+With engine restarts on (``Composition.resume``, docs/resume.md) an engine
+that dies while serving takes the link to ``restarting`` and ``_run_engine``
+starts it again: the same launch, the warm-up as configured, then every held
+call re-submitted (``RequestHub.resume_held``) and the link back to
+``serving``; the held calls wait no longer than the resume timeout
+(``_resume_deadline``). Each start is one ``EngineLink.run``.
+
 What differs between ``runtime/lifetime/server.py`` and ``tests/sim/servicer.py`` is a
 parameter, never a copy: the link (``EngineLink`` on ZMQ sockets and a real
 process, or ``MemoryLink`` over the sim core), the hub's class (the
@@ -40,6 +47,7 @@ from enginelink.journal.files import JOURNAL_KEEP_DEFAULT, JournalLock
 from enginelink.journal.journal import RING_BYTES_MAX, RING_RECORDS_MAX, Journal
 from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
 from enginelink.machines.link import LinkEvent, LinkState
+from enginelink.machines.resume import RestartBudget, ResumePolicy
 from enginelink.machines.warmup import WarmupSetting
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.lifetime.app import App
@@ -51,7 +59,7 @@ from enginelink.runtime.kv.kv_config import KvPlan
 from enginelink.runtime.kv.kv_loads import LoadSource
 from enginelink.runtime.kv.kv_metrics import KvRelayCollector
 from enginelink.runtime.kv.kv_relay import KvRelayError, KvRelayShell, wall_sequence_base
-from enginelink.runtime.lifetime.link_stats import link_stats
+from enginelink.runtime.lifetime.link_stats import link_stats, resume_stats
 from enginelink.runtime.lifetime.metrics import Metrics, serve_metrics
 from enginelink.runtime.engine.model_dir import ModelFacts
 from enginelink.runtime.lifetime.rank_metrics import RankCollector
@@ -128,6 +136,9 @@ class Composition:
     media_source: str | None = None
     # Trace continuation (--otlp-traces-endpoint: runtime/lifetime/tracing.py); None: off.
     tracing: Any = None
+    # Engine restarts and resuming the open streams (docs/resume.md); off by default. The link gets
+    # its restart budget from it, the hub its resumption.
+    resume: ResumePolicy = field(default_factory=ResumePolicy)
 
 
 @dataclass
@@ -203,7 +214,7 @@ class Servicer:
             except KvRelayError as error:
                 raise core.Exit(2, str(error)) from None
         try:
-            await nursery.start(link.run)
+            await nursery.start(self._run_engine)
         except LinkFailed as error:
             # 2: the engine is not the release the launch check verified,
             # or it refused its arguments (a typo a restart would repeat).
@@ -219,6 +230,65 @@ class Servicer:
             self.serving_at = trio.current_time()
             log.info("serving %s on %s", self.plan.served_model_name, self.plan.where or "memory")
             task_status.started(app)
+
+    # -- the engine's starts ----------------------------------------------------------------
+
+    async def _run_engine(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The engine's first start (``started`` once it is up; a failure raised bare), then, each time
+        it dies with restarts on, its restart and the held calls' resumption."""
+        link = self.link
+        failure: LinkFailed | None = None
+        async with trio.open_nursery() as engine:
+            try:
+                await engine.start(link.run)
+            except LinkFailed as error:
+                failure = error
+            else:
+                task_status.started()
+        if failure is not None:
+            raise failure
+        while link.machine.state is LinkState.RESTARTING:
+            await self._restart()
+
+    async def _restart(self) -> None:
+        """One start of the engine after a crash: up, warm-up, the held calls re-submitted, serving;
+        returns when that engine is gone again (or failed to start: another crash, or the end)."""
+        link, hub = self.link, self.hub
+        async with trio.open_nursery() as engine:
+
+            async def run_link(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                try:
+                    await link.run(task_status)
+                finally:  # this start's engine is gone: its warm-up and the deadline go with it
+                    engine.cancel_scope.cancel()
+
+            deadline = trio.CancelScope()
+            engine.start_soon(self._resume_deadline, deadline)
+            crashes = link.restart_budget.restarts  # a crash of this start's engine counts one more
+            try:
+                await engine.start(run_link)
+            except LinkFailed:
+                return  # it died starting: another crash (the loop goes on) or the link failed
+            if link.machine.state is LinkState.RESTARTING:  # not if a drain began meanwhile
+                await warm_up(self.plan.warmup, link=link, hub=hub, limits=self.app.limits)
+            # Not if this start's engine is gone already (it may die before this task runs again, its
+            # link.run still unwinding), nor if a drain began meanwhile.
+            gone = engine.cancel_scope.cancel_called or link.restart_budget.restarts != crashes
+            if not gone and link.machine.can(LinkEvent.RESTARTED):
+                resumed = hub.resume_held(trio.current_time())
+                log.warning("engine restarted: %d held request(s) resumed", resumed)
+                link.step(LinkEvent.RESTARTED)  # health SERVING again
+            deadline.cancel()
+
+    async def _resume_deadline(self, scope: trio.CancelScope) -> None:
+        """Fail each held call once it has waited the resume timeout (until ``scope`` is cancelled)."""
+        hub, timeout_s = self.hub, self.plan.resume.resume_timeout_s
+        with scope:
+            while hub.held:  # none is held anew while restarting: once none is left, none will be
+                await trio.sleep_until(min(call.held_at for call in hub.held.values()) + timeout_s)
+                hub.fail_held(f"the engine did not come back within ENGINELINK_RESUME_TIMEOUT_SECS={timeout_s:g} s "
+                              "of its crash; the request was not resumed; retry", trio.current_time(),
+                              waited_s=timeout_s)
 
     async def _stop(self, front: Front, exit_status: int, reason: str) -> None:
         """NOT_SERVING, KV streams ended, engine stopped, front closed, run.stop; shielded."""
@@ -241,6 +311,8 @@ def compose(plan: Composition) -> Servicer:
     """Build every part of one servicer and wire them; nothing runs yet (call inside trio)."""
     journal = plan.journal.open()
     link = plan.new_link(journal)
+    if plan.resume.enabled:
+        link.restart_budget = RestartBudget(plan.resume)
     metrics = Metrics(plan.served_model_name) if plan.metrics_port is not None else None
     hub = plan.new_hub(
         link,
@@ -253,6 +325,7 @@ def compose(plan: Composition) -> Servicer:
         tokenizer=plan.tokenizer,
         cached_tokens=link.codec.cached_tokens,
         metrics=metrics,
+        resume=plan.resume,
     )
     run_start_trio = trio.current_time()
     app = App(link=link, hub=hub, journal=journal, model=plan.model, served_model_name=plan.served_model_name,
@@ -303,6 +376,7 @@ def _watch(metrics: Metrics, servicer: Servicer) -> None:
     metrics.add_gauges("journal", servicer.journal.stats)
     metrics.add_gauges("link", lambda: link_stats(link, hub))
     metrics.add_gauges("input_max", input_limits)  # the ENGINELINK_MAX_* request-input bounds
+    metrics.add_gauges("resume", lambda: resume_stats(link, hub))  # engine restarts (docs/resume.md)
     metrics.add_collector(lambda labels: RankCollector(link.ranks, servicer.app.loads, labels))
     if servicer.app.tracing is not None:
         metrics.add_gauges("trace", servicer.app.tracing.stats)

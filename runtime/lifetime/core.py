@@ -20,7 +20,7 @@ import signal
 
 import trio
 
-from enginelink.machines.link import LinkEvent
+from enginelink.machines.link import LinkEvent, LinkState
 from enginelink.machines.request import RequestState
 
 log = logging.getLogger("enginelink")
@@ -57,7 +57,11 @@ def connect(link, hub, app, failed: trio.Event, on_failed=None) -> None:
         if on_failed is not None:
             on_failed(message, now)
 
+    def on_crash(message: str, now: float) -> None:
+        hub.hold_all(message, now)  # the engine restarts (docs/resume.md): each call held, or failed saying why
+
     link.on_batch = on_batch
+    link.on_crash = on_crash
     # A wake-up's frames are written once, after the last (RequestHub.hold_writes).
     hub.hold_writes()
     link.on_frames_done = hub.write_held
@@ -101,6 +105,10 @@ async def wait_for_end(signals, failed: trio.Event, link, bring_up) -> tuple[int
 async def drain(app, drain_s: float) -> None:
     """Close admission (``draining``: health NOT_SERVING), let in-flight calls finish for ``drain_s``, abort the rest."""
     link, hub = app.link, app.hub
+    if link.machine.state is LinkState.RESTARTING:
+        # Nothing held can go on: the engine is not back, and a draining servicer does not resume.
+        hub.fail_held("the servicer is draining while its engine restarts; the request was not resumed; "
+                      "retry on another worker", trio.current_time())
     if link.machine.can(LinkEvent.DRAIN):
         link.step(LinkEvent.DRAIN)
     log.info("draining: %d requests in flight, up to %g s", hub.active_requests, drain_s)

@@ -52,3 +52,23 @@ def link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
         hub.stop_chars, hub.stop_steps, hub.logprob_errors, hub.kv_releases,
         hub.held_frames, hub.held_bursts,
     )
+
+
+@dataclass
+class ResumeStats:
+    """Engine restarts and the streams they resumed (``smg_servicer_resume_*``; docs/resume.md)."""
+
+    restarts: int  # the engine started again after a crash
+    restarts_max: int  # ENGINELINK_ENGINE_RESTARTS (0: off)
+    held_requests: int  # held now, waiting for the restarted engine
+    resumed_requests: int  # re-submitted to a restarted engine
+    resume_failed_requests: int  # failed by an engine death although restarts are on (each says why)
+    reprefilled_tokens: int  # generated tokens re-sent as prompt to a restarted engine
+
+
+def resume_stats(link: EngineLink, hub: RequestHub) -> ResumeStats:
+    budget, core = link.restart_budget, hub.core
+    return ResumeStats(
+        budget.restarts if budget else 0, budget.policy.restarts_max if budget else 0,
+        len(core.held), core.resumed_requests, core.resume_failures, core.reprefilled_tokens,
+    )

@@ -41,6 +41,7 @@ from enginelink.journal.files import (
     JOURNAL_KEEP_DEFAULT, JournalBusy, JournalLock, read_run_file, remove_run_file, write_run_file,
 )
 from enginelink.machines.liveness import ProbeTiming
+from enginelink.machines.resume import ResumePolicy
 from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.lifetime.gc_policy import GcPolicy
@@ -98,6 +99,8 @@ class ServeConfig:
     # The wire's codec and the contract served (runtime/lifetime/engines.py, ``serve --wire``).
     codec: str = "vllm"
     contract: str = "vllm"
+    # Engine restarts and resuming the open streams (docs/resume.md); off by default.
+    resume: ResumePolicy = field(default_factory=ResumePolicy)
     otlp_traces_endpoint: str | None = None  # trace continuation's collector (runtime/lifetime/tracing.py); None: off
 
 
@@ -245,6 +248,7 @@ def _composition(config: ServeConfig, journal: JournalPlan, metrics_listeners, s
         metrics_listeners=metrics_listeners,
         readiness_sink=status,
         edge=CONTRACTS[config.contract].service.edge,  # the contract served: its edge encodes the hub's messages
+        resume=config.resume,
         tracing=_tracing(config),
     )
 

@@ -62,7 +62,7 @@ class CallTrace:
         "span", "started_at", "rid", "n", "prompt_tokens", "max_tokens", "stream", "admitted_at",
         "queued_at", "ranks", "engine_ids", "engine_queued_at", "engine_scheduled_at", "first_token_at",
         "last_token_at", "tokens_engine", "chunks", "chunks_total", "chunks_max", "finished", "aborted",
-        "refused", "ended",
+        "refused", "ended", "seams",
     )
 
     def __init__(self, span: Any, started_at: float, chunks_max: int) -> None:
@@ -89,6 +89,8 @@ class CallTrace:
         self.aborted: tuple[float, str] | None = None  # (time, reason)
         self.refused: tuple[float, str, str, str] | None = None  # (time, code, message, whose)
         self.ended: tuple[float, str] | None = None  # (time, terminal state)
+        # An engine restart's seams (docs/resume.md): (event name, time, attributes), held then resumed.
+        self.seams: list[tuple[str, float, dict]] = []
 
     @property
     def tokens_sent(self) -> int:
@@ -219,6 +221,11 @@ class TraceTap:
                 call.engine_ids = list(payload["request_ids"])
                 for index, engine_id in enumerate(call.engine_ids):
                     self.by_engine_id[engine_id] = (call, index)
+            case r.KIND_ENGINE_HELD:  # the engine died under the call; the same engine ids carry on after it
+                call.seams.append(("engine.held", now, {"enginelink.tokens": list(payload.get("tokens", ()))}))
+            case r.KIND_ENGINE_RESUME:
+                call.seams.append(("engine.resumed", now, {"enginelink.reprefilled": list(payload.get("reprefilled", ())),
+                                                           "enginelink.engine.ranks": list(payload.get("ranks", ()))}))
             case r.KIND_CLIENT_SENT:
                 call.finished.append((now, payload["index"], payload["finish_reason"], payload["tokens_sent"]))
             case r.KIND_CLIENT_ABORT:

@@ -437,6 +437,7 @@ def _events(trace: CallTrace, events_max: int) -> list[tuple[str, float, dict[st
     for at, index, reason, tokens in trace.finished:
         events.append(("finished", at, {"enginelink.choice": index, "enginelink.finish_reason": reason,
                                         "gen_ai.usage.completion_tokens": tokens}))
+    events.extend(trace.seams)  # an engine restart under the call: held, then resumed
     if trace.aborted is not None:
         events.append(("aborted", trace.aborted[0], {"enginelink.abort_reason": trace.aborted[1]}))
     events.sort(key=lambda event: event[1])  # stable: the same time keeps the order above

@@ -84,6 +84,7 @@ class RequestHub:
         cached_tokens: Callable[[object], int | None] | None = None,
         in_flight_max: int = IN_FLIGHT_MAX,
         metrics=None,
+        resume=None,
     ) -> None:
         self.link = link
         self.codec = codec
@@ -94,7 +95,7 @@ class RequestHub:
         self.metrics = metrics if metrics is not None else NoMetrics()
         self.core = RequestCore(
             link=link, ranks=ranks, tokenizer=tokenizer, cached_tokens=cached_tokens, logprobs=codec.logprobs,
-            in_flight_max=in_flight_max, metrics=self.metrics,
+            in_flight_max=in_flight_max, metrics=self.metrics, resume=resume,
         )
         self.send_errors = 0  # frames the link could not hand to the engine
         # The direct write path (_write_now): chunks it wrote, and times it had to
@@ -254,6 +255,40 @@ class RequestHub:
         """The engine is gone: every open call ends with UNAVAILABLE."""
         actions = Actions()
         failed = self.core.fail_all(message, now, actions)
+        self._apply(actions, now)
+        return failed
+
+    # -- engine restarts (machines/request_resume.py, docs/resume.md) ---------------------
+
+    held = property(lambda self: self.core.held)
+
+    def hold_all(self, message: str, now: float) -> tuple[int, int]:
+        """The engine died and will be started again: hold every open call, or fail it saying why not."""
+        actions = Actions()
+        counts = self.core.hold_all(message, now, actions)
+        self._apply(actions, now)
+        return counts
+
+    def resume_held(self, now: float) -> int:
+        """The engine is back: re-submit every held call's open choices; returns the calls resumed."""
+        resumed = 0
+        for call, sends in self.core.resume_held(now):
+            actions = Actions()
+            for sent, (choice, spec) in enumerate(sends):
+                error = self._send(self.codec.encode_add(spec), choice.rank)
+                if error is not None:
+                    self.core.resume_unreachable(call, sent, sends, f"{type(error).__name__}: {error}", now, actions)
+                    break
+            else:
+                self.core.resumed(call, sends, now, actions)
+                resumed += 1
+            self._apply(actions, now)
+        return resumed
+
+    def fail_held(self, message: str, now: float, *, waited_s: float | None = None) -> int:
+        """Fail the held calls (those held ``waited_s`` or longer, when given) with ``message``."""
+        actions = Actions()
+        failed = self.core.fail_held(message, now, actions, waited_s=waited_s)
         self._apply(actions, now)
         return failed
 

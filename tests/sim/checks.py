@@ -12,7 +12,13 @@ After a run (``check_run``):
   choice, tokens conserved from the engine's frames to the client (ids, not
   only counts), finish reasons that hold (length = max_tokens, stop = a stop
   string, a stop id or EOS), refusals only for bad or ill-timed calls,
-  never INTERNAL.
+  never INTERNAL;
+- with engine restarts on (``resume_scenario``): every client stream equals
+  the engine's tokens, none lost or doubled at a seam: what the first engine
+  made up to the tokens re-prefilled, then what each later engine made for
+  the continuation (``_engine_stream``); and a resumed choice equals what an
+  uninterrupted sim engine makes for the request (``_uninterrupted``): the
+  sim's tokens depend on the context alone, as a greedy model's do.
 During a run (``check_live``): the fold of the journal so far equals the hub
 and the link at that instant.
 """
@@ -26,7 +32,9 @@ from enginelink.journal.fold import FoldState, fold
 from enginelink.journal.verify import verify
 from enginelink.machines.link import LINK_TABLE
 from enginelink.machines.request import REQUEST_TABLE, RequestState
+from enginelink.machines.sim_core import SimEngineCore
 from enginelink.runtime.engine.supervision import DISCONNECT_GRACE_S
+from enginelink.wire import vllm
 from tests.sim.scenario import EOS_TOKEN_ID, FATAL_FAULTS
 from tests.sim.servicer import LINK_NAME, Admission, Observation, SimServicer
 
@@ -40,8 +48,16 @@ FAILURE_WORDS = {
     "disconnect": ("closed its output connection", "handshake within"),
     "silence": ("sent nothing",),
     "hang_startup": ("handshake within",),
+    # Engine restarts (resume_scenario): a poison request's segfault, an engine that no longer comes up.
+    "poison": ("exited with status -11",),
+    "starts_ok": ("exited with status 1", "handshake"),
 }
-REFUSAL_WORDS = ("engine is starting", "warming up", "draining", "not alive")
+REFUSAL_WORDS = ("engine is starting", "warming up", "draining", "not alive", "restarting")
+# What a call an engine death failed although restarts are on says (machines/request_resume.py, compose.py).
+RESUME_FAILURE_WORDS = ("not resumed", "restarted engine is not reachable")
+# What a link that restarts no more says, besides its last crash's words.
+RESTARTS_STOP_WORDS = "engine restarts stop"
+
 
 
 def check_live(sv: SimServicer, state: FoldState) -> list[str]:
@@ -201,12 +217,25 @@ def _check_link_end(sv: SimServicer, records: list[r.Record]) -> list[str]:
         and (f.link_state in ("warming_up", "serving") or (f.link_state == "starting" and f.kind in ("kill", "core_dead")))
         and not (f.kind == "disconnect" and sv.sigterm_sent_at is not None and sv.sigterm_sent_at <= f.at + DISCONNECT_GRACE_S)
     ]  # fmt: skip
+    if sc.resume.enabled:
+        # An engine that dies while the link serves or restarts is started again: only the budget's end fails
+        # the link from there; a death where restarts do not apply (start-up, the first warm-up, a drain) as ever.
+        decisive = [f for f in decisive if f.link_state not in ("serving", "restarting")]
+        failed_from = [rec.payload["source"] for rec in records if rec.kind == r.KIND_TRANSITION
+                       and rec.payload["machine"] == "link" and rec.payload["dest"] == "failed"]
+        if failed_from and failed_from[0] in ("serving", "restarting") and RESTARTS_STOP_WORDS not in failure:
+            out.append(f"the link failed ({failure!r}) from {failed_from[0]}, although it restarts the engine "
+                       "and its budget was not spent")
     if decisive and state != "failed":
         out.append(f"{decisive[0].kind} at t={decisive[0].at:.3f} ({decisive[0].link_state}) but the link ended {state}")
     if state == "failed":
         causes = [f.kind for f in applied if f.kind in (*FATAL_FAULTS, "silence")]
         if sc.engine.hang_startup:
             causes.append("hang_startup")
+        if sc.engine.poison_token is not None:
+            causes.append("poison")
+        if sc.engine.starts_ok is not None:
+            causes.append("starts_ok")
         words = [w for kind in causes for w in FAILURE_WORDS[kind]]
         if not any(w in failure for w in words):
             out.append(f"the link failed ({failure!r}) but no fault explains it (faults applied: {causes})")
@@ -225,7 +254,11 @@ def _check_link_end(sv: SimServicer, records: list[r.Record]) -> list[str]:
             # link notices the drop only DISCONNECT_GRACE_S later, and a drain may stop it first.
             unreachable = (disconnected and call.failure is not None and call.failure.kind == "engine"
                            and "engine is not reachable" in call.failure.message)
-            if not unreachable:
+            # With restarts on, a death the link restarts from fails what cannot be resumed, and an ADD may
+            # meet the dead engine before the link has noticed (the restart's own warm-up calls too).
+            not_resumed = (sc.resume.enabled and call.failure is not None
+                           and any(w in call.failure.message for w in (*RESUME_FAILURE_WORDS, "engine is not reachable")))
+            if not unreachable and not not_resumed:
                 out.append(f"{call.spec.request_id!r} failed, but the link did not")
     return out
 
@@ -320,11 +353,18 @@ def _check_choice(sv: SimServicer, adm: Admission, index: int, tokens: list[int]
     spec = call.spec
     sampling = spec.specs[index].sampling
     reason = complete.finish_reason
-    engine = sv.link.transport.engine_tokens.get(adm.add_seqs[index]) if index < len(adm.add_seqs) else None
+    engine = _engine_stream(sv, adm, index)
     if len(tokens) > spec.max_tokens:
         out.append(f"{len(tokens)} tokens, max_tokens {spec.max_tokens}")
     if engine is not None and tokens != engine[: len(tokens)]:
-        out.append(f"tokens {tokens[:8]}... are not what the engine produced for this ADD {engine[:8]}...")
+        seam = _first_difference(tokens, engine)
+        out.append(f"tokens {tokens[:8]}... are not what the engine produced for this ADD {engine[:8]}... "
+                   f"(first difference at {seam}; resumed at {[r[index][1] for r in adm.resumes if index in r]})")
+    if any(index in resume for resume in adm.resumes):
+        reference = _uninterrupted(sv, spec.specs[index])
+        if tokens != reference[: len(tokens)]:
+            out.append(f"resumed: tokens differ from an uninterrupted run's at {_first_difference(tokens, reference)} "
+                       f"(resumed at {[r[index][1] for r in adm.resumes if index in r]})")
     whole = engine is not None and tokens == engine
     match reason:
         case "length":
@@ -355,3 +395,54 @@ def _check_choice(sv: SimServicer, adm: Admission, index: int, tokens: list[int]
         case _:
             out.append(f"finish reason {reason!r}")
     return out
+
+
+# -- engine restarts ---------------------------------------------------------------------------
+
+
+def _engine_stream(sv: SimServicer, adm: Admission, index: int) -> list[int] | None:
+    """The tokens the engines made for one choice, as the client must have them: the first ADD's up to the
+    tokens its first resume re-prefilled, then each continuation's up to the next resume's, then the last
+    one's whole. None when the choice's first ADD never reached the engine."""
+    engine_tokens = sv.link.transport.engine_tokens
+    if index >= len(adm.add_seqs):
+        return None
+    segments = [(adm.add_seqs[index], 0)] + [resume[index] for resume in adm.resumes if index in resume]
+    if len(segments) == 1:
+        return engine_tokens.get(adm.add_seqs[index])
+    # With resumes, an ADD the engine never read (it died with the ADD on the wire) made nothing.
+    stream: list[int] = []
+    for (seq, start), following in zip(segments, [*segments[1:], None]):
+        made = engine_tokens.get(seq, [])
+        if len(stream) != start:  # the continuation's prompt must hold exactly what came before it
+            return [-1] * len(stream)  # no stream can match: the seam lost or doubled tokens
+        stream += made if following is None else made[: following[1] - start]
+    return stream
+
+
+def _uninterrupted(sv: SimServicer, spec) -> list[int]:
+    """What a sim engine that never died makes for ``spec`` (alone: the sim's tokens do not depend on the batch)."""
+    core = SimEngineCore(sv.sc.sim)
+    frames = vllm.VllmCodec().encode_add(spec)
+    now, tokens = 0.0, []
+    messages = core.handle_input(frames[0], frames[1], now)
+    for _ in range(4 * sv.sc.sim.max_model_len + 16):
+        for message in messages:
+            batch = vllm.decode_outputs(message)
+            for output in batch.outputs:
+                if output.request_id == spec.request_id:
+                    tokens += output.new_token_ids
+                    if output.finish_reason is not None:
+                        return tokens
+        if not core.has_work:
+            break
+        messages, cost_s = core.step(now)
+        now += cost_s
+    return tokens
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) <= len(b) else len(b)

@@ -17,6 +17,8 @@ import pytest
 from enginelink.runtime.engine.model_dir import load_tokenizer, read_model_facts
 
 DEFAULT_SEEDS = 400
+# The engine-restart sweep's (tests/sim/test_resume.py): fewer, each a plain seed's run with deaths added.
+RESUME_SEEDS = 200
 
 
 def pytest_addoption(parser):
@@ -38,10 +40,10 @@ def single_seed(config) -> int | None:
     return None if value is None else int(value)
 
 
-def sweep(config) -> range:
+def sweep(config, default: int = DEFAULT_SEEDS) -> range:
     value = _option(config, "sim_seeds", "ENGINELINK_SIM_SEEDS")
     if value is None:
-        return range(DEFAULT_SEEDS)
+        return range(default)
     first, _, last = str(value).partition(":")
     return range(int(first), int(last)) if last else range(int(first))
 
@@ -51,6 +53,10 @@ def pytest_generate_tests(metafunc):
         one = single_seed(metafunc.config)
         seeds = [one] if one is not None else list(sweep(metafunc.config))
         metafunc.parametrize("sim_seed", seeds, ids=[f"seed={s}" for s in seeds])
+    if "resume_seed" in metafunc.fixturenames:
+        one = single_seed(metafunc.config)
+        seeds = [one] if one is not None else list(sweep(metafunc.config, RESUME_SEEDS))
+        metafunc.parametrize("resume_seed", seeds, ids=[f"seed={s}" for s in seeds])
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import msgspec
+
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from enginelink.machines.resume import ResumePolicy
 from enginelink.machines.warmup import WarmupLevel
 from enginelink.runtime.engine.engine_link import Supervision
 from enginelink.runtime.engine.memory_link import MemoryEngineOptions
@@ -195,10 +198,17 @@ class Scenario:
     aborts: list[AbortPlan] = field(default_factory=list)
     faults: list[FaultPlan] = field(default_factory=list)
     live_checks_at: list[float] = field(default_factory=list)
+    # Engine restarts (docs/resume.md): off in ``scenario``, on in ``resume_scenario``.
+    resume: ResumePolicy = field(default_factory=ResumePolicy)
 
     def summary(self) -> str:
         faults = ", ".join(f"{f.kind}@{f.at:.3f}" for f in self.faults) or "none"
         hang = " hang_startup" if self.engine.hang_startup else ""
+        if self.resume.enabled:
+            hang += (f", restarts {self.resume.restarts_max} per {self.resume.window_s:g} s, resume timeout "
+                     f"{self.resume.resume_timeout_s:g} s" + (f", poison {self.engine.poison_token}"
+                     if self.engine.poison_token is not None else "") + (f", starts_ok {self.engine.starts_ok}"
+                     if self.engine.starts_ok is not None else ""))
         return (
             f"seed {self.seed}: {len(self.clients)} clients, {len(self.aborts)} aborts, faults {faults}{hang}, "
             f"SIGTERM@{self.sigterm_at:.3f}, warm-up {self.warmup_level}, step {self.sim.step_us:g} us, "
@@ -320,3 +330,64 @@ def _client(rng: random.Random, index: int, sc: Scenario) -> ClientPlan:
         plan.retries = rng.choice((1, 2))
         plan.retry_after_s = rng.choice((0.0, 0.0, 0.001, 0.01))
     return plan
+
+
+# Engine deaths a resume run draws (each one the link restarts the engine after, budget allowing).
+RESUME_FAULTS = ("kill", "kill", "core_dead", "disconnect", "garbage", "silence", "stray")
+# A client's prompt starts with this token when it is the poison (it kills the engine it reaches).
+POISON_TOKEN = FIRST_TOKEN
+
+
+def resume_scenario(seed: int) -> Scenario:
+    """``scenario(seed)`` with engine restarts on and engine deaths at random points (docs/resume.md).
+
+    A second generator (seeded apart) draws what resuming adds, so a resume
+    seed is its plain seed's run plus: the restart budget and resume timeout,
+    one to four deaths while the traffic runs, sometimes a poison request (it
+    kills every engine it reaches) or an engine that stops coming up after a
+    few starts. Traffic is capped at 20 clients: these seeds are many and fast.
+    """
+    sc = scenario(seed)
+    rng = random.Random(f"resume-{seed}")
+    sc.clients = [c for c in sc.clients if c.index < 20]
+    while len(sc.clients) < 4:  # something to resume
+        sc.clients.append(_client(rng, len(sc.clients), sc))
+    kept = {c.request_id for c in sc.clients}
+    sc.aborts = [a for a in sc.aborts if all(rid in kept or rid.startswith("unknown-") for rid in a.request_ids)]
+    sc.resume = ResumePolicy(restarts_max=rng.choice((1, 2, 3, 5)), window_s=rng.choice((2.0, 60.0)),
+                             resume_timeout_s=rng.choice((0.3, 5.0, 30.0, 30.0)))
+    sc.engine.hang_startup = False  # a start-up that never ends is the plain seeds' business
+    # A full warm-up at every restart would hold most seeds in ``restarting``: mostly off or fast.
+    sc.warmup_level = rng.choice((WarmupLevel.OFF, WarmupLevel.OFF, WarmupLevel.FAST, sc.warmup_level))
+    # Engine steps that take time, so a death finds calls in the middle of their streams.
+    sc.sim = msgspec.structs.replace(sc.sim, step_us=rng.choice((1000.0, 2000.0, 5000.0)))
+    # SIGTERM mostly once the deaths have played out; sometimes in the middle (a drain while restarting).
+    sc.sigterm_at = sc.horizon_s + 1.0 if rng.random() < 0.85 else rng.uniform(0.0, sc.horizon_s)
+    up = sc.engine.startup_delay_s + 0.05
+    for client in sc.clients:  # longer streams, mostly once the engine is up, so a death finds them running
+        if client.at < up + 0.3 and rng.random() < 0.8:
+            client.at = up + rng.uniform(0.3, 1.0)
+        room = sc.sim.max_model_len - len(client.prompt)
+        if client.bad is None and room > 1 and rng.random() < 0.7:
+            client.max_tokens = rng.randrange(max(1, client.min_tokens), room + 1)
+            client.ignore_eos = client.ignore_eos or rng.random() < 0.6
+    valid = [c for c in sc.clients if c.bad is None] or sc.clients
+
+    def death_at() -> float:
+        # Mostly just after a call arrived, while it is likely in flight; else anywhere.
+        if rng.random() < 0.7:
+            return max(up, rng.choice(valid).at + rng.uniform(0.002, 0.12))
+        return rng.uniform(up, max(up, sc.horizon_s))
+
+    sc.faults = [FaultPlan(death_at(), rng.choice(RESUME_FAULTS)) for _ in range(rng.choice((1, 1, 2, 3, 4)))]
+    sc.faults.sort(key=lambda f: f.at)
+    if sc.clients and rng.random() < 0.1:
+        poisoned = rng.choice([c for c in sc.clients])
+        poisoned.prompt = [POISON_TOKEN, *poisoned.prompt[1:]] if len(poisoned.prompt) > 1 else [POISON_TOKEN]
+        sc.engine.poison_token = POISON_TOKEN
+        for other in sc.clients:  # only the chosen one carries it
+            if other is not poisoned and POISON_TOKEN in other.prompt:
+                other.prompt = [t if t != POISON_TOKEN else FIRST_TOKEN + 1 for t in other.prompt]
+    if rng.random() < 0.05:
+        sc.engine.starts_ok = rng.choice((1, 2))
+    return sc

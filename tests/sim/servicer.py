@@ -52,6 +52,8 @@ class Admission:
     call: Call
     add_seqs: list[int]
     at: float
+    # Each resume after an engine restart: {choice index: (its ADD's send sequence number, tokens re-prefilled)}.
+    resumes: list[dict[int, tuple[int, int]]] = field(default_factory=list)
 
 
 class ObservedHub(RequestHub):
@@ -60,12 +62,25 @@ class ObservedHub(RequestHub):
         self.shell = shell
         self.admissions: list[Admission] = []
         self.by_wake: dict[object, Admission] = {}
+        self.by_call: dict[int, Admission] = {}
+        resumed = self.core.resumed
+
+        def observed_resumed(call, sends, now, actions) -> None:
+            # Every continuation of the call went out just now, one ADD each, in order: the last ones sent.
+            last = self.shell.transport.send_seq
+            first = last - len(sends) + 1
+            self.by_call[id(call)].resumes.append({choice.index: (first + i, len(spec.prompt_token_ids) - call.prompt_tokens)
+                                                   for i, (choice, spec) in enumerate(sends)})
+            resumed(call, sends, now, actions)
+
+        self.core.resumed = observed_resumed
 
     def admit(self, spec, now, *, wake=None):
         first = self.shell.transport.send_seq + 1
         call = super().admit(spec, now, wake=wake)
         admission = Admission(call, list(range(first, self.shell.transport.send_seq + 1)), now)
         self.admissions.append(admission)
+        self.by_call[id(call)] = admission
         if wake is not None:
             self.by_wake[wake] = admission
         return call
@@ -91,6 +106,7 @@ class FaultRecord:
     kind: str
     applied: bool
     link_state: str
+    in_flight: int = 0  # calls open in the hub when it struck
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,7 @@ class SimServicer:
             wall_clock=lambda: FAKE_WALL_START,
             snapshot_interval_s=sc.snapshot_interval_s,
             edge=contract.edge,
+            resume=sc.resume,
         ))  # fmt: skip
         self.parts.on_failed = self._link_failed
         self.journal, self.link, self.hub, self.app = self.parts.journal, self.parts.link, self.parts.hub, self.parts.app
@@ -257,4 +274,4 @@ class SimServicer:
             "disconnect": link.transport.disconnect,
             "silence": link.transport.silence, "stray": link.transport.stray,
         }[kind]()  # fmt: skip
-        self.faults.append(FaultRecord(trio.current_time(), kind, applied, state))
+        self.faults.append(FaultRecord(trio.current_time(), kind, applied, state, len(self.hub.calls)))

@@ -1,0 +1,136 @@
+"""Engine restarts on the real vLLM engine (CPU): streams that outlive their EngineCore (docs/resume.md).
+
+One servicer with ``--engine-restarts 1``. Four greedy streams of 2,000
+tokens (the tiny model's context is 2,048: its longest) run once
+uninterrupted, for reference; then again, and the EngineCore is SIGKILLed
+under them: the servicer starts the engine again with the same arguments,
+re-submits each stream as its prompt plus the tokens it had, and each
+completes with its full count, equal to the uninterrupted run token for
+token. ``enginelink inspect`` during the restart shows the link restarting
+and the four streams held; the journal afterwards the crash, the restart and
+each resumption. Then the budget: a second kill (one restart per window)
+stops the restarts: every stream fails naming the cause, exit 1.
+
+Set ``ENGINELINK_RESUME_EVIDENCE=DIR`` to keep the inspect view and the
+journal's story in DIR (what docs/resume.md and the issue quote).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from enginelink.journal import records as r
+from enginelink.journal.store import open_reader
+from tests.harness import VENV_BIN, Servicer, engine_pid, free_port, generate_request, scrape, wait_until
+from tests.test_lifecycle import StreamReader
+from tests.vllm.conftest import START_TIMEOUT_S, engine_core_pid
+
+pytestmark = pytest.mark.vllm
+
+ENGINE_ARGS = ["--max-model-len", "2048", "--enforce-eager"]
+TOKENS = 2000  # the model's context is 2048: the longest stream a 6-token prompt allows
+PROMPTS = [[318, 283, 1552, 10, 90, 305], [40, 1079, 257, 1332, 13, 198], [464, 2068, 758, 2183, 1804, 625],
+           [2061, 318, 262, 3139, 286, 1204]]  # the test model's vocabulary is 4096
+
+
+def _stream(stub, request_id: str, prompt: list[int]) -> StreamReader:
+    reader = StreamReader(stub, generate_request(request_id, prompt, stream=True, temperature=0.0, max_tokens=TOKENS,
+                                                 ignore_eos=True))
+    reader.start()
+    return reader
+
+
+def _tokens(reader: StreamReader) -> list[int]:
+    return [t for m in reader.messages if m.HasField("chunk") for t in m.chunk.token_ids]
+
+
+def _cli(*argv: str) -> str:
+    return subprocess.run([str(VENV_BIN / "enginelink"), *argv], capture_output=True, text=True, timeout=60).stdout
+
+
+def _keep(name: str, text: str) -> None:
+    where = os.environ.get("ENGINELINK_RESUME_EVIDENCE")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        (Path(where) / name).write_text(text)
+
+
+def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an_uninterrupted_run(
+        tmp_path, test_model_dir, vllm_python):
+    metrics_port = free_port()
+    servicer = Servicer(tmp_path, model_dir=test_model_dir, engine_args=ENGINE_ARGS,
+                        extra=["--engine", "vllm", "--metrics-port", str(metrics_port), "--engine-restarts", "1",
+                               "--resume-timeout", "300"],
+                        env={"ENGINELINK_WARMUP": "off"}).start(timeout_s=START_TIMEOUT_S)
+    health = health_pb2_grpc.HealthStub(servicer.channel)
+    try:
+        # Uninterrupted, for reference.
+        reference = [_stream(servicer.stub, f"ref-{i}", prompt) for i, prompt in enumerate(PROMPTS)]
+        for reader in reference:
+            reader.join(300)
+            assert reader.error is None and len(_tokens(reader)) == TOKENS, reader.error
+        # Again, and the EngineCore killed under the four once each is a few hundred tokens in.
+        launcher = engine_pid(servicer.journal)
+        core = engine_core_pid(launcher)
+        readers = [_stream(servicer.stub, f"s-{i}", prompt) for i, prompt in enumerate(PROMPTS)]
+        wait_until(lambda: all(len(_tokens(reader)) >= 300 for reader in readers), 120, "four streams 300 tokens in",
+                   interval_s=0.02)
+        os.kill(core, signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+                   == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING while the engine restarts")
+        wait_until(lambda: "4 held for the restarting engine" in _cli("inspect", "--journal", str(servicer.journal)),
+                   10, "inspect showing the four streams held")
+        during = _cli("inspect", "--journal", str(servicer.journal))
+        _keep("inspect-during-restart.txt", during)
+        assert "restarting" in during and during.count("HELD") == 4
+        for reader in readers:
+            reader.join(300)
+        restarted_in = time.monotonic() - killed_at
+        for reader, ref in zip(readers, reference):
+            assert reader.error is None, f"{reader.request.request_id}: {reader.error}\n{servicer.log()[-4000:]}"
+            tokens = _tokens(reader)
+            assert len(tokens) == TOKENS
+            assert [c.finish_reason for c in reader.completes] == ["length"]
+            assert tokens == _tokens(ref), (f"{reader.request.request_id}: first difference at "
+                                            f"{next(i for i, (a, b) in enumerate(zip(tokens, _tokens(ref))) if a != b)}")
+        assert engine_pid(servicer.journal) != launcher
+        metrics = scrape(metrics_port)
+        assert _metric(metrics, "smg_servicer_resume_restarts") == 1
+        assert _metric(metrics, "smg_servicer_resume_resumed_requests") == 4
+        reprefilled = _metric(metrics, "smg_servicer_resume_reprefilled_tokens")
+        assert 4 * 300 <= reprefilled < 4 * TOKENS
+        story = _cli("journal", "show", "--journal", str(servicer.journal), "--kind",
+                     "error,engine.restart,engine.held,engine.resume,transition")
+        _keep("journal-after-restart.txt", f"(from the kill to the four streams' end: {restarted_in:.1f} s)\n"
+              + "\n".join(line for line in story.splitlines() if "ref-" not in line))
+
+        # The budget: one restart per window is spent; the next death stops the restarts and fails what is held.
+        core = engine_core_pid(engine_pid(servicer.journal))
+        last = [_stream(servicer.stub, f"t-{i}", prompt) for i, prompt in enumerate(PROMPTS[:2])]
+        wait_until(lambda: all(len(_tokens(reader)) >= 50 for reader in last), 120, "two streams 50 tokens in")
+        os.kill(core, signal.SIGKILL)
+        for reader in last:
+            reader.join(30)
+            assert reader.error is not None and reader.error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "engine restarts stop: 2 crashes" in reader.error.details(), reader.error.details()
+        assert servicer.wait(60) == 1
+    finally:
+        servicer.stop()
+    with open_reader(servicer.journal) as reader:
+        kinds = [rec.kind for rec in reader.iter_records(after_seq=0)]
+    assert kinds.count(r.KIND_ENGINE_RESTART) == 1
+    assert kinds.count(r.KIND_ENGINE_RESUME) == 4
+    _keep("journal-replay.txt", _cli("journal", "replay", "--journal", str(servicer.journal)))
+
+
+def _metric(metrics: dict[str, float], name: str) -> float:
+    return sum(value for key, value in metrics.items() if key.startswith(name + "{"))
