@@ -44,7 +44,7 @@ from tests import fast_loop
 from tests.harness import Servicer, reap_stopped, shared
 
 # The real-engine scopes, in the order the scheduler hands them out (the longest first).
-# A module belongs to the first scope with a prefix of its path. (scope, module prefixes, the
+# A module belongs to the scope with the longest prefix of its path. (scope, module prefixes, the
 # session fixtures that must stay inside it: a test on one elsewhere would start a second engine.)
 VLLM_SHARED_SCOPE = "real vLLM: the session's engine"
 VLLM_OWN_SCOPE = "real vLLM: own engines"
@@ -55,8 +55,10 @@ VLLM_VISION_SCOPE = "real vLLM: vision"
 # the suite's tail (minutes of encoders per clip kind, after the image modules'), so a worker of their own.
 VLLM_AV_SCOPE = "real vLLM: audio and video"
 # vLLM 0.28.0 (the oldest release supported): one module on one engine and its offline reference,
-# each with a 64 MiB KV cache, started and stopped within the module (a few minutes, beside the rest).
-VLLM_0_28_SCOPE = "real vLLM 0.28.0"
+# each with a 64 MiB KV cache, started and stopped within the module (a few minutes, beside the rest);
+# then, on the same worker, the engine-restart module (its engine killed and started again under four
+# streams): an engine of its own, one engine set at a time, off the longer scopes.
+VLLM_0_28_SCOPE = "real vLLM 0.28.0, then engine restarts"
 # MLX's engine and, after it on the same worker, the real SGLang launcher run up to the engine launch
 # (no scheduler; minutes of SGLang imports). Apart, the two scopes were one more heavy worker on 2
 # cores: three CI runs in a row then lost servicers that could not even bind their port in 60 s.
@@ -65,14 +67,13 @@ ENGINE_SCOPES = (
     (VLLM_OWN_SCOPE, ("tests/vllm/test_vllm_dp.py", "tests/vllm/test_vllm_embed.py",
                       "tests/vllm/test_vllm_launcher_plugin.py", "tests/vllm/test_vllm_lifecycle.py",
                       "tests/vllm/test_vllm_operator.py", "tests/vllm/test_vllm_pd.py", "tests/vllm/test_vllm_hub.py",
-                      "tests/vllm/test_vllm_resume.py",
                       "tests/wire/test_vllm_logprobs.py"), ()),
     (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py",
                          "tests/vllm/test_vllm_media_sidecar.py"), ()),
     (VLLM_AV_SCOPE, ("tests/vllm/test_vllm_av.py",), ()),
     (VLLM_SHARED_SCOPE, ("tests/vllm/",), ("vllm_stack", "vllm_quiet")),
     (MLX_SCOPE, ("tests/mlx/", "tests/sglang/"), ("mlx_stack",)),
-    (VLLM_0_28_SCOPE, ("tests/vllm_0_28/",), ("vllm_0_28",)),
+    (VLLM_0_28_SCOPE, ("tests/vllm_0_28/", "tests/vllm/test_vllm_resume.py"), ("vllm_0_28",)),
 )
 VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE, VLLM_AV_SCOPE, VLLM_0_28_SCOPE)
 # The simulation's seed sweeps (tests/sim: 400 seeds a module, each a second or so of CPU, on
@@ -84,9 +85,11 @@ SEED_PARAM = re.compile(r"\[seed=(\d+)\]$")
 
 def scope_of(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0]
-    for scope, prefixes, _ in ENGINE_SCOPES:
-        if module.startswith(prefixes):
-            return scope
+    # The longest prefix that matches decides (a module named outright beats its folder's scope).
+    matches = [(len(prefix), scope) for scope, prefixes, _ in ENGINE_SCOPES for prefix in prefixes
+               if module.startswith(prefix)]
+    if matches:
+        return max(matches)[1]
     if module.startswith("tests/sim/") and (seed := SEED_PARAM.search(nodeid)):
         return f"{module} seeds {int(seed.group(1)) // SEED_CHUNK * SEED_CHUNK}+"
     return module
