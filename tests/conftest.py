@@ -51,9 +51,8 @@ VLLM_OWN_SCOPE = "real vLLM: own engines"
 # The vision, video and audio models' engines (minutes on CPU: their encoders) run beside the other two
 # scopes, one at a time.
 VLLM_VISION_SCOPE = "real vLLM: vision"
-# The video and audio models' engines and offline references: on the vision scope's worker they made it
-# the suite's tail (minutes of encoders per clip kind, after the image modules'), so a worker of their own.
-VLLM_AV_SCOPE = "real vLLM: audio and video"
+# (The video and audio module on a worker of its own ran its models' engines and offline references beside
+# the image modules': the kernel's OOM killer took two vLLM workers on the 24 GB box. One at a time.)
 # vLLM 0.28.0 (the oldest release supported): one module on one engine and its offline reference,
 # each with a 64 MiB KV cache, started and stopped within the module (a few minutes, beside the rest);
 # then, on the same worker, the engine-restart module (its engine killed and started again under four
@@ -68,14 +67,13 @@ ENGINE_SCOPES = (
                       "tests/vllm/test_vllm_launcher_plugin.py", "tests/vllm/test_vllm_lifecycle.py",
                       "tests/vllm/test_vllm_operator.py", "tests/vllm/test_vllm_pd.py", "tests/vllm/test_vllm_hub.py",
                       "tests/wire/test_vllm_logprobs.py"), ()),
-    (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/wire/test_vllm_mm.py",
+    (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/vllm/test_vllm_av.py", "tests/wire/test_vllm_mm.py",
                          "tests/vllm/test_vllm_media_sidecar.py"), ()),
-    (VLLM_AV_SCOPE, ("tests/vllm/test_vllm_av.py",), ()),
     (VLLM_SHARED_SCOPE, ("tests/vllm/",), ("vllm_stack", "vllm_quiet")),
     (MLX_SCOPE, ("tests/mlx/", "tests/sglang/"), ("mlx_stack",)),
     (VLLM_0_28_SCOPE, ("tests/vllm_0_28/", "tests/vllm/test_vllm_resume.py"), ("vllm_0_28",)),
 )
-VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE, VLLM_AV_SCOPE, VLLM_0_28_SCOPE)
+VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE, VLLM_0_28_SCOPE)
 # The simulation's seed sweeps (tests/sim: 400 seeds a module, each a second or so of CPU, on
 # a session fixture only): one scope per SEED_CHUNK seeds, so one module's sweep is not one
 # worker's minutes-long tail while the other workers are idle.

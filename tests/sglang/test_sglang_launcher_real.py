@@ -204,8 +204,9 @@ def test_the_real_launcher_hands_over_to_enginelink_up_to_the_engine_launch(form
                       if kind == "engine.handshake" and payload["step"] == "launch")
         scheduler_args = launch["argv"][launch["argv"].index("--") + 1:]
         # The model and SGLang's other arguments go to the scheduler; the listener and gRPC flags stay ours
-        # (and enginelink adds its KV-event publisher's address).
-        assert scheduler_args[:-2] == ["--model-path", str(test_model_dir), "--skip-tokenizer-init",
+        # (and enginelink adds its KV-event publisher's address). No --skip-tokenizer-init: the scheduler keeps
+        # its tokenizer, which its grammar backend is built from (runtime/engine/sglang_launch.py).
+        assert scheduler_args[:-2] == ["--model-path", str(test_model_dir),
                                        "--device", "cpu", "--mem-fraction-static", "0.5"]
         assert scheduler_args[-2] == "--kv-events-config"
         assert launch["argv"][:2] == [str(wrapper), str(REPO / "runtime" / "engine" / "sglang_headless.py")]

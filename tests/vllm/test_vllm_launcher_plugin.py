@@ -301,15 +301,14 @@ def test_the_references_flags_reach_the_servicer_under_each_vllm_launcher(form, 
     assert got["namespace"]["engine_args"] == ["--max-model-len", "1024", "--enforce-eager",
                                                "--allowed-local-media-path", str(tmp_path)]
     assert "vllm serve flags that enginelink's servicer does not use" not in done.stderr
-    # vLLM's own --allowed-media-domains (enforced by the servicer's fetcher) and a sidecar flag are taken;
-    # --media-io-kwargs, whose loader options the in-process processor does not apply, is refused.
+    # vLLM's own --allowed-media-domains (enforced by the servicer's fetcher), --media-io-kwargs (applied by
+    # the in-process processor's loaders) and a sidecar flag are all taken: nothing refused.
     done = subprocess.run([*argv, "--allowed-media-domains", "example.com", "--media-io-kwargs", '{"image": {}}',
                            "--mm-redis-url", "redis://r:6379/0"], capture_output=True, text=True, timeout=300, env=env)
     got = json.loads([line for line in done.stdout.splitlines() if line.startswith("SERVE ")][0][len("SERVE "):])
     assert got["namespace"]["allowed_media_domains"] == ["example.com"]
     assert got["sources"]["mm_redis_url"] == "--mm-redis-url"
-    assert [refusal.split(":")[0] for refusal in got["refusals"]] == [
-        "--media-io-kwargs with --mm-processor inprocess"]
+    assert got["refusals"] == []
 
 
 def test_python_m_the_stock_launcher_serves_enginelink_selected_by_the_environment(vllm_command, vllm_python,
