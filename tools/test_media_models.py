@@ -28,17 +28,13 @@ byte-identical), atomic (a staging folder renamed into place, the marker last).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
-from enginelink.runtime.engine.launchers import default_vllm_python
 from enginelink.tools import test_model
+from enginelink.tools.test_vision_model import build_staged
 
 RECIPE_VERSION = 1
 MARKERS = {"video": "ENGINELINK-TEST-VIDEO-MODEL", "audio": "ENGINELINK-TEST-AUDIO-MODEL"}
-BUILD_TIMEOUT_S = 600
 # The ids the added special tokens get (after the text model's 4096): the tests build prompts with them.
 VIDEO_TOKENS = {"<|vision_start|>": 4096, "<|vision_end|>": 4097, "<|image_pad|>": 4098, "<|video_pad|>": 4099}
 AUDIO_TOKENS = {"<|audio_bos|>": 4096, "<|AUDIO|>": 4097, "<|audio_eos|>": 4098}
@@ -141,31 +137,5 @@ def is_complete(model_dir: Path, kind: str) -> bool:
 
 def make_media_model(kind: str, out_dir: Path, *, force: bool = False, python: str | None = None) -> Path:
     """Build the ``kind`` ("video" or "audio") test model at ``out_dir`` (kept as it is when complete)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        if is_complete(out_dir, kind) and not force:
-            return out_dir
-        if not force and (not out_dir.is_dir() or any(out_dir.iterdir())):
-            raise FileExistsError(f"{out_dir} exists and is not a complete {kind} test model; use --force")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
-    try:
-        staging.chmod(0o755)
-        text_dir = staging / "text"
-        test_model.make_test_model(text_dir)
-        model_dir = staging / "model"
-        subprocess.run([python or default_vllm_python(), "-c", BUILDERS[kind], str(text_dir), str(model_dir)],
-                       check=True, timeout=BUILD_TIMEOUT_S, capture_output=True)  # fmt: skip
-        for path in model_dir.iterdir():
-            path.chmod(0o644)  # save_pretrained leaves the weights 0600; a model dir is readable like any other
-        (model_dir / MARKERS[kind]).write_text(test_model.marker_text(RECIPE_VERSION))  # last: it certifies the rest
-        if out_dir.exists() or out_dir.is_symlink():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            out_dir.rename(old / "old")
-            model_dir.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            model_dir.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
+    return build_staged(Path(out_dir), kind, lambda path: is_complete(path, kind), MARKERS[kind],
+                        test_model.marker_text(RECIPE_VERSION), [BUILDERS[kind]], force=force, python=python)

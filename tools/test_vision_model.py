@@ -91,12 +91,22 @@ def is_complete(model_dir: Path) -> bool:
 
 def make_vision_model(out_dir: Path, *, force: bool = False, python: str | None = None) -> Path:
     """Build the vision test model at ``out_dir`` (kept as it is when complete, unless ``force``)."""
-    out_dir = Path(out_dir)
+    return build_staged(Path(out_dir), "vision", is_complete, MARKER_NAME, marker_text(),
+                        [BUILDER, str(NUM_QUERY_TOKENS), str(IMAGE_SIZE), IMAGE_TOKEN], force=force, python=python)
+
+
+def build_staged(out_dir: Path, kind: str, complete, marker_name: str, marker: str, builder: list[str], *,
+                 force: bool, python: str | None) -> Path:
+    """Build a media test model in a staging folder beside ``out_dir``, then swap it in whole.
+
+    ``builder`` is the vLLM-venv script (``-c``) and its arguments after the text model's and the output's
+    folders; ``complete(out_dir)`` says whether what is there is kept; ``marker`` is written last, in
+    ``marker_name``: it certifies the rest (shared by the video and audio models, tools/test_media_models.py)."""
     if out_dir.exists():
-        if is_complete(out_dir) and not force:
+        if complete(out_dir) and not force:
             return out_dir
         if not force and (not out_dir.is_dir() or any(out_dir.iterdir())):
-            raise FileExistsError(f"{out_dir} exists and is not a complete vision test model; use --force")
+            raise FileExistsError(f"{out_dir} exists and is not a complete {kind} test model; use --force")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
     try:
@@ -104,12 +114,11 @@ def make_vision_model(out_dir: Path, *, force: bool = False, python: str | None 
         text_dir = staging / "text"
         test_model.make_test_model(text_dir)
         model_dir = staging / "model"
-        subprocess.run([python or default_vllm_python(), "-c", BUILDER, str(text_dir), str(model_dir),
-                        str(NUM_QUERY_TOKENS), str(IMAGE_SIZE), IMAGE_TOKEN],
-                       check=True, timeout=BUILD_TIMEOUT_S, capture_output=True)  # fmt: skip
+        subprocess.run([python or default_vllm_python(), "-c", builder[0], str(text_dir), str(model_dir),
+                        *builder[1:]], check=True, timeout=BUILD_TIMEOUT_S, capture_output=True)  # fmt: skip
         for path in model_dir.iterdir():
             path.chmod(0o644)  # save_pretrained leaves the weights 0600; a model dir is readable like any other
-        (model_dir / MARKER_NAME).write_text(marker_text())  # last: it certifies the rest
+        (model_dir / marker_name).write_text(marker)  # last: it certifies the rest
         if out_dir.exists() or out_dir.is_symlink():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             out_dir.rename(old / "old")
