@@ -48,7 +48,13 @@ class Engine:
     supported: tuple[str, ...]
     setup: str  # the project script that builds its venv
     venv_dir: str  # that venv's default folder in the checkout
-    struct_files: tuple[str, ...]  # site-packages paths whose contents define the structs
+
+    @property
+    def struct_files(self) -> tuple[str, ...]:
+        """The site-packages files whose contents define the structs the codec speaks: every module
+        ``struct_layout.ENGINES`` reads one from (a struct added there keys the cache on its file too)."""
+        modules = {where.partition(":")[0] for where in struct_layout.ENGINES[self.name]["structs"].values()}
+        return tuple(sorted(module.replace(".", "/") + ".py" for module in modules))
 
     @property
     def env(self) -> str:
@@ -57,11 +63,9 @@ class Engine:
 
 ENGINES = {
     "sglang": Engine("sglang", "SGLang", sglang.LAYOUT, (sglang.SGLANG_VERSION,), "tools/setup-sglang",
-                     ".venv-sglang", ("sglang/srt/managers/io_struct.py", "sglang/srt/sampling/sampling_params.py")),
+                     ".venv-sglang"),
     "tokenspeed": Engine("tokenspeed", "TokenSpeed", tokenspeed.LAYOUT, (tokenspeed.TOKENSPEED_VERSION,),
-                         "tools/setup-tokenspeed", ".venv-tokenspeed",
-                         ("tokenspeed/runtime/engine/io_struct.py", "tokenspeed/runtime/engine/zmq_wire.py",
-                          "tokenspeed/runtime/sampling/sampling_params.py")),
+                         "tools/setup-tokenspeed", ".venv-tokenspeed"),
 }
 
 
@@ -136,6 +140,8 @@ def _cache_key(spec: Engine, python: str) -> str:
     site = Path(origin).parent.parent
     digest = hashlib.sha256(os.path.realpath(python).encode())
     digest.update(origin.encode())
+    # The script decides which structs a layout holds: a cached layout from an older script lacks the new ones.
+    digest.update(hashlib.sha256(LAYOUT_SCRIPT.read_bytes()).digest())
     for name in spec.struct_files:
         try:
             digest.update(hashlib.sha256((site / name).read_bytes()).digest())

@@ -203,6 +203,8 @@ def _cache_key(python: str, origin: str) -> str:
     site = Path(origin).parent.parent
     digest = hashlib.sha256(os.path.realpath(python).encode())
     digest.update(origin.encode())
+    # What the script reads is part of the layout: a cache from an older script may lack what this one reads.
+    digest.update(hashlib.sha256(LAYOUT_SCRIPT.read_bytes()).digest())
     for name in _STRUCT_FILES:
         try:
             digest.update(hashlib.sha256((site / name).read_bytes()).digest())

@@ -176,6 +176,46 @@ def test_a_doctored_layout_is_refused_naming_the_release_and_the_field(tmp_path,
     assert "Supported SGLang releases: 0.5.23." in message
 
 
+@pytest.mark.process
+def test_the_cached_layout_is_read_again_when_a_struct_module_or_the_layout_script_changes(tmp_path, monkeypatch):
+    """The installed release's layout is cached per installation; a cache written before the codec read
+    ``schedule_batch``'s structs (or by an older layout script) lacked them, and every launch after was
+    refused: "MultimodalDataItem does not exist in SGLang 0.5.23". The key covers every module the script
+    reads a struct from, and the script itself."""
+    site = tmp_path / "site"
+    modules = {where.partition(":")[0] for where in struct_layout.ENGINES["sglang"]["structs"].values()}
+    assert "sglang.srt.managers.schedule_batch" in modules
+    for module in modules:
+        path = site / (module.replace(".", "/") + ".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# v1\n")
+    (site / "sglang" / "__init__.py").write_text("")
+    calls = tmp_path / "calls"
+    one_line = tmp_path / "layout.json"  # as the script prints it
+    one_line.write_text(json.dumps(json.loads(LAYOUT_FILE.read_text())) + "\n")
+    python = tmp_path / "python"  # a stand-in engine interpreter: where sglang is, and its layout (counted)
+    python.write_text(f"""#!/bin/sh
+if [ "$1" = -c ]; then echo {site}/sglang/__init__.py; exit 0; fi
+echo x >> {calls}
+cat {one_line}
+""")
+    python.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("ENGINELINK_SGLANG_LAYOUT_FILE", raising=False)
+
+    def check() -> int:
+        assert engine_compat.check_installed("sglang", str(python)) == ("0.5.23", None)
+        return len(calls.read_text().splitlines())
+
+    assert check() == 1 and check() == 1  # asked once, then cached
+    (site / "sglang/srt/managers/schedule_batch.py").write_text("# v2\n")
+    assert check() == 2
+    script = tmp_path / "struct_layout.py"
+    script.write_text(engine_compat.LAYOUT_SCRIPT.read_text() + "\n# a newer script\n")
+    monkeypatch.setattr(engine_compat, "LAYOUT_SCRIPT", script)
+    assert check() == 3 and check() == 3
+
+
 def test_an_appended_defaulted_field_is_compatible_with_a_warning(tmp_path, monkeypatch):
     newer = copy.deepcopy(json.loads(LAYOUT_FILE.read_text()))
     newer["version"] = "0.5.24"
