@@ -18,7 +18,8 @@ from enginelink.journal.records import KIND_CLIENT_SENT
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.runtime.requests.contract_vllm import VLLM_EDGE, stream_chunk_body
 from enginelink.runtime.requests.hub import RequestHub
-from enginelink.runtime.requests.validate import EngineLimits, validate_generate
+from enginelink.runtime.requests.contract_vllm import validate_generate
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import FinishReason, OutputBatch
 from enginelink.wire.vllm import VllmCodec
 from tests.harness import ListJournal, generate_request

@@ -41,9 +41,10 @@ from enginelink.machines.warmup import (
     facts_from_ready,
     plan_warmup,
 )
+from enginelink.machines.request_api import GenerateCall
 from enginelink.runtime.requests.embed import RUNNER_POOLING, runner_type
 from enginelink.runtime.errors import DuplicateRequest, ServicerError, Unavailable
-from enginelink.runtime.requests.validate import EngineLimits, GenerateCall
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import GenerateSpec, SamplingSpec
 
 REQUEST_TIMEOUT_MAX_S: Final = 600.0

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import trio
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from enginelink.machines.request_api import GenerateCall
 from enginelink.runtime.errors import (
     CallAborted,
     ClientError,
@@ -40,7 +41,7 @@ from enginelink.runtime.errors import (
     ServicerError,
 )
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
-from enginelink.runtime.requests.validate import EngineLimits, GenerateCall
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.runtime.requests.writers import counted
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec, WireError
 

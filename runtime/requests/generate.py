@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import trio
 
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
 from enginelink.runtime.requests.embed import check_generation
 from enginelink.runtime.errors import ClientError, ServicerError
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
@@ -29,12 +28,12 @@ from enginelink.runtime.requests.writers import counted
 
 
 @counted  # a drain's flush waits for it (runtime/requests/writers.py)
-async def generate(app, request, *, wake, send, direct=None, send_headers=None, edge=VLLM_EDGE) -> None:
+async def generate(app, request, *, wake, send, edge, direct=None, send_headers=None) -> None:
     """Serve one Generate request of ``edge``'s contract through ``app.hub``; returns when it ended OK.
 
     ``edge`` (``runtime/requests/contract.py``): the contract's validator (its request
     → the neutral call); the hub was built with the same edge, which encodes
-    what ``send`` gets. vLLM's ``GenerateRequest`` by default.
+    what ``send`` gets. Always the caller's: this loop knows no contract.
 
     ``direct`` (gRPC only): the stream's ``fastpath.DirectSender``.
     Once a streaming call is admitted its headers go out and its synchronous
@@ -96,7 +95,7 @@ async def generate(app, request, *, wake, send, direct=None, send_headers=None, 
         hub.release(call)
 
 
-def release_refused_kv(app, request, error: ServicerError, now: float, edge=VLLM_EDGE) -> None:
+def release_refused_kv(app, request, error: ServicerError, now: float, edge) -> None:
     """A refused decode-side PD request: the engine frees the prefill side's KV now (``RequestHub.release_kv``).
 
     Only for a refusal that is final, the client's fault (INVALID_ARGUMENT,

@@ -20,11 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from enginelink.machines.request_api import GenerateCall, choice_engine_id
 from enginelink.runtime.requests.constraints import DEFAULT_BACKEND
 from enginelink.runtime.requests.inputs import InputLimits, input_limits
-
-__all__ = ["EngineLimits", "GenerateCall", "LOGPROBS_MAX", "N_MAX", "choice_engine_id", "validate_generate"]
 
 # The most parallel samples one call may ask for; each is a full engine request.
 N_MAX = 64
@@ -48,12 +45,3 @@ class EngineLimits:
     engine_release: str = ""
     inputs: InputLimits = field(default_factory=input_limits)
 
-
-def __getattr__(name: str):
-    """``validate_generate``: vLLM's validator (``runtime/requests/contract_vllm.py``), where the modules
-    that predate the contract edges look for it; resolved on use, since that module imports this one."""
-    if name == "validate_generate":
-        from enginelink.runtime.requests.contract_vllm import validate_generate
-
-        return validate_generate
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
