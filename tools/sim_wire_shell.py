@@ -2,7 +2,7 @@
 
 The personalities themselves are sans-io (``machines/sim_wires.py``); this
 file only connects their sockets as the real engine does, reports readiness
-the way that engine does, and runs ``sim_engine``'s engine loop (``_serve``:
+the way that engine does, and runs the sim process's engine loop (``sim_process.serve``:
 the same polling, step timing, KV publishing, signals and parent watch).
 
 - TokenSpeed (``ts serve --headless``): a DEALER with identity = rank (2 bytes
@@ -32,12 +32,12 @@ import zmq
 
 from enginelink.machines.sim_core import SimConfig, SimEngineCore
 from enginelink.machines.sim_wires import SglangPersonality, TokenSpeedPersonality
-from enginelink.tools import sim_engine as shell
+from enginelink.tools import sim_process as shell
 from enginelink.wire import tokenspeed, vllm
 
 
 def run_wire(args: argparse.Namespace, config: SimConfig) -> int:
-    life = shell._Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
+    life = shell.Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
     ctx = zmq.Context()
     try:
         if args.wire == "tokenspeed":
@@ -47,16 +47,16 @@ def run_wire(args: argparse.Namespace, config: SimConfig) -> int:
         ctx.destroy(linger=0)
 
 
-def _load(args: argparse.Namespace, life: shell._Lifetime) -> None:
+def _load(args: argparse.Namespace, life: shell.Lifetime) -> None:
     """A real engine loads its model here (--startup-delay-s), still answering signals."""
     loading_until = time.monotonic() + args.startup_delay_s
     while time.monotonic() < loading_until and not life.reason():
         time.sleep(0.01)
     if args.bind_cpu is not None:
-        shell._start_bound_thread(args.bind_cpu)
+        shell.start_bound_thread(args.bind_cpu)
 
 
-def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime) -> int:
+def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell.Lifetime) -> int:
     identity = tokenspeed.TokenSpeedHandshake.identity(args.rank)
     hs = ctx.socket(zmq.DEALER)
     hs.setsockopt(zmq.IDENTITY, identity)
@@ -70,11 +70,11 @@ def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfi
     deadline = time.monotonic() + shell.HANDSHAKE_TIMEOUT_S
     while not hs.poll(shell.IDLE_POLL_MS):
         if life.reason() or time.monotonic() > deadline:
-            shell._log(f"no handshake init ({life.reason() or 'timed out'})")
+            shell.log(f"no handshake init ({life.reason() or 'timed out'})")
             return 0 if life.reason() else 1
     init = vllm.decode_handshake_init(hs.recv())
     _load(args, life)
-    hooks, kv_sockets, kv_resolved = shell._kv_publisher(ctx, args, config)
+    hooks, kv_sockets, kv_resolved = shell.kv_publisher(ctx, args, config)
     # TokenSpeed's order: READY on the handshake socket, then the ready response on the input socket.
     hs.send(tokenspeed.encode_handshake_status("READY"))
     inputs = ctx.socket(zmq.DEALER)
@@ -84,12 +84,12 @@ def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfi
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 4000)
     outputs.connect(init.addresses.outputs[0])
-    shell._log(f"ready (tokenspeed wire, rank {args.rank}, vocab {config.vocab_size})")
+    shell.log(f"ready (tokenspeed wire, rank {args.rank}, vocab {config.vocab_size})")
     if args.fault_stray_child:
-        shell._log(f"stray child {shell._start_stray_child()} started")
+        shell.log(f"stray child {shell.start_stray_child()} started")
     personality = TokenSpeedPersonality(SimEngineCore(config, hooks))
-    reason = shell._serve(personality, inputs, outputs, life, kv_sockets)
-    shell._log(f"stopping: {reason}")
+    reason = shell.serve(personality, inputs, outputs, life, kv_sockets)
+    shell.log(f"stopping: {reason}")
     return 0
 
 
@@ -114,14 +114,14 @@ def sglang_ready_report(config: SimConfig, started: float) -> dict:
             "is_generation": config.runner != "pooling"}
 
 
-def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime) -> int:
+def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell.Lifetime) -> int:
     started = time.time()
     while args.hello_gate is not None and not args.hello_gate.exists():
         if life.reason():
             return 0
         time.sleep(shell.IDLE_POLL_MS / 1000)
     _load(args, life)
-    hooks, kv_sockets, _ = shell._kv_publisher(ctx, args, config)
+    hooks, kv_sockets, _ = shell.kv_publisher(ctx, args, config)
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(args.scheduler_input_ipc)
     outputs = ctx.socket(zmq.PUSH)
@@ -131,10 +131,10 @@ def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, l
     if args.ready_fd is not None:
         with contextlib.suppress(OSError), os.fdopen(args.ready_fd, "w") as pipe:
             pipe.write(report + "\n")
-    shell._log(f"ready (sglang wire) {report}")
+    shell.log(f"ready (sglang wire) {report}")
     if args.fault_stray_child:
-        shell._log(f"stray child {shell._start_stray_child()} started")
+        shell.log(f"stray child {shell.start_stray_child()} started")
     personality = SglangPersonality(SimEngineCore(config, hooks))
-    reason = shell._serve(personality, inputs, outputs, life, kv_sockets)
-    shell._log(f"stopping: {reason}")
+    reason = shell.serve(personality, inputs, outputs, life, kv_sockets)
+    shell.log(f"stopping: {reason}")
     return 0
