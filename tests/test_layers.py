@@ -5,7 +5,9 @@ point down tools -> runtime -> machines -> journal -> wire, proto beside wire;
 only runtime and tools import proto; machines and wire stay sans-io; the bench's
 modules form a chain. These tests run the tool from the venv exactly as a
 developer would, and check that it really looks at our code: a contract
-that lists every folder, and a reversed one that must break.
+that lists every folder, and a reversed one that must break. No module of
+the product imports itself back down a chain: checked on the graph
+import-linter builds (grimp's), with the same roots.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import tomllib
 from pathlib import Path
 
+import grimp
 import pytest
 
 from tests.harness import VENV_BIN
@@ -81,3 +84,19 @@ def test_an_upward_import_is_reported(tmp_path):
     assert result.returncode == 1, output
     assert re.search(r"enginelink\.runtime\.[\w.]+ -> enginelink\.wire\.\w+", output), output
     assert "Contracts: 0 kept, 1 broken." in output, output
+
+
+def test_the_product_has_no_import_cycle():
+    """A cycle makes import order matter and hides a layer inside a folder: none, anywhere in the product."""
+    roots = _config()["tool"]["importlinter"]["root_packages"]
+    graph = grimp.build_graph(*roots, cache_dir=None)
+    ours = [module for module in graph.modules if module.startswith("enginelink.")]
+    assert len(ours) >= sum(1 for folder in ("proto", "wire", "journal", "machines", "runtime", "tools")
+                            for _ in (ROOT / folder).rglob("*.py")) - 1  # it read our modules (the namespace has no file)
+    cycles: dict[frozenset, str] = {}
+    for importer in sorted(ours):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            back = graph.find_shortest_chain(importer=imported, imported=importer)
+            if back:  # importer -> imported -> ... -> importer
+                cycles.setdefault(frozenset(back), " -> ".join((importer, *back)))
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(cycles.values()))
