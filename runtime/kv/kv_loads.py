@@ -1,7 +1,7 @@
 """Load records on the KV event stream: ``EngineLoad`` per DP rank, and when to send one alone.
 
 Every ``KvEventBatch`` a subscriber gets carries its rank's ``EngineLoad``,
-built from the newest scheduler stats (``runtime/lifetime/loads.py``, which the engine
+built from the newest scheduler stats (``runtime/context/loads.py``, which the engine
 link feeds from every engine step). Between batches, ``load_only`` batches
 keep the router's view fresh (smg contract §12.5), decided per stream and
 rank by ``Beat``:
@@ -30,7 +30,7 @@ from typing import Callable, Final
 
 from smg_grpc_proto.generated import common_pb2 as pb
 
-from enginelink.runtime.lifetime.loads import Loads
+from enginelink.runtime.context.loads import Loads
 from enginelink.wire.engine import SchedulerStats
 
 CHECK_S: Final = 0.1

@@ -42,7 +42,7 @@ from enginelink.journal.records import KIND_RUN_START, KIND_RUN_STOP
 from enginelink.machines.link import LinkEvent, LinkState
 from enginelink.machines.warmup import WarmupSetting
 from enginelink.runtime.lifetime import core
-from enginelink.runtime.lifetime.app import App
+from enginelink.runtime.context.app import App
 from enginelink.runtime.engine.engine_link import EngineArgsRefused, EngineIncompatible, EngineLink, LinkFailed
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.inputs import input_limits
@@ -51,10 +51,10 @@ from enginelink.runtime.kv.kv_config import KvPlan
 from enginelink.runtime.kv.kv_loads import LoadSource
 from enginelink.runtime.kv.kv_metrics import KvRelayCollector
 from enginelink.runtime.kv.kv_relay import KvRelayError, KvRelayShell, wall_sequence_base
-from enginelink.runtime.lifetime.link_stats import link_stats
-from enginelink.runtime.lifetime.metrics import Metrics, serve_metrics
+from enginelink.runtime.context.link_stats import link_stats
+from enginelink.runtime.context.metrics import Metrics, serve_metrics
 from enginelink.runtime.engine.model_dir import ModelFacts
-from enginelink.runtime.lifetime.rank_metrics import RankCollector
+from enginelink.runtime.context.rank_metrics import RankCollector
 from enginelink.runtime.lifetime.readiness import Readiness, StatusSink
 from enginelink.runtime.lifetime.snapshots import SNAPSHOT_INTERVAL_S, run_snapshots
 from enginelink.runtime.lifetime.warmup import warm_up

@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 from enginelink.proto.mlx_engine_grpc import MlxEngineBase
 from enginelink.runtime.errors import grpc_errors
 from enginelink.runtime.requests.contract_mlx import MLX_EDGE, SERVER_TYPE
-from enginelink.runtime.lifetime.app import context_len, model_facts
+from enginelink.runtime.context.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
 from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.rpc.service_common import ContractService

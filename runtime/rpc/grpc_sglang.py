@@ -41,7 +41,7 @@ from enginelink.runtime.lifetime.warmup import Outcome, TrioWake, hub_submit
 from enginelink.runtime.requests.contract_sglang import SGLANG_EDGE
 from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, runner_type
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec
-from enginelink.runtime.lifetime.app import context_len, model_facts
+from enginelink.runtime.context.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
 from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
@@ -293,7 +293,7 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
 
 
 def _sglang_load(load, in_flight: int) -> pb.SchedulerLoad:
-    """vLLM's ``SchedulerLoad`` (``lifetime/loads.py``) as SGLang's; no stats on this wire: the hub's count."""
+    """vLLM's ``SchedulerLoad`` (``runtime/context/loads.py``) as SGLang's; no stats on this wire: the hub's count."""
     running = load.num_running_reqs or in_flight
     return pb.SchedulerLoad(
         dp_rank=load.dp_rank, num_running_reqs=running, num_waiting_reqs=load.num_waiting_reqs,

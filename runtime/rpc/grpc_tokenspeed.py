@@ -32,7 +32,7 @@ from enginelink.proto.tokenspeed_scheduler_grpc import TokenSpeedSchedulerBase
 from enginelink.runtime.errors import Unavailable, grpc_errors
 from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT
 from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, TokenSpeedEdge
-from enginelink.runtime.lifetime.app import context_len, model_facts
+from enginelink.runtime.context.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
 from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
@@ -177,7 +177,7 @@ def server_info(app, server_args: dict) -> pb.GetServerInfoResponse:
     )
 
 
-# The per-rank fields both contracts' SchedulerLoad share (runtime/lifetime/loads.py builds vLLM's).
+# The per-rank fields both contracts' SchedulerLoad share (runtime/context/loads.py builds vLLM's).
 _LOAD_FIELDS = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens",
                 "max_total_num_tokens", "max_running_requests", "token_usage", "gen_throughput",
                 "cache_hit_rate", "utilization")

@@ -22,7 +22,7 @@ from pathlib import Path
 import trio
 
 from enginelink.machines.warmup import warmup_setting
-from enginelink.runtime.lifetime.app import App
+from enginelink.runtime.context.app import App
 from enginelink.runtime.requests.contract_vllm import VllmEdge
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.engine.launchers import SimLauncher

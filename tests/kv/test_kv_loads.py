@@ -7,7 +7,7 @@ import asyncio
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.kv.kv_loads import Beat, LoadSource, LoadView, changed
-from enginelink.runtime.lifetime.loads import Loads
+from enginelink.runtime.context.loads import Loads
 from enginelink.runtime.requests.contract_vllm import validate_generate
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import SchedulerStats

@@ -19,7 +19,7 @@ from enginelink.runtime.requests import kv_transfer
 from enginelink.runtime.requests.embed import RUNNER_POOLING, runner_type
 from enginelink.runtime.requests.constraints import DEFAULT_BACKEND
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
-from enginelink.runtime.lifetime.loads import Loads
+from enginelink.runtime.context.loads import Loads
 from enginelink.runtime.engine.model_dir import ModelFacts
 from enginelink.runtime.engine.tokenizer_bundle import tokenizer_bundle_chunks
 from enginelink.runtime.requests.validate import LOGPROBS_MAX, EngineLimits

@@ -3,7 +3,7 @@
 Read at scrape time from the link's rank table (``machines/ranks.py``: the
 engine requests this servicer has in flight on each rank, and how many it
 sent there) and from the scheduler stats each rank's output frames carry
-(``runtime/lifetime/loads.py``, the same numbers as GetLoads). The families carry the
+(``runtime/context/loads.py``, the same numbers as GetLoads). The families carry the
 servicer's ``model`` label and the rank's own ``rank`` (the servicer-wide
 families keep ``rank="0"``, the first rank's, as before).
 """
