@@ -24,7 +24,7 @@ from enginelink.machines.ranks import RankTable
 from enginelink.runtime.errors import EngineFailure
 from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
 from enginelink.runtime.requests.generate import generate
-from enginelink.runtime.lifetime.warmup import TrioWake
+from enginelink.runtime.context.submit import TrioWake
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import FinishReason, OutputBatch

@@ -28,7 +28,8 @@ from enginelink.machines.warmup import (
 from enginelink.runtime.errors import Unavailable
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.validate import EngineLimits
-from enginelink.runtime.lifetime.warmup import FLUSH_TIMEOUT_S, hub_submit, run_warmup, warm_up
+from enginelink.runtime.context.submit import hub_submit
+from enginelink.runtime.lifetime.warmup import FLUSH_TIMEOUT_S, run_warmup, warm_up
 from enginelink.machines.sim_core import SimConfig, SimEngineCore, ready_response
 from enginelink.wire import vllm
 from enginelink.wire.engine import GenerateSpec, SamplingSpec

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from enginelink.runtime.engine.engine_link import EngineLink
-from enginelink.runtime.rpc.fastpath import MAX_CONCURRENT_STREAMS
 from enginelink.runtime.requests.hub import RETIRED_ENGINE_IDS_MAX, RequestHub
 
 
@@ -42,12 +41,13 @@ class LinkStats:
     held_bursts: int = 0
 
 
-def link_stats(link: EngineLink, hub: RequestHub) -> LinkStats:
+def link_stats(link: EngineLink, hub: RequestHub, max_concurrent_streams: int) -> LinkStats:
+    """``max_concurrent_streams``: the gRPC front's bound (``runtime/rpc/fastpath.py``, above this layer)."""
     sup = link.supervision
     return LinkStats(
         link.frames_received, hub.late_outputs, hub.in_flight_max,
         len(hub.retired), RETIRED_ENGINE_IDS_MAX, hub.renamed, hub.send_errors,
-        MAX_CONCURRENT_STREAMS, hub.direct_writes, hub.direct_handovers,
+        max_concurrent_streams, hub.direct_writes, hub.direct_handovers,
         link.idle_probe.probes_sent, link.idle_probe.probes_answered, sup.idle_probe.interval_s, sup.idle_probe.timeout_s, sup.stop_grace_s,
         hub.stop_chars, hub.stop_steps, hub.logprob_errors, hub.kv_releases,
         hub.held_frames, hub.held_bursts,

@@ -58,6 +58,7 @@ from enginelink.runtime.context.rank_metrics import RankCollector
 from enginelink.runtime.lifetime.readiness import Readiness, StatusSink
 from enginelink.runtime.lifetime.snapshots import SNAPSHOT_INTERVAL_S, run_snapshots
 from enginelink.runtime.lifetime.warmup import warm_up
+from enginelink.runtime.rpc.fastpath import MAX_CONCURRENT_STREAMS
 
 log = logging.getLogger("enginelink")
 
@@ -281,7 +282,7 @@ def _watch(metrics: Metrics, servicer: Servicer) -> None:
     metrics.watch_state(lambda: link.machine.state)
     metrics.watch_in_flight(lambda: hub.active_requests)
     metrics.add_gauges("journal", servicer.journal.stats)
-    metrics.add_gauges("link", lambda: link_stats(link, hub))
+    metrics.add_gauges("link", lambda: link_stats(link, hub, MAX_CONCURRENT_STREAMS))
     metrics.add_gauges("input_max", input_limits)  # the ENGINELINK_MAX_* request-input bounds
     metrics.add_collector(lambda labels: RankCollector(link.ranks, servicer.app.loads, labels))
     if servicer.kv_relay is not None:

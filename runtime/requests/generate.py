@@ -8,7 +8,7 @@ aborted as ``client_gone``, so the engine stops working on it.
 Parametrised by the two things that differ between callers:
 - ``wake``: what the hub sets when the call has something new; an
   ``asyncio.Event`` for grpclib handlers (asyncio under trio-asyncio), a
-  ``warmup.TrioWake`` for trio code (the simulation's clients);
+  ``context.submit.TrioWake`` for trio code (the simulation's clients);
 - ``send``: an async callable taking one response message of the edge's contract.
 
 Errors: a refusal (validation, admission) is journaled through

@@ -43,7 +43,7 @@ from enginelink.machines.request_call import Call, Choice  # noqa: F401 - the hu
 # The core's bounds, where the shell reads them (server.py, grpc_transport.py).
 from enginelink.machines.request_core import IN_FLIGHT_MAX, RETIRED_ENGINE_IDS_MAX, RequestCore  # noqa: F401
 from enginelink.runtime.errors import ConstraintFailed, from_failure, from_refusal
-from enginelink.runtime.context.metrics import NoMetrics
+from enginelink.runtime.requests.no_metrics import NoMetrics
 from enginelink.wire.engine import EngineCodec, OutputBatch
 
 log = logging.getLogger("enginelink.hub")

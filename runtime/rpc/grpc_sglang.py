@@ -37,7 +37,7 @@ from enginelink.proto.sglang_scheduler_grpc import SglangSchedulerBase
 from enginelink.runtime.errors import ClientError, current_request_id, grpc_errors
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.kv.grpc_kv import retrieve_outcome
-from enginelink.runtime.lifetime.warmup import Outcome, TrioWake, hub_submit
+from enginelink.runtime.context.submit import Outcome, TrioWake, hub_submit
 from enginelink.runtime.requests.contract_sglang import SGLANG_EDGE
 from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, runner_type
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec

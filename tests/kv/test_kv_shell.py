@@ -15,7 +15,7 @@ from enginelink.runtime.kv.kv_config import KvPlan, RankEndpoints
 from enginelink.runtime.kv.kv_loads import CHECK_S, LoadSource
 from enginelink.runtime.kv.kv_relay import KvRelayShell
 from enginelink.runtime.context.loads import Loads
-from enginelink.runtime.lifetime.warmup import TrioWake
+from enginelink.runtime.context.submit import TrioWake
 from enginelink.wire import kv_events as kv
 from enginelink.wire.engine import SchedulerStats
 from tests.machines.kv_pair import msg, stored

@@ -35,7 +35,7 @@ from enginelink.runtime.requests.hub import Call, RequestHub
 from enginelink.runtime.engine.engine_link import EngineLink
 from enginelink.runtime.engine.memory_link import MemoryLink
 from enginelink.runtime.engine.model_dir import ModelFacts
-from enginelink.runtime.lifetime.warmup import TrioWake
+from enginelink.runtime.context.submit import TrioWake
 from tests.sim.scenario import ClientPlan, Scenario
 
 FAKE_WALL_START = 1_700_000_000.0  # the run's "wall clock" at trio time 0

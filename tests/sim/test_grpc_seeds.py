@@ -38,7 +38,7 @@ from enginelink.proto.vllm_engine_grpc import VllmEngineStub
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
 from enginelink.runtime.requests.generate import generate
-from enginelink.runtime.lifetime.warmup import TrioWake
+from enginelink.runtime.context.submit import TrioWake
 from tests.grpc_pair import grpc_pair
 from tests.sim.scenario import scenario
 
