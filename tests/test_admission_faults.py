@@ -22,7 +22,7 @@ from enginelink.journal.records import KIND_CLIENT_GENERATE, KIND_ENGINE_REQUEST
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.machines.ranks import RankTable
 from enginelink.runtime.errors import EngineFailure
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.context.submit import TrioWake
 from enginelink.runtime.requests.hub import RequestHub

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from enginelink.runtime.engine.launchers import LauncherError
-from enginelink.runtime.engine.sglang_launch import SGLANG_HEADLESS_SCRIPT, SglangLauncher
+from enginelink.runtime.contracts.sglang.launch import SGLANG_HEADLESS_SCRIPT, SglangLauncher
 from enginelink.wire import sglang
 from tests.wire.engine_venvs import side_python_or_skip
 

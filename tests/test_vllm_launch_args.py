@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from enginelink.runtime.engine.capture_cap import CAPTURE_CAP_ENV
+from enginelink.runtime.contracts.vllm.capture_cap import CAPTURE_CAP_ENV
 from tests.harness import free_port
 from tests.test_operator import refused_with_one_line
 from tests.test_operator import serve as serve_process

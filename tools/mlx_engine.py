@@ -161,7 +161,7 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, life: Lifetime) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from enginelink.runtime.engine.vllm_headless import report_refused_arguments  # standard library only
+    from enginelink.runtime.contracts.vllm.vllm_headless import report_refused_arguments  # standard library only
 
     parser = argparse.ArgumentParser(prog="python -m enginelink.tools.mlx_engine", description=DESCRIPTION)
     add_arguments(parser)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected 0 to 10000")
     if args.max_logprobs < -1:
         parser.error(f"--max-logprobs {args.max_logprobs}: expected -1 (the vocabulary) or >= 0")
-    # What vLLM's launch script reports beside the ready response (runtime/engine/vllm_headless.py).
+    # What vLLM's launch script reports beside the ready response (runtime/contracts/vllm/vllm_headless.py).
     _write_facts(facts_path, {"runner_type": "generate", "max_logprobs": args.max_logprobs,
                               "enable_prefix_caching": False, "engine": "mlx",
                               "coalesce_gap_ms": args.coalesce_gap_ms, "coalesce_max_ms": args.coalesce_max_ms})

@@ -16,7 +16,7 @@ environment into:
 - ``warnings``: the variables set that cannot apply here (``knobs.environment_warnings``)
   and the flags that only the reference's Rust pipeline reads;
 - ``exports``: the media values a flag decided, for the environment the
-  media settings are read from (``runtime/requests/media.py``).
+  media settings are read from (``runtime/contracts/shared/media.py``).
 
 Pure: it reads only what it is given, so tests call it with a namespace and a dict.
 """
@@ -31,7 +31,7 @@ from enginelink.tools import knobs
 from enginelink.tools.ref_flags import MM_FLAGS
 
 DEFAULT = "default"
-# The media settings enginelink's own fetcher and processor read (runtime/requests/media.py).
+# The media settings enginelink's own fetcher and processor read (runtime/contracts/shared/media.py).
 SERVED_MM = ("processor", "max_inflight", "max_item_bytes", "max_items", "fetch_timeout_ms", "video_fetch_timeout_ms")
 SIDECAR_MM = ("redis_url", "sidecar_timeout_ms", "sidecar_max_queue", "sidecar_namespace")
 SIDECAR_WHY = "enginelink has no Redis media sidecar yet"

@@ -319,7 +319,7 @@ def _write_pd_facts(config: SimConfig, kv_transfer: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from enginelink.runtime.engine.zmq_transport import ENGINE_FACTS_ENV
-    from enginelink.runtime.engine.vllm_headless import report_refused_arguments
+    from enginelink.runtime.contracts.vllm.vllm_headless import report_refused_arguments
 
     parser = argparse.ArgumentParser(prog="python -m enginelink.tools.sim_engine", description=__doc__.splitlines()[0])
     add_arguments(parser)
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_facts(path: str | None, args: argparse.Namespace) -> None:
-    """What vLLM's launch script reports beside the ready response (runtime/engine/vllm_headless.py):
+    """What vLLM's launch script reports beside the ready response (runtime/contracts/vllm/vllm_headless.py):
     the runner (whether the servicer offers Generate or Embed) and --max-logprobs."""
     if path:
         # Every DP rank writes the same facts: each through a temp file of its own, or one rank's

@@ -15,7 +15,7 @@ import trio
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.records import KIND_ERROR, request_stream
-from enginelink.runtime.requests import kv_transfer
+from enginelink.runtime.contracts.vllm import kv_transfer
 from enginelink.runtime.requests.embed import RUNNER_POOLING, runner_type
 from enginelink.runtime.requests.constraints import DEFAULT_BACKEND
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
@@ -60,7 +60,7 @@ class App:
     run_start_trio: float
     server_type: str = "vllm-grpc"
     loads: Loads = field(default_factory=Loads)
-    # Worker-side media refs (runtime/requests/media.py); None: media_refs are refused as "processor off".
+    # Worker-side media refs (runtime/contracts/shared/media.py); None: media_refs are refused as "processor off".
     media: object = None
     # Generate/Embed calls whose writer has not returned (runtime/requests/writers.py): a drain waits for them.
     open_writers: int = 0
@@ -109,7 +109,7 @@ class App:
             # False on a pooling engine (runtime/requests/embed.py): it serves Embed, not Generate.
             is_generation=runner_type(self.ready) != RUNNER_POOLING,
             max_context_length=max_len,
-            supports_vision=model.supports_vision,  # router tensors: runtime/requests/mm_tensors.py
+            supports_vision=model.supports_vision,  # router tensors: runtime/contracts/shared/mm_tensors.py
             tokenizer_path=model.tokenizer_path,
             max_req_input_len=max_len,
             default_sampling_params_json=model.default_sampling_params_json,
@@ -131,7 +131,7 @@ class App:
             # PD: the connector, role and engine id the router pairs legs by, from the
             # engine's resolved --kv-transfer-config (its facts), and SMG_PAIRING_PROTOCOL.
             **kv_transfer.server_fields(ready),
-            # mm_processor and the schemes fetched, when media refs are on (runtime/requests/media.py).
+            # mm_processor and the schemes fetched, when media refs are on (runtime/contracts/shared/media.py).
             **(self.media.server_fields() if self.media is not None else {}),
         )
 

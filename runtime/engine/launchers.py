@@ -22,7 +22,7 @@ from typing import Protocol
 from enginelink.runtime.engine.side_venv import interpreter
 
 # The script the vLLM venv's python runs, by path (enginelink is not installed there).
-VLLM_HEADLESS_SCRIPT = Path(__file__).with_name("vllm_headless.py")
+VLLM_HEADLESS_SCRIPT = Path(__file__).parents[1] / "contracts" / "vllm" / "vllm_headless.py"
 # vLLM on CPU sizes its KV cache from the NUMA node, which VMs under-report
 # (reference/cpu-test-engine.md §2, workaround 3): 1 GiB unless told otherwise.
 VLLM_CPU_KVCACHE_SPACE_DEFAULT = "1"
@@ -287,7 +287,7 @@ def default_vllm_python() -> str:
 
 @dataclass
 class VllmLauncher:
-    """A real vLLM engine: ``runtime/engine/vllm_headless.py`` run by the vLLM venv's python."""
+    """A real vLLM engine: ``runtime/contracts/vllm/vllm_headless.py`` run by the vLLM venv's python."""
 
     python: str
     model_dir: Path | str  # a directory, or a Hub id the engine resolves itself (model_source.py)
@@ -320,6 +320,6 @@ class VllmLauncher:
         return redact_args(argv)
 
     def check_ready(self, ready: dict) -> str | None:
-        from enginelink.runtime.engine.vllm_compat import check_ready
+        from enginelink.runtime.contracts.vllm.compat import check_ready
 
         return check_ready(ready, self.checked_version) if self.checked_version else None

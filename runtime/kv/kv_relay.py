@@ -16,7 +16,7 @@ everything; this file moves frames and time:
 - the machine's actions: ``Journal`` → the journal, ``Wake`` → the streams'
   wake events, ``FetchReplay`` → the rank's fetcher (one outstanding; a newer
   one replaces an unstarted older one, the machine ignores stale tokens);
-- the streams of ``SubscribeKvEvents`` (``runtime/kv/grpc_kv.py``): each has a
+- the streams of ``SubscribeKvEvents`` (``runtime/contracts/shared/grpc_kv.py``): each has a
   wake event the handler waits on. It is an ``asyncio.Event`` set from trio
   code here, a plain call on the same thread under trio-asyncio: no
   trio↔asyncio hop per batch. A slow stream costs nothing here: the window

@@ -46,7 +46,7 @@ from enginelink.runtime.context.app import App
 from enginelink.runtime.engine.engine_link import EngineArgsRefused, EngineIncompatible, EngineLink, LinkFailed
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.inputs import input_limits
-from enginelink.runtime.requests.media import MediaService, media_settings
+from enginelink.runtime.contracts.shared.media import MediaService, media_settings
 from enginelink.runtime.kv.kv_config import KvPlan
 from enginelink.runtime.kv.kv_loads import LoadSource
 from enginelink.runtime.kv.kv_metrics import KvRelayCollector

@@ -17,10 +17,10 @@ from typing import Callable, Final
 
 from enginelink.runtime.engine.sglang_link import SglangTransport
 from enginelink.runtime.engine.zmq_transport import ZmqTransport
-from enginelink.runtime.rpc.grpc_mlx import MlxEngineService
-from enginelink.runtime.rpc.grpc_sglang import SglangSchedulerService
-from enginelink.runtime.rpc.grpc_tokenspeed import TokenSpeedSchedulerService
-from enginelink.runtime.rpc.grpc_vllm import VllmEngineService
+from enginelink.runtime.contracts.mlx.service import MlxEngineService
+from enginelink.runtime.contracts.sglang.service import SglangSchedulerService
+from enginelink.runtime.contracts.tokenspeed.service import TokenSpeedSchedulerService
+from enginelink.runtime.contracts.vllm.service import VllmEngineService
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ async def generate(app, request, *, wake, send, edge, direct=None, send_headers=
         prepare_media = getattr(edge, "prepare_media", None)
         if prepare_media is not None:
             # Media refs are fetched after the request is known good and before admission, in this
-            # call's task (bounded by the media knobs, runtime/requests/media.py), never on the engine's path.
+            # call's task (bounded by the media knobs, runtime/contracts/shared/media.py), never on the engine's path.
             spec = await prepare_media(app, request, spec)
             now = trio.current_time()
         call = hub.admit(spec, now, wake=wake)

@@ -9,7 +9,7 @@ DP rank), sets the wake of each call with news, and writes a streaming call's
 messages itself from the engine frame's fan-out when the core says its writer
 is idle (the direct path, below). Contract-neutral: the messages are encoded
 by the contract's edge it was built with (``runtime/requests/contract.py``; vLLM's is
-``runtime/requests/contract_vllm.py``); without an edge, ``take`` returns the core's
+``runtime/contracts/vllm/edge.py``); without an edge, ``take`` returns the core's
 own ``Chunk`` / ``Complete`` (warm-up, Embed: they send nothing).
 
 Theory of operation. A handler validates a call (through its edge) and

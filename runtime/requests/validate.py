@@ -2,7 +2,7 @@
 
 Each gRPC contract's edge validates its own request message into a
 ``GenerateCall`` (``machines/request_api.py``) against ``EngineLimits``:
-vLLM's in ``runtime/requests/contract_vllm.py``. The rules every edge keeps:
+vLLM's in ``runtime/contracts/vllm/edge.py``. The rules every edge keeps:
 
 - every refusal is a ``ClientError`` naming the field and what is wrong with
   it (INVALID_ARGUMENT); nothing refused ever reaches the engine;

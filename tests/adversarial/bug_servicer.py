@@ -23,7 +23,7 @@ import trio
 
 from enginelink.machines.warmup import warmup_setting
 from enginelink.runtime.context.app import App
-from enginelink.runtime.requests.contract_vllm import VllmEdge
+from enginelink.runtime.contracts.vllm.edge import VllmEdge
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.engine.launchers import SimLauncher
 from enginelink.runtime.engine.model_dir import read_model_facts

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.runtime.errors import ClientError, Precondition, Unavailable
-from enginelink.runtime.requests.media import MediaService, MediaSettings, media_settings_from
+from enginelink.runtime.contracts.shared.media import MediaService, MediaSettings, media_settings_from
 from tests.adversarial.media_origin import PNG, Origin
 
 PUBLIC = "93.184.216.34"  # stands for a public origin; connections to it go to the loopback origin
@@ -419,7 +419,7 @@ def _closed_port() -> int:
     ({"ENGINELINK_ALLOWED_MEDIA_DOMAINS": "example.com:443"}, "not a host name"),
 ])  # fmt: skip
 def test_bad_media_knobs_are_refused_at_start(env, words):
-    from enginelink.runtime.requests.media import MediaKnobError
+    from enginelink.runtime.contracts.shared.media import MediaKnobError
 
     with pytest.raises(MediaKnobError, match=words):
         media_settings_from(env)

@@ -8,7 +8,7 @@ from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.kv.kv_loads import Beat, LoadSource, LoadView, changed
 from enginelink.runtime.context.loads import Loads
-from enginelink.runtime.requests.contract_vllm import validate_generate
+from enginelink.runtime.contracts.vllm.edge import validate_generate
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import SchedulerStats
 from enginelink.wire.vllm import VllmCodec

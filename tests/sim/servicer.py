@@ -28,7 +28,7 @@ import trio
 
 from enginelink.machines.warmup import WarmupSetting
 from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.hub import Call, RequestHub

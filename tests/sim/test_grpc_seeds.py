@@ -36,7 +36,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineStub
 from enginelink.runtime.errors import ServicerError
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.context.submit import TrioWake
 from tests.grpc_pair import grpc_pair

@@ -1,7 +1,7 @@
 """Worker-side media refs (vLLM's ``GenerateRequest.media_refs``): the settings, the caps, the metrics.
 
 The router either preprocesses media itself and sends tensors (``mm_inputs``,
-``runtime/requests/mm_tensors.py``) or, where a worker says it has a media
+``runtime/contracts/shared/mm_tensors.py``) or, where a worker says it has a media
 processor (``GetServerInfo.mm_processor``), forwards the URLs for the worker
 to fetch. This module holds the second path's shell:
 
@@ -77,7 +77,7 @@ class MediaSettings:
     # ENGINELINK_ALLOWED_MEDIA_DOMAINS / --allowed-media-domains: http(s) hosts fetched from; empty: any.
     allowed_domains: tuple[str, ...] = ()
     bytes_in_flight_max: int = 1 << 30  # ENGINELINK_MM_MAX_BYTES_IN_FLIGHT: fetched bytes held by all jobs
-    # Router tensors (mm_inputs, runtime/requests/mm_tensors.py): all of one request's, inline and shm.
+    # Router tensors (mm_inputs, runtime/contracts/shared/mm_tensors.py): all of one request's, inline and shm.
     tensor_bytes_max: int = 1 << 30  # ENGINELINK_MM_MAX_TENSOR_BYTES
     # The processor helper (runtime/requests/media_processor.py): its start, and one request's whole turn.
     processor_start_timeout_s: float = 180.0  # ENGINELINK_MM_PROCESSOR_START_TIMEOUT_S

@@ -1,6 +1,6 @@
 """Launching a real SGLang 0.5.23 scheduler headless: ``serve --engine sglang --model DIR -- <sglang args>``.
 
-The SGLang venv's python runs ``runtime/engine/sglang_headless.py`` by path
+The SGLang venv's python runs ``runtime/contracts/sglang/sglang_headless.py`` by path
 (enginelink is not installed there). That script builds SGLang's own
 ``ServerArgs`` from the arguments after ``--`` plus what enginelink needs
 (``--model-path DIR``, ``--skip-tokenizer-init``, msgpack IPC through
@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from enginelink.runtime.engine.engine_compat import check_installed, default_python
+from enginelink.runtime.contracts.shared.engine_compat import check_installed, default_python
 from enginelink.runtime.engine.launchers import LauncherError, flag_value, move_secrets, redact_args
 
 SGLANG_HEADLESS_SCRIPT = Path(__file__).with_name("sglang_headless.py")

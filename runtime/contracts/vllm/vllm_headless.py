@@ -96,7 +96,7 @@ def _write_facts(path: str, vllm_config) -> None:
 
 
 def _pd_facts(vllm_config) -> dict:
-    """The PD pairing identity GetServerInfo advertises (enginelink's runtime/requests/kv_transfer.py reads it).
+    """The PD pairing identity GetServerInfo advertises (enginelink's runtime/contracts/vllm/kv_transfer.py reads it).
 
     Resolved by vLLM itself (an engine id left out is a fresh uuid, known only
     here). Names and ids only: the connector's extra config may hold

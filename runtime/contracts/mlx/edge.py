@@ -35,9 +35,9 @@ from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 from enginelink.machines.logprobs import Position
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.chunk_bytes import stream_chunk
+from enginelink.runtime.contracts.shared.chunk_bytes import stream_chunk
 from enginelink.runtime.requests.inputs import check_request_id
-from enginelink.runtime.requests.pb_fields import (
+from enginelink.runtime.contracts.shared.pb_fields import (
     check_logit_bias, check_max_tokens, check_prompt_room, check_token_ids, logprobs_cap, no_release_params,
     raw_request_id, tokenized_input, vllm_sampling_numbers,
 )

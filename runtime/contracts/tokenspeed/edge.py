@@ -1,7 +1,7 @@
 """The ``tokenspeed.grpc.scheduler.TokenSpeedScheduler`` contract's edge: its GenerateRequest in, its responses out.
 
 The second real contract on the request core's seam (``runtime/requests/contract.py``;
-vLLM's is ``contract_vllm.py``). TokenSpeed's semantics, from the reference
+vLLM's is ``contracts/vllm/edge.py``). TokenSpeed's semantics, from the reference
 servicer (``reference/tokenspeed.md`` §2-3), and where they differ from vLLM's:
 
 - every sampling scalar is ``optional``: only what is set is taken, anything
@@ -31,11 +31,11 @@ from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.chunk_bytes import stream_chunk, string_field
+from enginelink.runtime.contracts.shared.chunk_bytes import stream_chunk, string_field
 from enginelink.runtime.requests.constraints import check_json_nesting, parse_json
-from enginelink.runtime.requests.call_stamp import CallStamp, StampedCall  # noqa: F401 (CallStamp: grpc_tokenspeed, tests)
+from enginelink.runtime.contracts.shared.call_stamp import CallStamp, StampedCall  # noqa: F401 (CallStamp: its service, tests)
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings, utf8_len
-from enginelink.runtime.requests.pb_fields import (
+from enginelink.runtime.contracts.shared.pb_fields import (
     check_dp_rank, check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk,
     fill_matched, fill_output_logprobs, finite, no_release_params, raw_request_id,
 )

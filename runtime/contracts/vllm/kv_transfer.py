@@ -59,7 +59,7 @@ MORIIO_CONNECTOR = "MoRIIOConnector"
 STORE_CONNECTORS = frozenset({"MooncakeStoreConnector", "SharedStorageConnector"})
 STORE_CONNECTOR_PREFIXES = ("FlexKV", "HF3FS")
 
-# The engine facts (runtime/engine/vllm_headless.py, the sim engine) that carry the
+# The engine facts (runtime/contracts/vllm/vllm_headless.py, the sim engine) that carry the
 # resolved KV-transfer config: only names and ids, never the connector's extra
 # config (it may hold credentials, and it is journaled with the facts).
 FACT_CONNECTOR = "kv_connector"

@@ -17,12 +17,12 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
 from enginelink.runtime.requests.embed import embed
 from enginelink.runtime.errors import current_request_id, grpc_errors
-from enginelink.runtime.rpc.service_common import ContractService, now_iso
-from enginelink.runtime.lifetime.profiling import check_start_options, profile
-from enginelink.runtime.kv.grpc_kv import FlushError, flush_cache
+from enginelink.runtime.contracts.shared.service_common import ContractService, now_iso
+from enginelink.runtime.contracts.vllm.profiling import check_start_options, profile
+from enginelink.runtime.contracts.shared.grpc_kv import FlushError, flush_cache
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
 
 
@@ -31,7 +31,7 @@ class VllmEngineService(ContractService, VllmEngineBase):
     # server.py builds the hub with it.
     edge = VLLM_EDGE
     health_reply = pb.HealthCheckResponse
-    # Generate, HealthCheck, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
+    # Generate, HealthCheck, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/contracts/shared/service_common.py).
 
     # -- Abort ------------------------------------------------------------------------
 
@@ -69,7 +69,7 @@ class VllmEngineService(ContractService, VllmEngineBase):
             )
         )
 
-    # -- KV cache (runtime/kv/grpc_kv.py) ----------------------------------------------
+    # -- KV cache (runtime/contracts/shared/grpc_kv.py) ----------------------------------------------
 
     @grpc_errors
     async def FlushCache(self, stream) -> None:

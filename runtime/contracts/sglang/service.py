@@ -2,8 +2,8 @@
 
 The router detects an SGLang worker by this service answering (every other
 engine service is UNIMPLEMENTED: grpclib answers unknown paths so). Handlers
-are thin, as in ``grpc_vllm.py``: Generate goes through the one Generate loop
-with SGLang's edge (``runtime/requests/contract_sglang.py``); Embed through the
+are thin, as in vLLM's (``contracts/vllm/service.py``): Generate goes through the one Generate loop
+with SGLang's edge (``runtime/contracts/sglang/edge.py``); Embed through the
 one Embed path; every exception leaves through ``errors.grpc_errors``.
 
 SGLang's semantics where they differ from vLLM's (``reference/sglang-contract.md`` §1):
@@ -36,15 +36,15 @@ from enginelink.machines.warmup import WarmupRequest
 from enginelink.proto.sglang_scheduler_grpc import SglangSchedulerBase
 from enginelink.runtime.errors import ClientError, current_request_id, grpc_errors
 from enginelink.runtime.errors import ServicerError
-from enginelink.runtime.kv.grpc_kv import retrieve_outcome
+from enginelink.runtime.contracts.shared.grpc_kv import retrieve_outcome
 from enginelink.runtime.context.submit import Outcome, TrioWake, hub_submit
-from enginelink.runtime.requests.contract_sglang import SGLANG_EDGE
+from enginelink.runtime.contracts.sglang.edge import SGLANG_EDGE
 from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, runner_type
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec
 from enginelink.runtime.context.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
 from enginelink.runtime.rpc.fastpath import FrameWrites
-from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
+from enginelink.runtime.contracts.shared.service_common import ContractService, aggregate, now_iso, start_time
 from enginelink.wire.sglang import SGLANG_VERSION
 
 # The reference's probe bound (SGLANG_HEALTH_CHECK_TIMEOUT, seconds).
@@ -77,7 +77,7 @@ def health_check_timeout_s(environ=os.environ) -> float:
 class SglangSchedulerService(ContractService, SglangSchedulerBase):
     edge = SGLANG_EDGE
     stamped = True  # every response carries request_id, as the reference's do
-    # Generate, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
+    # Generate, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/contracts/shared/service_common.py).
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
         super().__init__(app, frame_writes, kv_relay)

@@ -41,7 +41,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.local_files import LocalFileRefused, ReadFile, read_regular, remove_if_same
-from enginelink.runtime.requests.media import media_settings
+from enginelink.runtime.contracts.shared.media import media_settings
 from enginelink.wire.vllm_mm import MmBatch, MmLayoutError, MmTensor, features
 
 SHM_ROOT = "/dev/shm"

@@ -8,7 +8,7 @@ path: field names, order, required-ness, defaults, tags) and compares them
 with the codec's ``LAYOUT``; any drift is an ``Incompatible`` (the same error
 the vLLM check raises, so ``enginelink serve`` exits 2 on it) naming the
 release, the struct and the field. This is the vLLM check's twin
-(``runtime/engine/vllm_compat.py``), table-driven over the two engines.
+(``runtime/contracts/vllm/compat.py``), table-driven over the two engines.
 
 Rules:
 - ``compare`` (``wire/struct_layout.py``) is pure and is what the tests drive;

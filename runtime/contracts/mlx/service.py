@@ -4,7 +4,7 @@ Six RPCs (reference/mlx.md §1): Generate, Abort, HealthCheck, GetModelInfo,
 GetServerInfo, GetTokenizer. The MLX engine process speaks vLLM's headless
 wire (``tools/mlx_engine.py``), so everything under the contract, the link,
 request core, hub, journal, drain and death handling, is the vLLM contract's
-own; the edge (``runtime/requests/contract_mlx.py``) is what differs.
+own; the edge (``runtime/contracts/mlx/edge.py``) is what differs.
 Handlers are thin, and every exception leaves through ``errors.grpc_errors``
 (the one status map). ``VllmEngine`` and every other engine service answer
 UNIMPLEMENTED (grpclib does for paths it does not serve): the router tells
@@ -18,18 +18,18 @@ from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 
 from enginelink.proto.mlx_engine_grpc import MlxEngineBase
 from enginelink.runtime.errors import grpc_errors
-from enginelink.runtime.requests.contract_mlx import MLX_EDGE, SERVER_TYPE
+from enginelink.runtime.contracts.mlx.edge import MLX_EDGE, SERVER_TYPE
 from enginelink.runtime.context.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
 from enginelink.runtime.rpc.fastpath import FrameWrites
-from enginelink.runtime.rpc.service_common import ContractService
+from enginelink.runtime.contracts.shared.service_common import ContractService
 
 
 class MlxEngineService(ContractService, MlxEngineBase):
     # The contract's edge: server.py builds the hub with it.
     edge = MLX_EDGE
 
-    # Generate, GetTokenizer: ContractService's (runtime/rpc/service_common.py).
+    # Generate, GetTokenizer: ContractService's (runtime/contracts/shared/service_common.py).
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
         # MLX has no SubscribeKvEvents (the router disables KV events for MLX workers); serve

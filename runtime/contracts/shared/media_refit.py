@@ -16,7 +16,7 @@ import msgspec
 
 from enginelink.machines.request_api import GenerateCall
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.pb_fields import check_max_tokens
+from enginelink.runtime.contracts.shared.pb_fields import check_max_tokens
 from enginelink.runtime.requests.validate import EngineLimits
 
 

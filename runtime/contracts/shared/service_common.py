@@ -1,6 +1,6 @@
 """What the four contracts' gRPC services (vLLM, MLX, SGLang, TokenSpeed) share, written once.
 
-Each service (``grpc_*.py``) is a grpclib base for its proto with this mixin
+Each service (its wing's ``service.py``) is a grpclib base for its proto with this mixin
 before it: the mixin's handlers fill the base's abstract methods, and a
 service overrides one where its contract answers differently (SGLang's
 HealthCheck probes the engine, MLX's says "OK", TokenSpeed's Generate stamps
@@ -16,8 +16,8 @@ from google.protobuf import timestamp_pb2
 from smg_grpc_proto.generated import common_pb2
 
 from enginelink.runtime.errors import current_request_id, grpc_errors
-from enginelink.runtime.kv.grpc_kv import subscribe_kv_events
-from enginelink.runtime.requests.call_stamp import CallStamp
+from enginelink.runtime.contracts.shared.grpc_kv import subscribe_kv_events
+from enginelink.runtime.contracts.shared.call_stamp import CallStamp
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.inputs import input_limits
 from enginelink.runtime.rpc.fastpath import DirectSender, FrameWrites
@@ -27,7 +27,7 @@ from enginelink.runtime.rpc.stream_memory import WakeEvent
 class ContractService:
     """The handlers that are the same in every contract, and the attributes ``errors.grpc_errors`` reads.
 
-    A subclass sets ``edge`` (its ``contract_*.py`` edge; server.py builds the hub
+    A subclass sets ``edge`` (its wing's ``edge.py``; server.py builds the hub
     with it) and ``health_reply`` (its proto's ``HealthCheckResponse``).
     """
 
@@ -62,7 +62,7 @@ class ContractService:
             await generate(self.app, request, wake=WakeEvent(), send=stream.send_message, direct=direct,
                            send_headers=stream.send_initial_metadata, edge=self.edge)
             return
-        stamp = CallStamp(request.request_id, request.stream)  # runtime/requests/call_stamp.py
+        stamp = CallStamp(request.request_id, request.stream)  # runtime/contracts/shared/call_stamp.py
 
         async def send(message) -> None:
             await stream.send_message(stamp.stamp(message))
@@ -85,7 +85,7 @@ class ContractService:
 
     @grpc_errors
     async def SubscribeKvEvents(self, stream) -> None:
-        # runtime/kv/grpc_kv.py; a contract whose proto has no such RPC (MLX) never routes here.
+        # runtime/contracts/shared/grpc_kv.py; a contract whose proto has no such RPC (MLX) never routes here.
         await subscribe_kv_events(self.kv_relay, stream)
 
 

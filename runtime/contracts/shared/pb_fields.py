@@ -1,6 +1,6 @@
 """The field checks and response fills the four contracts' edges share (vLLM, MLX, SGLang, TokenSpeed).
 
-Each edge (``contract_*.py``) keeps what is its own: which fields it has,
+Each edge (a wing's ``edge.py``) keeps what is its own: which fields it has,
 their defaults, the order it checks them in and its error words where they
 differ. What is the same in every contract, to the letter, lives here once, so
 a fix to a vocabulary check or a logprob fill reaches all four. The proto

@@ -2,7 +2,7 @@
 
 The request core (``machines/request_core.py``) is contract-neutral; each
 gRPC contract has one small edge module like this one, chosen when the
-service is built (``runtime/rpc/grpc_vllm.py``, ``server.py``). An edge provides
+service is built (``runtime/contracts/vllm/service.py``, ``server.py``). An edge provides
 (``runtime/requests/contract.py``, ``ContractEdge``):
 
 - ``id_field`` / ``raw_request_id``: the request's id, checked before
@@ -22,15 +22,15 @@ import msgspec
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message, choice_engine_id
-from enginelink.runtime.requests import kv_transfer
-from enginelink.runtime.requests.chunk_bytes import stream_chunk
+from enginelink.runtime.contracts.vllm import kv_transfer
+from enginelink.runtime.contracts.shared.chunk_bytes import stream_chunk
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id, stop_strings as _stop_strings
-from enginelink.runtime.requests.media import in_trio
-from enginelink.runtime.requests.media_refit import with_processed_media
-from enginelink.runtime.requests.mm_tensors import mm_features_of
-from enginelink.runtime.requests.pb_fields import (
+from enginelink.runtime.contracts.shared.media import in_trio
+from enginelink.runtime.contracts.shared.media_refit import with_processed_media
+from enginelink.runtime.contracts.shared.mm_tensors import mm_features_of
+from enginelink.runtime.contracts.shared.pb_fields import (
     check_logit_bias, check_max_tokens, check_n, check_prompt_room, check_token_ids, fill_chunk, fill_matched,
     fill_output_logprobs, fill_prompt_logprobs, logprobs_cap, raw_request_id, tokenized_input, vllm_sampling_numbers,
 )
@@ -62,7 +62,7 @@ def validate_generate(request: pb.GenerateRequest, limits: EngineLimits, now: fl
     prompt_logprobs = _logprobs(sp, "prompt_logprobs", "prompt", limits)
     logit_bias = check_logit_bias(sp, limits)
     constraint = constraint_of(sp, inputs, limits.grammar_backend, limits.engine_release)
-    # PD: the JSON field or the legacy message, checked as the reference does (runtime/requests/kv_transfer.py).
+    # PD: the JSON field or the legacy message, checked as the reference does (runtime/contracts/vllm/kv_transfer.py).
     kv_transfer_params = kv_transfer.params_from_request(request, inputs)
     dp_rank = _dp_rank(request, limits)
 

@@ -31,11 +31,11 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message, choice_engine_id
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.call_stamp import StampedCall
-from enginelink.runtime.requests.chunk_bytes import stream_chunk, string_field
+from enginelink.runtime.contracts.shared.call_stamp import StampedCall
+from enginelink.runtime.contracts.shared.chunk_bytes import stream_chunk, string_field
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.requests.inputs import stop_strings as _stop_strings, utf8_len
-from enginelink.runtime.requests.pb_fields import (
+from enginelink.runtime.contracts.shared.pb_fields import (
     check_dp_rank, check_logit_bias, check_max_tokens, check_min_p, check_n, check_penalties, check_prompt_room,
     check_token_ids, check_top_p, fill_chunk, fill_matched, fill_output_logprobs, fill_prompt_logprobs, finite,
     logprobs_cap, no_release_params, raw_request_id,

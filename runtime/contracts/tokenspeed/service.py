@@ -1,8 +1,8 @@
-"""``tokenspeed.grpc.scheduler.TokenSpeedScheduler`` served with grpclib, beside vLLM's (``grpc_vllm.py``).
+"""``tokenspeed.grpc.scheduler.TokenSpeedScheduler`` served with grpclib, beside vLLM's (``contracts/vllm/service.py``).
 
 The same shape as the vLLM service: thin handlers, every exception through
 ``errors.grpc_errors``, the one Generate loop (``runtime/requests/generate.py``)
-with this contract's edge (``runtime/requests/contract_tokenspeed.py``). What
+with this contract's edge (``runtime/contracts/tokenspeed/edge.py``). What
 is TokenSpeed's own (``reference/tokenspeed.md`` §1, §4):
 
 - Abort is ``{request_id, reason}`` → ``{success, message}``; aborting an id
@@ -30,12 +30,12 @@ from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
 from enginelink.proto.tokenspeed_scheduler_grpc import TokenSpeedSchedulerBase
 from enginelink.runtime.errors import Unavailable, grpc_errors
-from enginelink.runtime.kv.grpc_kv import FLUSH_BAD_TIMEOUT
-from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE, TokenSpeedEdge
+from enginelink.runtime.contracts.shared.grpc_kv import FLUSH_BAD_TIMEOUT
+from enginelink.runtime.contracts.tokenspeed.edge import TOKENSPEED_EDGE, TokenSpeedEdge
 from enginelink.runtime.context.app import context_len, model_facts
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
 from enginelink.runtime.rpc.fastpath import FrameWrites
-from enginelink.runtime.rpc.service_common import ContractService, aggregate, now_iso, start_time
+from enginelink.runtime.contracts.shared.service_common import ContractService, aggregate, now_iso, start_time
 from enginelink.wire.tokenspeed import ENGINE_VERSION_PREFIX, TOKENSPEED_VERSION
 
 SERVICE = "tokenspeed.grpc.scheduler.TokenSpeedScheduler"
@@ -50,7 +50,7 @@ class TokenSpeedSchedulerService(ContractService, TokenSpeedSchedulerBase):
     health_reply = pb.HealthCheckResponse
     name = SERVICE
     stamped = True  # every response carries request_id (ContractService.Generate stamps them)
-    # HealthCheck, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/rpc/service_common.py).
+    # HealthCheck, GetTokenizer, SubscribeKvEvents: ContractService's (runtime/contracts/shared/service_common.py).
 
     def __init__(self, app, frame_writes: FrameWrites, kv_relay=None) -> None:
         super().__init__(app, frame_writes, kv_relay)
