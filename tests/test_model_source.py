@@ -174,7 +174,7 @@ def test_an_id_not_cached_exits_2_naming_it_and_the_fetch(tmp_path, hub_cache):
 # engine's launcher built without its venv; prints the engine's model argument and its extra arguments.
 LAUNCH = """
 import argparse, json, sys
-from enginelink.runtime.engine.launchers import VllmLauncher
+from enginelink.runtime.contracts.vllm.launch import VllmLauncher
 from enginelink.runtime.contracts.mlx.launch import MlxLauncher
 from enginelink.runtime.contracts.sglang.launch import SglangLauncher
 from enginelink.runtime.contracts.tokenspeed.launch import TokenSpeedLauncher

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.process  # starts processes: not in the fast loop (test
 # the test harness's (grpcio's) cannot share one protobuf descriptor pool.
 ENGINE_ARGV = """
 import argparse, json, sys
-from enginelink.runtime.engine.launchers import VllmLauncher
+from enginelink.runtime.contracts.vllm.launch import VllmLauncher
 from enginelink.tools import serve
 serve._vllm_launcher = lambda model_dir, engine_args, *_: VllmLauncher("/venv/bin/python", model_dir, engine_args)
 parser = argparse.ArgumentParser()

@@ -19,14 +19,8 @@ import msgspec
 import trio
 
 from enginelink.journal.files import default_journal_path, journal_keep
-from enginelink.runtime.engine.launchers import (
-    LauncherError,
-    SimLauncher,
-    VllmLauncher,
-    default_vllm_python,
-    flag_value,
-    flag_values,
-)
+from enginelink.runtime.contracts.vllm.launch import VllmLauncher, default_vllm_python
+from enginelink.runtime.engine.launchers import LauncherError, SimLauncher, flag_value, flag_values
 from enginelink.runtime.engine.model_dir import ModelDirError, read_model_facts
 from enginelink.runtime.requests.inputs import InputKnobError, input_limits
 from enginelink.runtime.contracts.shared.media import MediaKnobError, media_settings
