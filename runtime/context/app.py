@@ -1,9 +1,11 @@
-"""What the gRPC handlers share: the link, the hub, the loads and the engine's facts.
+"""What every contract's handlers share: the link, the hub, the loads and the engine's facts.
 
 Facts come from two places: the model directory (vocab, EOS ids, architecture,
 sampling defaults, tokenizer) and the engine's ready response (context length,
 block size, dtype, DP size, scheduler limits). Both are known once the link is
-up; before that, handlers that need them answer UNAVAILABLE.
+up; before that, handlers that need them answer UNAVAILABLE. Everything here
+is contract-neutral (``facts.py``, ``loads.py``): each contract's wing encodes
+it into its own messages.
 """
 
 from __future__ import annotations
@@ -12,11 +14,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from smg_grpc_proto.generated import vllm_engine_pb2 as pb
-
 from enginelink.journal.records import KIND_ERROR, request_stream
-from enginelink.runtime.contracts.vllm import kv_transfer
-from enginelink.runtime.requests.embed import RUNNER_POOLING, runner_type
 from enginelink.runtime.requests.constraints import DEFAULT_BACKEND
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
 from enginelink.runtime.context.loads import Loads
@@ -29,26 +27,6 @@ REFUSED_ID_STREAM = "<refused id>"
 REFUSED_ID_CHARS_KEPT = 64
 
 
-def context_len(app) -> int:
-    """The context in tokens: the engine's once it is up, the model's config before."""
-    return int(app.ready.get("max_model_len") or app.model.max_position_embeddings or 0)
-
-
-def model_facts(app) -> dict:
-    """The model directory's facts every contract's ``GetModelInfoResponse`` carries, under the same names."""
-    model = app.model
-    return {
-        "model_path": str(model.model_path),
-        "served_model_name": app.served_model_name,
-        "vocab_size": model.vocab_size,
-        "model_type": model.model_type or "",
-        "architectures": list(model.architectures),
-        "eos_token_ids": list(model.eos_token_ids),
-        "pad_token_id": model.pad_token_id or 0,
-        "bos_token_id": model.bos_token_id or 0,
-    }
-
-
 @dataclass
 class App:
     link: object  # EngineLink
@@ -58,7 +36,6 @@ class App:
     served_model_name: str
     run_start_wall: float
     run_start_trio: float
-    server_type: str = "vllm-grpc"
     loads: Loads = field(default_factory=Loads)
     # Worker-side media refs (runtime/contracts/shared/media.py); None: media_refs are refused as "processor off".
     media: object = None
@@ -100,40 +77,6 @@ class App:
     def kv_capacity_tokens(self) -> int:
         ready = self.ready
         return int(ready.get("num_gpu_blocks") or 0) * int(ready.get("block_size") or 0)
-
-    def model_info(self) -> pb.GetModelInfoResponse:
-        model = self.model
-        max_len = context_len(self)
-        return pb.GetModelInfoResponse(
-            **model_facts(self),
-            # False on a pooling engine (runtime/requests/embed.py): it serves Embed, not Generate.
-            is_generation=runner_type(self.ready) != RUNNER_POOLING,
-            max_context_length=max_len,
-            supports_vision=model.supports_vision,  # router tensors: runtime/contracts/shared/mm_tensors.py
-            tokenizer_path=model.tokenizer_path,
-            max_req_input_len=max_len,
-            default_sampling_params_json=model.default_sampling_params_json,
-        )
-
-    def server_info(self) -> pb.GetServerInfoResponse:
-        ready = self.ready
-        return pb.GetServerInfoResponse(
-            active_requests=self.hub.active_requests,
-            is_paused=False,
-            last_receive_timestamp=self.hub.last_receive_wall,
-            uptime_seconds=self.uptime_s(),
-            server_type=self.server_type,
-            data_parallel_size=self.link.ranks.size,
-            kv_cache_dtype=str(ready.get("kv_cache_dtype") or "auto"),
-            block_size=int(ready.get("block_size") or 0),
-            model_dtype=str(ready.get("dtype") or self.model.dtype or ""),
-            max_num_seqs=self.max_num_seqs,
-            # PD: the connector, role and engine id the router pairs legs by, from the
-            # engine's resolved --kv-transfer-config (its facts), and SMG_PAIRING_PROTOCOL.
-            **kv_transfer.server_fields(ready),
-            # mm_processor and the schemes fetched, when media refs are on (runtime/contracts/shared/media.py).
-            **(self.media.server_fields() if self.media is not None else {}),
-        )
 
     def uptime_s(self) -> float:
         return trio.current_time() - self.run_start_trio

@@ -3,19 +3,37 @@
 GetLoads answers from here. Every served rank is present (``served``: the
 link's DP ranks once its handshake named them; the first rank before), zero
 filled before its first stats arrive, so the router sees a responsive worker
-and every rank it may pin.
+and every rank it may pin. A rank's load is a ``RankLoad``, contract-neutral:
+each contract's service encodes it into its own ``SchedulerLoad`` (the fields
+are named as the protos name them).
 """
 
 from __future__ import annotations
 
 from collections import deque
-
-from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from dataclasses import dataclass
 
 from enginelink.wire.engine import SchedulerStats
 
 # Generated-token samples kept per rank for gen_throughput.
 THROUGHPUT_WINDOW_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    """One DP rank's load, as every contract's ``SchedulerLoad`` carries it."""
+
+    dp_rank: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_total_reqs: int
+    num_used_tokens: int
+    max_total_num_tokens: int
+    token_usage: float
+    utilization: float
+    gen_throughput: float
+    cache_hit_rate: float
+    max_running_requests: int
 
 
 class Loads:
@@ -42,14 +60,14 @@ class Loads:
             return 0.0
         return sum(n for _, n in window) / THROUGHPUT_WINDOW_S
 
-    def scheduler_loads(self, max_num_seqs: int, capacity_tokens: int) -> list:
+    def rank_loads(self, max_num_seqs: int, capacity_tokens: int) -> list[RankLoad]:
         ranks = sorted(set(self.stats) | set(self.served))
         loads = []
         for rank in ranks:
             stats = self.stats.get(rank, SchedulerStats())
             hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
             loads.append(
-                pb.SchedulerLoad(
+                RankLoad(
                     dp_rank=rank,
                     num_running_reqs=stats.num_running_reqs,
                     num_waiting_reqs=stats.num_waiting_reqs,

@@ -19,7 +19,8 @@ from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 from enginelink.proto.mlx_engine_grpc import MlxEngineBase
 from enginelink.runtime.errors import grpc_errors
 from enginelink.runtime.contracts.mlx.edge import MLX_EDGE, SERVER_TYPE
-from enginelink.runtime.context.app import context_len, model_facts
+from enginelink.runtime.context.facts import context_len
+from enginelink.runtime.contracts.shared.facts import model_fields
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
 from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.contracts.shared.service_common import ContractService
@@ -69,5 +70,5 @@ class MlxEngineService(ContractService, MlxEngineBase):
 def model_info(app) -> pb.GetModelInfoResponse:
     """The model directory's facts in MLX's shape (reference/mlx.md §5); the context is the engine's once it is up."""
     max_len = context_len(app)
-    return pb.GetModelInfoResponse(**model_facts(app), is_generation=True, max_context_length=max_len,
+    return pb.GetModelInfoResponse(**model_fields(app), is_generation=True, max_context_length=max_len,
                                    max_req_input_len=max_len)

@@ -29,7 +29,7 @@ import trio_asyncio
 from google.protobuf import struct_pb2
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2 as pb, vllm_engine_pb2
+from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2 as pb
 
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
 from enginelink.machines.warmup import WarmupRequest
@@ -39,9 +39,11 @@ from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.contracts.shared.grpc_kv import retrieve_outcome
 from enginelink.runtime.context.submit import Outcome, TrioWake, hub_submit
 from enginelink.runtime.contracts.sglang.edge import SGLANG_EDGE
-from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, embed, runner_type
+from enginelink.runtime.requests.embed import RUNNER_POOLING, EmbedCall, EmbedInput, embed, runner_type
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec
-from enginelink.runtime.context.app import context_len, model_facts
+from enginelink.runtime.context.facts import context_len
+from enginelink.runtime.context.loads import RankLoad
+from enginelink.runtime.contracts.shared.facts import model_fields, scheduler_load
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
 from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.contracts.shared.service_common import ContractService, aggregate, now_iso, start_time
@@ -168,7 +170,7 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
         ready = app.ready
         max_len = context_len(app)
         await stream.send_message(pb.GetModelInfoResponse(
-            **model_facts(app), tokenizer_path=model.tokenizer_path,
+            **model_fields(app), tokenizer_path=model.tokenizer_path,
             is_generation=ready.get("runner_type") != "pooling", max_context_length=max_len, supports_vision=False,
             max_req_input_len=int(ready.get("max_req_input_len") or max(max_len - 1, 0)),
             default_sampling_params_json=model.default_sampling_params_json,
@@ -206,7 +208,7 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
         ready = app.ready
         capacity = int(ready.get("max_total_num_tokens") or 0)
         loads = [_sglang_load(load, app.hub.active_requests)
-                 for load in app.loads.scheduler_loads(app.max_num_seqs, capacity)]
+                 for load in app.loads.rank_loads(app.max_num_seqs, capacity)]
         if request.HasField("dp_rank"):
             if not any(load.dp_rank == request.dp_rank for load in loads):
                 raise GRPCError(Status.INVALID_ARGUMENT, f"dp_rank {request.dp_rank}: this worker has ranks "
@@ -275,11 +277,9 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
                               ("texts", len(request.texts)), ("token_type_ids", len(request.token_type_ids))):
             if present:
                 raise ClientError(name, "is not supported by this worker (token ids only)")
-        neutral = vllm_engine_pb2.EmbedRequest(request_id=request.request_id)
-        if request.HasField("tokenized"):
-            neutral.tokenized.input_ids.extend(request.tokenized.input_ids)
-        reply = await embed(self.app, neutral, wake=asyncio.Event())
-        await stream.send_message(pb.EmbedResponse(embedding=list(reply.embedding), prompt_tokens=reply.prompt_tokens,
+        tokens = list(request.tokenized.input_ids) if request.HasField("tokenized") else None
+        reply = await embed(self.app, EmbedInput(request.request_id, tokens), wake=asyncio.Event())
+        await stream.send_message(pb.EmbedResponse(embedding=reply.embedding, prompt_tokens=reply.prompt_tokens,
                                                    embedding_dim=reply.embedding_dim))
 
     async def LoadLoRAAdapter(self, stream) -> None:
@@ -292,13 +292,8 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
         raise GRPCError(Status.UNIMPLEMENTED, "LoRA adapters are not served by this worker (enginelink)")
 
 
-def _sglang_load(load, in_flight: int) -> pb.SchedulerLoad:
-    """vLLM's ``SchedulerLoad`` (``runtime/context/loads.py``) as SGLang's; no stats on this wire: the hub's count."""
+def _sglang_load(load: RankLoad, in_flight: int) -> pb.SchedulerLoad:
+    """A rank's load (``runtime/context/loads.py``) as SGLang's; no stats on this wire: the hub's count."""
     running = load.num_running_reqs or in_flight
-    return pb.SchedulerLoad(
-        dp_rank=load.dp_rank, num_running_reqs=running, num_waiting_reqs=load.num_waiting_reqs,
-        num_total_reqs=running + load.num_waiting_reqs, num_used_tokens=load.num_used_tokens,
-        max_total_num_tokens=load.max_total_num_tokens, token_usage=load.token_usage,
-        gen_throughput=load.gen_throughput, cache_hit_rate=load.cache_hit_rate, utilization=load.utilization,
-        max_running_requests=load.max_running_requests,
-    )
+    return scheduler_load(pb.SchedulerLoad, load, num_running_reqs=running,
+                          num_total_reqs=running + load.num_waiting_reqs)

@@ -32,7 +32,8 @@ from enginelink.proto.tokenspeed_scheduler_grpc import TokenSpeedSchedulerBase
 from enginelink.runtime.errors import Unavailable, grpc_errors
 from enginelink.runtime.contracts.shared.grpc_kv import FLUSH_BAD_TIMEOUT
 from enginelink.runtime.contracts.tokenspeed.edge import TOKENSPEED_EDGE, TokenSpeedEdge
-from enginelink.runtime.context.app import context_len, model_facts
+from enginelink.runtime.context.facts import context_len
+from enginelink.runtime.contracts.shared.facts import model_fields, scheduler_load
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
 from enginelink.runtime.rpc.fastpath import FrameWrites
 from enginelink.runtime.contracts.shared.service_common import ContractService, aggregate, now_iso, start_time
@@ -129,7 +130,7 @@ def model_info(app) -> pb.GetModelInfoResponse:
     model, ready = app.model, _ready(app)
     max_len = context_len(app)
     return pb.GetModelInfoResponse(
-        **model_facts(app),
+        **model_fields(app),
         tokenizer_path=model.tokenizer_path,
         max_context_length=max_len,
         max_req_input_len=max_len - 1,  # at least one token of room to generate (the edge's check)
@@ -177,19 +178,12 @@ def server_info(app, server_args: dict) -> pb.GetServerInfoResponse:
     )
 
 
-# The per-rank fields both contracts' SchedulerLoad share (runtime/context/loads.py builds vLLM's).
-_LOAD_FIELDS = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens",
-                "max_total_num_tokens", "max_running_requests", "token_usage", "gen_throughput",
-                "cache_hit_rate", "utilization")
-
-
 def loads(app, request: pb.GetLoadsRequest) -> pb.GetLoadsResponse:
     ready = _ready(app)
     capacity = app.kv_capacity_tokens
     if capacity <= 0:
         raise Unavailable("KV page geometry is unavailable", reason="no_kv_geometry")
-    ranks = [pb.SchedulerLoad(**{name: getattr(load, name) for name in _LOAD_FIELDS})
-             for load in app.loads.scheduler_loads(app.max_num_seqs, capacity)]
+    ranks = [scheduler_load(pb.SchedulerLoad, load) for load in app.loads.rank_loads(app.max_num_seqs, capacity)]
     if request.HasField("dp_rank"):
         ranks = [load for load in ranks if load.dp_rank == request.dp_rank]
     return pb.GetLoadsResponse(

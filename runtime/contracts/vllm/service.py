@@ -18,9 +18,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineBase
 from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
-from enginelink.runtime.requests.embed import embed
+from enginelink.runtime.contracts.vllm import facts
+from enginelink.runtime.requests.embed import EmbedInput, embed
 from enginelink.runtime.errors import current_request_id, grpc_errors
-from enginelink.runtime.contracts.shared.service_common import ContractService, now_iso
+from enginelink.runtime.contracts.shared.service_common import ContractService
 from enginelink.runtime.contracts.vllm.profiling import check_start_options, profile
 from enginelink.runtime.contracts.shared.grpc_kv import FlushError, flush_cache
 from enginelink.runtime.requests.inputs import input_limits, validate_abort_ids
@@ -48,26 +49,17 @@ class VllmEngineService(ContractService, VllmEngineBase):
     @grpc_errors
     async def GetModelInfo(self, stream) -> None:
         await stream.recv_message()
-        await stream.send_message(self.app.model_info())
+        await stream.send_message(facts.model_info(self.app))
 
     @grpc_errors
     async def GetServerInfo(self, stream) -> None:
         await stream.recv_message()
-        await stream.send_message(self.app.server_info())
+        await stream.send_message(facts.server_info(self.app))
 
     @grpc_errors
     async def GetLoads(self, stream) -> None:
         await stream.recv_message()
-        app = self.app
-        loads = app.loads.scheduler_loads(app.max_num_seqs, app.kv_capacity_tokens)
-        await stream.send_message(
-            pb.GetLoadsResponse(
-                timestamp=now_iso(),
-                version=str(app.link.ready.get("vllm_version", "")),
-                dp_rank_count=len(loads),
-                loads=loads,
-            )
-        )
+        await stream.send_message(facts.loads(self.app))
 
     # -- KV cache (runtime/contracts/shared/grpc_kv.py) ----------------------------------------------
 
@@ -86,7 +78,10 @@ class VllmEngineService(ContractService, VllmEngineBase):
     async def Embed(self, stream) -> None:
         request = await stream.recv_message()
         current_request_id.set(request.request_id[: input_limits().request_id_bytes])  # for a bug report, if any
-        await stream.send_message(await embed(self.app, request, wake=asyncio.Event()))
+        tokens = list(request.tokenized.input_ids) if request.HasField("tokenized") else None
+        reply = await embed(self.app, EmbedInput(request.request_id, tokens), wake=asyncio.Event())
+        await stream.send_message(pb.EmbedResponse(embedding=reply.embedding, prompt_tokens=reply.prompt_tokens,
+                                                   embedding_dim=reply.embedding_dim))
 
     # -- profiling ------------------------------------------------------------------
 
