@@ -38,6 +38,7 @@ from grpclib.exceptions import GRPCError
 from smg_grpc_proto.generated import common_pb2 as pb
 
 from enginelink.machines.kv_relay import Refused
+from enginelink.runtime.contracts.shared.kv_messages import batch_message
 from enginelink.runtime.peers import peer_key
 
 KV_OFF_MESSAGE: Final = (
@@ -74,13 +75,13 @@ async def subscribe_kv_events(shell, stream) -> None:
             wake.clear()
             pull = shell.pull(opened)
             for batch in pull.batches:
-                await send(shell.message(opened, batch))
+                await send(batch_message(*shell.message(opened, batch)))
             if pull.end is not None:
                 raise GRPCError(Status[pull.end.status], pull.end.message)
             if pull.batches:
                 continue  # there may be more than one pull's worth
-            for message in shell.heartbeats(opened):
-                await send(message)
+            for beat in shell.heartbeats(opened):
+                await send(batch_message(*beat))
             if not wake.is_set():
                 await wake.wait()
     finally:
