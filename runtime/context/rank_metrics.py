@@ -18,7 +18,7 @@ from enginelink.wire.engine import SchedulerStats
 class RankCollector:
     def __init__(self, ranks, loads, labels: dict[str, str]) -> None:
         self.ranks = ranks  # machines.ranks.RankTable
-        self.loads = loads  # runtime.loads.Loads
+        self.loads = loads  # runtime.context.loads.Loads
         self.model = labels["model"]
 
     def collect(self):

@@ -6,8 +6,9 @@ codec (``wire/codecs.py``) and the gRPC contract served in front of it;
 messages) and the transport its engine link starts the engine through (vLLM's
 ZeroMQ wire with its handshake, or SGLang's ready report on a pipe:
 ``wire/codecs.readiness``; ``runtime/engine/engine_link.py``).
-A new engine or wire is one row here (and its launcher in ``tools/serve.py``);
-anything not in the table is refused before any engine starts.
+A new contract is its wing (``runtime/contracts/<name>/``: edge, service,
+launch) and one row here (and its launcher in ``tools/serve.py``); anything
+not in the table is refused before any engine starts.
 """
 
 from __future__ import annotations
