@@ -41,7 +41,7 @@ Payload shapes (keys; all required unless marked):
                       engine request; ``ranks[i]``: the DP rank request_ids[i] went to)
 ``engine.kv_release`` {link, request_id, engine_id, sent}  a refused PD decode
                       request's pre-aborted ADD, so the prefill side frees its KV
-                      (runtime/requests/kv_transfer.py); never a call's engine request
+                      (runtime/contracts/vllm/kv_transfer.py); never a call's engine request
 ``engine.restart``    {link, attempt, crash, restarts_max, window_s}  the engine is
                       started again after ``crash`` (engine restarts on;
                       docs/resume.md): the launch and handshake records follow

@@ -3,7 +3,7 @@
 The engine (``wire/engine.py`` ``LogprobRows``) gives, per position, its own
 token in column 0 and the top-k in columns 1..k, descending. This keeps a
 choice's positions, contract-neutral: each contract's edge turns them into
-its messages (vLLM's: ``runtime/requests/contract_vllm.py``, ``OutputLogProbs`` /
+its messages (vLLM's: ``runtime/contracts/vllm/edge.py``, ``OutputLogProbs`` /
 ``InputLogProbs``).
 
 **The top-k decision.** The reference servicer's first releases listed "the

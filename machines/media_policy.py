@@ -79,7 +79,7 @@ class MediaRefused(Exception):
 
 @dataclass(frozen=True)
 class MediaPolicy:
-    """What the operator allows (``runtime/requests/media.py`` reads it from flags and env)."""
+    """What the operator allows (``runtime/contracts/shared/media.py`` reads it from flags and env)."""
 
     allow_private: bool = False
     # ``file`` URLs are fetched only under this folder; None: ``file`` is not accepted.

@@ -1,7 +1,7 @@
 """The request core's vocabulary: the call it is given, and what it gives back.
 
 - ``GenerateCall``: one validated call, contract-neutral (a contract's edge
-  builds it from its own request message: ``runtime/requests/contract_vllm.py``);
+  builds it from its own request message: ``runtime/contracts/vllm/edge.py``);
 - ``Chunk`` / ``Complete``: what a call's writer takes, contract-neutral
   (the edge encodes them as its contract's response messages);
 - ``Refusal`` / ``Failure``: why a call was not admitted, or ended badly,

@@ -23,10 +23,10 @@ import trio_asyncio
 from enginelink.journal.journal import Journal
 from enginelink.machines.link import LinkEvent
 from enginelink.machines.sim_core import SimConfig
-from enginelink.runtime.lifetime.app import App
+from enginelink.runtime.context.app import App
 from enginelink.runtime.lifetime.core import connect
 from enginelink.runtime.rpc.fastpath import FrameWrites, GrpcServer, flow_states, run_ready_callbacks_together
-from enginelink.runtime.rpc.grpc_vllm import VllmEngineService
+from enginelink.runtime.contracts.vllm.service import VllmEngineService
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.engine.memory_link import MemoryLink
 

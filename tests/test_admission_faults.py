@@ -22,8 +22,9 @@ from enginelink.journal.records import KIND_CLIENT_GENERATE, KIND_ENGINE_REQUEST
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.machines.ranks import RankTable
 from enginelink.runtime.errors import EngineFailure
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
 from enginelink.runtime.requests.generate import generate
-from enginelink.runtime.lifetime.warmup import TrioWake
+from enginelink.runtime.context.submit import TrioWake
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import FinishReason, OutputBatch
@@ -110,7 +111,7 @@ class Servicer:
         request = generate_request(request_id, [5, 6, 7], max_tokens=2, n=n, seed=3)
         try:
             with trio.fail_after(5):
-                await generate(self.app, request, wake=TrioWake(), send=send)
+                await generate(self.app, request, wake=TrioWake(), send=send, edge=VLLM_EDGE)
         except Exception as error:  # what the gRPC handler maps to a status
             return error
         return got

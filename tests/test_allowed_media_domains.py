@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from enginelink.runtime.requests.media import ALLOWED_DOMAINS_ENV, media_settings_from
+from enginelink.runtime.contracts.shared.media import ALLOWED_DOMAINS_ENV, media_settings_from
 from enginelink.tools import serve
 from tests.test_operator import refused_with_one_line
 from tests.test_operator import serve as serve_process

@@ -15,8 +15,8 @@ import logging
 
 import pytest
 
-from enginelink.runtime.engine import capture_cap
-from enginelink.runtime.engine.capture_cap import (
+from enginelink.runtime.contracts.vllm import capture_cap
+from enginelink.runtime.contracts.vllm.capture_cap import (
     CAPTURE_CAP_ENV, apply_to_argv, apply_to_namespace, capture_sizes, derive_capture_cap, grid_floor,
 )
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, assume, example, given, settings, strategies
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.machines.request_call import Call
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.call_stamp import CallStamp
+from enginelink.runtime.contracts.shared.call_stamp import CallStamp
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import FinishReason, OutputBatch
@@ -35,20 +35,20 @@ UINT32_MAX = (1 << 32) - 1
 # Each varint width's edges (the encoder writes up to 3 bytes without a loop).
 EDGES = [0, 1, 127, 128, 16383, 16384, 2097151, 2097152, 268435455, 268435456, UINT32_MAX]
 
-# contract -> (edge module, its edge, its pb module, the max-tokens field)
+# contract -> (its wing's edge, its pb module, the max-tokens field)
 CONTRACTS = {
-    "vllm": ("contract_vllm", "VLLM_EDGE", "vllm_engine_pb2", "max_tokens"),
-    "sglang": ("contract_sglang", "SGLANG_EDGE", "sglang_scheduler_pb2", "max_new_tokens"),
-    "tokenspeed": ("contract_tokenspeed", "TOKENSPEED_EDGE", "tokenspeed_scheduler_pb2", "max_new_tokens"),
-    "mlx": ("contract_mlx", "MLX_EDGE", "mlx_engine_pb2", "max_tokens"),
+    "vllm": ("VLLM_EDGE", "vllm_engine_pb2", "max_tokens"),
+    "sglang": ("SGLANG_EDGE", "sglang_scheduler_pb2", "max_new_tokens"),
+    "tokenspeed": ("TOKENSPEED_EDGE", "tokenspeed_scheduler_pb2", "max_new_tokens"),
+    "mlx": ("MLX_EDGE", "mlx_engine_pb2", "max_tokens"),
 }
-# The contracts whose every response repeats the call's request_id (runtime/requests/call_stamp.py).
+# The contracts whose every response repeats the call's request_id (runtime/contracts/shared/call_stamp.py).
 STAMPED = ("sglang", "tokenspeed")
 
 
 def contract(name: str):
-    module, edge, messages, max_field = CONTRACTS[name]
-    edge = getattr(importlib.import_module(f"enginelink.runtime.requests.{module}"), edge)
+    edge, messages, max_field = CONTRACTS[name]
+    edge = getattr(importlib.import_module(f"enginelink.runtime.contracts.{name}.edge"), edge)
     pb = importlib.import_module(f"smg_grpc_proto.generated.{messages}")
     return edge, pb, max_field
 

@@ -16,7 +16,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from enginelink.runtime.requests.constraints import choice_as_grammar, constraint_of
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.inputs import InputLimits
-from enginelink.runtime.requests.validate import EngineLimits, validate_generate
+from enginelink.runtime.contracts.vllm.edge import validate_generate
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.vllm import VllmCodec, sampling_params_for
 from tests.harness import generate_request
 

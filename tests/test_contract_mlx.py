@@ -1,6 +1,6 @@
 """The MLX contract's edge without an engine: what it refuses, what it asks the engine, what the client gets.
 
-``runtime/requests/contract_mlx.py`` turns an ``mlx_engine_pb2.GenerateRequest``
+``runtime/contracts/mlx/edge.py`` turns an ``mlx_engine_pb2.GenerateRequest``
 into the core's call and the core's messages into MLX's responses. The real
 engine behind it is tests/mlx's; these pin the shapes the router reads
 (reference/mlx.md §3.4) and the refusals the reference servicer lacked.
@@ -17,9 +17,9 @@ from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 from enginelink.machines.logprobs import LogprobRun
 from enginelink.machines.request_api import Chunk, Complete
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.contract_mlx import MLX_EDGE, encode, validate_generate
+from enginelink.runtime.contracts.mlx.edge import MLX_EDGE, encode, validate_generate
 from enginelink.runtime.requests.validate import EngineLimits
-from enginelink.runtime.rpc.grpc_mlx import MlxEngineService
+from enginelink.runtime.contracts.mlx.service import MlxEngineService
 
 LIMITS = EngineLimits(max_model_len=64, vocab_size=100, eos_token_ids=(2,), max_logprobs=20)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from enginelink.runtime.requests.hub import RequestHub
-from enginelink.runtime.requests.validate import validate_generate
+from enginelink.runtime.contracts.vllm.edge import validate_generate
 from enginelink.wire.engine import FinishReason, OutputBatch
 from tests.harness import generate_request
 from tests.test_hub_direct import LIMITS, Wire, hub_with_call, kinds, output

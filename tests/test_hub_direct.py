@@ -16,9 +16,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.journal.records import KIND_CLIENT_SENT
 from enginelink.machines.link import LinkEvent, LinkMachine
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE, stream_chunk_body
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE, stream_chunk_body
 from enginelink.runtime.requests.hub import RequestHub
-from enginelink.runtime.requests.validate import EngineLimits, validate_generate
+from enginelink.runtime.contracts.vllm.edge import validate_generate
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import FinishReason, OutputBatch
 from enginelink.wire.vllm import VllmCodec
 from tests.harness import ListJournal, generate_request

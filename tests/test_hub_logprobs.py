@@ -18,9 +18,10 @@ from grpclib.const import Status
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.machines.link import LinkEvent, LinkMachine
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE, stream_chunk_body
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE, stream_chunk_body
 from enginelink.runtime.requests.hub import RequestHub
-from enginelink.runtime.requests.validate import EngineLimits, validate_generate
+from enginelink.runtime.contracts.vllm.edge import validate_generate
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire import vllm
 from enginelink.wire.engine import OutputBatch
 from tests.harness import ListJournal, generate_request

@@ -11,7 +11,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from enginelink.journal.states import LinkState
 from enginelink.machines.link import KV_RELEASE_REQUEST_PREFIX
 from enginelink.machines.sim_core import SimConfig, SimEngineCore
-from enginelink.runtime.requests import kv_transfer
+from enginelink.runtime.contracts.vllm import kv_transfer
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.inputs import InputLimits, check_request_id
@@ -298,6 +298,7 @@ def test_only_final_refusals_release_the_prefill_sides_kv():
     from types import SimpleNamespace
 
     from enginelink.runtime.errors import DuplicateRequest, Unavailable
+    from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
     from enginelink.runtime.requests.generate import release_refused_kv
 
     params = {"do_remote_prefill": True, "remote_request_id": "p"}
@@ -307,5 +308,5 @@ def test_only_final_refusals_release_the_prefill_sides_kv():
              ClientError("request_id", "must not start with 'smg-kv-release-'")]
     for error in final + retry:
         app = SimpleNamespace(hub=_ReleaseHub())
-        release_refused_kv(app, request, error, 0.0)
+        release_refused_kv(app, request, error, 0.0, VLLM_EDGE)
         assert app.hub.released == ([("r", params)] if error in final else []), error

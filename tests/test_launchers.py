@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.engine import launchers, side_venv
-from enginelink.runtime.engine.launchers import VllmLauncher, default_vllm_python, flag_value, redact_args
+from enginelink.runtime.contracts.vllm import launch
+from enginelink.runtime.contracts.vllm.launch import VllmLauncher, default_vllm_python
+from enginelink.runtime.engine import side_venv
+from enginelink.runtime.engine.launchers import flag_value, redact_args
 
 
 def test_vllm_command_runs_the_headless_script_with_the_users_args(monkeypatch):
@@ -16,9 +18,9 @@ def test_vllm_command_runs_the_headless_script_with_the_users_args(monkeypatch):
     launcher = VllmLauncher(python="/venv/bin/python", model_dir=Path("/models/tiny"),
                             extra_args=["--max-model-len", "256", "--enforce-eager"])
     argv, env = launcher.command("tcp://127.0.0.1:4242")
-    assert argv == ["/venv/bin/python", str(launchers.VLLM_HEADLESS_SCRIPT), "--handshake", "tcp://127.0.0.1:4242",
+    assert argv == ["/venv/bin/python", str(launch.VLLM_HEADLESS_SCRIPT), "--handshake", "tcp://127.0.0.1:4242",
                     "--", "--model", "/models/tiny", "--max-model-len", "256", "--enforce-eager"]
-    assert launchers.VLLM_HEADLESS_SCRIPT.is_file()
+    assert launch.VLLM_HEADLESS_SCRIPT.is_file()
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -44,10 +46,10 @@ def test_finding_vllm(monkeypatch, tmp_path):
     assert default_vllm_python() == "/v/bin/python"
     monkeypatch.delenv("ENGINELINK_VLLM_VENV")
     monkeypatch.setattr(side_venv, "CHECKOUT", tmp_path)  # a checkout without .venv-vllm
-    monkeypatch.setattr(launchers.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(launchers.LauncherError, match="tools/setup-vllm"):
+    monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(launch.LauncherError, match="tools/setup-vllm"):
         default_vllm_python()
-    monkeypatch.setattr(launchers.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: object())
     assert default_vllm_python() == sys.executable
 
 

@@ -2,10 +2,15 @@
 
 The contracts live in ``pyproject.toml`` (``[tool.importlinter]``): imports
 point down tools -> runtime -> machines -> journal -> wire, proto beside wire;
-only runtime and tools import proto; machines and wire stay sans-io; the bench's
-modules form a chain. These tests run the tool from the venv exactly as a
+only runtime and tools import proto; machines and wire stay sans-io; inside
+runtime, lifetime -> contracts -> rpc -> kv -> context -> requests -> engine;
+only the contract wings import a contract's messages, and no wing another;
+the bench's modules form a chain. These tests run the tool from the venv exactly as a
 developer would, and check that it really looks at our code: a contract
-that lists every folder, and a reversed one that must break.
+that lists every folder, and a reversed one that must break. No module of
+the product imports itself back down a chain, and each wing imports its own
+contract's messages only: checked on the graph import-linter builds
+(grimp's), with the same roots.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import subprocess
 import tomllib
 from pathlib import Path
 
+import grimp
 import pytest
 
 from tests.harness import VENV_BIN
@@ -22,6 +28,11 @@ from tests.harness import VENV_BIN
 ROOT = Path(__file__).resolve().parent.parent
 # DESIGN.md's list, top to bottom.
 DESIGN_LAYERS = ["tools", "runtime", "machines", "journal", "wire | proto"]
+# DESIGN.md's "Inside runtime/", top to bottom (the three shared leaf modules under them all).
+RUNTIME_LAYERS = ["lifetime", "contracts", "rpc", "kv", "context", "requests", "engine", "errors | env_flags | peers"]
+# Each wing's own contract's messages (smg-grpc-proto's module); common.proto's (common_pb2) any wing may use.
+WING_MESSAGES = {"vllm": "vllm_engine_pb2", "sglang": "sglang_scheduler_pb2", "tokenspeed": "tokenspeed_scheduler_pb2",
+                 "mlx": "mlx_engine_pb2", "shared": None}
 
 
 def _lint_imports(*args: str) -> subprocess.CompletedProcess:
@@ -57,11 +68,28 @@ def test_layers_contract_is_designs_list_and_covers_every_package():
     # A new folder cannot slip past the layering: every installed top-level
     # package is a root, and every subpackage sits under one.
     assert sorted(roots) == sorted(p for p in packages if p.count(".") == 1)
-    assert all(p.rsplit(".", 1)[0] in roots for p in packages if p.count(".") > 1)
+    assert all(".".join(p.split(".")[:2]) in roots for p in packages if p.count(".") > 1)
     (layers,) = [c for c in config["tool"]["importlinter"]["contracts"] if c["id"] == "layers"]
     assert layers["type"] == "layers"
     assert [layer.replace("enginelink.", "") for layer in layers["layers"]] == DESIGN_LAYERS
     assert not layers.get("ignore_imports"), "an escape from the layers needs its own contract and reason"
+
+
+def test_runtime_layers_cover_every_subpackage_and_module():
+    """A new folder or module in runtime/ cannot sit outside the order: the contract names each one."""
+    (layers,) = [c for c in _config()["tool"]["importlinter"]["contracts"] if c["id"] == "runtime-layers"]
+    assert layers["layers"] == RUNTIME_LAYERS and layers["containers"] == ["enginelink.runtime"]
+    named = {name.strip() for layer in RUNTIME_LAYERS for name in layer.split("|")}
+    present = {path.stem if path.is_file() else path.name for path in (ROOT / "runtime").iterdir()
+               if (path.suffix == ".py" and path.stem != "__init__") or (path / "__init__.py").is_file()}
+    assert present == named
+    wings = {path.name for path in (ROOT / "runtime" / "contracts").iterdir() if (path / "__init__.py").is_file()}
+    assert wings == set(WING_MESSAGES)
+
+
+def test_the_docs_count_the_contracts():
+    contracts = _config()["tool"]["importlinter"]["contracts"]
+    assert f"holds {len(contracts)} import-linter contracts" in (ROOT / "docs" / "architecture.md").read_text()
 
 
 @pytest.mark.process
@@ -90,3 +118,37 @@ def test_architecture_names_every_contract():
     named = set(re.findall(r"\*\*([a-z-]+)\*\*: ", text.split("## The hot path")[0]))
     assert ids == named, f"contracts in pyproject.toml: {sorted(ids)}; named in docs/architecture.md: {sorted(named)}"
 
+
+def test_the_product_has_no_import_cycle():
+    """A cycle makes import order matter and hides a layer inside a folder: none, anywhere in the product."""
+    roots = _config()["tool"]["importlinter"]["root_packages"]
+    graph = grimp.build_graph(*roots, cache_dir=None)
+    ours = [module for module in graph.modules if module.startswith("enginelink.")]
+    assert len(ours) >= sum(1 for folder in ("proto", "wire", "journal", "machines", "runtime", "tools")
+                            for _ in (ROOT / folder).rglob("*.py")) - 1  # it read our modules (the namespace has no file)
+    cycles: dict[frozenset, str] = {}
+    for importer in sorted(ours):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            back = graph.find_shortest_chain(importer=imported, imported=importer)
+            if back:  # importer -> imported -> ... -> importer
+                cycles.setdefault(frozenset(back), " -> ".join((importer, *back)))
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(cycles.values()))
+
+
+def test_each_wing_imports_its_own_contracts_messages_only():
+    """import-linter sees smg-grpc-proto as one package; which of its modules a wing imports is read here."""
+    roots = _config()["tool"]["importlinter"]["root_packages"]
+    graph = grimp.build_graph(*roots, include_external_packages=True, cache_dir=None)
+    wrong, used = [], {wing: set() for wing in WING_MESSAGES}
+    for wing, own in WING_MESSAGES.items():
+        package = f"enginelink.runtime.contracts.{wing}"
+        for module in sorted(graph.find_descendants(package)):
+            for detail in graph.get_import_details(importer=module, imported="smg_grpc_proto"):
+                names = set(re.findall(r"\b\w+_pb2\b", detail["line_contents"]))
+                where = f"{module} l.{detail['line_number']}: {detail['line_contents']}"
+                if not names:
+                    wrong.append(f"{where} (name the _pb2 modules on the import's line)")
+                wrong += [f"{where} ({name} is not {wing}'s)" for name in sorted(names - {own, "common_pb2"})]
+                used[wing] |= names
+    assert not wrong, "\n".join(wrong)
+    assert all(own in used[wing] for wing, own in WING_MESSAGES.items() if own), used  # it read the wings

@@ -18,7 +18,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from enginelink.machines.logprobs import SLICE_ENTRIES, LogprobRun, PromptLogprobs
 from enginelink.machines.request_api import Chunk, Complete
 from enginelink.runtime.requests import contract_sglang, contract_tokenspeed, contract_vllm
-from enginelink.runtime.requests.call_stamp import CallStamp
+from enginelink.runtime.contracts.shared.call_stamp import CallStamp
 from enginelink.runtime.requests.logprob_bytes import LogprobBudget, SlicedResponse
 from enginelink.runtime.rpc.codec import ServicerCodec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.machines.request_api import Complete
-from enginelink.runtime.requests.contract_vllm import encode_complete
+from enginelink.runtime.contracts.vllm.edge import encode_complete
 from enginelink.runtime.requests.media_identity import identity_bytes
 
 GRID = (2).to_bytes(8, "little") + (4).to_bytes(8, "little") * 2  # [[2, 4, 4]] as int64

@@ -174,10 +174,10 @@ def test_an_id_not_cached_exits_2_naming_it_and_the_fetch(tmp_path, hub_cache):
 # engine's launcher built without its venv; prints the engine's model argument and its extra arguments.
 LAUNCH = """
 import argparse, json, sys
-from enginelink.runtime.engine.launchers import VllmLauncher
-from enginelink.runtime.engine.mlx_launch import MlxLauncher
-from enginelink.runtime.engine.sglang_launch import SglangLauncher
-from enginelink.runtime.engine.tokenspeed_launch import TokenSpeedLauncher
+from enginelink.runtime.contracts.vllm.launch import VllmLauncher
+from enginelink.runtime.contracts.mlx.launch import MlxLauncher
+from enginelink.runtime.contracts.sglang.launch import SglangLauncher
+from enginelink.runtime.contracts.tokenspeed.launch import TokenSpeedLauncher
 from enginelink.tools import serve
 serve._vllm_launcher = lambda m, a, allow_untested=False: VllmLauncher("/py", m, a)
 serve._sglang_launcher = lambda m, a: SglangLauncher("/py", m, a)

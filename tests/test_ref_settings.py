@@ -18,7 +18,7 @@ import pytest
 
 from enginelink.machines.warmup import WarmupLevel
 from enginelink.runtime.kv.kv_config import kv_events_enabled
-from enginelink.runtime.requests.media import media_settings_from
+from enginelink.runtime.contracts.shared.media import media_settings_from
 from enginelink.tools import knobs, ref_flags, ref_settings, serve
 from tests.harness import Servicer, free_port
 from tests.test_operator import refused_with_one_line

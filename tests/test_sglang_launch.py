@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from enginelink.runtime.engine.launchers import LauncherError
-from enginelink.runtime.engine.sglang_launch import SGLANG_HEADLESS_SCRIPT, SglangLauncher
+from enginelink.runtime.contracts.sglang.launch import SGLANG_HEADLESS_SCRIPT, SglangLauncher
 from enginelink.wire import sglang
 from tests.wire.engine_venvs import side_python_or_skip
 
@@ -154,7 +154,7 @@ def test_sglangs_own_parser_takes_our_arguments_and_the_script_calls_names_the_r
 # release check stood in for: the scheduler's argv after `--`, and what the relay's plan follows.
 KV_ARGV = """
 import argparse, json, sys
-from enginelink.runtime.engine.sglang_launch import SglangLauncher
+from enginelink.runtime.contracts.sglang.launch import SglangLauncher
 from enginelink.tools import serve
 serve._sglang_launcher = lambda model_dir, engine_args: SglangLauncher("/sgl/bin/python", model_dir, engine_args)
 parser = argparse.ArgumentParser()

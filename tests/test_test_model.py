@@ -12,6 +12,7 @@ import struct
 import pytest
 from tokenizers import Tokenizer
 
+from enginelink.tools import make_test_model as command
 from enginelink.tools import test_model as tm
 
 PARAMETERS = 2_229_504
@@ -169,11 +170,11 @@ def test_existing_dirs(model_dir, tmp_path, capsys):
     other.mkdir()
     (other / "mine.txt").write_text("keep me")
     parser = argparse.ArgumentParser()
-    tm.add_arguments(parser)
-    assert tm.run(parser.parse_args([str(other)])) == 1
+    command.add_arguments(parser)
+    assert command.run(parser.parse_args([str(other)])) == 1
     assert "use --force" in capsys.readouterr().err
     assert (other / "mine.txt").exists()
-    assert tm.run(parser.parse_args([str(other), "--force"])) == 0
+    assert command.run(parser.parse_args([str(other), "--force"])) == 0
     assert not (other / "mine.txt").exists()
     assert tm.is_complete(other)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]

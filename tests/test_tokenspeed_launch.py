@@ -22,9 +22,9 @@ from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 
-from enginelink.runtime.engine import engine_compat
+from enginelink.runtime.contracts.shared import engine_compat
 from enginelink.runtime.engine.launchers import LauncherError
-from enginelink.runtime.engine.tokenspeed_launch import ENGINE_MODULE, TokenSpeedLauncher, check_engine_args
+from enginelink.runtime.contracts.tokenspeed.launch import ENGINE_MODULE, TokenSpeedLauncher, check_engine_args
 from tests.harness import Servicer, free_port
 from tests.router.test_router_e2e import journal
 from tests.test_operator import refused_with_one_line, serve
@@ -176,7 +176,7 @@ def test_the_installed_0_1_1_release_passes_the_launch_check(tmp_path):
 def test_without_enable_output_logprobs_a_logprob_request_is_refused_before_the_engine():
     from enginelink.runtime.errors import ClientError
     from enginelink.runtime.requests.validate import EngineLimits
-    from enginelink.runtime.rpc.grpc_tokenspeed import TokenSpeedSchedulerService
+    from enginelink.runtime.contracts.tokenspeed.service import TokenSpeedSchedulerService
 
     limits = EngineLimits(max_model_len=64, vocab_size=100, eos_token_ids=(2,))
     asks = pb.GenerateRequest(request_id="lp", tokenized=pb.TokenizedInput(input_ids=[5, 6]), return_logprob=True,

@@ -25,7 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc
 
 from enginelink.runtime.engine.model_dir import load_tokenizer, read_model_facts
 from enginelink.runtime.lifetime.tracing import Tracing, TracingError, TracingPlan, check_settings
-from enginelink.runtime.rpc.grpc_mlx import MlxEngineService
+from enginelink.runtime.contracts.mlx.service import MlxEngineService
 from tests.grpc_pair import grpc_pair
 from tests.harness import generate_request
 from tests.otlp_receiver import OtlpReceiver

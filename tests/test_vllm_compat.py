@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from enginelink.runtime.engine import vllm_compat
+from enginelink.runtime.contracts.vllm import compat as vllm_compat
 from enginelink.wire import vllm, vllm_layout
 from tests.harness import VENV_BIN, free_port
 from tests.test_operator import refused_with_one_line

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from enginelink.runtime.engine.capture_cap import CAPTURE_CAP_ENV
+from enginelink.runtime.contracts.vllm.capture_cap import CAPTURE_CAP_ENV
 from tests.harness import free_port
 from tests.test_operator import refused_with_one_line
 from tests.test_operator import serve as serve_process
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.process  # starts processes: not in the fast loop (test
 # the test harness's (grpcio's) cannot share one protobuf descriptor pool.
 ENGINE_ARGV = """
 import argparse, json, sys
-from enginelink.runtime.engine.launchers import VllmLauncher
+from enginelink.runtime.contracts.vllm.launch import VllmLauncher
 from enginelink.tools import serve
 serve._vllm_launcher = lambda model_dir, engine_args, *_: VllmLauncher("/venv/bin/python", model_dir, engine_args)
 parser = argparse.ArgumentParser()

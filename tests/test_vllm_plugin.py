@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from enginelink.runtime.engine.capture_cap import CAPTURE_CAP_ENV
+from enginelink.runtime.contracts.vllm.capture_cap import CAPTURE_CAP_ENV
 from enginelink.tools import vllm_plugin
 from enginelink.tools.vllm_grpc_launcher import LISTEN_HOST_DEFAULT, serve_namespace, split_engine_args
 

@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 from enginelink.machines.link import LinkEvent, LinkMachine
+from enginelink.machines.request_api import GenerateCall
 from enginelink.machines.warmup import (
     StepKind,
     WarmupFacts,
@@ -26,8 +27,9 @@ from enginelink.machines.warmup import (
 )
 from enginelink.runtime.errors import Unavailable
 from enginelink.runtime.requests.hub import RequestHub
-from enginelink.runtime.requests.validate import EngineLimits, GenerateCall
-from enginelink.runtime.lifetime.warmup import FLUSH_TIMEOUT_S, hub_submit, run_warmup, warm_up
+from enginelink.runtime.requests.validate import EngineLimits
+from enginelink.runtime.context.submit import hub_submit
+from enginelink.runtime.lifetime.warmup import FLUSH_TIMEOUT_S, run_warmup, warm_up
 from enginelink.machines.sim_core import SimConfig, SimEngineCore, ready_response
 from enginelink.wire import vllm
 from enginelink.wire.engine import GenerateSpec, SamplingSpec

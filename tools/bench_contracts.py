@@ -24,9 +24,9 @@ import json
 import time
 
 from enginelink.machines.link import LinkEvent, LinkMachine
-from enginelink.runtime.requests.contract_sglang import SGLANG_EDGE
-from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
+from enginelink.runtime.contracts.sglang.edge import SGLANG_EDGE
+from enginelink.runtime.contracts.tokenspeed.edge import TOKENSPEED_EDGE
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire import sglang, tokenspeed, vllm

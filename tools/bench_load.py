@@ -815,7 +815,7 @@ PROFILE_ACTIVITIES: list[tuple[str, tuple[str, ...]]] = [
     ("response headers + trailers", ("send_initial_metadata", "send_trailing_metadata", "Stream.__aexit__",
                                      "Stream.send_headers")),
     ("response messages: take, protobuf, grpclib, h2, socket write",
-     ("Stream.send_message", "RequestHub.take", "RequestCore.take", "contract_vllm.py", "Stream.send_data", "H2Connection.send_data",
+     ("Stream.send_message", "RequestHub.take", "RequestCore.take", "vllm/edge.py", "Stream.send_data", "H2Connection.send_data",
       "send_message (grpclib/stream", "data_send_process")),
     ("request intake: h2 receive, accept, parse, validate, admit, zmq send",
      ("_io_task", "data_received", "Handler.accept", "validate_generate", "RequestHub.admit", "recv_message",

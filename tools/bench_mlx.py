@@ -236,7 +236,7 @@ def raw_main(plan: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from enginelink.runtime.engine.launchers import LauncherError
-    from enginelink.runtime.engine.mlx_launch import MlxIncompatible, check_installed, default_mlx_python
+    from enginelink.runtime.contracts.mlx.launch import MlxIncompatible, check_installed, default_mlx_python
     from enginelink.tools.bench_engine import measure_enginelink
     from enginelink.tools.bench_load import bench_model_dir, machine_facts
 

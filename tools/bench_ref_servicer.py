@@ -13,7 +13,7 @@ Run BY PATH with the references' venv (``tools/setup-bench-refs``; enginelink is
   ``metrics_bind_address``, ``mm_encoder_budget``) and builds the engine config with vLLM (torch in the
   servicer's process), so the facts come from the model directory instead, and only keywords the binding's
   signature names are passed. The engine is the command in ``--engine`` (the bench writes the very launch
-  enginelink and its raw driver use: ``runtime/engine/vllm_headless.py`` or the sim engine), pointed at the
+  enginelink and its raw driver use: ``runtime/contracts/vllm/vllm_headless.py`` or the sim engine), pointed at the
   server's TCP handshake, in its own session as enginelink runs its engine.
 - ``python``: vLLM's own gRPC launcher (``vllm.entrypoints.launchers.grpc_server``), which hosts
   ``smg_grpc_servicer.vllm.servicer.VllmEngineServicer`` on an ``AsyncLLM``. Without ``--engine`` the

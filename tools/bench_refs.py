@@ -10,7 +10,7 @@ each repetition, so slow drift of a shared machine lands on every arm alike.
 
 - ``--engine vllm`` (``bench_engine.py``): the arms join enginelink and the raw ZMQ driver in its
   alternation. smg-rust's engine is the very launch enginelink and the raw driver use
-  (``runtime/engine/vllm_headless.py``, its own session, the priority ``ENGINELINK_ENGINE_NICE`` gives);
+  (``runtime/contracts/vllm/vllm_headless.py``, its own session, the priority ``ENGINELINK_ENGINE_NICE`` gives);
   smg-python's is the one its ``AsyncLLM`` starts itself, as that reference is deployed.
 - the sim engine (no ``--engine``): the servicer alone against a zero-cost engine. Every arm's engine
   is the sim engine with the bench's engine arguments; smg-python's ``AsyncLLM`` starts no engine of

@@ -17,7 +17,7 @@ SUBCOMMANDS = {
     "serve": ("serve", "run the servicer in front of an engine (default: the sim engine)"),
     "headless": ("headless", "run the servicer as an engine on the SMG router's direct ZMQ lane (--engine sglang)"),
     "sim-engine": ("sim_engine", "run the deterministic sim engine (the vLLM headless wire; --wire tokenspeed|sglang)"),
-    "make-test-model": ("test_model", "build the tiny test model directory, offline and deterministically"),
+    "make-test-model": ("make_test_model", "build the tiny test model directory, offline and deterministically"),
     "bench": ("bench", "measure the servicer's overhead per token"),
     "bench-journal": ("bench_journal", "measure the hot-path cost of one journal append"),
     "inspect": ("inspect", "a servicer's state (links, requests in flight, journal), read from its journal"),

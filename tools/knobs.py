@@ -207,7 +207,7 @@ _REFERENCE_OTHER = [
          "tests/test_media_processor_child.py::test_the_frame_cap_lowers_the_loaders_sampling_and_never_raises_it",
          contracts=("vllm",)),
     Knob("SMG_VLLM_CUDAGRAPH_CAPTURE_CAP", HONOURED, "CUDA-graph capture cap: auto, engine or a number",
-         "the same derivation (runtime/engine/capture_cap.py)",
+         "the same derivation (runtime/contracts/vllm/capture_cap.py)",
          "tests/test_capture_cap.py::test_a_knob_value_it_does_not_take_is_refused_by_name", contracts=("vllm",)),
     Knob("SMG_ZMQ_SOCKET_DIR", HONOURED, "directory of the ipc sockets between servicer and engine",
          "honoured; refused (exit 2) unless a 0700 directory owned by this user",

@@ -62,7 +62,7 @@ class _Refused(Exception):
 def _settings(args: argparse.Namespace):
     """The media settings with this command's flags over the environment's; a bad one is ``_Refused``."""
     from enginelink.runtime.engine.launchers import flag_values
-    from enginelink.runtime.requests.media import ALLOWED_DOMAINS_ENV, MediaKnobError, media_settings_from
+    from enginelink.runtime.contracts.shared.media import ALLOWED_DOMAINS_ENV, MediaKnobError, media_settings_from
 
     environ = dict(os.environ)
     if args.redis_url is not None:
@@ -117,7 +117,7 @@ async def _main(args: argparse.Namespace, settings, result_max: int, python: str
     import trio_asyncio
     from prometheus_client import CollectorRegistry
 
-    from enginelink.runtime.requests.media import MediaMetrics
+    from enginelink.runtime.contracts.shared.media import MediaMetrics
     from enginelink.runtime.requests.media_fetch import Fetcher
     from enginelink.runtime.requests.media_processor import MediaProcessor
     from enginelink.runtime.requests.media_redis import RedisLink

@@ -3,7 +3,7 @@
 ``python -m enginelink.tools.mlx_check`` prints one JSON object:
 ``{"mlx": VERSION, "mlx_lm": VERSION, "enginelink": CHECKOUT, "problems": [...]}``
 and exits 0 when ``problems`` is empty, 1 otherwise. ``enginelink serve
---engine mlx`` runs it (``runtime/engine/mlx_launch.py``) and refuses to launch, exit
+--engine mlx`` runs it (``runtime/contracts/mlx/launch.py``) and refuses to launch, exit
 2, naming each problem, as the vLLM launch compares struct layouts.
 
 What is checked is what ``tools/mlx_engine.py`` calls, by signature, not by

@@ -20,7 +20,7 @@ Rules:
   while the core holds a burst of new requests (``mlx_admission``), until
   that burst is due.
 - it never orphans: SIGTERM/SIGINT end it with status 0, and it exits when
-  its parent goes (``sim_engine._Lifetime``).
+  its parent goes (``sim_process.Lifetime``).
 - imports of enginelink: the wire and the sim engine's process helpers only
   (msgspec and pyzmq: all the MLX venv has of enginelink's dependencies).
 """
@@ -38,7 +38,8 @@ from pathlib import Path
 import zmq
 
 from enginelink.tools.mlx_admission import GAP_MS_DEFAULT, MAX_MS_DEFAULT
-from enginelink.tools.sim_engine import IDLE_POLL_MS, _handshake, _Lifetime
+from enginelink.tools.sim_engine import _handshake
+from enginelink.tools.sim_process import IDLE_POLL_MS, Lifetime
 from enginelink.wire import vllm
 from enginelink.wire.engine import WireError
 
@@ -91,7 +92,7 @@ def _write_facts(path: str | None, facts: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     from enginelink.tools import mlx_core
 
-    life = _Lifetime()
+    life = Lifetime()
     ctx = zmq.Context()
     args.rank, args.hello_gate = 0, None  # what sim_engine._handshake reads
     try:
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         ctx.destroy(linger=0)
 
 
-def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime) -> str:
+def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, life: Lifetime) -> str:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     while True:
@@ -160,7 +161,7 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from enginelink.runtime.engine.vllm_headless import report_refused_arguments  # standard library only
+    from enginelink.runtime.contracts.vllm.vllm_headless import report_refused_arguments  # standard library only
 
     parser = argparse.ArgumentParser(prog="python -m enginelink.tools.mlx_engine", description=DESCRIPTION)
     add_arguments(parser)
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected 0 to 10000")
     if args.max_logprobs < -1:
         parser.error(f"--max-logprobs {args.max_logprobs}: expected -1 (the vocabulary) or >= 0")
-    # What vLLM's launch script reports beside the ready response (runtime/engine/vllm_headless.py).
+    # What vLLM's launch script reports beside the ready response (runtime/contracts/vllm/vllm_headless.py).
     _write_facts(facts_path, {"runner_type": "generate", "max_logprobs": args.max_logprobs,
                               "enable_prefix_caching": False, "engine": "mlx",
                               "coalesce_gap_ms": args.coalesce_gap_ms, "coalesce_max_ms": args.coalesce_max_ms})

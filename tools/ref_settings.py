@@ -15,7 +15,7 @@ environment into:
 - ``warnings``: the variables set that cannot apply here (``knobs.environment_warnings``)
   and the flags that only the reference's Rust pipeline reads;
 - ``exports``: the media values a flag decided, for the environment the
-  media settings are read from (``runtime/requests/media.py``).
+  media settings are read from (``runtime/contracts/shared/media.py``).
 
 Pure: it reads only what it is given, so tests call it with a namespace and a dict.
 """
@@ -30,7 +30,7 @@ from enginelink.tools import knobs
 from enginelink.tools.ref_flags import MM_FLAGS
 
 DEFAULT = "default"
-# The media settings enginelink's own fetcher, processor and Redis sidecar client read (runtime/requests/media.py),
+# The media settings enginelink's own fetcher, processor and Redis sidecar client read (runtime/contracts/shared/media.py),
 # and the one it only validates (turbojpeg: a bad value exits 2 there too).
 SERVED_MM = ("processor", "max_inflight", "max_item_bytes", "max_items", "fetch_timeout_ms", "video_fetch_timeout_ms",
              "redis_url", "sidecar_timeout_ms", "sidecar_max_queue", "sidecar_namespace", "turbojpeg")

@@ -20,17 +20,11 @@ import msgspec
 import trio
 
 from enginelink.journal.files import default_journal_path, journal_keep
-from enginelink.runtime.engine.launchers import (
-    LauncherError,
-    SimLauncher,
-    VllmLauncher,
-    default_vllm_python,
-    flag_value,
-    flag_values,
-)
+from enginelink.runtime.contracts.vllm.launch import VllmLauncher, default_vllm_python
+from enginelink.runtime.engine.launchers import LauncherError, SimLauncher, flag_value, flag_values
 from enginelink.runtime.engine.model_dir import ModelDirError, read_model_facts
 from enginelink.runtime.requests.inputs import InputKnobError, input_limits
-from enginelink.runtime.requests.media import MediaKnobError, media_settings
+from enginelink.runtime.contracts.shared.media import MediaKnobError, media_settings
 from enginelink.tools import knobs, ref_flags, ref_settings
 
 
@@ -184,7 +178,7 @@ def _engine_nice() -> int:
 
 def _vllm_launcher(model_dir: Path | str, engine_args: list[str], allow_untested: bool = False) -> VllmLauncher:
     """The real vLLM engine, after checking its release is one enginelink speaks (docs/vllm-releases.md)."""
-    from enginelink.runtime.engine.vllm_compat import Incompatible, allow_untested_from_env, check_installed
+    from enginelink.runtime.contracts.vllm.compat import Incompatible, allow_untested_from_env, check_installed
 
     try:
         python = default_vllm_python()
@@ -198,8 +192,8 @@ def _vllm_launcher(model_dir: Path | str, engine_args: list[str], allow_untested
 
 
 def _mlx_launcher(model_dir: Path, engine_args: list[str]):
-    """The MLX engine, after checking the MLX venv has the mlx-lm API it drives (runtime/engine/mlx_launch.py)."""
-    from enginelink.runtime.engine.mlx_launch import MlxIncompatible, MlxLauncher, check_installed, default_mlx_python
+    """The MLX engine, after checking the MLX venv has the mlx-lm API it drives (runtime/contracts/mlx/launch.py)."""
+    from enginelink.runtime.contracts.mlx.launch import MlxIncompatible, MlxLauncher, check_installed, default_mlx_python
 
     try:
         python = default_mlx_python()
@@ -213,8 +207,8 @@ def _mlx_launcher(model_dir: Path, engine_args: list[str]):
 
 def _sglang_launcher(model_dir: Path, engine_args: list[str]):
     """A real SGLang scheduler, after the release check (its structs against our codec)."""
-    from enginelink.runtime.engine.engine_compat import Incompatible
-    from enginelink.runtime.engine.sglang_launch import SglangLauncher, check_sglang
+    from enginelink.runtime.contracts.shared.engine_compat import Incompatible
+    from enginelink.runtime.contracts.sglang.launch import SglangLauncher, check_sglang
 
     try:
         python, version, warning = check_sglang()
@@ -230,8 +224,8 @@ def _sglang_launcher(model_dir: Path, engine_args: list[str]):
 
 def _tokenspeed_launcher(model_dir: Path, engine_args: list[str]):
     """The real TokenSpeed engine, after checking its release's structs match our codec (engine_compat)."""
-    from enginelink.runtime.engine.engine_compat import Incompatible, check_installed, default_python
-    from enginelink.runtime.engine.tokenspeed_launch import TokenSpeedLauncher, check_engine_args
+    from enginelink.runtime.contracts.shared.engine_compat import Incompatible, check_installed, default_python
+    from enginelink.runtime.contracts.tokenspeed.launch import TokenSpeedLauncher, check_engine_args
 
     try:
         check_engine_args(engine_args)
@@ -399,8 +393,8 @@ def _engine_ranks(engine: str, engine_args: list[str]) -> tuple[int, ...]:
 
 def _capture_cap(engine_args: list[str]) -> list[str]:
     """The engine args with the CUDA-graph capture cap derived from the admission step
-    (SMG_VLLM_CUDAGRAPH_CAPTURE_CAP; runtime/engine/capture_cap.py), the decision logged once."""
-    from enginelink.runtime.engine.capture_cap import apply_to_argv, log_capture_cap
+    (SMG_VLLM_CUDAGRAPH_CAPTURE_CAP; runtime/contracts/vllm/capture_cap.py), the decision logged once."""
+    from enginelink.runtime.contracts.vllm.capture_cap import apply_to_argv, log_capture_cap
 
     try:
         engine_args, decision = apply_to_argv(engine_args, os.environ)
@@ -538,7 +532,7 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
         engine_args, kv_events = _kv_events(args.engine, list(args.engine_args), choice.contract, choice.codec)
         ranks = _engine_ranks(args.engine, engine_args)  # before the vLLM check: a refusal costs no vLLM import
     if choice.contract == "sglang":
-        from enginelink.runtime.rpc.grpc_sglang import health_check_timeout_s
+        from enginelink.runtime.contracts.sglang.service import health_check_timeout_s
 
         try:
             health_check_timeout_s(os.environ)
@@ -662,7 +656,7 @@ def _allowed_media_domains(args: argparse.Namespace) -> None:
     """``--allowed-media-domains`` for the servicer's own fetcher: enginelink's flag, else vLLM's among the
     engine arguments (``vllm serve ... --allowed-media-domains``), as ``ENGINELINK_ALLOWED_MEDIA_DOMAINS``;
     two different lists are refused rather than one silently dropped."""
-    from enginelink.runtime.requests.media import ALLOWED_DOMAINS_ENV, allowed_domains
+    from enginelink.runtime.contracts.shared.media import ALLOWED_DOMAINS_ENV, allowed_domains
 
     ours = getattr(args, "allowed_media_domains", None)
     engines = flag_values(list(getattr(args, "engine_args", [])), "--allowed-media-domains")

@@ -20,6 +20,7 @@ Rules:
 - it never orphans: SIGTERM/SIGINT end it with status 0, and it exits when
   its parent process goes away (``os.getppid`` changes).
 - plain blocking pyzmq is fine here: this is its own process, outside trio.
+  Its lifetime, engine loop and KV sockets are every wire's (``sim_process.py``).
 - KV events (``--kv-events-config JSON``, the flag and keys of the engine
   its wire plays: vLLM's, SGLang's or TokenSpeed's, ``wire/kv_engines.py``):
   a PUB socket that binds or connects by that engine's rule and a replay
@@ -34,31 +35,23 @@ Rules:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import zmq
 
-from enginelink.machines.sim_core import SimConfig, SimEngineCore, SimHooks, ready_response
+from enginelink.machines.sim_core import SimConfig, SimEngineCore, ready_response
 from enginelink.machines.sim_legs import LEG_MODES, SimLeg
-from enginelink.tools.sim_kv import KvEventHooks, SimKvFaults, SimKvPublisher
-from enginelink.wire import kv_engines, kv_events, vllm
+from enginelink.tools.sim_process import (
+    HANDSHAKE_TIMEOUT_S, IDLE_POLL_MS, Lifetime, kv_publisher, log, serve, start_bound_thread, start_stray_child,
+)
+from enginelink.wire import kv_engines, vllm
 from enginelink.wire.engine import WireError
 
-if TYPE_CHECKING:
-    from enginelink.machines.sim_wires import SimWire
-
 WIRES = ("vllm", "tokenspeed", "sglang")
-HANDSHAKE_TIMEOUT_S = 300.0  # vLLM's HANDSHAKE_TIMEOUT_MINS
-IDLE_POLL_MS = 100  # how often an idle engine checks for signals and its parent
-
 
 SIM_DESCRIPTION = """\
 Run the deterministic sim engine: one rank of `vllm serve --headless`, on vLLM's wire
@@ -258,37 +251,8 @@ def _kv_transfer_fields(kv_transfer: dict | None) -> dict:
     return fields
 
 
-class _Lifetime:
-    """Why the process should stop, if it should: a signal or the parent gone."""
-
-    def __init__(self, ignore_sigterm: bool = False) -> None:
-        self.parent = os.getppid()
-        self.signalled: str | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-        if ignore_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        self.signalled = signal.Signals(signum).name
-
-    def reason(self) -> str | None:
-        if self.signalled:
-            return self.signalled
-        if os.getppid() != self.parent:
-            return "parent process exited"
-        return None
-
-
-def _log(message: str) -> None:
-    # Our stderr is a pipe to the servicer: once it is gone (the reason we may be
-    # stopping), a line is lost rather than an exception thrown mid-shutdown.
-    with contextlib.suppress(OSError):
-        print(f"sim-engine[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
-
-
 def _handshake(
-    ctx: zmq.Context, args: argparse.Namespace, life: _Lifetime
+    ctx: zmq.Context, args: argparse.Namespace, life: Lifetime
 ) -> tuple[zmq.Socket, vllm.HandshakeInit] | None:
     """Steps 1-2: HELLO, then the init message (None if told to stop first).
 
@@ -319,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             args.kv_events_config = _kv_config(args.kv_events_config, args.wire)
         except ValueError as exc:
-            _log(f"argument --kv-events-config: {exc}")
+            log(f"argument --kv-events-config: {exc}")
             return 2
     config = config_from_args(args)
     if args.wire != "vllm":
@@ -328,12 +292,12 @@ def run(args: argparse.Namespace) -> int:
         return run_wire(args, config)
     if args.kv_transfer_config is not None:
         _write_pd_facts(config, args.kv_transfer_config)
-    life = _Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
+    life = Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
     ctx = zmq.Context()
     try:
         started = _handshake(ctx, args, life)
         if started is None:
-            _log(f"no handshake init ({life.reason() or 'timed out'})")
+            log(f"no handshake init ({life.reason() or 'timed out'})")
             return 0 if life.reason() else 1
         handshake, init = started
         # Step 3: a real engine loads its model here (18-24 s for vLLM on CPU).
@@ -341,8 +305,8 @@ def run(args: argparse.Namespace) -> int:
         while time.monotonic() < loading_until and not life.reason():
             time.sleep(0.01)
         if args.bind_cpu is not None:
-            _start_bound_thread(args.bind_cpu)
-        hooks, kv_sockets, kv_resolved = _kv_publisher(ctx, args, config)
+            start_bound_thread(args.bind_cpu)
+        hooks, kv_sockets, kv_resolved = kv_publisher(ctx, args, config)
         identity = args.rank.to_bytes(2, "little")
         inputs = ctx.socket(zmq.DEALER)
         inputs.setsockopt(zmq.IDENTITY, identity)
@@ -357,102 +321,14 @@ def run(args: argparse.Namespace) -> int:
         outputs.connect(init.addresses.outputs[0])
         ready = vllm.HandshakeStatus(status="READY", local=False, headless=True)
         handshake.send(vllm.encode_handshake_status(ready))
-        _log(f"ready (rank {args.rank}, vocab {config.vocab_size}, max_model_len {config.max_model_len})")
+        log(f"ready (rank {args.rank}, vocab {config.vocab_size}, max_model_len {config.max_model_len})")
         if args.fault_stray_child:
-            _log(f"stray child {_start_stray_child()} started")
-        reason = _serve(_VllmWire(SimEngineCore(config, hooks)), inputs, outputs, life, kv_sockets)
-        _log(f"stopping: {reason}")
+            log(f"stray child {start_stray_child()} started")
+        reason = serve(_VllmWire(SimEngineCore(config, hooks)), inputs, outputs, life, kv_sockets)
+        log(f"stopping: {reason}")
         return 0
     finally:
         ctx.destroy(linger=0)
-
-
-# The stray child: deaf to SIGTERM, in a process group of its own (still in the
-# engine's session), gone by itself only after STRAY_LIFETIME_S (so a failed
-# test leaks nothing for long).
-STRAY_LIFETIME_S = 300
-_STRAY = f"""
-import os, signal, time
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-os.setpgid(0, 0)
-time.sleep({STRAY_LIFETIME_S})
-"""
-
-
-def _start_stray_child() -> int:
-    import subprocess
-
-    return subprocess.Popen([sys.executable, "-c", _STRAY]).pid
-
-
-def _start_bound_thread(cpu: int) -> None:
-    bound = threading.Event()
-
-    def compute() -> None:
-        os.sched_setaffinity(0, {cpu})  # 0: the calling thread
-        bound.set()
-        threading.Event().wait()  # lives as long as the engine (daemon)
-
-    threading.Thread(target=compute, name="sim-compute", daemon=True).start()
-    bound.wait()
-
-
-class _KvSockets:
-    def __init__(self, hooks: KvEventHooks, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
-        self.hooks = hooks
-        self.pub = pub
-        self.replay = replay
-
-    def flush(self) -> None:
-        for message in self.hooks.take_messages():
-            self.pub.send_multipart(message)
-
-    def serve_replay(self) -> None:
-        while self.replay is not None:
-            try:
-                identity, *frames = self.replay.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                start = kv_events.parse_replay_request(frames)
-            except WireError as exc:
-                _log(f"ignored a KV replay request: {exc}")
-                continue
-            for reply in self.hooks.publisher.replay(start):
-                self.replay.send_multipart([identity, *reply])
-
-
-def _kv_publisher(
-    ctx: zmq.Context, args: argparse.Namespace, config: SimConfig
-) -> tuple[SimHooks | None, _KvSockets | None, dict | None]:
-    """The KV-event publisher of this rank, when --kv-events-config turns it on."""
-    cfg = args.kv_events_config
-    if cfg is None or not cfg.publishing:
-        return None, None, cfg.to_dict() if cfg is not None else None
-    faults = SimKvFaults(
-        skip_seqs=args.kv_fault_skip, drop_seqs=args.kv_fault_drop, restart_after_batches=args.kv_fault_restart_after,
-        replay_topic=not args.kv_replay_no_topic and kv_engines.replay_has_topic(args.wire),
-    )  # fmt: skip
-    publisher = SimKvPublisher(cfg, args.rank, faults, dialect=args.wire)
-    hooks = KvEventHooks(publisher, config.block_size, time.time() - time.monotonic())
-    pub = ctx.socket(zmq.PUB)
-    pub.set_hwm(cfg.hwm)
-    pub.setsockopt(zmq.LINGER, 1000)
-    endpoint = kv_events.endpoint_for_rank(cfg.endpoint, args.rank)
-    resolved = cfg.to_dict()
-    if kv_engines.pub_binds(cfg, endpoint):
-        pub.bind(endpoint)
-        resolved["endpoint"] = pub.getsockopt_string(zmq.LAST_ENDPOINT)
-    else:
-        pub.connect(endpoint)
-        resolved["endpoint"] = endpoint
-    replay = None
-    if cfg.replay_endpoint:
-        replay = ctx.socket(zmq.ROUTER)
-        replay.setsockopt(zmq.LINGER, 0)
-        replay.bind(kv_events.endpoint_for_rank(cfg.replay_endpoint, args.rank))
-        resolved["replay_endpoint"] = replay.getsockopt_string(zmq.LAST_ENDPOINT)
-    return hooks, _KvSockets(hooks, pub, replay), resolved
 
 
 class _VllmWire:
@@ -474,61 +350,6 @@ class _VllmWire:
         return self.core.step(now)
 
 
-def _serve(core: "_VllmWire | SimWire", inputs: zmq.Socket, outputs: zmq.Socket, life: _Lifetime,
-           kv: "_KvSockets | list[_KvSockets] | None" = None) -> str:  # fmt: skip
-    """The engine loop of any wire (``core``: handle, step, has_work); returns why it stopped.
-
-    ``kv``: the rank's KV-event sockets, or every rank's (SGLang's DP ranks in one process)."""
-    next_step = 0.0  # monotonic time the current step's cost runs out
-    publishers = kv if isinstance(kv, list) else [kv] if kv is not None else []
-    poller = zmq.Poller()
-    poller.register(inputs, zmq.POLLIN)
-    for publisher in publishers:
-        if publisher.replay is not None:
-            poller.register(publisher.replay, zmq.POLLIN)
-    while True:
-        if (reason := life.reason()) is not None:
-            return reason
-        if core.has_work:
-            timeout_ms = max(0.0, next_step - time.monotonic()) * 1000
-        else:
-            timeout_ms = IDLE_POLL_MS
-        ready = dict(poller.poll(timeout_ms))
-        for publisher in publishers:
-            if publisher.replay is not None and publisher.replay in ready:
-                publisher.serve_replay()
-        if inputs in ready:
-            while True:  # drain everything that is already here
-                try:
-                    frames = inputs.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    messages = core.handle(frames, time.monotonic())
-                except WireError as exc:
-                    _log(f"ignored input: {exc}")
-                    continue
-                for message in messages:
-                    outputs.send_multipart(message)
-                _log_notes(core)
-        now = time.monotonic()
-        if core.has_work and now >= next_step:
-            messages, cost_s = core.step(now)
-            for message in messages:
-                outputs.send_multipart(message)
-            for publisher in publishers:
-                publisher.flush()
-            next_step = now + cost_s
-
-
-def _log_notes(core) -> None:
-    """What the personalities asked to have logged (the PD rooms a leg took), once each."""
-    for personality in getattr(core, "ranks", None) or [core]:
-        notes = getattr(personality, "notes", None)
-        while notes:
-            _log(notes.pop(0))
-
-
 def _write_pd_facts(config: SimConfig, kv_transfer: dict) -> None:
     """Before the handshake, where enginelink reads the engine's facts (as vllm_headless.py does)."""
     from enginelink.runtime.engine.zmq_transport import ENGINE_FACTS_ENV
@@ -543,7 +364,7 @@ def _write_pd_facts(config: SimConfig, kv_transfer: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from enginelink.runtime.engine.zmq_transport import ENGINE_FACTS_ENV
-    from enginelink.runtime.engine.vllm_headless import report_refused_arguments
+    from enginelink.runtime.contracts.vllm.vllm_headless import report_refused_arguments
 
     parser = argparse.ArgumentParser(prog="python -m enginelink.tools.sim_engine", description=__doc__.splitlines()[0])
     add_arguments(parser)
@@ -569,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_facts(path: str | None, args: argparse.Namespace) -> None:
-    """What vLLM's launch script reports beside the ready response (runtime/engine/vllm_headless.py):
+    """What vLLM's launch script reports beside the ready response (runtime/contracts/vllm/vllm_headless.py):
     the runner (whether the servicer offers Generate or Embed) and --max-logprobs."""
     if path:
         # Every DP rank writes the same facts: each through a temp file of its own, or one rank's

@@ -2,7 +2,7 @@
 
 The personalities themselves are sans-io (``machines/sim_wires.py``); this
 file only connects their sockets as the real engine does, reports readiness
-the way that engine does, and runs ``sim_engine``'s engine loop (``_serve``:
+the way that engine does, and runs the sim process's engine loop (``sim_process.serve``:
 the same polling, step timing, KV publishing, signals and parent watch).
 
 - TokenSpeed (``ts serve --headless``): a DEALER with identity = rank (2 bytes
@@ -45,12 +45,12 @@ import zmq
 from enginelink.machines.sim_core import SimConfig, SimEngineCore
 from enginelink.machines.sim_legs import SglangDpController, SimLeg
 from enginelink.machines.sim_wires import SglangPersonality, TokenSpeedPersonality
-from enginelink.tools import sim_engine as shell
+from enginelink.tools import sim_process as shell
 from enginelink.wire import tokenspeed, vllm
 
 
 def run_wire(args: argparse.Namespace, config: SimConfig) -> int:
-    life = shell._Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
+    life = shell.Lifetime(ignore_sigterm=args.fault_ignore_sigterm)
     ctx = zmq.Context()
     leg = SimLeg(mode=args.disaggregation_mode, bootstrap_port=args.disaggregation_bootstrap_port,
                  load_balance_method=args.load_balance_method, dp_size=args.data_parallel_size)
@@ -78,20 +78,20 @@ def _bootstrap_listener(leg: SimLeg) -> socket.socket:
                 connection.close()
 
     threading.Thread(target=serve, name="sim-bootstrap", daemon=True).start()
-    shell._log(f"pd prefill leg: bootstrap server on 127.0.0.1:{leg.bootstrap_port}")
+    shell.log(f"pd prefill leg: bootstrap server on 127.0.0.1:{leg.bootstrap_port}")
     return listener
 
 
-def _load(args: argparse.Namespace, life: shell._Lifetime) -> None:
+def _load(args: argparse.Namespace, life: shell.Lifetime) -> None:
     """A real engine loads its model here (--startup-delay-s), still answering signals."""
     loading_until = time.monotonic() + args.startup_delay_s
     while time.monotonic() < loading_until and not life.reason():
         time.sleep(0.01)
     if args.bind_cpu is not None:
-        shell._start_bound_thread(args.bind_cpu)
+        shell.start_bound_thread(args.bind_cpu)
 
 
-def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime,
+def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell.Lifetime,
                     leg: SimLeg) -> int:
     identity = tokenspeed.TokenSpeedHandshake.identity(args.rank)
     hs = ctx.socket(zmq.DEALER)
@@ -106,11 +106,11 @@ def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfi
     deadline = time.monotonic() + shell.HANDSHAKE_TIMEOUT_S
     while not hs.poll(shell.IDLE_POLL_MS):
         if life.reason() or time.monotonic() > deadline:
-            shell._log(f"no handshake init ({life.reason() or 'timed out'})")
+            shell.log(f"no handshake init ({life.reason() or 'timed out'})")
             return 0 if life.reason() else 1
     init = vllm.decode_handshake_init(hs.recv())
     _load(args, life)
-    hooks, kv_sockets, kv_resolved = shell._kv_publisher(ctx, args, config)
+    hooks, kv_sockets, kv_resolved = shell.kv_publisher(ctx, args, config)
     # TokenSpeed's order: READY on the handshake socket, then the ready response on the input socket.
     hs.send(tokenspeed.encode_handshake_status("READY"))
     inputs = ctx.socket(zmq.DEALER)
@@ -120,12 +120,12 @@ def _run_tokenspeed(ctx: zmq.Context, args: argparse.Namespace, config: SimConfi
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 4000)
     outputs.connect(init.addresses.outputs[0])
-    shell._log(f"ready (tokenspeed wire, rank {args.rank}, vocab {config.vocab_size})")
+    shell.log(f"ready (tokenspeed wire, rank {args.rank}, vocab {config.vocab_size})")
     if args.fault_stray_child:
-        shell._log(f"stray child {shell._start_stray_child()} started")
+        shell.log(f"stray child {shell.start_stray_child()} started")
     personality = TokenSpeedPersonality(SimEngineCore(config, hooks), leg)
-    reason = shell._serve(personality, inputs, outputs, life, kv_sockets)
-    shell._log(f"stopping: {reason}")
+    reason = shell.serve(personality, inputs, outputs, life, kv_sockets)
+    shell.log(f"stopping: {reason}")
     return 0
 
 
@@ -142,7 +142,7 @@ def ready_response(config: SimConfig, kv_events_config: dict | None = None) -> t
 
 
 def sglang_server_args(args: argparse.Namespace) -> dict:
-    """The resolved server arguments ``runtime/engine/sglang_headless.py`` reports (``REPORTED``), as a
+    """The resolved server arguments ``runtime/contracts/sglang/sglang_headless.py`` reports (``REPORTED``), as a
     scheduler given the sim's SGLang flags would resolve them (an unset grammar backend is xgrammar)."""
     return {"skip_tokenizer_init": bool(args.skip_tokenizer_init),
             "grammar_backend": getattr(args, "grammar_backend", None) or "xgrammar",
@@ -173,7 +173,7 @@ def sglang_ready_report(config: SimConfig, started: float, server_args: dict | N
             "is_generation": config.runner != "pooling", "server_args": server_args or {}}
 
 
-def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell._Lifetime,
+def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, life: shell.Lifetime,
                 leg: SimLeg) -> int:
     started = time.time()
     while args.hello_gate is not None and not args.hello_gate.exists():
@@ -185,7 +185,7 @@ def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, l
     ranks, kv_sockets = [], []
     for rank in range(args.data_parallel_size):  # SGLang's DP ranks, each its own core and KV publisher
         rank_config = msgspec.structs.replace(config, engine_index=rank)
-        hooks, kv, _ = shell._kv_publisher(ctx, argparse.Namespace(**{**vars(args), "rank": rank}), rank_config)
+        hooks, kv, _ = shell.kv_publisher(ctx, argparse.Namespace(**{**vars(args), "rank": rank}), rank_config)
         ranks.append(SglangPersonality(SimEngineCore(rank_config, hooks), leg, supports_vision=vision))
         kv_sockets += [kv] if kv is not None else []
     inputs = ctx.socket(zmq.PULL)
@@ -198,10 +198,10 @@ def _run_sglang(ctx: zmq.Context, args: argparse.Namespace, config: SimConfig, l
     if args.ready_fd is not None:
         with contextlib.suppress(OSError), os.fdopen(args.ready_fd, "w") as pipe:
             pipe.write(report + "\n")
-    shell._log(f"ready (sglang wire) {report}")
+    shell.log(f"ready (sglang wire) {report}")
     if args.fault_stray_child:
-        shell._log(f"stray child {shell._start_stray_child()} started")
+        shell.log(f"stray child {shell.start_stray_child()} started")
     personality = ranks[0] if len(ranks) == 1 else SglangDpController(ranks, leg)
-    reason = shell._serve(personality, inputs, outputs, life, kv_sockets)
-    shell._log(f"stopping: {reason}")
+    reason = shell.serve(personality, inputs, outputs, life, kv_sockets)
+    shell.log(f"stopping: {reason}")
     return 0

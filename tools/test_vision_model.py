@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from enginelink.runtime.engine.launchers import default_vllm_python
+from enginelink.runtime.contracts.vllm.launch import default_vllm_python
 from enginelink.tools import test_model
 
 RECIPE_VERSION = 2  # 2: the chat template walks content parts (the router's "openai" content format)

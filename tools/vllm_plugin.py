@@ -25,7 +25,7 @@ class's parse step, and that is all it does until a parse selects enginelink:
   ``serve_grpc`` rebound, as the reference's own switch does;
 - a ``vllm serve --headless`` parse (the engine-only ranks of a multi-node
   engine, started with the leader's engine flags) gets the CUDA-graph capture
-  cap the leader's launch derived (runtime/engine/capture_cap.py), so every node
+  cap the leader's launch derived (runtime/contracts/vllm/capture_cap.py), so every node
   captures the same sizes.
 
 Anything else (an HTTP ``vllm serve``, ``--grpc`` with another
@@ -174,7 +174,7 @@ def after_parse(parser: Any, args: list[str] | None, parsed: Any) -> None:
         _handover = Handover(parser, list(sys.argv[1:] if args is None else args), source)
         take_over_launcher()
     elif getattr(parsed, "headless", False):
-        from enginelink.runtime.engine.capture_cap import apply_to_namespace, log_capture_cap
+        from enginelink.runtime.contracts.vllm.capture_cap import apply_to_namespace, log_capture_cap
 
         try:
             decision = apply_to_namespace(parsed, os.environ)
@@ -189,7 +189,7 @@ _pending: list = []
 def log_in_vllm(decision) -> None:
     """The capture-cap line through vLLM's logging. vLLM configures it after the parse
     (``configure_logging_from_args``): a line from the parse waits for that, then goes out once."""
-    from enginelink.runtime.engine.capture_cap import log_capture_cap
+    from enginelink.runtime.contracts.vllm.capture_cap import log_capture_cap
 
     if logging.getLogger("vllm").handlers:
         log_capture_cap(decision, logging.getLogger(VLLM_LOG))

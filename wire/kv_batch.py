@@ -3,7 +3,8 @@
 These structs map one to one onto ``common.proto``'s ``KvEventBatch`` family
 (smg-grpc-proto 0.4.28): same names, same fields, same optionality, so the
 relay machine and its tests speak them without importing protobuf, and the
-gRPC handler turns each into a message with ``to_proto`` at the last moment.
+gRPC handler turns each into a message at the last moment
+(``runtime/contracts/shared/kv_messages.py``).
 Every engine's KV codec (``kv_events.py`` for vLLM and SGLang) normalises into
 them; nothing here knows an engine.
 
@@ -13,18 +14,14 @@ Rules:
   ``KvBlock`` can be shared by the batch that stored it and the live set;
 - ``None`` means "unset" wherever the proto field is ``optional``; ``tier``
   and ``locality`` hold the proto enum numbers (``Tier``, ``Locality``);
-- ``to_proto`` is the only place that imports the generated messages.
+- no protobuf here, not even lazily: the gRPC contract is the shell's.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any
 
 import msgspec
-
-if TYPE_CHECKING:
-    from smg_grpc_proto.generated import common_pb2
 
 
 class Tier(enum.IntEnum):
@@ -117,74 +114,3 @@ class KvBatch(msgspec.Struct, frozen=True, gc=False):
     events: tuple[KvEvent, ...]
     dp_rank: int | None = None
     snapshot: KvSnapshotChunk | None = None
-
-
-# --------------------------------------------------------------------------
-# to protobuf
-# --------------------------------------------------------------------------
-
-
-def to_proto(batch: KvBatch, load: Any = None) -> "common_pb2.KvEventBatch":
-    """The ``common_pb2.KvEventBatch`` for a batch; ``load`` is an ``EngineLoad`` message or None."""
-    from smg_grpc_proto.generated import common_pb2 as pb
-
-    message = pb.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp)
-    if batch.dp_rank is not None:
-        message.dp_rank = batch.dp_rank
-    if batch.snapshot is not None:
-        s = batch.snapshot
-        message.snapshot.CopyFrom(
-            pb.KvSnapshotChunk(index=s.index, count=s.count, blocks=s.blocks, unknown_before=s.unknown_before)
-        )
-    if load is not None:
-        message.load.CopyFrom(load)
-    events = message.events
-    for event in batch.events:
-        out = events.add(event_id=event.event_id)
-        match event.data:
-            case KvStored() as data:
-                _stored(out.stored, data)
-            case KvRemoved() as data:
-                _set_optional(out.removed, data, _REMOVED_OPTIONAL)
-                out.removed.block_hashes.extend(data.block_hashes)
-            case KvCleared(ownership=ownership):
-                out.cleared.SetInParent()
-                if ownership is not None:
-                    out.cleared.ownership = ownership
-    return message
-
-
-_STORED_OPTIONAL = (
-    "parent_block_hash", "tier", "medium", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-    "locality", "ownership", "session_id", "lora_name", "cache_salt",
-)  # fmt: skip
-_REMOVED_OPTIONAL = ("cache_level", "tier", "medium", "group_idx", "locality", "ownership")
-
-
-def _set_optional(message: Any, data: msgspec.Struct, names: tuple[str, ...]) -> None:
-    message.SetInParent()  # an empty stored/removed still selects its oneof arm
-    for name in names:
-        value = getattr(data, name)
-        if value is not None:
-            setattr(message, name, value)
-
-
-def _stored(message: Any, data: KvStored) -> None:
-    _set_optional(message, data, _STORED_OPTIONAL)
-    for block in data.blocks:
-        out = message.blocks.add(block_hash=block.block_hash, block_size=block.block_size)
-        out.token_ids.extend(block.token_ids)
-        if block.lora_id is not None:
-            out.lora_id = block.lora_id
-        if block.cache_level is not None:
-            out.cache_level = block.cache_level
-        for key in block.extra_keys:
-            item = out.extra_keys.add()
-            if key.text is not None:
-                item.text = key.text
-            elif key.blob is not None:
-                item.blob = key.blob
-            elif key.number is not None:
-                item.number = key.number
-            elif key.multimodal is not None:
-                item.multimodal.identifier, item.multimodal.offset = key.multimodal

@@ -1,1 +1,1 @@
-"""The engine: its process, launch, release checks, the ZMQ link and its handshake gate."""
+"""The engine: its process, the launch recipes' common part, the link, its transports and supervision."""

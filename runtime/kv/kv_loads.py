@@ -1,7 +1,7 @@
 """Load records on the KV event stream: ``EngineLoad`` per DP rank, and when to send one alone.
 
 Every ``KvEventBatch`` a subscriber gets carries its rank's ``EngineLoad``,
-built from the newest scheduler stats (``runtime/lifetime/loads.py``, which the engine
+built from the newest scheduler stats (``runtime/context/loads.py``, which the engine
 link feeds from every engine step). Between batches, ``load_only`` batches
 keep the router's view fresh (smg contract §12.5), decided per stream and
 rank by ``Beat``:
@@ -19,7 +19,10 @@ rank by ``Beat``:
   telemetry fields (hit rate, used and total tokens, memory, queues).
 
 ``Beat`` is pure (time is an argument); ``LoadSource`` reads the runtime's
-live numbers. ``sample`` numbers the records of one stream.
+live numbers. ``sample`` numbers the records of one stream. A record is a
+``LoadRecord``, ``common.proto``'s ``EngineLoad`` without protobuf (``None``:
+unset); the SubscribeKvEvents handler encodes it
+(``runtime/contracts/shared/kv_messages.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Final
 
-from smg_grpc_proto.generated import common_pb2 as pb
-
-from enginelink.runtime.lifetime.loads import Loads
+from enginelink.runtime.context.loads import Loads
 from enginelink.wire.engine import SchedulerStats
 
 CHECK_S: Final = 0.1
@@ -41,6 +42,29 @@ USAGE_STEP: Final = 0.005
 RATE_STEP_TOKENS_S: Final = 50.0
 RATE_STEP_SHARE: Final = 0.05
 RATE_STEP_MIN_TOKENS_S: Final = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRecord:
+    """An ``EngineLoad`` as the relay sends it: the routing core on every record, telemetry when asked."""
+
+    running_requests: int
+    waiting_requests: int
+    token_usage: float
+    gen_throughput: float
+    max_running_requests: int
+    age_ms: int
+    sample: int
+    load_only: bool
+    engine_reports_steps: bool
+    prefill_pending_tokens: int
+    engine_silence_ms: int | None = None  # unset while nothing is in flight, or before the engine is up
+    # The telemetry (a stream's first record and every load_only one); None: unset.
+    cache_hit_rate: float | None = None
+    num_used_tokens: int | None = None
+    max_total_num_tokens: int | None = None
+    memory_token_capacity: int | None = None  # EngineLoad.memory.token_capacity
+    queues_waiting: int | None = None  # EngineLoad.queues.waiting
 
 
 @dataclass(frozen=True)
@@ -141,10 +165,12 @@ class LoadSource:
             None if silence is None else math.floor(silence),
         )  # fmt: skip
 
-    def record(self, rank: int, now: float, *, sample: int, load_only: bool, telemetry: bool) -> pb.EngineLoad:
+    def record(self, rank: int, now: float, *, sample: int, load_only: bool, telemetry: bool) -> LoadRecord:
         stats, seen_at = self._stats(rank)
         max_running, capacity = self.limits()
-        load = pb.EngineLoad(
+        silence = self._silence_s(now)
+        queries = stats.prefix_cache_queries
+        return LoadRecord(
             running_requests=stats.num_running_reqs,
             waiting_requests=stats.num_waiting_reqs,
             token_usage=stats.kv_cache_usage,
@@ -155,15 +181,12 @@ class LoadSource:
             load_only=load_only,
             engine_reports_steps=True,
             prefill_pending_tokens=self.prefill_pending(),
+            engine_silence_ms=None if silence is None else min(round(silence * 1000), 0xFFFFFFFF),
+            **({} if not telemetry else {
+                "cache_hit_rate": stats.prefix_cache_hits / queries if queries else 0.0,
+                "num_used_tokens": round(stats.kv_cache_usage * capacity),
+                "max_total_num_tokens": capacity,
+                "memory_token_capacity": capacity,
+                "queues_waiting": stats.num_waiting_reqs,
+            }),
         )
-        silence = self._silence_s(now)
-        if silence is not None:
-            load.engine_silence_ms = min(round(silence * 1000), 0xFFFFFFFF)
-        if telemetry:
-            queries = stats.prefix_cache_queries
-            load.cache_hit_rate = stats.prefix_cache_hits / queries if queries else 0.0
-            load.num_used_tokens = round(stats.kv_cache_usage * capacity)
-            load.max_total_num_tokens = capacity
-            load.memory.token_capacity = capacity
-            load.queues.waiting = stats.num_waiting_reqs
-        return load

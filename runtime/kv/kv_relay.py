@@ -16,7 +16,7 @@ everything; this file moves frames and time:
 - the machine's actions: ``Journal`` → the journal, ``Wake`` → the streams'
   wake events, ``FetchReplay`` → the rank's fetcher (one outstanding; a newer
   one replaces an unstarted older one, the machine ignores stale tokens);
-- the streams of ``SubscribeKvEvents`` (``runtime/kv/grpc_kv.py``): each has a
+- the streams of ``SubscribeKvEvents`` (``runtime/contracts/shared/grpc_kv.py``): each has a
   wake event the handler waits on. It is an ``asyncio.Event`` set from trio
   code here, a plain call on the same thread under trio-asyncio: no
   trio↔asyncio hop per batch. A slow stream costs nothing here: the window
@@ -47,11 +47,10 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Final, Iterable
+from typing import Any, Callable, Final, Iterable, NamedTuple
 
 import trio
 import zmq
-from smg_grpc_proto.generated import common_pb2 as pb
 from zmq.utils.monitor import parse_monitor_message
 
 from enginelink.machines.kv_relay import (
@@ -68,11 +67,11 @@ from enginelink.machines.kv_relay import (
     kv_stream,
 )
 from enginelink.runtime.kv.kv_config import KvPlan, loopback
-from enginelink.runtime.kv.kv_loads import Beat, LoadSource
+from enginelink.runtime.kv.kv_loads import Beat, LoadRecord, LoadSource
 from enginelink.runtime.engine.zmq_trio import make_socket, recv_multipart
 from enginelink.wire import kv_events as kv
 from enginelink.wire.engine import WireError
-from enginelink.wire.kv_batch import KvBatch, to_proto
+from enginelink.wire.kv_batch import KvBatch
 
 log = logging.getLogger("enginelink.kv")
 
@@ -83,6 +82,14 @@ JOIN_SETTLE_S: Final = 0.05  # after the connection, for the subscription to rea
 RECONNECT_IVL_MS: Final = 20  # a SUB dialling an ipc PUB that the engine has not bound yet
 MESSAGES_PER_WAKEUP: Final = 64
 SEQUENCE_BASE_SHIFT: Final = 20
+
+
+class Outgoing(NamedTuple):
+    """One message of a stream, contract-neutral: the batch and its rank's load record (``kv_messages.py``
+    in ``runtime/contracts/shared/`` makes it a ``KvEventBatch``)."""
+
+    batch: KvBatch
+    load: LoadRecord
 
 
 class KvRelayError(Exception):
@@ -209,15 +216,14 @@ class KvRelayShell:
         self._apply(pull.actions)
         return pull
 
-    def message(self, stream: KvStream, batch: KvBatch) -> pb.KvEventBatch:
+    def message(self, stream: KvStream, batch: KvBatch) -> Outgoing:
         """The batch as sent, with its rank's load record."""
         now = trio.current_time()
         rank = batch.dp_rank if batch.dp_rank is not None else self.plan.ranks[0].rank
-        load = self._load(stream, rank, now, load_only=False)
-        return to_proto(batch, load)
+        return Outgoing(batch, self._load(stream, rank, now, load_only=False))
 
-    def heartbeats(self, stream: KvStream) -> list[pb.KvEventBatch]:
-        """The ``load_only`` batches due on this stream now."""
+    def heartbeats(self, stream: KvStream) -> list[Outgoing]:
+        """The ``load_only`` batches due on this stream now: no events, the rank's cursor, its load."""
         if not stream.due:
             return []
         now = trio.current_time()
@@ -226,9 +232,8 @@ class KvRelayShell:
             cursor = self.relay.cursor(stream.id, rank)
             if cursor is None and not stream.loads_before_first:
                 continue
-            message = pb.KvEventBatch(sequence_number=cursor or 0, timestamp=self.wall_time(now), dp_rank=rank)
-            message.load.CopyFrom(self._load(stream, rank, now, load_only=True))
-            out.append(message)
+            beat = KvBatch(sequence_number=cursor or 0, timestamp=self.wall_time(now), events=(), dp_rank=rank)
+            out.append(Outgoing(beat, self._load(stream, rank, now, load_only=True)))
         stream.due.clear()
         return out
 
@@ -255,7 +260,7 @@ class KvRelayShell:
         if self.streams.pop(stream.id, None) is not None:
             self._apply(self.relay.unsubscribe(stream.id, trio.current_time()))
 
-    def _load(self, stream: KvStream, rank: int, now: float, *, load_only: bool) -> pb.EngineLoad:
+    def _load(self, stream: KvStream, rank: int, now: float, *, load_only: bool) -> LoadRecord:
         stream.sample += 1
         beat = stream.beats[rank]
         record = self.loads.record(rank, now, sample=stream.sample, load_only=load_only,

@@ -1,1 +1,1 @@
-"""Lifetime: composition, serve, warm-up, drain, readiness, metrics, snapshots."""
+"""Lifetime, the composition root (nothing imports it): compose, serve, the contract table, warm-up, drain."""

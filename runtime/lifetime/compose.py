@@ -50,22 +50,24 @@ from enginelink.machines.link import LinkEvent, LinkState
 from enginelink.machines.resume import RestartBudget, ResumePolicy
 from enginelink.machines.warmup import WarmupSetting
 from enginelink.runtime.lifetime import core
-from enginelink.runtime.lifetime.app import App
+from enginelink.runtime.context.app import App
 from enginelink.runtime.engine.engine_link import EngineArgsRefused, EngineIncompatible, EngineLink, LinkFailed
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.inputs import input_limits
-from enginelink.runtime.requests.media import MediaService, media_settings
+from enginelink.runtime.contracts.shared.media import MediaService, media_settings
 from enginelink.runtime.kv.kv_config import KvPlan
 from enginelink.runtime.kv.kv_loads import LoadSource
 from enginelink.runtime.kv.kv_metrics import KvRelayCollector
 from enginelink.runtime.kv.kv_relay import KvRelayError, KvRelayShell, wall_sequence_base
-from enginelink.runtime.lifetime.link_stats import link_stats, resume_stats
-from enginelink.runtime.lifetime.metrics import Metrics, serve_metrics
+from enginelink.runtime.context.link_stats import link_stats, resume_stats
+from enginelink.runtime.context.metrics import Metrics, serve_metrics
+
 from enginelink.runtime.engine.model_dir import ModelFacts
-from enginelink.runtime.lifetime.rank_metrics import RankCollector
+from enginelink.runtime.context.rank_metrics import RankCollector
 from enginelink.runtime.lifetime.readiness import Readiness, StatusSink
 from enginelink.runtime.lifetime.snapshots import SNAPSHOT_INTERVAL_S, run_snapshots
 from enginelink.runtime.lifetime.warmup import warm_up
+from enginelink.runtime.rpc.fastpath import MAX_CONCURRENT_STREAMS
 
 log = logging.getLogger("enginelink")
 
@@ -374,7 +376,7 @@ def _watch(metrics: Metrics, servicer: Servicer) -> None:
     metrics.watch_state(lambda: link.machine.state)
     metrics.watch_in_flight(lambda: hub.active_requests)
     metrics.add_gauges("journal", servicer.journal.stats)
-    metrics.add_gauges("link", lambda: link_stats(link, hub))
+    metrics.add_gauges("link", lambda: link_stats(link, hub, MAX_CONCURRENT_STREAMS))
     metrics.add_gauges("input_max", input_limits)  # the ENGINELINK_MAX_* request-input bounds
     metrics.add_gauges("resume", lambda: resume_stats(link, hub))  # engine restarts (docs/resume.md)
     metrics.add_collector(lambda labels: RankCollector(link.ranks, servicer.app.loads, labels))

@@ -6,8 +6,9 @@ codec (``wire/codecs.py``) and the gRPC contract served in front of it;
 messages) and the transport its engine link starts the engine through (vLLM's
 ZeroMQ wire with its handshake, or SGLang's ready report on a pipe:
 ``wire/codecs.readiness``; ``runtime/engine/engine_link.py``).
-A new engine or wire is one row here (and its launcher in ``tools/serve.py``);
-anything not in the table is refused before any engine starts.
+A new contract is its wing (``runtime/contracts/<name>/``: edge, service,
+launch) and one row here (and its launcher in ``tools/serve.py``); anything
+not in the table is refused before any engine starts.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import Callable, Final
 
 from enginelink.runtime.engine.sglang_link import SglangTransport
 from enginelink.runtime.engine.zmq_transport import ZmqTransport
-from enginelink.runtime.rpc.grpc_mlx import MlxEngineService
-from enginelink.runtime.rpc.grpc_sglang import SglangSchedulerService
-from enginelink.runtime.rpc.grpc_tokenspeed import TokenSpeedSchedulerService
-from enginelink.runtime.rpc.grpc_vllm import VllmEngineService
+from enginelink.runtime.contracts.mlx.service import MlxEngineService
+from enginelink.runtime.contracts.sglang.service import SglangSchedulerService
+from enginelink.runtime.contracts.tokenspeed.service import TokenSpeedSchedulerService
+from enginelink.runtime.contracts.vllm.service import VllmEngineService
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ from enginelink.journal.records import KIND_ERROR, KIND_ROUTER_FRAME, KIND_ROUTE
 from enginelink.machines.router_link import RouterLink
 from enginelink.runtime.engine.zmq_trio import make_socket, recv_multipart
 from enginelink.runtime.errors import ServicerError
-from enginelink.runtime.lifetime.app import context_len
-from enginelink.runtime.lifetime.warmup import TrioWake
+from enginelink.runtime.context.facts import context_len
+from enginelink.runtime.context.submit import TrioWake
 from enginelink.runtime.requests.contract_lane import LANE_EDGE, abort_row, rows
 from enginelink.runtime.requests.generate import generate
 from enginelink.wire import sglang_router as lane

@@ -46,9 +46,9 @@ from enginelink.machines.warmup import WarmupLevel, WarmupSetting
 from enginelink.runtime.lifetime import core
 from enginelink.runtime.lifetime.gc_policy import GcPolicy
 from enginelink.journal.ring import RING_RECORDS_MAX
-from enginelink.runtime.lifetime.metrics import task_counts
+from enginelink.runtime.context.metrics import task_counts
 from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
-from enginelink.runtime.requests.media import media_record, media_settings
+from enginelink.runtime.contracts.shared.media import media_record, media_settings
 from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
 from enginelink.runtime.rpc.grpc_limits import GrpcLimits

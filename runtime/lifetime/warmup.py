@@ -13,9 +13,9 @@ The plan's flush step runs at the end whatever happened, bounded by
 ``FLUSH_TIMEOUT_S``. One INFO line per step with its time, one at the end.
 
 The driver depends only on ``submit``, ``flush`` and trio's clock, so tests
-run it on ``MockClock`` with fakes. ``hub_submit`` and ``engine_flush`` bind
-it to the real request hub and engine link; ``warm_up`` does the whole job
-for the server.
+run it on ``MockClock`` with fakes. ``hub_submit`` (``runtime/context/submit.py``,
+which SGLang's health probe uses too) and ``engine_flush`` bind it to the real
+request hub and engine link; ``warm_up`` does the whole job for the server.
 
 Rules: the warm-up never takes the servicer down (an exception from
 ``submit`` or ``flush`` is logged and counted as a failure; only
@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Final
 
 import trio
@@ -41,11 +40,10 @@ from enginelink.machines.warmup import (
     facts_from_ready,
     plan_warmup,
 )
+from enginelink.runtime.context.submit import Outcome, Submit, hub_submit
 from enginelink.runtime.requests.embed import RUNNER_POOLING, runner_type
 from enginelink.runtime.requests.pd_bootstrap import stand_in_params
-from enginelink.runtime.errors import DuplicateRequest, ServicerError, Unavailable
-from enginelink.runtime.requests.validate import EngineLimits, GenerateCall
-from enginelink.wire.engine import GenerateSpec, SamplingSpec
+from enginelink.runtime.requests.validate import EngineLimits
 
 REQUEST_TIMEOUT_MAX_S: Final = 600.0
 REQUEST_TIMEOUT_MIN_S: Final = 1.0
@@ -56,14 +54,6 @@ FLUSH_RETRY_S: Final = 0.1  # the engine refuses a reset while requests run: ret
 logger = logging.getLogger("enginelink.warmup")
 
 
-class Outcome(StrEnum):
-    OK = "ok"
-    FAILED = "failed"  # abort/error complete, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, engine gone
-    REFUSED = "refused"  # admission said no (retryable)
-    TIMEOUT = "timeout"  # the driver's deadline ran out; counted as failed
-
-
-Submit = Callable[[WarmupRequest, float], Awaitable[str]]
 Flush = Callable[[], Awaitable[bool]]
 
 
@@ -200,95 +190,6 @@ async def _flush(flush: Flush, log) -> bool:
 
 
 # -- binding to the hub and the link ---------------------------------------------------
-
-
-def warmup_call(request: WarmupRequest, limits: EngineLimits, now: float) -> GenerateCall:
-    """The validated call a warm-up request stands for (built directly: no protobuf)."""
-    prompt = request.prompt_token_ids
-    sampling = SamplingSpec(
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        eos_token_ids=limits.eos_token_ids,
-        ignore_eos=request.ignore_eos,
-        skip_special_tokens=True,
-    )
-    spec = GenerateSpec(
-        request_id=request.request_id,
-        prompt_token_ids=prompt,
-        sampling=sampling,
-        arrival_time=now,
-        data_parallel_rank=request.data_parallel_rank,
-        # On an SGLang PD leg: the engine's own stand-in bootstrap (a transfer to nobody), its room the rank
-        # the request is pinned to, so a prefill leg's residue places it there (pd_bootstrap.py).
-        kv_transfer_params=stand_in_params(limits.pd_leg, request.data_parallel_rank),
-    )
-    return GenerateCall(
-        request_id=request.request_id,
-        stream=False,
-        prompt_token_ids=prompt,
-        specs=[spec],
-        max_tokens=request.max_tokens,
-        engine_ids=[request.request_id],
-    )
-
-
-class TrioWake:
-    """The part of ``asyncio.Event`` the hub uses (``set``), waking trio code instead.
-
-    The hub sets ``call.wake`` from the link's receive task (trio) and from
-    handlers (asyncio under trio-asyncio, same thread); a trio task cannot
-    await an ``asyncio.Event``, so warm-up calls get this in its place.
-    """
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-
-    def set(self) -> None:
-        self._event.set()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def clear(self) -> None:
-        if self._event.is_set():
-            self._event = trio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-
-
-def hub_submit(hub, limits: EngineLimits) -> Submit:
-    """``submit`` for ``run_warmup`` through a ``RequestHub`` (admission, journal, engine)."""
-
-    async def submit(request: WarmupRequest, timeout_s: float) -> str:
-        now = trio.current_time()
-        try:
-            wake = TrioWake()
-            call = hub.admit(warmup_call(request, limits, now), now, wake=wake)
-        except (Unavailable, DuplicateRequest):
-            return Outcome.REFUSED
-        except ServicerError:
-            return Outcome.FAILED
-        reasons = []
-        try:
-            while call.error is None and not all(choice.finished for choice in call.choices):
-                await wake.wait()
-                wake.clear()
-        finally:
-            # Cancelled (the driver's deadline, or the server stopping): stop the engine's work.
-            now = trio.current_time()
-            if call.machine.open:
-                hub.abort([request.request_id], "warmup_cancelled", now)
-            if call.error is None:
-                # Journals the choices' ends (client.sent) and frees the id; nothing is sent.
-                taken = [c for c in call.choices if not c.complete_sent]
-                hub.take(call, now)
-                reasons = [c.finish_reason for c in taken if c.complete_sent]
-        return Outcome.FAILED if not reasons or any(r in ("abort", "error") for r in reasons) else Outcome.OK
-
-    return submit
 
 
 def engine_flush(link) -> Flush:

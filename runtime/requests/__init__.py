@@ -1,1 +1,1 @@
-"""Requests: validation, the hub that executes the request core, per-contract edges, request fields."""
+"""Requests, contract-neutral: the Generate loop, the hub that executes the request core, limits, inputs, Embed."""

@@ -26,9 +26,9 @@ import msgspec
 
 from enginelink.machines.request_api import Chunk, Complete, GenerateCall, Message
 from enginelink.runtime.errors import ClientError, ServicerError
-from enginelink.runtime.requests.contract_sglang import SGLANG_GRAMMAR_BACKEND, _sampling_numbers
+from enginelink.runtime.contracts.sglang.edge import SGLANG_GRAMMAR_BACKEND, _sampling_numbers
 from enginelink.runtime.requests.inputs import stop_strings, utf8_len
-from enginelink.runtime.requests.pb_fields import (
+from enginelink.runtime.contracts.shared.pb_fields import (
     check_logit_bias, check_max_tokens, check_prompt_room, check_token_ids, logprobs_cap, no_release_params,
 )
 from enginelink.runtime.requests.validate import EngineLimits

@@ -10,7 +10,10 @@ draining. What differs is small and lives here:
   instead of sampling params (``wire/vllm.py``);
 - its result is the pooled tensor on its last output, kept by the hub on the
   choice (``Choice.pooled``, a ``wire.vllm_arrays.Tensor``) and read here once;
-- the answer is one ``EmbedResponse``, never a stream.
+- the answer is one ``Embedding`` (the vector and the prompt's length),
+  never a stream; each contract's wing takes its ``EmbedRequest`` into an
+  ``EmbedInput`` and the answer into its ``EmbedResponse`` (vLLM's and
+  SGLang's).
 
 Which requests an engine runs comes from its runner (``runner_type`` in the
 engine facts: ``--runner pooling`` or what vLLM resolved for the model, and
@@ -27,11 +30,12 @@ vector is never journaled (records carry counts; snapshots fold the journal).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import trio
-from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from enginelink.machines.request_api import GenerateCall
 from enginelink.runtime.errors import (
     CallAborted,
     ClientError,
@@ -39,9 +43,8 @@ from enginelink.runtime.errors import (
     NotThisEngine,
     ServicerError,
 )
-from enginelink.runtime.requests.inputs import check_request_id, input_limits
-from enginelink.runtime.requests.pb_fields import check_token_ids
-from enginelink.runtime.requests.validate import EngineLimits, GenerateCall
+from enginelink.runtime.requests.inputs import check_request_id, check_token_ids, input_limits
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.runtime.requests.writers import counted
 from enginelink.wire.engine import GenerateSpec, PoolingSpec, SamplingSpec, WireError
 
@@ -63,6 +66,28 @@ def check_generation(ready: dict) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class EmbedInput:
+    """An Embed request, contract-neutral: its id, and its token ids (None: it has no tokenized input).
+
+    The ids as the request holds them (a protobuf repeated field): counted before they are copied."""
+
+    request_id: str
+    input_ids: Sequence[int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """An Embed call's answer: the pooled vector and how many prompt tokens it pooled."""
+
+    embedding: list[float]
+    prompt_tokens: int
+
+    @property
+    def embedding_dim(self) -> int:
+        return len(self.embedding)
+
+
 @dataclass
 class EmbedCall(GenerateCall):
     """A validated Embed: a one-choice, non-streaming hub call whose engine request pools."""
@@ -70,13 +95,13 @@ class EmbedCall(GenerateCall):
     task: str = "embed"
 
 
-def validate_embed(request, limits: EngineLimits, now: float) -> EmbedCall:
-    """Check a ``vllm_engine_pb2.EmbedRequest``; raise ClientError or return the call."""
+def validate_embed(request: EmbedInput, limits: EngineLimits, now: float) -> EmbedCall:
+    """Check an Embed request; raise ClientError or return the call."""
     request_id = request.request_id
     check_request_id("request_id", request_id, limits.inputs)
-    if not request.HasField("tokenized"):
+    if request.input_ids is None:
         raise ClientError("tokenized", "an input is required (tokenized.input_ids)")
-    ids = request.tokenized.input_ids
+    ids = request.input_ids
     if not ids:
         raise ClientError("tokenized.input_ids", "must not be empty")
     if len(ids) > limits.max_model_len:  # by their number, before they are copied (issue 38)
@@ -104,8 +129,8 @@ def validate_embed(request, limits: EngineLimits, now: float) -> EmbedCall:
 
 
 @counted  # a drain's flush waits for it (runtime/requests/writers.py)
-async def embed(app, request, *, wake) -> pb.EmbedResponse:
-    """Serve one ``EmbedRequest`` through ``app.hub``; the response, or a ``ServicerError``.
+async def embed(app, request: EmbedInput, *, wake) -> Embedding:
+    """Serve one Embed request through ``app.hub``; its answer, or a ``ServicerError``.
 
     ``wake``: what the hub sets when the call has news (an ``asyncio.Event``
     in a grpclib handler). A caller that goes away mid-call (cancellation)
@@ -142,7 +167,7 @@ async def embed(app, request, *, wake) -> pb.EmbedResponse:
     return _response(request.request_id, choice, call.prompt_tokens)
 
 
-def _response(request_id: str, choice, prompt_tokens: int) -> pb.EmbedResponse:
+def _response(request_id: str, choice, prompt_tokens: int) -> Embedding:
     if choice.finish_reason == "abort":
         raise CallAborted(f"Embed request {request_id!r} was aborted before the engine answered")
     if choice.pooled is None:
@@ -150,10 +175,9 @@ def _response(request_id: str, choice, prompt_tokens: int) -> pb.EmbedResponse:
             f"Embed request {request_id!r} did not produce a result (the engine ended it: {choice.finish_reason})"
         )
     if isinstance(choice.pooled, list):  # SGLang's BatchEmbeddingOutput: the vector itself (wire/sglang.py)
-        return pb.EmbedResponse(embedding=choice.pooled, prompt_tokens=prompt_tokens,
-                                embedding_dim=len(choice.pooled))
+        return Embedding(choice.pooled, prompt_tokens)
     try:
         embedding = choice.pooled.floats()
     except WireError as error:
         raise EngineRequestFailed(f"Embed request {request_id!r}: the engine's pooled output is unreadable: {error}")
-    return pb.EmbedResponse(embedding=embedding, prompt_tokens=prompt_tokens, embedding_dim=len(embedding))
+    return Embedding(embedding, prompt_tokens)

@@ -8,7 +8,7 @@ aborted as ``client_gone``, so the engine stops working on it.
 Parametrised by the two things that differ between callers:
 - ``wake``: what the hub sets when the call has something new; an
   ``asyncio.Event`` for grpclib handlers (asyncio under trio-asyncio), a
-  ``warmup.TrioWake`` for trio code (the simulation's clients);
+  ``context.submit.TrioWake`` for trio code (the simulation's clients);
 - ``send``: an async callable taking one response message of the edge's contract, or its
   bytes (a response whose logprobs the writer serialized in slices: ``serialize_in_slices``).
 
@@ -22,22 +22,21 @@ from __future__ import annotations
 
 import trio
 
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
 from enginelink.runtime.requests.embed import check_generation
 from enginelink.runtime.errors import ClientError, ServicerError
 from enginelink.runtime.requests.inputs import check_request_id, input_limits
 from enginelink.runtime.requests.logprob_bytes import SlicedResponse
-from enginelink.runtime.requests.media import in_trio
+from enginelink.runtime.requests.bridge import in_trio
 from enginelink.runtime.requests.writers import counted
 
 
 @counted  # a drain's flush waits for it (runtime/requests/writers.py)
-async def generate(app, request, *, wake, send, direct=None, send_headers=None, edge=VLLM_EDGE) -> None:
+async def generate(app, request, *, wake, send, edge, direct=None, send_headers=None) -> None:
     """Serve one Generate request of ``edge``'s contract through ``app.hub``; returns when it ended OK.
 
     ``edge`` (``runtime/requests/contract.py``): the contract's validator (its request
     → the neutral call); the hub was built with the same edge, which encodes
-    what ``send`` gets. vLLM's ``GenerateRequest`` by default.
+    what ``send`` gets. Always the caller's: this loop knows no contract.
 
     ``direct`` (gRPC only): the stream's ``fastpath.DirectSender``.
     Once a streaming call is admitted its headers go out and its synchronous
@@ -60,7 +59,7 @@ async def generate(app, request, *, wake, send, direct=None, send_headers=None, 
         prepare_media = getattr(edge, "prepare_media", None)
         if prepare_media is not None:
             # Media refs are fetched after the request is known good and before admission, in this
-            # call's task (bounded by the media knobs, runtime/requests/media.py), never on the engine's path.
+            # call's task (bounded by the media knobs, runtime/contracts/shared/media.py), never on the engine's path.
             spec = await prepare_media(app, request, spec)
             now = trio.current_time()
         call = hub.admit(spec, now, wake=wake)
@@ -101,7 +100,7 @@ async def generate(app, request, *, wake, send, direct=None, send_headers=None, 
         hub.release(call)
 
 
-def release_refused_kv(app, request, error: ServicerError, now: float, edge=VLLM_EDGE) -> None:
+def release_refused_kv(app, request, error: ServicerError, now: float, edge) -> None:
     """A refused decode-side PD request: the engine frees the prefill side's KV now (``RequestHub.release_kv``).
 
     Only for a refusal that is final, the client's fault (INVALID_ARGUMENT,

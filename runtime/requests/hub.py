@@ -9,7 +9,7 @@ DP rank), sets the wake of each call with news, and writes a streaming call's
 messages itself from the engine frame's fan-out when the core says its writer
 is idle (the direct path, below). Contract-neutral: the messages are encoded
 by the contract's edge it was built with (``runtime/requests/contract.py``; vLLM's is
-``runtime/requests/contract_vllm.py``); without an edge, ``take`` returns the core's
+``runtime/contracts/vllm/edge.py``); without an edge, ``take`` returns the core's
 own ``Chunk`` / ``Complete`` (warm-up, Embed: they send nothing).
 
 Theory of operation. A handler validates a call (through its edge) and
@@ -45,8 +45,9 @@ from enginelink.machines.request_call import Call, Choice  # noqa: F401 - the hu
 # The core's bounds, where the shell reads them (server.py, grpc_transport.py).
 from enginelink.machines.request_core import IN_FLIGHT_MAX, RETIRED_ENGINE_IDS_MAX, RequestCore  # noqa: F401
 from enginelink.runtime.errors import ConstraintFailed, from_failure, from_refusal
-from enginelink.runtime.lifetime.metrics import NoMetrics
 from enginelink.runtime.requests.logprob_bytes import SlicedResponse
+from enginelink.runtime.requests.no_metrics import NoMetrics
+
 from enginelink.wire.engine import EngineCodec, OutputBatch
 
 log = logging.getLogger("enginelink.hub")

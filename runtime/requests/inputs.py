@@ -141,6 +141,21 @@ def check_count(name: str, items, count_max: int, knob: str, what: str) -> int:
     return count
 
 
+def check_token_ids(name: str, ids, vocab_size: int) -> list[int]:
+    """The ids as a list; a ClientError naming the first one outside the vocabulary.
+
+    Callers bound ``ids`` by count first (``check_prompt_room``, ``stop_token_ids``): the copy here
+    is the first thing that costs per item.
+    """
+    ids = list(ids)
+    if ids and max(ids) >= vocab_size:  # one pass in C; the position only for the refusal
+        position, token = next((p, t) for p, t in enumerate(ids) if t >= vocab_size)
+        raise ClientError(
+            name, f"token id {token} at position {position} is outside the vocabulary (size {vocab_size})"
+        )
+    return ids
+
+
 def stop_strings(stops, limits: InputLimits) -> tuple[str, ...]:
     name = "sampling_params.stop"
     if len(stops) > limits.stop_strings:

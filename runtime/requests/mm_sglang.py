@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.media import media_settings
+from enginelink.runtime.contracts.shared.media import media_settings
 from enginelink.wire import sglang_structs as s
 from enginelink.wire.vllm_mm import MmLayoutError, MmTensor
 

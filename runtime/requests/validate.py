@@ -2,7 +2,7 @@
 
 Each gRPC contract's edge validates its own request message into a
 ``GenerateCall`` (``machines/request_api.py``) against ``EngineLimits``:
-vLLM's in ``runtime/requests/contract_vllm.py``. The rules every edge keeps:
+vLLM's in ``runtime/contracts/vllm/edge.py``. The rules every edge keeps:
 
 - every refusal is a ``ClientError`` naming the field and what is wrong with
   it (INVALID_ARGUMENT); nothing refused ever reaches the engine;
@@ -20,12 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from enginelink.machines.request_api import GenerateCall, choice_engine_id
 from enginelink.runtime.requests.constraints import DEFAULT_BACKEND
 from enginelink.runtime.requests.inputs import InputLimits, input_limits
 from enginelink.runtime.requests.pd_bootstrap import NO_PD, PdLeg
-
-__all__ = ["EngineLimits", "GenerateCall", "LOGPROBS_MAX", "N_MAX", "choice_engine_id", "validate_generate"]
 
 # The most parallel samples one call may ask for; each is a full engine request.
 N_MAX = 64
@@ -57,12 +54,3 @@ class EngineLimits:
     # The engine's PD role (SGLang's and TokenSpeed's --disaggregation-mode; runtime/requests/pd_bootstrap.py).
     pd_leg: PdLeg = NO_PD
 
-
-def __getattr__(name: str):
-    """``validate_generate``: vLLM's validator (``runtime/requests/contract_vllm.py``), where the modules
-    that predate the contract edges look for it; resolved on use, since that module imports this one."""
-    if name == "validate_generate":
-        from enginelink.runtime.requests.contract_vllm import validate_generate
-
-        return validate_generate
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

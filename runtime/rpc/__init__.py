@@ -1,1 +1,1 @@
-"""gRPC: the services, the transport and its fast path, connection limits, the asyncio loop."""
+"""The gRPC front: the transport and its fast path, connection limits, the asyncio loop, reflection."""

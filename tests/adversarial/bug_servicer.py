@@ -7,7 +7,7 @@ serve`` does until SIGTERM. It runs in its own process because the
 servicer's gRPC health service and the test client's (grpcio's) register the
 same protobuf names, which one process cannot hold twice.
 
-- ``App.model_info`` always raises (GetModelInfo);
+- vLLM's ``facts.model_info`` always raises (GetModelInfo);
 - ``RequestHub.take`` raises for request ids starting ``bug-after`` (a bug
   after admission: the call must still end);
 - ``validate_generate`` raises for request ids starting ``bug-before``.
@@ -22,8 +22,8 @@ from pathlib import Path
 import trio
 
 from enginelink.machines.warmup import warmup_setting
-from enginelink.runtime.lifetime.app import App
-from enginelink.runtime.requests.contract_vllm import VllmEdge
+from enginelink.runtime.contracts.vllm import facts
+from enginelink.runtime.contracts.vllm.edge import VllmEdge
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.engine.launchers import SimLauncher
 from enginelink.runtime.engine.model_dir import read_model_facts
@@ -31,7 +31,7 @@ from enginelink.runtime.lifetime.server import ServeConfig, serve
 
 
 def install_bugs() -> None:
-    def model_info(self):
+    def model_info(app):
         raise ZeroDivisionError("injected bug in model_info")
 
     take = RequestHub.take
@@ -48,7 +48,7 @@ def install_bugs() -> None:
             raise ZeroDivisionError("injected bug in validate_generate")
         return validate(request, limits, now)
 
-    App.model_info = model_info
+    facts.model_info = model_info
     RequestHub.take = broken_take
     VllmEdge.validate = staticmethod(broken_validate)
 

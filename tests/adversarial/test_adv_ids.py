@@ -31,7 +31,8 @@ from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.hub import IN_FLIGHT_MAX
 from enginelink.runtime.lifetime.snapshots import run_snapshots
 from enginelink.runtime.requests.inputs import InputKnobError, InputLimits, input_limits_from, validate_abort_ids
-from enginelink.runtime.requests.validate import EngineLimits, validate_generate
+from enginelink.runtime.contracts.vllm.edge import validate_generate
+from enginelink.runtime.requests.validate import EngineLimits
 from tests.harness import Servicer, generate_request, wait_until
 
 LIMITS = InputLimits()

@@ -42,7 +42,7 @@ from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.machines.request_api import Complete
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests import contract_sglang, contract_tokenspeed, contract_vllm
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.inputs import InputLimits, validate_abort_ids
 from enginelink.runtime.requests.validate import EngineLimits

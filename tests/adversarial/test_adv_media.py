@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.runtime.errors import ClientError, Precondition, Unavailable
-from enginelink.runtime.requests.media import MediaKnobError, MediaService, MediaSettings, media_settings_from
+from enginelink.runtime.contracts.shared.media import MediaKnobError, MediaService, MediaSettings, media_settings_from
 from tests.adversarial.media_origin import PNG, Origin
 
 PUBLIC = "93.184.216.34"  # stands for a public origin; connections to it go to the loopback origin
@@ -433,7 +433,7 @@ def _closed_port() -> int:
     ({"ENGINELINK_ALLOWED_MEDIA_DOMAINS": "example.com:443"}, "not a host name"),
 ])  # fmt: skip
 def test_bad_media_knobs_are_refused_at_start(env, words):
-    from enginelink.runtime.requests.media import MediaKnobError
+    from enginelink.runtime.contracts.shared.media import MediaKnobError
 
     with pytest.raises(MediaKnobError, match=words):
         media_settings_from(env)
@@ -479,7 +479,7 @@ async def test_a_stalled_origin_is_cut_at_vllms_image_fetch_timeout_naming_it(or
 
 
 def test_every_media_bound_is_a_metric_and_in_the_run_record():
-    from enginelink.runtime.requests.media import media_record
+    from enginelink.runtime.contracts.shared.media import media_record
 
     settings = media_settings_from({"SMG_VLLM_MM_PROCESSOR": "redis", "SMG_VLLM_MM_SIDECAR_TIMEOUT_MS": "1500",
                                     "SMG_VLLM_MM_SIDECAR_MAX_QUEUE": "7", "SMG_VLLM_MM_MAX_ITEMS": "3",

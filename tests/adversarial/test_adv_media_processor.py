@@ -27,10 +27,10 @@ import trio
 from grpclib.const import Status
 
 from enginelink.runtime.errors import ClientError, Unavailable
-from enginelink.runtime.requests.contract_vllm import validate_generate
-from enginelink.runtime.requests.media import MediaService, MediaSettings
+from enginelink.runtime.contracts.vllm.edge import validate_generate
+from enginelink.runtime.contracts.shared.media import MediaService, MediaSettings
 from enginelink.runtime.requests.media_processor import MediaProcessor
-from enginelink.runtime.requests.media_refit import with_processed_media
+from enginelink.runtime.contracts.shared.media_refit import with_processed_media
 from enginelink.runtime.requests.validate import EngineLimits
 from tests.harness import generate_request
 
@@ -247,7 +247,7 @@ async def test_a_child_killed_between_requests_is_noticed_before_the_next_is_sen
         await processor.aclose()
 
 
-# -- the call refitted to the processed prompt (runtime/requests/media_refit.py) ---------------------------------
+# -- the call refitted to the processed prompt (runtime/contracts/shared/media_refit.py) ---------------------------------
 
 def _validated(max_model_len: int, prompt_len: int, **sampling):
     limits = EngineLimits(max_model_len=max_model_len, vocab_size=4096, eos_token_ids=(2,))

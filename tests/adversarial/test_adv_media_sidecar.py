@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.runtime.errors import ClientError, Unavailable
-from enginelink.runtime.requests.media import MediaMetrics, MediaService, media_settings_from
+from enginelink.runtime.contracts.shared.media import MediaMetrics, MediaService, media_settings_from
 from enginelink.runtime.requests.media_bounds import MediaBounds
 from enginelink.runtime.requests.media_fetch import Fetcher
 from enginelink.runtime.requests.media_processor import MediaProcessor

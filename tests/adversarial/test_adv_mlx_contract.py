@@ -25,7 +25,7 @@ from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 
 from enginelink.machines.request_api import Chunk, Complete
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.contract_mlx import encode, validate_generate
+from enginelink.runtime.contracts.mlx.edge import encode, validate_generate
 from enginelink.runtime.requests.validate import EngineLimits
 
 CONTEXT, VOCAB, CAP = 32, 50, 20

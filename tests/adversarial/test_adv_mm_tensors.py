@@ -24,7 +24,7 @@ import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.mm_tensors import batches_of, build_features, mm_features_of
+from enginelink.runtime.contracts.shared.mm_tensors import batches_of, build_features, mm_features_of
 from tests.harness import generate_request
 
 IMG = 9

@@ -21,8 +21,9 @@ from enginelink.machines.link import KV_RELEASE_REQUEST_PREFIX
 from enginelink.runtime.errors import ClientError
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.inputs import InputLimits, validate_abort_ids
-from enginelink.runtime.requests.kv_transfer import params_for_release
-from enginelink.runtime.requests.validate import EngineLimits, validate_generate
+from enginelink.runtime.contracts.vllm.kv_transfer import params_for_release
+from enginelink.runtime.contracts.vllm.edge import validate_generate
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire import vllm
 from tests.harness import ListJournal, generate_request
 

@@ -19,7 +19,8 @@ import trio.testing
 from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
 from enginelink.journal.store import open_reader
 from enginelink.runtime.engine.engine_output import ENGINE_LINE_MAX_BYTES, EngineOutputRelay, Redactor
-from enginelink.runtime.engine.launchers import REDACTED, SimLauncher, VllmLauncher, launch_secrets, move_secrets
+from enginelink.runtime.contracts.vllm.launch import VllmLauncher
+from enginelink.runtime.engine.launchers import REDACTED, SimLauncher, launch_secrets, move_secrets
 from tests.harness import Servicer, engine_pid
 
 

@@ -24,7 +24,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from enginelink.runtime.errors import ClientError
 from enginelink.machines.stops import StopAutomaton, StopMatcher
 from enginelink.runtime.requests.inputs import InputLimits
-from enginelink.runtime.requests.validate import EngineLimits, validate_generate
+from enginelink.runtime.contracts.vllm.edge import validate_generate
+from enginelink.runtime.requests.validate import EngineLimits
 from tests.harness import VLLM_SERVICE, Servicer, free_port, generate_request, scrape, wait_until
 
 LIMITS = InputLimits()

@@ -25,8 +25,8 @@ from enginelink.machines.kv_relay_api import KIND_KV_BATCH, KvRelayConfig
 from enginelink.runtime.kv.kv_config import KvPlan, RankEndpoints
 from enginelink.runtime.kv.kv_loads import LoadSource
 from enginelink.runtime.kv.kv_relay import KvRelayShell
-from enginelink.runtime.lifetime.loads import Loads
-from enginelink.runtime.lifetime.warmup import TrioWake
+from enginelink.runtime.context.loads import Loads
+from enginelink.runtime.context.submit import TrioWake
 from enginelink.wire import kv_engines as ke
 from enginelink.wire.kv_batch import KvStored
 from tests.kv.test_kv_shell import ListJournal

@@ -6,14 +6,21 @@ import asyncio
 
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.runtime.requests.hub import RequestHub
+from enginelink.runtime.contracts.shared.kv_messages import load_message
 from enginelink.runtime.kv.kv_loads import Beat, LoadSource, LoadView, changed
-from enginelink.runtime.lifetime.loads import Loads
-from enginelink.runtime.requests.validate import EngineLimits, validate_generate
+from enginelink.runtime.context.loads import Loads
+from enginelink.runtime.contracts.vllm.edge import validate_generate
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire.engine import SchedulerStats
 from enginelink.wire.vllm import VllmCodec
 from tests.harness import ListJournal, generate_request
 
 IDLE = LoadView(running=0, waiting=0, usage=0.0, rate=0.0, silence_s=None)
+
+
+def record_of(source: LoadSource, rank: int, now: float, **kwargs):
+    """The rank's load record as a subscriber gets it (the KV-events handler encodes it so)."""
+    return load_message(source.record(rank, now, **kwargs))
 
 
 def view(**fields) -> LoadView:
@@ -58,17 +65,17 @@ def test_a_record_from_the_newest_stats():
     loads = Loads()
     source = LoadSource(loads, limits=lambda: (8, 1024), last_frame_at=lambda: 9.5, in_flight_since=lambda: 9.0,
                         prefill_pending=lambda: 7)  # fmt: skip
-    empty = source.record(0, 10.0, sample=1, load_only=True, telemetry=True)
+    empty = record_of(source, 0, 10.0, sample=1, load_only=True, telemetry=True)
     assert (empty.running_requests, empty.age_ms, empty.max_total_num_tokens) == (0, 0, 1024)
     loads.update(0, SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25,
                                    prefix_cache_queries=10, prefix_cache_hits=5), 0, 10.0)  # fmt: skip
     assert source.view(0, 10.0) == LoadView(2, 1, 0.25, 0.0, 0)
-    record = source.record(0, 10.25, sample=2, load_only=False, telemetry=False)
+    record = record_of(source, 0, 10.25, sample=2, load_only=False, telemetry=False)
     assert (record.running_requests, record.waiting_requests, record.token_usage) == (2, 1, 0.25)
     assert (record.age_ms, record.sample, record.load_only, record.max_running_requests) == (250, 2, False, 8)
     assert (record.engine_silence_ms, record.prefill_pending_tokens, record.engine_reports_steps) == (750, 7, True)
     assert not record.HasField("memory") and record.max_total_num_tokens == 0  # telemetry only when asked
-    full = source.record(0, 10.25, sample=3, load_only=True, telemetry=True)
+    full = record_of(source, 0, 10.25, sample=3, load_only=True, telemetry=True)
     assert (full.cache_hit_rate, full.num_used_tokens, full.memory.token_capacity, full.queues.waiting) == (0.5, 256, 1024, 1)
 
 
@@ -82,13 +89,13 @@ def test_an_idle_engine_reports_no_silence():
     # heartbeat carried the time since the last frame. Nothing in flight: unset.
     source = _source(last_frame_at=10.0, in_flight_since=None)
     for now in (10.0, 13.0, 600.0):
-        record = source.record(0, now, sample=1, load_only=True, telemetry=True)
+        record = record_of(source, 0, now, sample=1, load_only=True, telemetry=True)
         assert not record.HasField("engine_silence_ms"), now
         assert source.view(0, now).silence_s is None
 
 
 def test_before_the_engine_is_up_silence_is_unset_even_with_requests_waiting():
-    record = _source(last_frame_at=None, in_flight_since=5.0).record(0, 9.0, sample=1, load_only=True, telemetry=False)
+    record = record_of(_source(last_frame_at=None, in_flight_since=5.0), 0, 9.0, sample=1, load_only=True, telemetry=False)
     assert not record.HasField("engine_silence_ms")
 
 
@@ -96,13 +103,13 @@ def test_silence_counts_from_the_admission_of_the_oldest_request_after_an_idle_s
     # The engine was last heard at 10 s, idle until a request came at 100 s:
     # at 100.4 s it has been silent 0.4 s with work, not 90 s.
     source = _source(last_frame_at=10.0, in_flight_since=100.0)
-    assert source.record(0, 100.4, sample=1, load_only=True, telemetry=False).engine_silence_ms == 400
+    assert record_of(source, 0, 100.4, sample=1, load_only=True, telemetry=False).engine_silence_ms == 400
     assert source.view(0, 103.9).silence_s == 3
 
 
 def test_silence_counts_from_the_last_frame_while_requests_are_in_flight():
     source = _source(last_frame_at=20.5, in_flight_since=20.0)
-    assert source.record(0, 24.0, sample=1, load_only=True, telemetry=False).engine_silence_ms == 3500
+    assert record_of(source, 0, 24.0, sample=1, load_only=True, telemetry=False).engine_silence_ms == 3500
     assert source.view(0, 24.0).silence_s == 3
 
 

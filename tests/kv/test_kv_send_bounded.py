@@ -15,7 +15,7 @@ import gc
 
 from h2.exceptions import StreamClosedError
 
-from enginelink.runtime.kv.grpc_kv import _send_bounded
+from enginelink.runtime.contracts.shared.grpc_kv import _send_bounded
 
 
 class StalledStream:

@@ -11,11 +11,12 @@ import trio
 import trio.testing
 
 from enginelink.machines.kv_relay_api import KvRelayConfig
+from enginelink.runtime.contracts.shared.kv_messages import batch_message
 from enginelink.runtime.kv.kv_config import KvPlan, RankEndpoints
 from enginelink.runtime.kv.kv_loads import CHECK_S, LoadSource
 from enginelink.runtime.kv.kv_relay import KvRelayShell
-from enginelink.runtime.lifetime.loads import Loads
-from enginelink.runtime.lifetime.warmup import TrioWake
+from enginelink.runtime.context.loads import Loads
+from enginelink.runtime.context.submit import TrioWake
 from enginelink.wire import kv_events as kv
 from enginelink.wire.engine import SchedulerStats
 from tests.machines.kv_pair import msg, stored
@@ -39,6 +40,11 @@ def make_shell(window: int = 10_000, loads: Loads | None = None) -> KvRelayShell
                         sequence_base=BASE, wall_time=lambda now: 5000.0 + now)  # fmt: skip
 
 
+def sent(outgoing) -> list:
+    """The relay's messages as a subscriber gets them (the handler encodes each so)."""
+    return [batch_message(*message) for message in outgoing]
+
+
 def publish(shell: KvRelayShell, seq: int) -> None:
     shell._apply(shell.relay.on_live(0, msg(seq, stored([seq + 1])), trio.current_time()))
 
@@ -53,7 +59,7 @@ async def test_a_stream_left_behind_ends_with_data_loss_and_holds_up_nobody():
         fast.clear()
         pulled = shell.pull(a)
         assert [x.sequence_number for x in pulled.batches] == [BASE + seq] and pulled.end is None
-        message = shell.message(a, pulled.batches[0])
+        message = batch_message(*shell.message(a, pulled.batches[0]))
         assert message.dp_rank == 0 and message.load.sample == seq + 1 and not message.load.load_only
     late = shell.pull(b)
     assert late.batches == () and late.end.status == "DATA_LOSS" and "behind" in late.end.message
@@ -77,7 +83,7 @@ async def test_load_only_heartbeats_repeat_the_cursor_and_back_off(autojump_cloc
             await wake.wait()
             wake.clear()
             assert shell.pull(stream).batches == ()
-            for beat in shell.heartbeats(stream):
+            for beat in sent(shell.heartbeats(stream)):
                 assert beat.sequence_number == BASE and beat.load.load_only and not beat.events
                 assert beat.timestamp == 5000.0 + trio.current_time()
                 assert beat.load.max_total_num_tokens == 64  # telemetry on every load_only record
@@ -102,7 +108,7 @@ async def test_back_off_to_five_seconds_and_nothing_before_the_first_batch_unles
         while len(times) < 4:
             await eager.wait()
             eager.clear()
-            for beat in shell.heartbeats(b):
+            for beat in sent(shell.heartbeats(b)):
                 assert beat.sequence_number == 0  # before any batch: numbered 0
                 times.append(trio.current_time() - start)
         assert not quiet.is_set() and shell.heartbeats(a) == []
@@ -143,7 +149,7 @@ async def test_with_nobody_listening_the_ticker_sleeps_and_a_later_stream_sees_t
         wake = TrioWake()
         stream = shell.open_stream(0, True, wake)  # the first listener, 5 s after the stats came
         await wake.wait()
-        beats = shell.heartbeats(stream)
+        beats = sent(shell.heartbeats(stream))
         nursery.cancel_scope.cancel()
     assert views and beats and beats[0].load.running_requests == 3
     # Its age counts from when the stats arrived, not from when the stream looked.

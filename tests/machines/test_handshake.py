@@ -22,7 +22,7 @@ from enginelink.machines.handshake import (
     Record,
     SendInit,
 )
-from enginelink.runtime.engine import vllm_compat
+from enginelink.runtime.contracts.vllm import compat as vllm_compat
 from enginelink.wire import codecs, vllm
 from enginelink.wire.engine import HandshakeStep, WireError
 

@@ -15,7 +15,8 @@ import msgspec
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.machines.ranks import RankTable
 from enginelink.runtime.requests.hub import RequestHub
-from enginelink.runtime.requests.validate import EngineLimits, validate_generate
+from enginelink.runtime.contracts.vllm.edge import validate_generate
+from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire import vllm
 from enginelink.wire.engine import FinishReason, OutputBatch
 from enginelink.wire.vllm import VllmCodec

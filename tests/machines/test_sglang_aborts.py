@@ -102,7 +102,7 @@ def test_a_grammar_abort_is_never_attributed_by_its_wording():
 
 def test_the_schedulers_reasoning_token_count_reaches_the_complete():
     # SGLang counts a choice's thinking tokens (a running total); decoded, then read at the choice's end.
-    from enginelink.runtime.requests.contract_sglang import encode_complete
+    from enginelink.runtime.contracts.sglang.edge import encode_complete
 
     core = _core()
     call = _admit(core, "think")

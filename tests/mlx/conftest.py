@@ -22,7 +22,7 @@ import pytest
 from smg_grpc_proto.generated import mlx_engine_pb2 as mlx_pb, mlx_engine_pb2_grpc as mlx_grpc
 
 from enginelink.runtime.engine.launchers import LauncherError
-from enginelink.runtime.engine.mlx_launch import default_mlx_python
+from enginelink.runtime.contracts.mlx.launch import default_mlx_python
 from tests.harness import ReferenceAnswers, Servicer, end_process, free_port
 
 MLX_SERVICE = "mlx.grpc.engine.MlxEngine"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from enginelink.runtime.engine.zmq_transport import ENGINE_FACTS_ENV
-from enginelink.runtime.engine.mlx_launch import CHECKOUT, MlxIncompatible, MlxLauncher, check_installed
+from enginelink.runtime.contracts.mlx.launch import CHECKOUT, MlxIncompatible, MlxLauncher, check_installed
 from enginelink.tools import mlx_engine
 from tests.harness import VENV_BIN, free_port
 

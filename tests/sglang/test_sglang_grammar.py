@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from enginelink.runtime.engine.grammar_labels import sglang_labels
-from enginelink.runtime.engine.sglang_launch import SGLANG_HEADLESS_SCRIPT, SglangLauncher
+from enginelink.runtime.contracts.sglang.launch import SGLANG_HEADLESS_SCRIPT, SglangLauncher
 from enginelink.wire import sglang
 from tests.wire.engine_venvs import side_python_or_skip
 

@@ -209,7 +209,7 @@ def test_the_real_launcher_hands_over_to_enginelink_up_to_the_engine_launch(form
         assert scheduler_args[:-2] == ["--model-path", str(test_model_dir),
                                        "--device", "cpu", "--mem-fraction-static", "0.5"]
         assert scheduler_args[-2] == "--kv-events-config"
-        assert launch["argv"][:2] == [str(wrapper), str(REPO / "runtime" / "engine" / "sglang_headless.py")]
+        assert launch["argv"][:2] == [str(wrapper), str(REPO / "runtime" / "contracts" / "sglang" / "sglang_headless.py")]
         assert records[-1] == ("run.stop", {"exit_status": 1, "reason": failed.group(1)})
     finally:
         gate.touch()

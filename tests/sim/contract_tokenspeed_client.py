@@ -1,4 +1,4 @@
-"""The simulation's clients speaking TokenSpeed's contract (``runtime/requests/contract_tokenspeed.py``).
+"""The simulation's clients speaking TokenSpeed's contract (``runtime/contracts/tokenspeed/edge.py``).
 
 ``ts_request`` is what a TokenSpeed client sends for a plan (every sampling
 scalar optional, ``max_new_tokens``, ``sampling_seed``); a plan meant to be

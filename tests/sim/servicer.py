@@ -28,14 +28,14 @@ import trio
 
 from enginelink.machines.warmup import WarmupSetting
 from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servicer, compose
-from enginelink.runtime.requests.contract_vllm import VLLM_EDGE
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.requests.generate import generate
 from enginelink.runtime.requests.hub import Call, RequestHub
 from enginelink.runtime.engine.engine_link import EngineLink
 from enginelink.runtime.engine.memory_link import MemoryLink
 from enginelink.runtime.engine.model_dir import ModelFacts
-from enginelink.runtime.lifetime.warmup import TrioWake
+from enginelink.runtime.context.submit import TrioWake
 from tests.sim.scenario import ClientPlan, Scenario
 
 FAKE_WALL_START = 1_700_000_000.0  # the run's "wall clock" at trio time 0

@@ -36,8 +36,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from enginelink.proto.vllm_engine_grpc import VllmEngineStub
 from enginelink.runtime.errors import ServicerError
+from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
 from enginelink.runtime.requests.generate import generate
-from enginelink.runtime.lifetime.warmup import TrioWake
+from enginelink.runtime.context.submit import TrioWake
 from tests.grpc_pair import grpc_pair
 from tests.sim.scenario import scenario
 
@@ -77,7 +78,7 @@ async def run_memory(pair, requests) -> list[tuple]:
             messages.append(message)
 
         try:
-            await generate(pair.app, request, wake=TrioWake(), send=send)
+            await generate(pair.app, request, wake=TrioWake(), send=send, edge=VLLM_EDGE)
             results[i] = outcome("OK", messages)
         except ServicerError as error:
             results[i] = outcome(error.status.name, [])

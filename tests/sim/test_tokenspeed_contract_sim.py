@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from enginelink.runtime.requests.contract_tokenspeed import TOKENSPEED_EDGE
+from enginelink.runtime.contracts.tokenspeed.edge import TOKENSPEED_EDGE
 from tests.sim.contract_tokenspeed_client import ts_request, ts_view
 from tests.sim.runner import run_seed
 from tests.sim.servicer import ClientContract

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from enginelink.runtime.engine.session import session_members
-from enginelink.runtime.engine.launchers import LauncherError, default_vllm_python
+from enginelink.runtime.contracts.vllm.launch import default_vllm_python
+from enginelink.runtime.engine.launchers import LauncherError
 from tests.harness import ReferenceAnswers, Servicer, end_process, wait_until
 
 # --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).

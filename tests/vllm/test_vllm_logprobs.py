@@ -4,7 +4,7 @@ The session's servicer and offline ``LLM`` both run with ``--max-logprobs -1``
 (conftest), so every count up to the whole vocabulary is allowed. vLLM
 offline gives, per position, a dict ``{sampled, top1..topk}`` (the sampled
 token first, duplicates collapsed); enginelink gives the token's logprob and
-the true top-k in order (machines/logprobs.py, runtime/requests/contract_vllm.py). The comparison: the same
+the true top-k in order (machines/logprobs.py, runtime/contracts/vllm/edge.py). The comparison: the same
 token ids, the token's logprob equal within 1e-5, the top-k's ids (with the
 token) exactly the dict's keys, and each top value equal to the dict's.
 Then the real SMG router in front: chat ``logprobs: true, top_logprobs: 3``.

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from enginelink.runtime.engine import engine_compat
+from enginelink.runtime.contracts.shared import engine_compat
 from enginelink.wire.sglang_structs import EXT_ARRAY, unpack_array
 
 PEER = Path(__file__).with_name("engine_peer.py")

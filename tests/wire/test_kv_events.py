@@ -17,7 +17,6 @@ from enginelink.wire.kv_batch import (
     KvRemoved,
     KvSnapshotChunk,
     KvStored,
-    to_proto,
 )
 
 # ---- config and endpoints --------------------------------------------------------
@@ -207,49 +206,3 @@ def test_an_unreadable_batch_is_a_wire_error(payload):
         kv.decode_batch(payload)
 
 
-# ---- the neutral batch as protobuf ---------------------------------------------------
-
-
-def test_to_proto_maps_every_field_and_keeps_unset_unset():
-    batch = KvBatch(
-        sequence_number=7,
-        timestamp=2.5,
-        events=(
-            KvEvent(1, KvStored(
-                blocks=(KvBlock(-3, (1, 2), 2, lora_id=4, cache_level=1,
-                                extra_keys=(ExtraKey(text="t"), ExtraKey(blob=b"b"), ExtraKey(number=-9),
-                                            ExtraKey(multimodal=("img", 3)))),),
-                parent_block_hash=-1, tier=2, medium="CPU", group_idx=0, kv_cache_spec_kind="full_attention",
-                locality=1, lora_name="l", cache_salt="s")),
-            KvEvent(2, KvRemoved((-3, 5), cache_level=1, tier=2, medium="CPU")),
-            KvEvent(3, KvCleared()),
-            KvEvent(4, KvRemoved(())),
-        ),
-        dp_rank=0,
-        snapshot=KvSnapshotChunk(0, 2, 10, 1),
-    )  # fmt: skip
-    from smg_grpc_proto.generated import common_pb2 as pb
-
-    load = pb.EngineLoad(running_requests=3, sample=9)
-    m = to_proto(batch, load)
-    assert (m.sequence_number, m.timestamp, m.dp_rank, m.HasField("dp_rank")) == (7, 2.5, 0, True)
-    assert (m.snapshot.index, m.snapshot.count, m.snapshot.blocks, m.snapshot.unknown_before) == (0, 2, 10, 1)
-    assert (m.load.running_requests, m.load.sample) == (3, 9)
-    stored, removed, cleared, empty = m.events
-    assert [e.event_id for e in m.events] == [1, 2, 3, 4]
-    assert [e.WhichOneof("data") for e in m.events] == ["stored", "removed", "cleared", "removed"]
-    block = stored.stored.blocks[0]
-    assert (block.block_hash, list(block.token_ids), block.block_size, block.lora_id, block.cache_level) == (
-        -3, [1, 2], 2, 4, 1)  # fmt: skip
-    assert [k.WhichOneof("key") for k in block.extra_keys] == ["text", "blob", "number", "multimodal"]
-    assert (block.extra_keys[3].multimodal.identifier, block.extra_keys[3].multimodal.offset) == ("img", 3)
-    s = stored.stored
-    assert (s.parent_block_hash, s.tier, s.medium, s.group_idx, s.locality, s.lora_name, s.cache_salt) == (
-        -1, pb.KV_CACHE_TIER_HOST, "CPU", 0, pb.KV_CACHE_LOCALITY_LOCAL, "l", "s")  # fmt: skip
-    assert not s.HasField("ownership") and not s.HasField("session_id")
-    assert list(removed.removed.block_hashes) == [-3, 5] and removed.removed.tier == pb.KV_CACHE_TIER_HOST
-    assert not cleared.cleared.HasField("ownership")
-    assert pb.KvEventBatch.FromString(m.SerializeToString()) == m
-
-    bare = to_proto(KvBatch(0, 0.0, ()))
-    assert not bare.HasField("dp_rank") and not bare.HasField("snapshot") and not bare.HasField("load")

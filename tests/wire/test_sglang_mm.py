@@ -24,9 +24,9 @@ import subprocess
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from enginelink.runtime.engine.sglang_headless import __file__ as HEADLESS_SCRIPT
+from enginelink.runtime.contracts.sglang.sglang_headless import __file__ as HEADLESS_SCRIPT
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.contract_sglang import validate_generate
+from enginelink.runtime.contracts.sglang.edge import validate_generate
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire import sglang_structs as s
 from enginelink.wire.sglang import SglangCodec
@@ -169,7 +169,7 @@ def test_no_pixels_and_too_many_tensor_bytes_are_refused(monkeypatch):
     request.mm_inputs.ClearField("pixel_values")
     with pytest.raises(ClientError, match="required"):
         validate_generate(request, LIMITS, 0.0)
-    from enginelink.runtime.requests.media import media_settings
+    from enginelink.runtime.contracts.shared.media import media_settings
 
     monkeypatch.setenv("ENGINELINK_MM_MAX_TENSOR_BYTES", "50")  # the pixels (48) fit, not with the sizes (16)
     media_settings.cache_clear()  # read once a process: this one reads it again

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from enginelink.runtime.engine import engine_compat
-from enginelink.runtime.engine.vllm_compat import Incompatible
+from enginelink.runtime.contracts.shared import engine_compat
+from enginelink.runtime.contracts.vllm.compat import Incompatible
 from enginelink.wire import struct_layout, vllm
 from enginelink.wire import tokenspeed as t
 from enginelink.wire.engine import EngineDead, FinishReason, GenerateSpec, SamplingSpec, WireError

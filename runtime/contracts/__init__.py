@@ -1,0 +1,1 @@
+"""The contracts, one wing each (vllm, sglang, tokenspeed, mlx: edge, service, launch, facts), and what they share."""

@@ -1,0 +1,1 @@
+"""MLX's contract (``mlx.grpc.engine.MlxEngine``): its edge, service and launch."""

@@ -1,0 +1,1 @@
+"""SGLang's contract (``sglang.grpc.scheduler.SglangScheduler``): its edge, service and launch."""

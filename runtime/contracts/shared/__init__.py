@@ -1,0 +1,1 @@
+"""What the contract wings share: the common handlers, pb field helpers, KV RPCs, media, struct release checks."""

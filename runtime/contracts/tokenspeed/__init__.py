@@ -1,0 +1,1 @@
+"""TokenSpeed's contract (``tokenspeed.grpc.scheduler.TokenSpeedScheduler``): its edge, service and launch."""
