@@ -42,7 +42,7 @@ class GenerateCall:
     # an engine error on such a call is reported as the constraint's failure (request core).
     constraint: str | None = None
     grammar_backend: str | None = None
-    # A PD prefill side's processed media, serialized (runtime/requests/media_identity.py): every complete carries it.
+    # A PD prefill side's processed media, serialized (runtime/contracts/vllm/media_identity.py): every complete carries it.
     media_identity: bytes | None = None
 
     @property

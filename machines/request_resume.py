@@ -1,7 +1,9 @@
 """The request core's part in an engine restart: hold the open calls, re-submit them, or fail them saying why.
 
 Methods of ``RequestCore`` (``request_core.py`` binds them), kept here so the
-core's file holds the life of a call and this one its resumption. Sans-io as
+core's file holds the life of a call and this one its resumption. Their
+``core`` is that ``RequestCore``, unannotated: the core imports this module,
+and an import back, even for a type, would make the two a circle. Sans-io as
 the core: events in, ``Actions`` out (journal records, calls to wake), never
 a frame sent (the hub sends what ``resume_held`` returns).
 
@@ -28,8 +30,6 @@ changes: its writer waits as it would for a slow engine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from enginelink.journal.records import KIND_ENGINE_HELD, KIND_ENGINE_RESUME, KIND_ERROR, request_stream
 from enginelink.machines.link import WARMUP_REQUEST_PREFIX
 from enginelink.machines.request_api import Actions
@@ -37,11 +37,8 @@ from enginelink.machines.request_call import Call, Choice
 from enginelink.machines.resume import RESUMES_MAX, continuation, unresumable
 from enginelink.wire.engine import GenerateSpec
 
-if TYPE_CHECKING:
-    from enginelink.machines.request_core import RequestCore
 
-
-def hold_all(core: "RequestCore", message: str, now: float, actions: Actions) -> tuple[int, int]:
+def hold_all(core, message: str, now: float, actions: Actions) -> tuple[int, int]:
     """The engine died (``message``) and will be started again: hold each open call, or fail it saying
     why it cannot be resumed. Returns (held, failed)."""
     held = failed = 0
@@ -66,7 +63,7 @@ def hold_all(core: "RequestCore", message: str, now: float, actions: Actions) ->
     return held, failed
 
 
-def _why_not(core: "RequestCore", call: Call) -> str | None:
+def _why_not(core, call: Call) -> str | None:
     if core.resume is None:
         return "engine restarts are off"
     if call.spec.request_id.startswith(WARMUP_REQUEST_PREFIX):
@@ -82,7 +79,7 @@ def _why_not(core: "RequestCore", call: Call) -> str | None:
     return None
 
 
-def resume_held(core: "RequestCore", now: float) -> list[tuple[Call, list[tuple[Choice, GenerateSpec]]]]:
+def resume_held(core, now: float) -> list[tuple[Call, list[tuple[Choice, GenerateSpec]]]]:
     """The engine is back: every held call's open choices with their continuations, ranks picked,
     engine ids routed again. The shell sends them in order and reports ``resumed`` or ``resume_unreachable``."""
     out = []
@@ -100,7 +97,7 @@ def resume_held(core: "RequestCore", now: float) -> list[tuple[Call, list[tuple[
     return out
 
 
-def resumed(core: "RequestCore", call: Call, sends: list[tuple[Choice, GenerateSpec]], now: float,
+def resumed(core, call: Call, sends: list[tuple[Choice, GenerateSpec]], now: float,
             actions: Actions) -> None:
     """Every continuation of ``call`` reached the link: it runs again."""
     core.held.pop(call.spec.request_id, None)
@@ -116,7 +113,7 @@ def resumed(core: "RequestCore", call: Call, sends: list[tuple[Choice, GenerateS
         "ranks": [choice.rank for choice, _ in sends], "resumes": call.resumes}))
 
 
-def resume_unreachable(core: "RequestCore", call: Call, sent: int, sends: list[tuple[Choice, GenerateSpec]],
+def resume_unreachable(core, call: Call, sent: int, sends: list[tuple[Choice, GenerateSpec]],
                        error: str, now: float, actions: Actions) -> None:
     """The continuation ``sent`` of ``call`` could not be handed to the new engine (it is going away too):
     the ones before it are aborted, the call fails now."""
@@ -124,7 +121,7 @@ def resume_unreachable(core: "RequestCore", call: Call, sent: int, sends: list[t
     _fail(core, call, f"the restarted engine is not reachable ({error}); retry on another worker", now, actions)
 
 
-def fail_held(core: "RequestCore", message: str, now: float, actions: Actions, *,
+def fail_held(core, message: str, now: float, actions: Actions, *,
               waited_s: float | None = None) -> int:
     """Fail the held calls (those held ``waited_s`` or longer by ``now``, when given) with ``message``."""
     failed = 0
@@ -135,7 +132,7 @@ def fail_held(core: "RequestCore", message: str, now: float, actions: Actions, *
     return failed
 
 
-def _fail(core: "RequestCore", call: Call, message: str, now: float, actions: Actions) -> None:
+def _fail(core, call: Call, message: str, now: float, actions: Actions) -> None:
     """One call the engine's death ends (UNAVAILABLE, retryable), its reason journaled beside it."""
     if not call.spec.request_id.startswith(WARMUP_REQUEST_PREFIX):
         core.resume_failures += 1

@@ -1,4 +1,4 @@
-"""The PD prefill side's media identity (runtime/requests/media_identity.py) on the completion."""
+"""The PD prefill side's media identity (runtime/contracts/vllm/media_identity.py) on the completion."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 
 from enginelink.machines.request_api import Complete
 from enginelink.runtime.contracts.vllm.edge import encode_complete
-from enginelink.runtime.requests.media_identity import identity_bytes
+from enginelink.runtime.contracts.vllm.media_identity import identity_bytes
 
 GRID = (2).to_bytes(8, "little") + (4).to_bytes(8, "little") * 2  # [[2, 4, 4]] as int64
 

@@ -15,7 +15,7 @@ import pytest
 from enginelink.machines.router_link import ROUTER_LINK_TABLE, RouterLink
 from enginelink.machines.table import ProtocolError
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests.contract_lane import validate_generate
+from enginelink.runtime.contracts.sglang.lane_edge import validate_generate
 from enginelink.runtime.requests.validate import EngineLimits
 from enginelink.wire import sglang_router as lane
 from enginelink.wire import vllm

@@ -9,7 +9,7 @@ the handshake port it derives from the worker's ``ipc://`` URL): here the
 servicer runs its engine as ``enginelink serve`` does (``--engine sglang``, or
 the sim with ``--wire sglang``) and, once it serves, dials the router as the
 engine, relaying the lane's requests and outputs through its request machines
-(``runtime/lifetime/router_front.py``). No gRPC port. The journal is the
+(``runtime/contracts/sglang/router_front.py``). No gRPC port. The journal is the
 servicer's (``inspect`` and ``journal replay`` read it; by default it is named
 after the handshake port: ``enginelink inspect --port PORT``).
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(config, int):
         return config
     from enginelink.runtime.lifetime import core
-    from enginelink.runtime.lifetime.router_front import LaneConfig
+    from enginelink.runtime.contracts.sglang.router_front import LaneConfig
     from enginelink.runtime.lifetime.server import serve_headless
 
     lane = LaneConfig(args.zmq_handshake_address, args.zmq_engine_index)

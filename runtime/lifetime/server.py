@@ -351,12 +351,12 @@ def _version() -> str:
 
 async def serve_headless(config: ServeConfig, lane, task_status=trio.TASK_STATUS_IGNORED) -> int:
     """``enginelink headless``: the same servicer with the router's ZMQ lane as its front
-    (``runtime/lifetime/router_front.py``), no gRPC port; ``lane`` is its ``LaneConfig``.
+    (``runtime/contracts/sglang/router_front.py``), no gRPC port; ``lane`` is its ``LaneConfig``.
 
     The journal, metrics, engine link, hub and warm-up are ``serve``'s; the run file is keyed by the
     router's handshake port, so ``enginelink inspect --port <that port>`` finds the journal."""
-    from enginelink.runtime.lifetime.router_front import RouterFront
-    from enginelink.runtime.requests.contract_lane import LANE_EDGE
+    from enginelink.runtime.contracts.sglang.router_front import RouterFront
+    from enginelink.runtime.contracts.sglang.lane_edge import LANE_EDGE
 
     port = int(lane.handshake_address.rsplit(":", 1)[1])
     lock = _lock_journal(config)

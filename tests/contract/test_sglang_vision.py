@@ -2,7 +2,7 @@
 
 The router preprocesses an image and sends SGLang's ``MultimodalInputs``
 (pixel tensors, placeholder ranges, the image token id); the servicer hands
-the scheduler its own ``MultimodalProcessorOutput`` (``runtime/requests/mm_sglang.py``;
+the scheduler its own ``MultimodalProcessorOutput`` (``runtime/contracts/sglang/mm_inputs.py``;
 decoded by SGLang's own code in ``tests/wire/test_sglang_mm.py``). The sim's
 SGLang personality checks it as the scheduler finds it and pads the
 placeholders from the image's bytes, so the same image gives the same

@@ -1,4 +1,4 @@
-"""Router-preprocessed images on SGLang's contract (``runtime/requests/mm_sglang.py``), against SGLang's own code.
+"""Router-preprocessed images on SGLang's contract (``runtime/contracts/sglang/mm_inputs.py``), against SGLang's own code.
 
 Real-package half (the struct-only SGLang venv; one peer process,
 ``sglang_mm_peer.py``): the request our codec writes for an image decodes

@@ -29,10 +29,10 @@ with SGLang's semantics (``reference/sglang-contract.md`` §2, §3):
   ``--enable-custom-logit-processor``, as its front end requires; refused
   otherwise), ``require_reasoning``; the finish's ``reasoning_tokens``;
 - router-preprocessed images (``mm_inputs``) in the scheduler's own
-  ``MultimodalProcessorOutput`` (``mm_sglang.py``), on a model that takes
+  ``MultimodalProcessorOutput`` (``mm_inputs.py``), on a model that takes
   them;
 - refused before the engine, naming the field: no ``tokenized``, hidden
-  states, input embeddings, ``token_ids_logprob``, and what ``mm_sglang.py``
+  states, input embeddings, ``token_ids_logprob``, and what ``mm_inputs.py``
   refuses;
 - PD (``pd_bootstrap.py``): ``disaggregated_params`` (bootstrap host, port,
   room) go to the engine on a prefill/decode leg (``--disaggregation-mode``)
@@ -50,7 +50,7 @@ from enginelink.runtime.contracts.shared.call_stamp import StampedCall
 from enginelink.runtime.requests.chunk_bytes import stream_chunk, string_field
 from enginelink.runtime.requests.constraints import Constraint, constraint_of
 from enginelink.runtime.requests.inputs import stop_strings as _stop_strings, utf8_len
-from enginelink.runtime.requests.mm_sglang import mm_inputs_of
+from enginelink.runtime.contracts.sglang.mm_inputs import mm_inputs_of
 from enginelink.runtime.contracts.shared.pb_fields import (
     LogprobBudget, check_dp_rank, check_logit_bias, check_max_tokens, check_min_p, check_n, check_penalties,
     check_top_p, fill_chunk, fill_matched, finite, logprobs_cap, no_release_params, prompt_ids, raw_request_id,

@@ -180,7 +180,7 @@ class SglangSchedulerService(ContractService, SglangSchedulerBase):
             **model_fields(app), tokenizer_path=model.tokenizer_path,
             is_generation=ready.get("runner_type") != "pooling", max_context_length=max_len,
             # The engine's own answer (its ready report: SGLang's ModelConfig, runtime/contracts/sglang/sglang_headless.py);
-            # router tensors are taken only then (runtime/requests/mm_sglang.py).
+            # router tensors are taken only then (runtime/contracts/sglang/mm_inputs.py).
             supports_vision=bool(ready.get("supports_vision", model.supports_vision)),
             max_req_input_len=int(ready.get("max_req_input_len") or max(max_len - 1, 0)),
             default_sampling_params_json=model.default_sampling_params_json,

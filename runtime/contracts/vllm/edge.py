@@ -30,7 +30,7 @@ from enginelink.runtime.requests.inputs import InputLimits, check_request_id, st
 from enginelink.runtime.contracts.shared.media import media_settings
 from enginelink.runtime.requests.bridge import in_trio
 from enginelink.runtime.requests.media_bounds import check_router_features, media_bounds
-from enginelink.runtime.requests.media_identity import identity_bytes
+from enginelink.runtime.contracts.vllm.media_identity import identity_bytes
 from enginelink.runtime.contracts.shared.media_refit import with_processed_media
 from enginelink.runtime.contracts.shared.mm_tensors import mm_features_of
 from enginelink.runtime.contracts.shared.pb_fields import (

@@ -11,7 +11,7 @@ the lane's messages in ``wire/sglang_router.py``):
   (``router.handshake``) with the router link's transitions;
 - every request message the router sends is journaled as received
   (``router.frame``); an ADD runs the one Generate loop with the lane's edge
-  (``runtime/requests/contract_lane.py``): admission, the engine, the
+  (``runtime/contracts/sglang/lane_edge.py``): admission, the engine, the
   journal's request records, exactly as a gRPC call's; each of its messages
   goes back as one ``BatchTokenIDSlimOutput`` with the load tail. A request
   refused or failed ends with a terminal ``abort`` carrying the message and
@@ -40,7 +40,7 @@ from enginelink.runtime.engine.zmq_trio import make_socket, recv_multipart
 from enginelink.runtime.errors import ServicerError
 from enginelink.runtime.context.facts import context_len
 from enginelink.runtime.context.submit import TrioWake
-from enginelink.runtime.requests.contract_lane import LANE_EDGE, abort_row, rows
+from enginelink.runtime.contracts.sglang.lane_edge import LANE_EDGE, abort_row, rows
 from enginelink.runtime.requests.generate import generate
 from enginelink.wire import sglang_router as lane
 from enginelink.wire.engine import WireError

@@ -1,13 +1,13 @@
 """The router's direct ZMQ lane for SGLang as a contract edge: its ADD in, the lane's output rows out.
 
-``enginelink headless`` (``runtime/lifetime/router_front.py``) takes requests
+``enginelink headless`` (``runtime/contracts/sglang/router_front.py``) takes requests
 from the router's ZMQ lane (``wire/sglang_router.py``) instead of gRPC; the
 request core and the hub do not change. This edge gives the Generate loop
 (``runtime/requests/generate.py``) what it needs:
 
 - ``validate``: the lane's ``TokenizedGenerateReqInput`` → the neutral call,
   with SGLang's semantics (the same numbers as the SglangScheduler contract,
-  ``contract_sglang.py``: temperature 0 greedy, top_k -1 off, an unset
+  ``edge.py``: temperature 0 greedy, top_k -1 off, an unset
   ``max_new_tokens`` the rest of the context); what the lane refuses, by the
   reference's rules (``zmq_msgpack.MsgpackRecvSocket``): ``n != 1`` (the
   router fans out n > 1 itself), empty ``input_ids``; what enginelink does
