@@ -17,7 +17,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 
 from enginelink.machines.logprobs import SLICE_ENTRIES, LogprobRun, PromptLogprobs
 from enginelink.machines.request_api import Chunk, Complete
-from enginelink.runtime.requests import contract_sglang, contract_tokenspeed, contract_vllm
+from enginelink.runtime.contracts.sglang import edge as contract_sglang
+from enginelink.runtime.contracts.tokenspeed import edge as contract_tokenspeed
+from enginelink.runtime.contracts.vllm import edge as contract_vllm
 from enginelink.runtime.contracts.shared.call_stamp import CallStamp
 from enginelink.runtime.requests.logprob_bytes import LogprobBudget, SlicedResponse
 from enginelink.runtime.rpc.codec import ServicerCodec

@@ -7,7 +7,7 @@ a PD decode side's first step (``process_prebuilt``) set
 ``FINISH_ABORT(..., 500, "InternalServerError")``, the same shape as any
 internal fault. Only code inside the rank sees the cause, so these hooks
 (registered through SGLang's plugin hook registry by ``tools/sglang_plugin.py``
-when the variable is set, as ``runtime/engine/sglang_launch.py`` sets it for the
+when the variable is set, as ``runtime/contracts/sglang/launch.py`` sets it for the
 ranks) stamp ``err_type = "GrammarRejectedToken"`` on a finish that appears
 during a grammar advance. The servicer answers that name, and only that name,
 with FAILED_PRECONDITION + ``smg-constraint-failed: engine``

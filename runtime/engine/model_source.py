@@ -55,7 +55,7 @@ MLX_LM_FILES = ("*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.ti
 ID_ENGINES = ("vllm", "sglang", "tokenspeed")
 # Each engine's spelling of the settings enginelink's own flags stand for (``engine_flags``). TokenSpeed runs
 # with --skip-tokenizer-init (its tokenizer flag would change nothing); SGLang's scheduler keeps its tokenizer
-# (its grammar backend is built from it: sglang_launch.py).
+# (its grammar backend is built from it: contracts/sglang/launch.py).
 ENGINE_FLAGS = {
     "vllm": {"revision": "--revision", "download_dir": "--download-dir", "tokenizer": "--tokenizer",
              "tokenizer_revision": "--tokenizer-revision", "token": "--hf-token"},

@@ -21,7 +21,7 @@ status fail the start-up.
 
 Data parallelism (``--dp-size N``): SGLang's own DP controller runs the N
 scheduler ranks behind the one input address (it binds each rank's input
-and places each request; ``runtime/engine/sglang_headless.py`` launches it
+and places each request; ``runtime/contracts/sglang/sglang_headless.py`` launches it
 as SGLang's own launcher does), and every rank pushes its outputs to the one
 output address. enginelink still decides the rank: the hub puts its pick in
 every request (``routed_dp_rank``, which the controller honours before any

@@ -41,7 +41,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc
 from enginelink.machines.link import LinkEvent, LinkMachine
 from enginelink.machines.request_api import Complete
 from enginelink.runtime.errors import ClientError
-from enginelink.runtime.requests import contract_sglang, contract_tokenspeed, contract_vllm
+from enginelink.runtime.contracts.sglang import edge as contract_sglang
+from enginelink.runtime.contracts.tokenspeed import edge as contract_tokenspeed
+from enginelink.runtime.contracts.vllm import edge as contract_vllm
 from enginelink.runtime.contracts.vllm.edge import VLLM_EDGE
 from enginelink.runtime.requests.hub import RequestHub
 from enginelink.runtime.requests.inputs import InputLimits, validate_abort_ids

@@ -8,7 +8,7 @@ they are sent (``sock_send`` patched), so what is checked is the placement
 itself: which rank each request, abort and control message reaches.
 ``CASES.json``: a list of ``{"frame": HEX, "method": "round_robin" |
 "follow_bootstrap_room"}``; ``RESULTS.json``: ``{"cases": per case, the ranks
-it reached or ``{"error": ...}``, "names": what runtime/engine/sglang_headless.py
+it reached or ``{"error": ...}``, "names": what runtime/contracts/sglang/sglang_headless.py
 calls, as this release has it}``. The venv lacks a few modules the controller's module
 imports for its process set-up (not for dispatching): they are stubbed by name.
 """

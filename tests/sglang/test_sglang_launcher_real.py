@@ -205,7 +205,7 @@ def test_the_real_launcher_hands_over_to_enginelink_up_to_the_engine_launch(form
         scheduler_args = launch["argv"][launch["argv"].index("--") + 1:]
         # The model and SGLang's other arguments go to the scheduler; the listener and gRPC flags stay ours
         # (and enginelink adds its KV-event publisher's address). No --skip-tokenizer-init: the scheduler keeps
-        # its tokenizer, which its grammar backend is built from (runtime/engine/sglang_launch.py).
+        # its tokenizer, which its grammar backend is built from (runtime/contracts/sglang/launch.py).
         assert scheduler_args[:-2] == ["--model-path", str(test_model_dir),
                                        "--device", "cpu", "--mem-fraction-static", "0.5"]
         assert scheduler_args[-2] == "--kv-events-config"
