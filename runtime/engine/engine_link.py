@@ -19,7 +19,10 @@ An engine link is three parts, none specialised by subclassing:
   idle engine with);
 - the **supervision** (``supervision.py``): the start-up bound, the process
   and disconnect watches, the silence limit and the idle probe, the same
-  for every transport, so the simulation runs the production supervision.
+  for every transport, so the simulation runs the production supervision;
+  beside it the engine's process as the link runs it (``link_process.py``:
+  launched in its session, output relayed, stopped within a bound) and what
+  follows a death when restarts are on (``restarts.py``).
 
 Lifetime (``run``, one nursery): the transport starts the engine and the
 handshake (then ``started``); the link serves, its watches run, and the
@@ -29,17 +32,11 @@ Stopping: the transport closes its sockets, then the engine's whole session
 is stopped while its last words are still relayed, bounded
 (``session.stop_session``; none of its processes may outlive us).
 
-Restarts (docs/resume.md): given a restart budget (``restart_budget``, set
-by the composition when restarts are on), a link whose engine dies while it
-serves does not fail: ``fail`` asks
-the restart budget (``machines/resume.py``) and, with budget left, journals
-the crash, steps ``crash`` (``restarting``), tells ``on_crash`` (the hub
-holds the open calls) and ends this ``run``, which stops what is left of the
-engine. The composition then calls ``run`` again: each call is one start of
-the engine with the same arguments, its per-start state fresh
-(``_new_start``), the link's machine, ranks and counters its own. A failure
-while restarting is a crash too, against the same budget; once it is spent
-the link fails as it always did.
+Restarts (docs/resume.md, ``restarts.py``): with a restart budget, an engine
+that dies while it serves is a crash (``restarting``), not a failure; the
+composition calls ``run`` again, each call one start of the engine with the
+same arguments and its per-start state fresh, the link's machine, ranks and
+counters its own.
 
 Data parallelism: a launch with ``--data-parallel-size N`` runs N engine
 ranks, each handshaking on its own identity; the link waits for every
@@ -54,8 +51,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 from pathlib import Path
 from typing import Callable, assert_never
 
@@ -65,7 +60,6 @@ from enginelink.journal.records import (
     KIND_ENGINE_FACTS,
     KIND_ENGINE_FRAME,
     KIND_ENGINE_HANDSHAKE,
-    KIND_ENGINE_RESTART,
     KIND_ERROR,
     KIND_TRANSITION,
     engine_stream,
@@ -76,18 +70,10 @@ from enginelink.machines.handshake import EngineHandshake, HandshakeDone, Handsh
 from enginelink.machines.link import LinkEvent, LinkMachine, LinkState
 from enginelink.machines.ranks import RankTable
 from enginelink.machines.resume import RestartBudget
-from enginelink.runtime.engine.engine_output import RELAY_DRAIN_S, EngineOutputRelay, Redactor
-from enginelink.runtime.engine.placement import (
-    ENGINE_NICE_DEFAULT,
-    PLACEMENT_DEFAULT,
-    SERVICER_SCHED_DEFAULT,
-    describe_placement,
-    describe_priority,
-    lower_priority,
-    place_front_end,
-    run_threads_as_batch,
-)
-from enginelink.runtime.engine.launchers import EngineLauncher, launch_secrets
+from enginelink.runtime.engine import link_process, restarts
+from enginelink.runtime.engine.engine_output import EngineOutputRelay, Redactor
+from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
+from enginelink.runtime.engine.launchers import EngineLauncher
 from enginelink.runtime.engine.link_errors import EngineArgsRefused, EngineIncompatible, LinkFailed
 from enginelink.runtime.engine.supervision import Supervision, Supervisor
 from enginelink.runtime.engine.zmq_transport import FRAMES_PER_WAKEUP, ZmqTransport  # noqa: F401 - tests read it here
@@ -282,7 +268,7 @@ class EngineLink:
                     self.supervisor.serving(nursery, transport)
                     await transport.receive(self)
                 nursery.cancel_scope.cancel()
-            if failure is None and not started:  # the engine died during a restart's start (``_crash``)
+            if failure is None and not started:  # the engine died during a restart's start (``restarts.crash``)
                 failure = LinkFailed(self.last_crash or "engine start-up was cancelled")
             # Raised outside the nursery, so callers see it bare, not in an ExceptionGroup.
             if failure is not None:
@@ -292,96 +278,13 @@ class EngineLink:
             await self._stop_engine_relaying()
             transport.remove_files()
 
-    def _new_start(self) -> None:
-        """Another start of the engine (a restart): the last one's per-start state goes, the link's stays."""
-        now = trio.current_time()
-        budget = self.restart_budget
-        self.journal.append(now, link_stream(self.name), KIND_ENGINE_RESTART, {
-            "link": self.name, "attempt": self.starts, "crash": self.last_crash,
-            "restarts_max": budget.policy.restarts_max if budget else 0,
-            "window_s": budget.policy.window_s if budget else 0.0})
-        log.warning("starting the engine again (restart %d): it died: %s", self.starts, self.last_crash)
-        # ``ready`` and ``rank_ready`` stay until the new handshake replaces them (GetServerInfo meanwhile).
-        self._handshake_result = None
-        self.handshake_done = False
-        self.process = None
-        self._relay = None
-        self._stop_done = None
-        self._startup_scope = None
-        self._nursery = None
-        self.facts_path = None
-        self.progress_at = self.last_frame_at = now
-        self.rank_heard_at = {}
-        self.supervisor.new_start()
-
-    async def launch(self, nursery: trio.Nursery, argv: list[str], env: dict[str, str], details: dict,
-                     pass_fds: tuple[int, ...] = ()) -> None:
-        """Start the engine's process in a session of its own (a transport's ``start`` calls this):
-        journal the launch (secrets hidden), relay its output, lower its priority, supervise it."""
-        engine_env = {**os.environ, **env}
-        # Secrets of the launch (argv's and the environment's), hidden wherever they appear.
-        self.redactor = redactor = Redactor(launch_secrets(argv, engine_env))
-        shown_argv = [redactor.line(arg) for arg in self.launcher.redacted(argv)]
-        self.journal_handshake("launch", {"argv": shown_argv, **details})
-        for warning in getattr(self.launcher, "warnings", ()):
-            log.warning("%s", warning)
-        # Both of the engine's streams on one pipe, relayed with its secrets hidden.
-        self.process = await trio.lowlevel.open_process(
-            argv, env=engine_env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            pass_fds=pass_fds,
-        )
-        self._relay = EngineOutputRelay(self.process.stdout, redactor)
-        nursery.start_soon(self._relay.pump)
-        priority = lower_priority(self.process.pid, self.engine_nice)
-        if self.servicer_sched == "batch":
-            priority["servicer"] = run_threads_as_batch()
-        self.journal_handshake("priority", priority)
-        log.info("engine process %d started, %s", self.process.pid, describe_priority(priority))
-        self.supervisor.process_started(nursery)
-
-    def adopt(self, nursery: trio.Nursery, process) -> None:
-        """The engine runs as ``process`` (the simulation's stand-in: pid, returncode, wait): supervise it."""
-        self.process = process
-        self.progress_at = trio.current_time()
-        self.supervisor.process_started(nursery)
-
-    def _place_front_end(self) -> None:
-        if self.placement == "auto" and isinstance(self.process, trio.Process):
-            # After the handshake: vLLM binds its compute threads while it loads.
-            placement = place_front_end(self.process.pid)
-            self.journal_handshake("placement", placement)
-            log.info("placement: %s", describe_placement(placement))
-
-    async def _stop_engine_relaying(self) -> None:
-        """Stop the engine while its last words are still relayed (it must never block on the pipe)."""
-        relay = self._relay
-        with trio.CancelScope(shield=True):
-            async with trio.open_nursery() as nursery:
-                if relay is not None and not relay.done:
-                    nursery.start_soon(relay.pump)
-                await self.stop_engine()
-                nursery.cancel_scope.deadline = trio.current_time() + RELAY_DRAIN_S
-            if relay is not None and not relay.done:  # a stray still holds the pipe: stop reading it
-                await relay.stream.aclose()
-
-    async def stop_engine(self) -> None:
-        """Stop the engine once (the transport's ``stop_process``), shielded; later callers wait for that one stop."""
-        process = self.process
-        if process is None:
-            return
-        if self._stop_done is not None:
-            with trio.CancelScope(shield=True):
-                await self._stop_done.wait()
-            return
-        self._stop_done = trio.Event()
-        # After a crash with a restart to follow, what is left of the dead engine (vLLM's launcher outlives
-        # its EngineCore) has nothing to finish: it goes at once, so the restart does not wait the grace.
-        grace_s = 0.0 if self.machine.state is LinkState.RESTARTING else self.supervision.stop_grace_s
-        with trio.CancelScope(shield=True):
-            try:
-                await self.transport.stop_process(process, grace_s)
-            finally:
-                self._stop_done.set()
+    # The engine's process (link_process.py) and what follows its death (restarts.py), as methods.
+    launch = link_process.launch
+    adopt = link_process.adopt
+    _place_front_end = link_process.place_front_end
+    _stop_engine_relaying = link_process.stop_engine_relaying
+    stop_engine = link_process.stop_engine
+    _new_start = restarts.new_start
 
     # -- the start-up (the transports call these) ------------------------------------
 
@@ -508,13 +411,9 @@ class EngineLink:
         if not self.machine.live:
             return
         now = trio.current_time()
-        budget = self.restart_budget
-        if budget is not None and self.machine.can(LinkEvent.CRASH) and not self.stopping:
-            why_not = budget.crashed(now)
-            if why_not is None:
-                self._crash(message, now)
-                return
-            message = f"{message}; {why_not}"
+        message = restarts.crash_or_fail(self, message, now)
+        if message is None:  # a crash, with a restart to follow
+            return
         self.journal.append(now, link_stream(self.name), KIND_ERROR, {"whose": "engine", "code": "UNAVAILABLE", "message": message})
         self.step(LinkEvent.FAIL, message)
         if self._startup_scope is not None and not self.handshake_done:
@@ -522,18 +421,4 @@ class EngineLink:
         self.on_failure(message, now)
         if self.handshake_done and self._nursery is not None:
             # Nothing the engine sends matters any more: stop it now (run's finally).
-            self._nursery.cancel_scope.cancel()
-
-    def _crash(self, message: str, now: float) -> None:
-        """The engine died and will be started again: journal it, hold the calls, end this start."""
-        self.last_crash = message
-        self.journal.append(now, link_stream(self.name), KIND_ERROR,
-                            {"whose": "engine", "code": "UNAVAILABLE", "message": message, "restarting": True})
-        log.warning("engine died: %s; restarting it (%d of ENGINELINK_ENGINE_RESTARTS=%d in the window)",
-                    message, len(self.restart_budget.crashes), self.restart_budget.policy.restarts_max)
-        self.step(LinkEvent.CRASH, message)
-        self.on_crash(message, trio.current_time())  # the calls are held after the link restarts, as journaled
-        if self._nursery is not None:
-            # Nothing this engine sends matters any more, its start-up included: stop what is
-            # left of it (run's finally), and the composition starts it again.
             self._nursery.cancel_scope.cancel()
