@@ -1,5 +1,5 @@
-"""The KV-event wire codec (vLLM --kv-events-config, PUB framing, replay) and the
-neutral batch's protobuf mapping."""
+"""The KV-event wire codec (vLLM --kv-events-config, PUB framing, replay); the neutral batch as
+protobuf is tests/kv/test_kv_messages.py's."""
 
 from __future__ import annotations
 
@@ -8,16 +8,6 @@ import pytest
 
 from enginelink.wire import kv_events as kv
 from enginelink.wire.engine import WireError
-from enginelink.wire.kv_batch import (
-    ExtraKey,
-    KvBatch,
-    KvBlock,
-    KvCleared,
-    KvEvent,
-    KvRemoved,
-    KvSnapshotChunk,
-    KvStored,
-)
 
 # ---- config and endpoints --------------------------------------------------------
 
