@@ -73,6 +73,12 @@ def test_aborts_controls_and_what_cannot_be_read():
     ("ids", [], "input_ids: input_ids are required on this wire"),
     ("ids", [5000], "input_ids: token id 5000 at position 0 is outside the vocabulary (size 4096)"),
     ("start", 0, "logprob_start_len: prompt logprobs are not served on this wire; send -1"),
+    # Decoded, not forwarded: served as text alone they would answer another question, so refused by name.
+    ("mm", ["MultimodalProcessorOutput", [["MultimodalDataItem", "image"]]],
+     "mm_inputs: is not forwarded to the scheduler on this wire by enginelink headless (it would be served as text "
+     "alone); send it through the gRPC lane (--connection-mode grpc)"),
+    ("embeds", [[0.5, 0.25]], "input_embeds: is not forwarded to the scheduler on this wire"),
+    ("types", [0, 0, 1], "token_type_ids: is not forwarded to the scheduler on this wire"),
 ])
 def test_the_lanes_refusals_name_the_field(field, value, words):
     payload = [*ROUTER_ADD]
@@ -81,11 +87,13 @@ def test_the_lanes_refusals_name_the_field(field, value, words):
         payload[8][12] = value
     elif field == "ids":
         payload[4] = value
+    elif field in ("embeds", "mm", "types"):
+        payload[{"embeds": 5, "mm": 6, "types": 7}[field]] = value
     else:
         payload[10] = value
     with pytest.raises(ClientError) as caught:
         validate_generate(lane.decode_request(frames(lane.ADD, payload)), LIMITS, 0.0)
-    assert str(caught.value) == words
+    assert str(caught.value).startswith(words)
 
 
 def test_rows_go_out_as_the_reference_columns_with_the_load_tail():

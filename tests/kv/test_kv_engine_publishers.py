@@ -96,10 +96,12 @@ def test_a_late_relay_repairs_the_engines_first_batches_from_its_replay(engine):
 
 async def _relay_then_publish(shell: KvRelayShell, publisher: Publisher) -> list:
     out = []
-    with trio.fail_after(60):
+    # Bounds that only keep a broken run from hanging (a loaded CI box once took over 20 s to join).
+    with trio.fail_after(180):
         async with trio.open_nursery() as nursery:
             await nursery.start(shell.run)
-            assert await shell.after_handshake({}, grace_s=20)  # the SUB joined the engine's PUB
+            joined = await shell.after_handshake({}, grace_s=90)
+            assert joined, "the relay's SUB did not join the engine's PUB within 90 s"
             assert await trio.to_thread.run_sync(publisher.publish, 2) == "published 4"
             wake = TrioWake()
             stream = shell.open_stream(0, False, wake)

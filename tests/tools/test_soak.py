@@ -39,4 +39,7 @@ def test_two_minutes_of_churn_stay_flat_and_every_stream_is_the_engines(tmp_path
     assert checked > 1000, out[-3000:]
     assert re.search(r"bad\s+.*INVALID_ARGUMENT \d+", out)
     assert "journal verify, the journal of the run before (--previous 1): exit 0" in out
+    # The journal's records per call were judged (not only its records a second, which follow the load).
+    judged = re.findall(r"^\s+\d+\s+records_per_call\s+(\d+)\s.*\b(ok|OVER)$", out, re.M)
+    assert judged and all(int(samples) >= 3 and verdict == "ok" for samples, verdict in judged), out[-3000:]
     assert plot.read_text().startswith("<svg")

@@ -17,9 +17,11 @@ journal's story in DIR (what docs/resume.md and the issue quote).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginelink.journal import records as r
 from enginelink.journal.store import open_reader
+from enginelink.tools.inspect import render_view
 from tests.harness import VENV_BIN, Servicer, engine_pid, free_port, generate_request, scrape, wait_until
 from tests.test_lifecycle import StreamReader
 from tests.vllm.conftest import START_TIMEOUT_S, engine_core_pid
@@ -56,6 +59,43 @@ def _cli(*argv: str) -> str:
     return subprocess.run([str(VENV_BIN / "enginelink"), *argv], capture_output=True, text=True, timeout=60).stdout
 
 
+class InspectWatch:
+    """``enginelink inspect --watch --json`` running as a user leaves it beside the servicer: one process
+    refreshing its view from the journal (the servicer's own count of each stream's tokens), started before
+    the kills; a view during the restart needs no fresh interpreter's start-up (over 10 s at a CI load)."""
+
+    def __init__(self, journal: Path, every_s: float = 0.5) -> None:
+        self.process = subprocess.Popen([str(VENV_BIN / "enginelink"), "inspect", "--journal", str(journal),
+                                         "--watch", str(every_s), "--json"], stdout=subprocess.PIPE, text=True)
+        self.views: list[dict] = []
+        self.arrived: list[float] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.views.append(json.loads(line))
+            self.arrived.append(time.monotonic())
+
+    def request(self, request_id: str, view: dict | None = None) -> dict | None:
+        """The request in flight as ``view`` (the latest) shows it (admitted: sent to the engine)."""
+        view = view or (self.views[-1] if self.views else {"requests": []})
+        return next((q for q in view["requests"] if q["id"] == request_id), None)
+
+    def settled_view(self) -> dict:
+        """A view read wholly after now + 0.5 s: with the engine stopped, what the servicer had by then."""
+        since = time.monotonic() + 0.5
+        wait_until(lambda: sum(at > since for at in self.arrived) >= 2, 120, "two inspect views after a stop")
+        return self.views[-1]
+
+    def rendered_showing(self, text: str) -> str | None:
+        """The first view, as ``inspect`` prints it, with ``text`` in it."""
+        return next((shown for view in list(self.views) if text in (shown := render_view(view))), None)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
 def _keep(name: str, text: str) -> None:
     where = os.environ.get("ENGINELINK_RESUME_EVIDENCE")
     if where:
@@ -71,6 +111,7 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
                                "--resume-timeout", "300"],
                         env={"ENGINELINK_WARMUP": "off"}).start(timeout_s=START_TIMEOUT_S)
     health = health_pb2_grpc.HealthStub(servicer.channel)
+    watch: InspectWatch | None = None
     try:
         # Uninterrupted, for reference.
         reference = [_stream(servicer.stub, f"ref-{i}", prompt) for i, prompt in enumerate(PROMPTS)]
@@ -80,18 +121,32 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
         # Again, and the EngineCore killed under the four once each is a few hundred tokens in.
         launcher = engine_pid(servicer.journal)
         core = engine_core_pid(launcher)
+        watch = InspectWatch(servicer.journal)
+        wait_until(lambda: watch.views, 120, "inspect --watch's first view")
+        # The EngineCore runs in short bursts between SIGSTOPs, and each stop is read in a view taken after it:
+        # the kill lands with every stream a few hundred tokens in, however fast the engine or slow this box
+        # (timed on what the client had read, it once came 1,100 tokens late: the client lagged the servicer).
+        os.kill(core, signal.SIGSTOP)
         readers = [_stream(servicer.stub, f"s-{i}", prompt) for i, prompt in enumerate(PROMPTS)]
-        wait_until(lambda: all(len(_tokens(reader)) >= 300 for reader in readers), 120, "four streams 300 tokens in",
-                   interval_s=0.02)
+        wait_until(lambda: all(watch.request(f"s-{i}") for i in range(len(PROMPTS))), 120,
+                   "four calls sent to the engine")
+        for _ in range(100):
+            view = watch.settled_view()
+            shown = [watch.request(f"s-{i}", view) for i in range(len(PROMPTS))]
+            assert all(shown), f"a stream ended before the kill: {shown}"
+            if all(q["tokens"] >= 300 for q in shown):
+                break
+            os.kill(core, signal.SIGCONT)
+            time.sleep(0.2)
+            os.kill(core, signal.SIGSTOP)
+        else:
+            raise AssertionError(f"the streams did not reach 300 tokens in 100 bursts: {shown}")
         os.kill(core, signal.SIGKILL)
         killed_at = time.monotonic()
         wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
                    == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING while the engine restarts")
-        # The output that showed them is the one kept and checked: a second call could come after the restart.
-        # 60 s: one inspect call alone took over 10 s at a CI load of 30-60 (the restart under load, longer).
-        during = wait_until(lambda: out if "4 held for the restarting engine" in (
-            out := _cli("inspect", "--journal", str(servicer.journal))) else None,
-            60, "inspect showing the four streams held")
+        during = wait_until(lambda: watch.rendered_showing("4 held for the restarting engine"), 120,
+                            "inspect --watch showing the four streams held")
         _keep("inspect-during-restart.txt", during)
         assert "restarting" in during and during.count("HELD") == 4
         for reader in readers:
@@ -116,9 +171,12 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
               + "\n".join(line for line in story.splitlines() if "ref-" not in line))
 
         # The budget: one restart per window is spent; the next death stops the restarts and fails what is held.
+        # The EngineCore is stopped first, so the two calls reach it and wait there: neither can end before
+        # the kill, however fast the engine or slow this box (once both ended before a kill timed on tokens).
         core = engine_core_pid(engine_pid(servicer.journal))
+        os.kill(core, signal.SIGSTOP)
         last = [_stream(servicer.stub, f"t-{i}", prompt) for i, prompt in enumerate(PROMPTS[:2])]
-        wait_until(lambda: all(len(_tokens(reader)) >= 50 for reader in last), 120, "two streams 50 tokens in")
+        wait_until(lambda: all(watch.request(f"t-{i}") for i in range(2)), 120, "two calls sent to the engine")
         os.kill(core, signal.SIGKILL)
         for reader in last:
             reader.join(180)  # the death noticed, the budget found spent, the held calls failed: slow under load
@@ -127,6 +185,8 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
             assert "engine restarts stop: 2 crashes" in reader.error.details(), reader.error.details()
         assert servicer.wait(60) == 1
     finally:
+        if watch is not None:
+            watch.stop()
         servicer.stop()
     with open_reader(servicer.journal) as reader:
         kinds = [rec.kind for rec in reader.iter_records(after_seq=0)]

@@ -11,7 +11,10 @@ request core and the hub do not change. This edge gives the Generate loop
   ``max_new_tokens`` the rest of the context); what the lane refuses, by the
   reference's rules (``zmq_msgpack.MsgpackRecvSocket``): ``n != 1`` (the
   router fans out n > 1 itself), empty ``input_ids``; what enginelink does
-  not carry here: prompt logprobs, logprobs of chosen ids. Refusals are
+  not carry here: prompt logprobs, logprobs of chosen ids, and what the
+  lane decodes but does not forward to the scheduler (``mm_inputs``,
+  ``input_embeds``, ``token_type_ids``: served as text, they would answer
+  a different question). Refusals are
   ``ClientError`` naming the field; the front answers them with a terminal
   abort (status 400), as the reference's plugin does, never by dropping;
 - ``encode``: the core's messages unchanged; the front turns them into the
@@ -39,6 +42,8 @@ from enginelink.wire.sglang_structs import EXT_ARRAY, unpack_array
 NAME = "sglang-zmq"
 # The lane's constraint fields → the codec's keys (vLLM's StructuredOutputsParams names).
 _CONSTRAINTS = (("json_schema", "json"), ("regex", "regex"), ("ebnf", "grammar"), ("structural_tag", "structural_tag"))
+# Fields the lane decodes but does not carry to the scheduler: a request with one is refused by its name.
+_NOT_FORWARDED = ("mm_inputs", "input_embeds", "token_type_ids")
 # gRPC status → the HTTP status a lane abort carries (the reference's table, read backwards).
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "ALREADY_EXISTS": 400, "NOT_FOUND": 404, "DEADLINE_EXCEEDED": 504,
                "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "FAILED_PRECONDITION": 400}
@@ -74,6 +79,10 @@ def validate_generate(request: lane.GenerateRequest, limits: EngineLimits, now: 
     raw = request.sampling_params
     if raw.n not in (0, 1):
         raise ClientError("sampling_params.n", f"n={raw.n} is not served on this wire; SMG fans out n > 1 itself")
+    for field, value in ((f, getattr(request, f)) for f in _NOT_FORWARDED):
+        if value:
+            raise ClientError(field, "is not forwarded to the scheduler on this wire by enginelink headless (it "
+                              "would be served as text alone); send it through the gRPC lane (--connection-mode grpc)")
     ids = _input_ids(request.input_ids)
     if not ids:
         raise ClientError("input_ids", "input_ids are required on this wire")
