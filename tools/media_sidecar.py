@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from enginelink.runtime.engine.launchers import LauncherError, default_vllm_python
+    from enginelink.runtime.contracts.vllm.launch import default_vllm_python
+    from enginelink.runtime.engine.launchers import LauncherError
 
     try:
         settings, result_max = _settings(args)

@@ -566,3 +566,53 @@ def test_the_sidecar_command_refuses_a_bad_setting_with_exit_2_naming_it(argv, e
                           capture_output=True, text=True, timeout=60, env={**os.environ, **env})  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == f"enginelink media-sidecar: {words}" or words in done.stderr, done.stderr
+
+
+def test_the_sidecar_command_hands_its_frame_cap_and_engine_args_to_the_processor(redis, tmp_path):
+    """``enginelink media-sidecar`` with ``SMG_VLLM_MM_MAX_VIDEO_FRAMES`` and the worker's ``--media-io-kwargs``
+    after ``--``: its processor helper is started with the frame cap and those engine arguments (what vLLM's
+    loaders are built from), and the sidecar serves (its hello lives) until SIGTERM, exit 0. The helper here is
+    the scripted one, started through a stand-in vLLM interpreter that records what it was given."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from tests.harness import VENV_BIN, wait_until
+
+    child = tmp_path / "fake_child.py"
+    child.write_text(CHILD)
+    seen = tmp_path / "started.json"
+    python = tmp_path / "python"
+    python.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""\
+        import json, os, sys
+        with open({str(seen)!r}, "w") as out:
+            json.dump({{"argv": sys.argv[1:], "engine_args": os.environ.get("ENGINELINK_MM_ENGINE_ARGS")}}, out)
+        os.execv({sys.executable!r}, [{sys.executable!r}, {str(child)!r}, *sys.argv[2:]])
+    """))
+    python.chmod(0o755)
+    io_kwargs = '{"video": {"num_frames": 4}}'
+    env = {**os.environ, "ENGINELINK_VLLM_PYTHON": str(python), "SMG_VLLM_MM_MAX_VIDEO_FRAMES": "3",
+           "FAKE_FINGERPRINT": msgspec.json.encode(FP.fields()).decode()}
+    sidecar = subprocess.Popen([str(VENV_BIN / "enginelink"), "media-sidecar", "--model", str(tmp_path),
+                                "--redis-url", redis.url, "--", "--media-io-kwargs", io_kwargs],
+                               env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        try:
+            wait_until(lambda: any(key.endswith(b":hello") for key in redis.client().keys("*")), 120,
+                       "the sidecar's hello in Redis")
+        except TimeoutError:
+            sidecar.kill()
+            raise AssertionError(sidecar.stderr.read()[-3000:]) from None
+        started = json.loads(seen.read_text())
+        argv = started["argv"]
+        assert argv[argv.index("--max-video-frames") + 1] == "3", argv
+        assert json.loads(started["engine_args"]) == ["--media-io-kwargs", io_kwargs]
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        try:
+            status = sidecar.wait(60)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+            raise
+    assert status == 0, sidecar.stderr.read()[-3000:]
