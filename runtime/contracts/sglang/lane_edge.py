@@ -79,8 +79,8 @@ def validate_generate(request: lane.GenerateRequest, limits: EngineLimits, now: 
     raw = request.sampling_params
     if raw.n not in (0, 1):
         raise ClientError("sampling_params.n", f"n={raw.n} is not served on this wire; SMG fans out n > 1 itself")
-    for field, value in ((f, getattr(request, f)) for f in _NOT_FORWARDED):
-        if value:
+    for field in _NOT_FORWARDED:
+        if getattr(request, field):
             raise ClientError(field, "is not forwarded to the scheduler on this wire by enginelink headless (it "
                               "would be served as text alone); send it through the gRPC lane (--connection-mode grpc)")
     ids = _input_ids(request.input_ids)
