@@ -134,7 +134,7 @@ class JournalStats(msgspec.Struct, frozen=True):
     last_flushed_seq: int  # newest seq committed to the store, 0 when none
     pending_bytes: int = 0
     store_records: int = 0  # rows in the file now
-    store_bytes: int = 0  # payload bytes in the file now
+    store_bytes: int = 0  # bytes the file's blocks take now (journal/store.py stored_bytes)
     store_pruned: int = 0  # rows the store deleted by its budgets
     store_errors: int = 0  # batch writes that failed
     store_failing: int = 0  # 1 while batch writes fail (disk full, I/O error): journal/store_health.py

@@ -11,7 +11,8 @@ writer, and a killed writer loses at most the batch it was writing.
 Schema (``SCHEMA_VERSION`` 3), in 16 KiB pages (``PAGE_SIZE``):
     blocks(first_seq INTEGER PRIMARY KEY, last_seq INTEGER, count INTEGER, bytes INTEGER, body BLOB)
         ``body``: the block's rows, ``[[seq, time, stream, kind, payload], ...]`` in msgpack
-        (``encode_block``); ``bytes``: their payloads' bytes (the budget's measure)
+        (``encode_block``); ``bytes``: what the row takes in the file (``stored_bytes``, the budget's
+        measure)
     snapshots(seq INTEGER PRIMARY KEY, block INTEGER)   each ``snapshot`` row's seq and its block
     meta(key TEXT PRIMARY KEY, value TEXT)              values are JSON
 
@@ -32,13 +33,18 @@ previous run's, set aside by rotation) are still read.
 Rules:
 - one writer per file, one thread at a time (the flusher serialises calls);
 - seqs increase across batches (``write_batch`` refuses one that does not);
-- the store's budgets (``records_max`` records, ``bytes_max`` payload bytes)
-  hold after each batch's transaction: the oldest blocks are deleted whole,
-  counted in ``pruned``, so a full file holds up to one block less than its
-  budgets; the newest block is never deleted, only cut to its newest records
-  when it alone is over (the newest record is always kept). The file itself
-  is larger than ``bytes_max`` by the blocks' framing and SQLite's pages, and
-  SQLite reuses freed pages rather than shrinking the file;
+- the store's budgets (``records_max`` records, ``bytes_max`` bytes of the
+  file) hold after each batch's transaction: the oldest blocks are deleted
+  whole, counted in ``pruned``, so a full file holds up to one block less
+  than its budgets; the newest block is never deleted, only cut to its newest
+  records when it alone is over (the newest record is always kept). A block
+  is counted at what it takes in the file (``stored_bytes``: its encoded body
+  in SQLite's pages), not at its payloads' bytes: those left out the records'
+  framing and the pages' unused ends, and a full 1 GiB journal's files
+  settled at 1.18 GiB (the hour-long soak, docs/benchmarks.md). SQLite reuses
+  freed pages rather than shrinking the file, so the file stays at the budget
+  plus one batch (inserted before the oldest are deleted), the b-tree's
+  interior pages and the WAL (``WAL_AUTOCHECKPOINT_PAGES``);
 - ``synchronous=NORMAL``: a committed batch survives the process being
   killed; a power cut may lose the last batches (a journal, not a ledger);
 - readers never write, not even meta; a reader never needs the writer alive.
@@ -86,13 +92,27 @@ _BLOCK_HEADS_DECODER = msgspec.msgpack.Decoder(list[tuple[int, float, str, str, 
 _PAYLOAD_DECODER = msgspec.msgpack.Decoder(bytes)
 
 BlockRow = tuple[int, int, int, int, bytes]  # (first_seq, last_seq, count, bytes, body): a row of ``blocks``
+# A row's bytes beside its body: its record header, four integers and its cell's pointer (SQLite's file format).
+ROW_OVERHEAD_BYTES: Final = 64
+# The most of a row a table's leaf page holds itself (SQLite: usable size - 35); the rest goes to overflow
+# pages of their own, PAGE_SIZE - 4 bytes of it each.
+_LEAF_LOCAL_MAX: Final = PAGE_SIZE - 35
 
 
-def encode_block(rows: Sequence[Row], nbytes: int | None = None) -> BlockRow:
-    """``rows`` (a run of increasing seqs) as one row of ``blocks``; ``nbytes``: their payloads' bytes, if known."""
-    if nbytes is None:
-        nbytes = sum(len(row[4]) for row in rows)
-    return (rows[0][0], rows[-1][0], len(rows), nbytes, _BLOCK_ENCODER.encode(rows))
+def stored_bytes(body_bytes: int) -> int:
+    """What a block whose body is ``body_bytes`` long takes in the file: a small one shares a leaf page with
+    its neighbours; a larger one spills into overflow pages, the last of them partly unused, so it is counted
+    in whole pages (its leaf cell's few bytes included)."""
+    row = body_bytes + ROW_OVERHEAD_BYTES
+    if row <= _LEAF_LOCAL_MAX:
+        return row
+    return -(-row // (PAGE_SIZE - 4)) * PAGE_SIZE
+
+
+def encode_block(rows: Sequence[Row]) -> BlockRow:
+    """``rows`` (a run of increasing seqs) as one row of ``blocks``, counted at what it takes in the file."""
+    body = _BLOCK_ENCODER.encode(rows)
+    return (rows[0][0], rows[-1][0], len(rows), stored_bytes(len(body)), body)
 
 
 def decode_block(body: bytes) -> list[Row]:
@@ -106,7 +126,7 @@ class StoreError(Exception):
 
 class StoreStats(msgspec.Struct, frozen=True):
     records: int  # rows in the file now
-    bytes: int  # payload bytes in the file now
+    bytes: int  # bytes the file's blocks take (stored_bytes), the byte budget's measure
     pruned: int  # rows deleted by the budgets by this writer
     last_seq: int  # newest seq written, 0 when none
     batches: int  # transactions committed by this writer
@@ -182,14 +202,13 @@ class Store:
         self._last_seq = rows[-1][0]
 
     def _blocks(self, rows: Sequence[Row]) -> tuple[list[BlockRow], list[tuple[int, int]], int, Sequence[Row]]:
-        """The batch's blocks, its snapshots' (seq, block) rows, its payload bytes and the rows of its
-        last block (the newest in the file); checks the seqs."""
+        """The batch's blocks, its snapshots' (seq, block) rows, the bytes its blocks take in the file and
+        the rows of its last block (the newest in the file); checks the seqs."""
         blocks: list[BlockRow] = []
         snapshots: list[tuple[int, int]] = []
         previous = self._last_seq
         start = 0
         size = 0
-        total = 0
         for index, row in enumerate(rows):
             seq = row[0]
             if seq <= previous:
@@ -197,16 +216,15 @@ class Store:
             previous = seq
             length = len(row[4])
             if size and size + length > BLOCK_BYTES_MAX:
-                blocks.append(encode_block(rows[start:index], size))
+                blocks.append(encode_block(rows[start:index]))
                 start = index
                 size = 0
             size += length
-            total += length
             if row[3] == KIND_SNAPSHOT:
                 snapshots.append((seq, rows[start][0]))
         newest_rows = rows[start:]
-        blocks.append(encode_block(newest_rows, size))
-        return blocks, snapshots, total, newest_rows
+        blocks.append(encode_block(newest_rows))
+        return blocks, snapshots, sum(block[3] for block in blocks), newest_rows
 
     def _prune(self, records: int, nbytes: int, newest_rows: Sequence[Row]) -> tuple[int, int]:
         """Delete the oldest blocks until both budgets hold; the newest block (``newest_rows``, this
@@ -240,20 +258,26 @@ class Store:
 
     def _cut_newest(self, rows: Sequence[Row], rows_over: int, bytes_over: int) -> tuple[int, int, int]:
         """The newest block (its ``rows``) without its oldest records, as many as the budgets need and never
-        its last: rewritten under its new first seq. Returns (records cut, bytes cut, the first seq kept)."""
+        its last: rewritten under its new first seq. Returns (records cut, bytes cut, the first seq kept).
+        The bytes cut are what the block took in the file less what the rewritten one takes."""
         conn = self._conn
         first_seq = rows[0][0]
+        (before,) = conn.execute("SELECT bytes FROM blocks WHERE first_seq = ?", (first_seq,)).fetchone()
+        # A record's share of the block: its payload and an even share of the rest (its framing, the pages).
+        framing = (before - sum(len(row[4]) for row in rows)) / len(rows)
         count = 0
-        size = 0
+        size = 0.0
         while count < len(rows) - 1 and (count < rows_over or size < bytes_over):
-            size += len(rows[count][4])
+            size += len(rows[count][4]) + framing
             count += 1
-        if count:
-            kept = rows[count:]
-            conn.execute("DELETE FROM blocks WHERE first_seq = ?", (first_seq,))
-            conn.execute(_INSERT_BLOCK, encode_block(kept))
-            conn.execute("UPDATE snapshots SET block = ? WHERE block = ?", (kept[0][0], first_seq))
-        return count, size, rows[count][0]
+        if not count:
+            return 0, 0, first_seq
+        kept = rows[count:]
+        block = encode_block(kept)
+        conn.execute("DELETE FROM blocks WHERE first_seq = ?", (first_seq,))
+        conn.execute(_INSERT_BLOCK, block)
+        conn.execute("UPDATE snapshots SET block = ? WHERE block = ?", (kept[0][0], first_seq))
+        return count, before - block[3], kept[0][0]
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -297,6 +321,9 @@ def open_store(
         db.enable_wal()
         conn.execute("PRAGMA synchronous = NORMAL")
         conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_AUTOCHECKPOINT_PAGES}")
+        # A checkpoint rewinds the WAL but keeps its file as large as it ever grew (a burst's batch, a
+        # reader that held a checkpoint back); this cuts it back to the autocheckpoint's size after one.
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_AUTOCHECKPOINT_PAGES * PAGE_SIZE}")
         _ensure_schema(db, path, records_max, bytes_max)
         store = Store(db, records_max, bytes_max)
         return store

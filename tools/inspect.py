@@ -262,7 +262,7 @@ def journal_facts(reader: Reader, path: Path) -> dict[str, Any]:
         "file_bytes": path.stat().st_size,
         "wal_bytes": wal.stat().st_size if wal.exists() else 0,
         "records": counts.records,
-        "payload_bytes": counts.bytes,
+        "stored_bytes": counts.bytes,  # what its blocks take in the file: the byte budget's measure
         "first_seq": counts.first_seq,
         "last_seq": counts.last_seq,
         "pruned_at_start": max(0, counts.first_seq - 1),
@@ -339,12 +339,12 @@ def render_view(view: dict[str, Any]) -> str:
     lines.append(
         f"journal {jr['path']}: {jr['records']:,} records (seq {jr['first_seq']}..{jr['last_seq']}"
         + (f", {jr['pruned_at_start']:,} pruned at the start" if jr["pruned_at_start"] else "")
-        + f"), {_bytes(jr['payload_bytes'])} payload; file {_bytes(jr['file_bytes'])} + WAL {_bytes(jr['wal_bytes'])}"
+        + f"), {_bytes(jr['stored_bytes'])} in blocks; file {_bytes(jr['file_bytes'])} + WAL {_bytes(jr['wal_bytes'])}"
     )
     if jr["records_max"]:
         lines.append(
             f"  budgets: {jr['records_max']:,} records ({100 * jr['records'] / jr['records_max']:.1f}% used), "
-            f"{_bytes(jr['bytes_max'])} payload ({100 * jr['payload_bytes'] / max(1, jr['bytes_max']):.1f}% used); "
+            f"{_bytes(jr['bytes_max'])} of file ({100 * jr['stored_bytes'] / max(1, jr['bytes_max']):.1f}% used); "
             f"last snapshot: {'none' if jr['last_snapshot_seq'] is None else 'seq ' + str(jr['last_snapshot_seq'])}"
         )
     lines += render_media(run.get("media"))
