@@ -215,3 +215,11 @@ def test_every_enginelink_import_in_the_product_resolves_even_inside_a_function(
                             _module_file(root, f"{node.module}.{alias.name}") is None:
                         problems.append(f"{where}: {node.module} has no {alias.name}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_engine_link_stays_a_link():
+    """Issue 35: ``EngineLink`` was a 596-line class mixing the transport and the supervision; the
+    transports, the supervision, the restarts and the process now live beside it, and the link is what
+    ties them. A link that grows past 450 lines again is taking their work back: move it out instead."""
+    lines = (Path(__file__).parents[1] / "runtime" / "engine" / "engine_link.py").read_text().count("\n")
+    assert lines <= 450, f"runtime/engine/engine_link.py is {lines} lines"
