@@ -113,6 +113,7 @@ class EngineLink:
         self.restart_budget: RestartBudget | None = None
         self.starts = 0  # starts of the engine so far (1 + restarts)
         self.last_crash: str | None = None  # why the engine last died with a restart to follow
+        self.crashed_start = -1  # the start (``starts``) whose death became that crash (restarts.crash_or_fail)
         self.engine_nice = engine_nice
         self.servicer_sched = servicer_sched
         self.placement = placement

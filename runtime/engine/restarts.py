@@ -38,7 +38,16 @@ log = logging.getLogger("enginelink.link")
 
 
 def crash_or_fail(link, message: str, now: float) -> str | None:
-    """None when the death became a crash (restarts on, budget left); else the message to fail the link with."""
+    """None when the death became a crash (restarts on, budget left), or is one already; else the message to
+    fail the link with.
+
+    One death is seen by several of the start's watchers (the output connection closing, the launcher's
+    exit, silence), in either order, within the same instant; the first makes it a crash, and the others
+    are the same crash, not further ones: counted again, they spent a second restart on one death (CI:
+    ``--engine-restarts 1`` failed the held streams with "2 crashes within 600 s" after one SIGKILL).
+    A death of the restart's own start is a new crash: that start has its own number."""
+    if link.crashed_start == link.starts:
+        return None
     budget = link.restart_budget
     if budget is not None and link.machine.can(LinkEvent.CRASH) and not link.stopping:
         why_not = budget.crashed(now)
@@ -52,6 +61,7 @@ def crash_or_fail(link, message: str, now: float) -> str | None:
 def crash(link, message: str, now: float) -> None:
     """The engine died and will be started again: journal it, hold the calls, end this start."""
     link.last_crash = message
+    link.crashed_start = link.starts
     link.journal.append(now, link_stream(link.name), KIND_ERROR,
                         {"whose": "engine", "code": "UNAVAILABLE", "message": message, "restarting": True})
     log.warning("engine died: %s; restarting it (%d of ENGINELINK_ENGINE_RESTARTS=%d in the window)",
