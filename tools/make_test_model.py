@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="build the tiny vision-language model instead (BLIP-2 on the text model's shape; "
                              "needs the vLLM venv's torch and transformers: tools/test_vision_model.py); DIR required")
     parser.add_argument("--video", action="store_true",
-                        help="build the tiny video model instead (Qwen2-VL; tools/test_media_models.py); DIR required")
+                        help="build the tiny video model instead (Qwen3-VL; tools/test_media_models.py); DIR required")
     parser.add_argument("--audio", action="store_true",
                         help="build the tiny audio model instead (Qwen2-Audio; tools/test_media_models.py); DIR "
                              "required")

@@ -90,9 +90,9 @@ def capped_video_kwargs(video: dict, max_frames: int, loader_default: int | None
     """The engine's video media kwargs with the sampled frames capped at ``max_frames`` (0: left as they are).
 
     vLLM's loaders sample either a count (``num_frames``: the generic OpenCV loader) or by fps up to a
-    maximum (``max_frames``: Qwen2-VL's); both are capped. A cap never raises sampling: each is the kwargs'
-    own, else the loader's default (unknown and unset: only ``max_frames`` is set, which can only lower it).
-    A count <= 0 means every frame to vLLM's loader, so it is capped as well."""
+    maximum (``max_frames``: Qwen2-VL's and Qwen3-VL's); both are capped. A cap never raises sampling: each
+    is the kwargs' own, else the loader's default (unknown and unset: only ``max_frames`` is set, which can
+    only lower it). A count <= 0 means every frame to vLLM's loader, so it is capped as well."""
     if max_frames <= 0:
         return video
     out = dict(video)

@@ -1,20 +1,20 @@
 """A video and an audio clip through enginelink into a real vLLM 0.32 engine on CPU: vLLM offline's tokens.
 
 The tiny video and audio test models (``enginelink make-test-model --video``
-/ ``--audio``: Qwen2-VL, Qwen2-Audio) are built here. The clips are made
-offline in the vLLM venv (an MP4 by OpenCV, a WAV by the standard library),
-two of each that the model tells apart. vLLM offline is given them as
-``vllm serve`` loads a URL (``MediaConnector.fetch_video`` with the model's
-video processor, ``fetch_audio``, under the engine's ``--media-io-kwargs``),
-with the chat template's prompt the router renders; enginelink gets them as
+/ ``--audio``: Qwen3-VL, Qwen2-Audio) are built here, each twice and
+compared byte for byte. The clips are made offline in the vLLM venv (an
+MP4 by OpenCV, a WAV by the standard library), two of each that the model
+tells apart. vLLM offline is given them as ``vllm serve`` loads a URL
+(``MediaConnector.fetch_video`` with the model's video processor,
+``fetch_audio``, under the engine's ``--media-io-kwargs``), with the chat
+template's prompt the router renders; enginelink gets them as
 ``media_refs`` (``--mm-processor inprocess``), directly and through the real
 SMG router (``--mm-processing worker``), and must give the same tokens. (The
-router 1.13.0 takes video for Qwen3-VL only: its Qwen2-VL spec refuses a
-video chat before any worker is asked, so the video case through the router
-is a strict expected failure; the audio case passes through it.)
+router 1.13.0 takes video for Qwen3-VL only, by ``model_type``: its Qwen2-VL
+spec refuses a video chat before any worker is asked, hence Qwen3-VL.)
 
 The video engine runs with ``--media-io-kwargs '{"video": {"max_frames": 2}}'``
-(Qwen2-VL's loader samples by fps up to that many frames): the tokens equal
+(Qwen3-VL's loader samples by fps up to that many frames): the tokens equal
 offline's under the same kwargs and differ from offline's without them, so
 the servicer's processor honours them. Its ``--limit-mm-per-prompt`` (one
 video, one image) is advertised in ``GetServerInfo`` with the encoder
@@ -130,7 +130,12 @@ class Case:
 @pytest.fixture(scope="module", params=["video", "audio"])
 def case(request, tmp_path_factory, vllm_python):
     kind = request.param
-    model = make_media_model(kind, tmp_path_factory.mktemp(f"{kind}-model") / "model", python=vllm_python)
+    root = tmp_path_factory.mktemp(f"{kind}-model")
+    model = make_media_model(kind, root / "model", python=vllm_python)
+    again = make_media_model(kind, root / "again", python=vllm_python)  # seeded and offline: the same bytes
+    assert sorted(path.name for path in again.iterdir()) == sorted(path.name for path in model.iterdir())
+    for path in sorted(model.iterdir()):
+        assert path.read_bytes() == (again / path.name).read_bytes(), f"{path.name} differs between two builds"
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     io_kwargs = VIDEO_IO_KWARGS if kind == "video" else {}
     # vLLM offline and the servicer's engine start side by side (each mostly waits on its own start-up): the
@@ -203,14 +208,8 @@ def test_media_io_kwargs_and_the_frame_cap_change_the_sampled_video(case):
 
 
 @pytest.mark.router
-def test_a_clip_through_the_real_router_gives_vllm_offlines_tokens(case, tmp_path, request):
+def test_a_clip_through_the_real_router_gives_vllm_offlines_tokens(case, tmp_path):
     """HTTP chat with a clip → smg 1.13.0 (``--mm-processing worker``) → enginelink → vLLM: offline's tokens."""
-    if case.kind == "video":
-        # smg 1.13.0's model registry takes video for qwen3_vl only: its qwen_vl spec (Qwen2-VL) refuses the
-        # chat with 400 "modality video is not supported by model spec qwen_vl" before any worker is asked.
-        # Strict: the day the router takes it, this passes and the mark must go.
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError,
-                                              reason="smg 1.13.0 refuses video for Qwen2-VL (qwen_vl spec)"))
     router = Router(tmp_path, case.servicer.port, case.model, extra=["--mm-processing", "worker"]).start(timeout_s=60)
     try:
         for index, expected in enumerate(case.offline):
