@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
@@ -120,15 +121,21 @@ def test_human_view_lists_the_same(busy):
     assert "SMG_VLLM_MM_MAX_ITEM_BYTES=33554432" in out and "SMG_VLLM_MM_SIDECAR_TIMEOUT_MS=30" in out
 
 
-def _as_at_a_terminal() -> None:
-    """SIGINT's default action in the child, as in a terminal: a test run started in the background by a
-    non-interactive shell has SIGINT ignored, the children inherit that, and Ctrl-C then never arrives."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# Runs argv with SIGINT's default action, as in a terminal: a test run started in the background by a
+# non-interactive shell has SIGINT ignored, the children inherit that, and Ctrl-C then never arrives. A
+# small Python that resets it and execs (a default disposition survives exec), not ``preexec_fn``: that
+# runs Python in the forked child of a parent whose other threads (an earlier test's gRPC channels in
+# the same xdist worker) may hold locks, and on CI the child died before its first line.
+_AT_A_TERMINAL = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+
+
+def _as_at_a_terminal(argv: list[str]) -> list[str]:
+    return [sys.executable, "-c", _AT_A_TERMINAL, *argv]
 
 
 def test_watch_refreshes_until_interrupted(busy):
-    watch = subprocess.Popen([str(VENV_BIN / "enginelink"), "inspect", "--journal", str(busy.journal), "--json",
-                              "--watch", "0.2"], stdout=subprocess.PIPE, text=True, preexec_fn=_as_at_a_terminal)
+    watch = subprocess.Popen(_as_at_a_terminal([str(VENV_BIN / "enginelink"), "inspect", "--journal", str(busy.journal),
+                                                "--json", "--watch", "0.2"]), stdout=subprocess.PIPE, text=True)
     try:
         first = json.loads(watch.stdout.readline())
         # The frames keep coming: a later refresh shows a later journal seq. Not necessarily the next one:
@@ -206,8 +213,8 @@ sys.exit(3)
 def test_ctrl_c_is_not_held_off_by_a_read_blocked_in_sqlite(tmp_path):
     """What kept `inspect --watch` from ending on SIGINT: a SQLite call holds off Python's handler
     until it returns (here a 120 s busy wait). Read through ``interruptible``, Ctrl-C ends it at once."""
-    reader = subprocess.Popen([str(VENV_BIN / "python"), "-c", BLOCKED_READ, str(tmp_path / "locked.sqlite")],
-                              stdout=subprocess.PIPE, text=True, preexec_fn=_as_at_a_terminal)
+    reader = subprocess.Popen(_as_at_a_terminal([str(VENV_BIN / "python"), "-c", BLOCKED_READ,
+                                                 str(tmp_path / "locked.sqlite")]), stdout=subprocess.PIPE, text=True)
     try:
         assert reader.stdout.readline().strip() == "reading"
         reader.send_signal(signal.SIGINT)
