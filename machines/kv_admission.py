@@ -34,9 +34,11 @@ from typing import Final, Iterable, Protocol
 from enginelink.machines.kv_relay_api import MAX_SUBSCRIBERS_ENV, MAX_SUBSCRIBERS_PER_PEER_ENV, KvRelayConfig, Refused
 
 # A subscriber that has taken messages gives way only once a send to it has been held
-# this long: the router's stream may wait behind its own connection's other streams
-# for moments, never for a second while it reads.
-HELD_GIVES_WAY_S: Final = 1.0
+# this long: the router's stream may wait behind its own connection's other streams,
+# and a router on a busy node may not be scheduled for a while; at 1 s, a reading
+# client at a load of 15 on two cores was held past it and evicted (a full suite run,
+# 2026-12-07). A non-reading subscriber that never took a message goes at once anyway.
+HELD_GIVES_WAY_S: Final = 5.0
 
 
 class Standing(Protocol):

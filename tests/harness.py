@@ -70,14 +70,45 @@ def free_port() -> int:
     raise RuntimeError(f"no free tcp port in {ports} for this test worker")
 
 
+class Pidfd:
+    """One process, held by a pidfd: a signal reaches that process or nobody, never a later one that
+    reused its pid. A test that signals a pid after the process may have died (a frozen engine the
+    servicer killed, continued in a ``finally``) otherwise signals whatever has the number now: pid_max is
+    32,768 on this box, the suite's processes and threads cycle through it in minutes, and a stray
+    SIGCONT once woke another test's deliberately stopped EngineCore (tests/vllm/test_vllm_resume.py)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd = os.pidfd_open(pid)
+
+    def send(self, sig: int) -> bool:
+        """Signal the process; False when it has exited already."""
+        try:
+            signal.pidfd_send_signal(self.fd, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> Pidfd:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+
 @contextmanager
 def frozen(pid: int):
-    """The process stopped (SIGSTOP) for the block, and continued (SIGCONT) whatever the block did."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    """The process stopped (SIGSTOP) for the block, and continued (SIGCONT) whatever the block did
+    (unless it died meanwhile: the SIGCONT goes by pidfd, so never to a process that took its pid)."""
+    with Pidfd(pid) as process:
+        process.send(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            process.send(signal.SIGCONT)
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):

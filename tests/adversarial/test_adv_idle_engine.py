@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginelink.runtime.engine.session import session_members
-from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape, wait_until
+from tests.harness import Pidfd, Servicer, engine_pid, free_port, frozen, generate_request, scrape, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -129,13 +129,10 @@ def test_an_engine_paused_for_less_than_the_timeout_stays_serving(tmp_path, test
     try:
         engine = engine_pid(servicer.journal)
         wait_until(lambda: probes_sent(servicer) >= 1, 5 * PROBE_S + SLACK_S, "a first probe")
-        os.kill(engine, signal.SIGSTOP)
-        try:
+        with frozen(engine):
             # A probe awaits it while it is stopped, then it runs again well inside the timeout.
             wait_until(lambda: a_probe_awaits_the_stopped_engine(servicer), PROBE_S + SLACK_S,
                        "a probe awaiting the paused engine")  # fmt: skip
-        finally:
-            os.kill(engine, signal.SIGCONT)
         after = probes_sent(servicer)
         # Two more probes mean the one it got while stopped was answered (one is outstanding at a time).
         wait_until(lambda: probes_sent(servicer) >= after + 2, timeout_s + 4 * PROBE_S + SLACK_S,
@@ -153,21 +150,20 @@ def test_one_frozen_dp_rank_is_noticed_though_the_other_answers(tmp_path, test_m
     do not cover it; the servicer goes NOT_SERVING and exits 1, naming the frozen rank."""
     timeout_s = 2.0
     servicer = idle_servicer(tmp_path, test_model_dir, timeout_s, engine_args=["--data-parallel-size", "2"])
-    ranks: dict[str, str] = {}
+    ranks: dict[str, Pidfd] = {}
     try:
-        ranks = wait_until(lambda: dict(re.findall(r"DP rank (\d+) started: pid (\d+)", servicer.log())),
-                           10, "both ranks' pids in the log")
+        pids = wait_until(lambda: dict(re.findall(r"DP rank (\d+) started: pid (\d+)", servicer.log())),
+                          10, "both ranks' pids in the log")
+        ranks = {rank: Pidfd(int(pid)) for rank, pid in pids.items()}
         wait_until(lambda: probes_sent(servicer) >= 3, 10 * PROBE_S + SLACK_S, "three answered probes")
         assert health_status(servicer) == health_pb2.HealthCheckResponse.SERVING
-        os.kill(int(ranks["1"]), signal.SIGSTOP)
+        ranks["1"].send(signal.SIGSTOP)
         wait_until(lambda: not_serving(servicer), PROBE_S + timeout_s + SLACK_S,
                    "health NOT_SERVING after one rank froze", interval_s=0.05)  # fmt: skip
         assert servicer.wait(PROBE_S + timeout_s + SLACK_S + 10) == 1
         assert "engine DP rank 1 answered no liveness probe" in servicer.log()
     finally:
-        for pid in ranks.values():  # a stopped process would hold the servicer's stop to its grace
-            try:
-                os.kill(int(pid), signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        for rank in ranks.values():  # a stopped process would hold the servicer's stop to its grace
+            rank.send(signal.SIGCONT)  # by pidfd: the servicer killed its ranks, their pids may be others' now
+            rank.close()
         servicer.stop()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
@@ -13,7 +11,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
 from tests.contract.helpers import CALL_TIMEOUT_S, Outcome, generate, greedy, new_id, prompt
-from tests.harness import engine_pid, generate_request
+from tests.harness import engine_pid, frozen, generate_request
 
 pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
 
@@ -89,9 +87,7 @@ def test_a_streaming_call_gets_its_headers_before_the_engine_answers(servicer, s
     """
     ids = prompt(7)
     expected = greedy(servicer.stub, ids, 6)
-    engine = engine_pid(slow_servicer.journal)
-    os.kill(engine, signal.SIGSTOP)
-    try:
+    with frozen(engine_pid(slow_servicer.journal)):
         call = slow_servicer.stub.Generate(
             generate_request(new_id("early-headers"), ids, stream=True, temperature=0.0, max_tokens=6,
                              ignore_eos=True),
@@ -101,8 +97,6 @@ def test_a_streaming_call_gets_its_headers_before_the_engine_answers(servicer, s
         headers.start()
         headers.join(5)
         assert not headers.is_alive(), "no response headers while the engine had not answered"
-    finally:
-        os.kill(engine, signal.SIGCONT)
     out = Outcome(list(call))
     assert out.streamed(0) == expected
     assert out.complete(0).finish_reason == "length"

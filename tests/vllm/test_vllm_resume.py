@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from enginelink.journal import records as r
 from enginelink.journal.store import open_reader
 from enginelink.tools.inspect import render_view
-from tests.harness import VENV_BIN, Servicer, engine_pid, free_port, generate_request, scrape, wait_until
+from tests.harness import VENV_BIN, Pidfd, Servicer, engine_pid, free_port, generate_request, scrape, wait_until
 from tests.test_lifecycle import StreamReader
 from tests.vllm.conftest import START_TIMEOUT_S, engine_core_pid
 
@@ -122,6 +122,12 @@ class InspectWatch:
         self.process.wait(30)
 
 
+def _state(pid: int) -> str:
+    """The process's state letter (/proc): "T" while stopped."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
 def _keep(name: str, text: str) -> None:
     where = os.environ.get("ENGINELINK_RESUME_EVIDENCE")
     if where:
@@ -146,30 +152,33 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
             assert reader.error is None and len(_tokens(reader)) == TOKENS, reader.error
         # Again, and the EngineCore killed under the four once each is a few hundred tokens in.
         launcher = engine_pid(servicer.journal)
-        core = engine_core_pid(launcher)
+        core = Pidfd(engine_core_pid(launcher))
         watch = InspectWatch(servicer.journal)
         wait_until(lambda: watch.views, 120, "inspect --watch's first view")
         # The EngineCore runs in short bursts between SIGSTOPs, and each stop is read in a view taken after it:
         # the kill lands with every stream a few hundred tokens in, however fast the engine or slow this box
         # (timed on what the client had read, it once came 1,100 tokens late: the client lagged the servicer).
-        os.kill(core, signal.SIGSTOP)
+        core.send(signal.SIGSTOP)
         readers = [_stream(servicer.stub, f"s-{i}", prompt) for i, prompt in enumerate(PROMPTS)]
         wait_until(lambda: all(watch.request(f"s-{i}") for i in range(len(PROMPTS))), 120,
                    "four calls sent to the engine")
         for _ in range(100):
             view = watch.stable_view([f"s-{i}" for i in range(len(PROMPTS))])
             shown = [watch.request(f"s-{i}", view) for i in range(len(PROMPTS))]
+            # Only this test continues the EngineCore; a stop it did not lift means something else did.
+            assert _state(core.pid) == "T", f"the EngineCore was continued behind this test's back: {shown}"
             assert all(shown), f"a stream ended before the kill: {shown}"
             least = min(q["tokens"] for q in shown)
             if least >= KILL_AT:
                 break
-            os.kill(core, signal.SIGCONT)
+            core.send(signal.SIGCONT)
             time.sleep(BURST_S)
-            os.kill(core, signal.SIGSTOP)
+            core.send(signal.SIGSTOP)
         else:
             raise AssertionError(f"the streams did not reach {KILL_AT} tokens in 100 bursts: {shown}")
         assert max(q["tokens"] for q in shown) < TOKENS
-        os.kill(core, signal.SIGKILL)
+        core.send(signal.SIGKILL)
+        core.close()
         killed_at = time.monotonic()
         wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
                    == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING while the engine restarts")
