@@ -53,6 +53,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -62,9 +63,11 @@ from enginelink.machines.media_policy import MediaPolicy, normalize_domain
 from enginelink.runtime.errors import ClientError, Precondition, ServicerError, Unavailable
 from enginelink.runtime.requests.bridge import in_trio
 from enginelink.runtime.requests.media_bounds import MediaBounds
-from enginelink.runtime.requests.media_fetch import Fetcher
 from enginelink.runtime.requests.media_processor import MediaProcessor, Processed
 from enginelink.wire import mm_sidecar
+
+if TYPE_CHECKING:
+    from enginelink.runtime.requests.media_fetch import Fetcher
 
 log = logging.getLogger("enginelink.media")
 
@@ -382,7 +385,7 @@ class MediaService:
                                     (settings.processor_start_timeout_s, settings.process_timeout_s),
                                     settings)  # fmt: skip
         # ``network``: (resolve, connect) for tests standing in for DNS and routing; None: the real ones.
-        self.fetcher = Fetcher(settings, self.metrics, network=network)
+        self._network = network
         # The model's processor, where this worker has one: a model dir and the vLLM venv's interpreter
         # (``processor_python``, called at the helper's first start). None: fetched refs are refused.
         self.processor = None
@@ -433,6 +436,14 @@ class MediaService:
 
     # -- GetServerInfo ---------------------------------------------------------------
 
+
+    @functools.cached_property
+    def fetcher(self) -> Fetcher:
+        """The HTTP client for media refs, built at the first fetch: most workers serve no media, and httpx
+        (with the CLI extras it imports where they are installed) was a third of every servicer's start-up."""
+        from enginelink.runtime.requests.media_fetch import Fetcher
+
+        return Fetcher(self.settings, self.metrics, network=self._network)
     def server_fields(self) -> dict:
         """``mm_processor``, its schemes and ``mm_processor_source``, while this worker can take media refs:
         under redis, only while a sidecar with its fingerprint keeps its hello alive."""
