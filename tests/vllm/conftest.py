@@ -29,6 +29,7 @@ from enginelink.runtime.engine.session import session_members
 from enginelink.runtime.contracts.vllm.launch import default_vllm_python
 from enginelink.runtime.engine.launchers import LauncherError
 from tests.harness import ReferenceAnswers, Servicer, end_process, wait_until
+from tests.vllm.vision_offline import build_vision_model, run_offline
 
 # --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).
 ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager", "--max-logprobs", "-1"]
@@ -125,6 +126,18 @@ def vllm_quiet(tmp_path_factory, test_model_dir, vllm_python):
         yield servicer
     finally:
         servicer.stop()
+
+
+@pytest.fixture(scope="session")
+def vision_model(tmp_path_factory, vllm_python):
+    """The vision test model (BLIP-2), built twice and compared: the image modules' one build."""
+    return build_vision_model(tmp_path_factory.mktemp("vision-model"), vllm_python)
+
+
+@pytest.fixture(scope="session")
+def vision_offline(vision_model, vllm_python):
+    """vLLM offline on the vision model and two images: the image modules' one reference run."""
+    return run_offline(vision_model, vllm_python)
 
 
 def engine_core_pid(launcher: int) -> int:

@@ -41,14 +41,15 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer
 
-from enginelink.tools.test_vision_model import NUM_QUERY_TOKENS, make_vision_model
+from enginelink.tools.test_vision_model import NUM_QUERY_TOKENS
 from enginelink.wire import mm_sidecar as wire
 from tests.adversarial.media_origin import Origin
 from tests.harness import VENV_BIN, Router, Servicer, free_port, wait_until
 from tests.redis_server import RedisServer
 from tests.router.openai_http import post
 from tests.vllm.conftest import START_TIMEOUT_S
-from tests.vllm.test_vllm_vision import CHAT_TEXT, COLORS, MAX_TOKENS, OFFLINE, PROMPT, _media_request
+from tests.vllm.test_vllm_vision import _media_request
+from tests.vllm.vision_offline import MAX_TOKENS, PROMPT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -127,18 +128,8 @@ class SidecarProcess:
 
 
 @pytest.fixture(scope="module")
-def vision_model(tmp_path_factory, vllm_python):
-    return make_vision_model(tmp_path_factory.mktemp("vision-model") / "m", python=vllm_python)
-
-
-@pytest.fixture(scope="module")
-def offline(vision_model, vllm_python):
-    ids = Tokenizer.from_file(str(vision_model / "tokenizer.json")).encode(CHAT_TEXT, add_special_tokens=True).ids
-    done = subprocess.run([vllm_python, "-c", OFFLINE, str(vision_model), PROMPT, str(MAX_TOKENS), json.dumps(COLORS),
-                           json.dumps(ids)], capture_output=True, timeout=600)  # fmt: skip
-    lines = [line for line in done.stdout.decode().splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr.decode()[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+def offline(vision_offline):
+    return vision_offline
 
 
 @pytest.fixture(scope="module")

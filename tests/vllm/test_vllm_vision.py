@@ -27,67 +27,26 @@ gives vLLM offline's tokens for the chat template's prompt and the image.
 from __future__ import annotations
 
 import base64
-import json
 import os
 import signal
-import subprocess
 
 import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 from tokenizers import Tokenizer
 
-from enginelink.tools.test_vision_model import NUM_QUERY_TOKENS, make_vision_model
+from enginelink.tools.test_vision_model import NUM_QUERY_TOKENS
 from tests.adversarial.media_origin import Origin
 from tests.harness import Router, Servicer, free_port, generate_request, scrape, wait_until
 from tests.router.openai_http import post
 from tests.vllm.conftest import START_TIMEOUT_S
+from tests.vllm.vision_offline import CHAT_TEXT, MAX_TOKENS, PROMPT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-COLORS = [(200, 30, 30), (10, 200, 30)]
-PROMPT = "describe the picture"
-CHAT_TEXT = f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
-MAX_TOKENS = 8
-
-OFFLINE = r"""
-import base64, io, json, sys
-import torch
-from PIL import Image
-from transformers import AutoProcessor
-from vllm import LLM, SamplingParams
-
-if __name__ == "__main__":
-    model, prompt, max_tokens, colors = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
-    chat_ids = json.loads(sys.argv[5])  # the chat template's tokens, as the router renders and sends them
-    processor = AutoProcessor.from_pretrained(model)
-    llm = LLM(model=model, max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=8 << 20, seed=0)
-    out = []
-    for color in colors:
-        image = Image.new("RGB", (64, 48), tuple(color))
-        pixels = processor.image_processor(image, return_tensors="pt")["pixel_values"].to(torch.bfloat16)
-        png = io.BytesIO()
-        image.save(png, format="PNG")
-        result = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}},
-                              SamplingParams(max_tokens=max_tokens, temperature=0))[0]
-        chat = llm.generate({"prompt_token_ids": chat_ids, "multi_modal_data": {"image": image}},
-                            SamplingParams(max_tokens=max_tokens, temperature=0))[0]
-        out.append({"prompt_ids": result.prompt_token_ids, "output_ids": list(result.outputs[0].token_ids),
-                    "chat_prompt_ids": chat.prompt_token_ids, "chat_output_ids": list(chat.outputs[0].token_ids),
-                    "shape": list(pixels.shape), "png": base64.b64encode(png.getvalue()).decode(),
-                    "pixels": base64.b64encode(pixels.view(torch.int16).numpy().tobytes()).decode()})
-    print("RESULT " + json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
-def vision_model(tmp_path_factory, vllm_python):
-    root = tmp_path_factory.mktemp("vision-model")
-    first = make_vision_model(root / "a", python=vllm_python)
-    second = make_vision_model(root / "b", python=vllm_python)
-    for path in sorted(first.iterdir()):
-        assert path.read_bytes() == (second / path.name).read_bytes(), f"{path.name} differs between two builds"
-    return first
+def offline(vision_offline):
+    return vision_offline
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +57,6 @@ def tokenizer(vision_model):
 def chat_ids(tokenizer) -> list[int]:
     """The test model's ChatML for one user turn with an image part, rendered by hand as the router renders it."""
     return tokenizer.encode(CHAT_TEXT, add_special_tokens=True).ids  # as the router encodes it
-
-
-@pytest.fixture(scope="module")
-def offline(vision_model, vllm_python, tokenizer):
-    done = subprocess.run([vllm_python, "-c", OFFLINE, str(vision_model), PROMPT, str(MAX_TOKENS), json.dumps(COLORS),
-                           json.dumps(chat_ids(tokenizer))], capture_output=True, timeout=600)  # fmt: skip
-    lines = [line for line in done.stdout.decode().splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr.decode()[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def _request(case: dict, request_id: str) -> pb.GenerateRequest:
