@@ -202,7 +202,9 @@ def _fetch_deadlines(environ) -> dict:
 
 
 def _redis_url(environ) -> str:
-    url = environ.get("SMG_VLLM_MM_REDIS_URL", "").strip() or mm_sidecar.DEFAULT_REDIS_URL
+    url = environ.get("SMG_VLLM_MM_REDIS_URL", "").strip()
+    if not url:
+        return mm_sidecar.DEFAULT_REDIS_URL  # good as it is: redis-py (0.19 CPU-s to import) only for one set
     from redis.asyncio.connection import parse_url
 
     try:
