@@ -293,7 +293,9 @@ class Servicer:
         _STOPPING.append(self)
 
     def __enter__(self) -> "Servicer":
-        return self.start()
+        # ``with Servicer(...).start() as s`` started a second one here, and the first was never stopped: it
+        # outlived the suite (found still serving 26 minutes after a full run).
+        return self if self.process is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -397,7 +399,7 @@ class Router:
         return self.process.returncode
 
     def __enter__(self) -> "Router":
-        return self.start()
+        return self if self.process is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
