@@ -15,8 +15,12 @@ by the client's flow control. The rules, in order:
    else the new one is refused UNAVAILABLE. A peer never displaces another;
 2. at ``subscribers_max``: one of anyone's gives way, else refused UNAVAILABLE;
 3. who gives way: the one held longest among those that have never taken a
-   message (a window that never opened); else the one held longest among
-   those held ``HELD_GIVES_WAY_S`` at least. A subscriber that takes its
+   message and whose send waits for a window the client never opened (a
+   first message that fits the client's window is held only while the
+   servicer gets to it: on a loaded servicer the router's own first send,
+   in progress, was once taken for a non-reader's and its stream ended);
+   else the one held longest among those held ``HELD_GIVES_WAY_S`` at
+   least. A subscriber that takes its
    messages (the router's: it reads continuously) is held only for moments
    and is never chosen; that is the share reserved for established
    subscribers. One with nothing to send yet is not held either.
@@ -46,6 +50,7 @@ class Standing(Protocol):
     peer: str
     taken: bool  # a send to it has completed
     held_since: float | None  # a send to it started then and has not completed
+    window_shut: bool  # that send waits for a flow-control window the client has not opened
 
 
 def admit(open_subscribers: Iterable[Standing], peer: str, config: KvRelayConfig,
@@ -71,13 +76,14 @@ def admit(open_subscribers: Iterable[Standing], peer: str, config: KvRelayConfig
 
 
 def gives_way(subscribers: Iterable[Standing], now: float) -> Standing | None:
-    """Rule 3: the held one that never took a message, held longest; else the longest held past the grace."""
+    """Rule 3: the one that never took a message and whose send waits on a window it never opened, held
+    longest; else the longest held past the grace."""
     never, past = None, None
     for s in subscribers:
         since = s.held_since
         if since is None:
             continue
-        if not s.taken:
+        if not s.taken and s.window_shut:
             if never is None or since < never.held_since:
                 never = s
         elif now - since >= HELD_GIVES_WAY_S and (past is None or since < past.held_since):

@@ -159,6 +159,7 @@ class _Subscriber:
         self.peer = peer
         self.taken = False
         self.held_since: float | None = None
+        self.window_shut = False  # the held send waits for a flow-control window the client has not opened
 
 
 class _Out:
@@ -439,17 +440,21 @@ class KvRelay:
                     Transition("kv_subscriber", str(sub.id), "", sub.state.value, f"subscribe:{cursor}").payload())
         return Plan(sub.id, modes, tuple(out.actions))
 
-    def sending(self, subscriber: int, now: float) -> None:
-        """The shell starts sending the subscriber a message: held by its flow control until ``sent``."""
+    def sending(self, subscriber: int, now: float, window_shut: bool = True) -> None:
+        """The shell starts sending the subscriber a message: held until ``sent``. ``window_shut``: the message
+        does not fit the flow-control window the client has given (False: it goes out as soon as the
+        servicer gets to it, and waits only on the servicer or the socket)."""
         sub = self._subscribers.get(subscriber)
         if sub is not None and sub.held_since is None:
             sub.held_since = now
+            sub.window_shut = window_shut
 
     def sent(self, subscriber: int) -> None:
         """The subscriber took the message ``sending`` announced: it reads (``kv_admission``)."""
         sub = self._subscribers.get(subscriber)
         if sub is not None:
             sub.held_since = None
+            sub.window_shut = False
             sub.taken = True
 
     @staticmethod

@@ -237,9 +237,10 @@ class KvRelayShell:
         stream.due.clear()
         return out
 
-    def sending(self, stream: KvStream) -> None:
-        """A message to the stream starts waiting for its flow control (``machines/kv_admission.py``)."""
-        self.relay.sending(stream.id, trio.current_time())
+    def sending(self, stream: KvStream, window_shut: bool = True) -> None:
+        """A message to the stream starts waiting: for its flow control where ``window_shut`` (it does not
+        fit the window the client has given), else only for this servicer (``machines/kv_admission.py``)."""
+        self.relay.sending(stream.id, trio.current_time(), window_shut)
 
     def sent(self, stream: KvStream) -> None:
         """The client took it."""

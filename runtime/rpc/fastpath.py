@@ -29,7 +29,8 @@ grpclib (``grpclib.server``, ``grpclib.protocol``):
   G4 ``Connection.data_sent``, ``messages_sent``, ``last_data_sent``,
      ``last_message_sent``, ``ping_count_in_sequence`` written; and
      ``headers_send_process()`` called: the counters grpclib's own send keeps.
-  G5 ``Stream._stream`` (the h2-side stream: id, connection, ``_h2_connection``),
+  G5 ``Stream._stream`` (the h2-side stream: id, connection, ``_h2_connection``; ``send_window`` reads
+     the window a KV subscriber's stream may send into),
      ``Stream._content_type`` read; ``Stream._send_initial_metadata_done`` and
      ``_send_trailing_metadata_done`` written: ``DirectSender`` sends the
      headers / OK trailers itself and tells grpclib so.
@@ -819,3 +820,13 @@ def run_ready_callbacks_together(loop) -> ReadyCallbackStats:
 
     loop._main_loop_one = main_loop_one  # T1
     return stats
+
+
+def send_window(stream) -> int | None:
+    """G5: how many bytes a server stream may send now under HTTP/2 flow control (its window and its
+    connection's, the lesser); None when h2 no longer has the stream."""
+    try:
+        h2_stream = stream._stream
+        return h2_stream._h2_connection.local_flow_control_window(h2_stream.id)
+    except (AttributeError, KeyError, H2ProtocolError):
+        return None

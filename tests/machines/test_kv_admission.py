@@ -44,6 +44,21 @@ def test_a_held_subscriber_that_never_took_a_message_gives_way_to_a_new_one():
     assert r.counters()["data_loss.evicted"] == 1
 
 
+def test_a_first_send_that_fits_the_window_is_not_a_non_reader():
+    """The router's first message is in progress on a busy servicer (it fits the window the router gave):
+    a new subscriber takes the slot of a stuck one that never opened its window, not the router's."""
+    r = relay(subscribers_max=2)
+    stuck = held(r, subscribe(r, "10.0.0.2"), since=0.5)
+    router = subscribe(r, "10.0.0.1")
+    r.sending(router.subscriber, 0.0, window_shut=False)  # held longer than the stuck one, but not by the client
+    assert isinstance(subscribe(r, "10.0.0.3", now=0.6), Plan)
+    assert r.ended(stuck.subscriber) is not None and r.ended(router.subscriber) is None
+    # With no stuck one left, the router's pending send is not a reason to go until the grace has passed.
+    assert isinstance(subscribe(r, "10.0.0.4", now=0.7), Refused)
+    assert isinstance(subscribe(r, "10.0.0.4", now=HELD_GIVES_WAY_S + 0.1), Plan)
+    assert r.ended(router.subscriber) is not None
+
+
 def test_a_subscriber_that_takes_its_events_keeps_its_slot():
     r = relay(subscribers_max=2)
     first, second = reads(r, subscribe(r, "10.0.0.1")), reads(r, subscribe(r, "10.0.0.2"))

@@ -40,6 +40,7 @@ from smg_grpc_proto.generated import common_pb2 as pb
 from enginelink.machines.kv_relay import Refused
 from enginelink.runtime.contracts.shared.kv_messages import batch_message
 from enginelink.runtime.peers import peer_key
+from enginelink.runtime.rpc.fastpath import send_window
 
 KV_OFF_MESSAGE: Final = (
     "KV cache events not enabled. Start vLLM with --kv-events-config "
@@ -53,6 +54,8 @@ KV_OFF_MESSAGE_TOKENSPEED: Final = (
 )
 FLUSH_CALL_CAP_S: Final = 30.0
 FLUSH_RETRY_S: Final = 0.1
+# A gRPC message's prefix on the wire: its compressed flag and its length.
+GRPC_PREFIX_BYTES: Final = 5
 FLUSH_OK: Final = "Local KV prefix cache flushed successfully"
 FLUSH_REFUSED: Final = "KV prefix cache reset refused; requests may be in flight"
 FLUSH_TIMED_OUT: Final = "Flush cache timed out; the engine may still complete an issued reset"
@@ -70,7 +73,10 @@ async def subscribe_kv_events(shell, stream, off_message: str = KV_OFF_MESSAGE) 
         raise GRPCError(Status[opened.status], opened.message)
 
     async def send(message) -> None:
-        shell.sending(opened)  # whether it takes what it is sent decides who gives way (machines/kv_admission.py)
+        # Whether it takes what it is sent decides who gives way (machines/kv_admission.py): a message the
+        # client's window has no room for waits on the client; one that fits waits only on this servicer.
+        window = send_window(stream)
+        shell.sending(opened, window_shut=window is not None and window < message.ByteSize() + GRPC_PREFIX_BYTES)
         if not await _send_bounded(stream, message, opened.ended, shell.send_stall_s):
             end = shell.pull(opened).end if opened.ended.is_set() else shell.stalled(opened).end
             raise GRPCError(Status[end.status], end.message)
