@@ -37,11 +37,11 @@ from typing import Final, Iterable, Protocol
 
 from enginelink.machines.kv_relay_api import MAX_SUBSCRIBERS_ENV, MAX_SUBSCRIBERS_PER_PEER_ENV, KvRelayConfig, Refused
 
-# A subscriber that has taken messages gives way only once a send to it has been held
-# this long: the router's stream may wait behind its own connection's other streams,
-# and a router on a busy node may not be scheduled for a while; at 1 s, a reading
-# client at a load of 15 on two cores was held past it and evicted (a full suite run,
-# 2026-12-07). A non-reading subscriber that never took a message goes at once anyway.
+# A subscriber that has taken messages (or whose send fits the window it gave) gives way only
+# once a send to it has been held this long: the router's stream may wait behind its own
+# connection's other streams, or behind this servicer's other work, and on a busy node (a
+# suite at a load of 15-30 on two cores) that can come near a second. A subscriber that never
+# took a message and never opened its window goes at once anyway, so 5 s costs an attack nothing.
 HELD_GIVES_WAY_S: Final = 5.0
 
 
