@@ -159,7 +159,7 @@ class _Subscriber:
         self.peer = peer
         self.taken = False
         self.held_since: float | None = None
-        self.window_shut = False  # the held send waits for a flow-control window the client has not opened
+        self.window_shut = False  # the held send (``held_since``) waits for a window the client has not opened
 
 
 class _Out:
@@ -454,7 +454,6 @@ class KvRelay:
         sub = self._subscribers.get(subscriber)
         if sub is not None:
             sub.held_since = None
-            sub.window_shut = False
             sub.taken = True
 
     @staticmethod

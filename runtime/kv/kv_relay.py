@@ -237,7 +237,7 @@ class KvRelayShell:
         stream.due.clear()
         return out
 
-    def sending(self, stream: KvStream, window_shut: bool = True) -> None:
+    def sending(self, stream: KvStream, window_shut: bool) -> None:
         """A message to the stream starts waiting: for its flow control where ``window_shut`` (it does not
         fit the window the client has given), else only for this servicer (``machines/kv_admission.py``)."""
         self.relay.sending(stream.id, trio.current_time(), window_shut)

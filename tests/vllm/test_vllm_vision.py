@@ -40,7 +40,7 @@ from tests.adversarial.media_origin import Origin
 from tests.harness import Router, Servicer, free_port, generate_request, scrape, wait_until
 from tests.router.openai_http import post
 from tests.vllm.conftest import START_TIMEOUT_S
-from tests.vllm.vision_offline import CHAT_TEXT, MAX_TOKENS, PROMPT
+from tests.vllm.vision_offline import MAX_TOKENS, PROMPT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -52,11 +52,6 @@ def offline(vision_offline):
 @pytest.fixture(scope="module")
 def tokenizer(vision_model):
     return Tokenizer.from_file(str(vision_model / "tokenizer.json"))
-
-
-def chat_ids(tokenizer) -> list[int]:
-    """The test model's ChatML for one user turn with an image part, rendered by hand as the router renders it."""
-    return tokenizer.encode(CHAT_TEXT, add_special_tokens=True).ids  # as the router encodes it
 
 
 def _request(case: dict, request_id: str) -> pb.GenerateRequest:

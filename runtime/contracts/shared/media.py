@@ -436,9 +436,6 @@ class MediaService:
         if self.sidecar is not None:
             await in_trio(self.sidecar.aclose)
 
-    # -- GetServerInfo ---------------------------------------------------------------
-
-
     @functools.cached_property
     def fetcher(self) -> Fetcher:
         """The HTTP client for media refs, built at the first fetch: most workers serve no media, and httpx
@@ -446,6 +443,9 @@ class MediaService:
         from enginelink.runtime.requests.media_fetch import Fetcher
 
         return Fetcher(self.settings, self.metrics, network=self._network)
+
+    # -- GetServerInfo ---------------------------------------------------------------
+
     def server_fields(self) -> dict:
         """``mm_processor``, its schemes and ``mm_processor_source``, while this worker can take media refs:
         under redis, only while a sidecar with its fingerprint keeps its hello alive."""
