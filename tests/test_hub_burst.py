@@ -99,3 +99,54 @@ def test_without_holding_each_frame_is_written_at_once():
     assert [list(m.chunk.token_ids) for m in call.direct.written] == [[11]]
     hub.write_held(1.0)  # not holding: a no-op
     assert [list(m.chunk.token_ids) for m in call.direct.written] == [[11]]
+
+
+class TimedWire(Wire):
+    """A ``Wire`` that also notes, on a timeline shared with the connection's flushes, what it wrote."""
+
+    def __init__(self, name: str, timeline: list) -> None:
+        super().__init__()
+        self.name, self.timeline = name, timeline
+
+    def send_bodies(self, bodies) -> int:
+        before = len(self.written)
+        taken = super().send_bodies(bodies)
+        self.timeline += [(self.name, kinds([m])[0]) for m in self.written[before:]]
+        return taken
+
+    def end_ok(self) -> bool:
+        self.timeline.append((self.name, "trailers"))
+        return super().end_ok()
+
+
+def test_a_call_that_ends_does_not_hold_the_other_calls_tokens_of_its_frame():
+    """The first call in the engine's frame ends; the other two only get a token. Their chunks go out in
+    the connection's first write; the ending call's chunk, complete and trailers (a take, the journal's
+    records, protobuf encoding) follow in a second one. Written in frame order, every token of the
+    frame waited for the ending call's work and went out in one write behind it."""
+    for holding in (True, False):
+        timeline: list = []
+        hub, calls, _, _ = held_hub(calls=3, max_tokens=8)
+        if not holding:
+            hub._held = None  # each on_batch writes its own calls (the hub's other mode)
+        for number, call in enumerate(calls, start=1):
+            call.direct = TimedWire(f"r{number}", timeline)
+        hub.end_of_batch = lambda: timeline.append("flush")
+        first, second, third = calls
+        hub.on_batch(OutputBatch(0, [output(engine_id(first), [11], FinishReason.STOP),
+                                     output(engine_id(second), [21]), output(engine_id(third), [31])]), 1.0)
+        hub.write_held(1.0)
+        assert timeline == [("r2", "chunk"), ("r3", "chunk"), "flush",
+                            ("r1", "chunk"), ("r1", "complete"), ("r1", "trailers"), "flush"], holding
+        assert "r1" not in hub.calls and {"r2", "r3"} <= set(hub.calls)
+
+
+def test_a_frame_of_plain_chunks_is_still_one_write():
+    timeline: list = []
+    hub, calls, _, _ = held_hub(calls=3, max_tokens=8)
+    for number, call in enumerate(calls, start=1):
+        call.direct = TimedWire(f"r{number}", timeline)
+    hub.end_of_batch = lambda: timeline.append("flush")
+    hub.on_batch(OutputBatch(0, [output(engine_id(call), [number]) for number, call in enumerate(calls)]), 1.0)
+    hub.write_held(1.0)
+    assert timeline == [("r1", "chunk"), ("r2", "chunk"), ("r3", "chunk"), "flush"]

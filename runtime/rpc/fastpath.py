@@ -520,7 +520,8 @@ class FrameWrites:
     (the hub's ``end_of_batch``) writes each connection's at once, straight
     to its socket. Nothing else writes to a connection while the hub fans
     out (it is one synchronous call), so the order on the wire is the order
-    taken; bytes h2 had queued go first.
+    taken; bytes h2 had queued go first. A frame that also ends calls is two
+    writes: the plain chunks first, then the ends (``RequestHub._write_rest``).
     """
 
     __slots__ = ("_pending", "direct_headers", "grpclib_headers", "direct_trailers", "fast_path")
