@@ -83,6 +83,9 @@ FLUSH_BATCH_MAX: Final = 10_000
 # path (about two seconds at 100k records/s); also what bounds the last flush.
 PENDING_RECORDS_MAX: Final = 200_000
 PENDING_BYTES_MAX: Final = 64 * 1024 * 1024
+# Records the live fold lets wait for the end of a wake-up (``Journal.catch_up``): a wake-up of 64
+# frames of 128 calls ending is about 600; past this the append folds them itself.
+UNFOLDED_MAX: Final = 4096
 
 ToThread = Callable[..., Awaitable[Any]]
 # Starts fn in a worker thread and calls deliver(outcome) there when it ends (trio's start_thread_soon).
@@ -195,8 +198,9 @@ class Journal:
         self._running = False
         # The live fold (``fold_live``): None until one starts, so a journal without one pays nothing.
         self._live: FoldState | None = None
-        # The newest engine frame's row while the live fold waits for the link's decode of it.
-        self._live_frame: Row | None = None
+        # Records the live fold has not taken yet, in order, each with the link's decode of it when
+        # it is an engine frame the link decoded (``note_decoded``): folded by ``catch_up``.
+        self._unfolded: list[list] = []
         self._live_frames_decoded = 0
         # A reader of every record as it is appended (tracing's: runtime/lifetime/trace_fold.py), with
         # ``record(seq, now, stream, kind, payload)`` and ``decoded(seq, batch)``; None: none, one test per append.
@@ -245,11 +249,10 @@ class Journal:
     def note_decoded(self, seq: int, decoded: Any) -> None:
         """The link's decode (its ``OutputBatch``) of exactly the bytes of the engine frame it just
         journaled as ``seq``: the live fold (and a tap) take it instead of decoding those bytes again. Ignored
-        without a live fold, or when another record came in between (the fold decoded the frame)."""
-        row = self._live_frame
-        if row is not None and row[0] == seq:
-            self._live_frame = None
-            fold_record(self._live, Record(seq, row[1], row[2], row[3], decoded))
+        without a live fold, or when another record came in between (the fold decodes the frame)."""
+        unfolded = self._unfolded
+        if unfolded and unfolded[-1][0][0] == seq:
+            unfolded[-1][1] = decoded
         if self.tap is not None:
             self.tap.decoded(seq, decoded)
 
@@ -257,12 +260,15 @@ class Journal:
         """Start the live fold: the returned state is ``fold`` of every record so far, and each append
         advances it (read it through ``live_state``). Called once, by the snapshot task.
 
-        Eager, not periodic: a record is folded when it is appended, while it is hot, so nothing is
-        kept for a later fold (a periodic fold held every frame's decode for half a second and then
-        freed it cold, and stalled the loop for its whole batch). Non-frame payloads are folded as
-        decoded from the bytes just encoded, exactly what replay reads; a frame as the link's decode
-        of it (``note_decoded``), or from its bytes when no decode comes (a multi-part frame, one the
-        link could not read).
+        Folded at the end of the receive loop's wake-up that appended them (``catch_up``, after the
+        wake-up's writes), not periodically: the records and the frames' decodes are still hot, and
+        nothing is kept for long (a periodic fold held every frame's decode for half a second and then
+        freed it cold, and stalled the loop for its whole batch). Not at each append either: folded
+        there, a frame and the records its calls made sat between the frame's arrival and its tokens'
+        write. Non-frame payloads are folded as decoded from the bytes just encoded, exactly what replay
+        reads; a frame as the link's decode of it (``note_decoded``), or from its bytes when no decode
+        came (a multi-part frame, one the link could not read). At most ``UNFOLDED_MAX`` records wait:
+        appends with no wake-up to end them (admissions on an engine that sends nothing) fold there.
         """
         if self._live is not None:
             raise RuntimeError("the journal's live fold is already running")
@@ -276,29 +282,36 @@ class Journal:
     def end_live_fold(self) -> None:
         """Stop the live fold (its task ended); ``fold_live`` may start a new one."""
         self._live = None
-        self._live_frame = None
+        self._unfolded = []
 
     def live_state(self) -> FoldState:
         """The live fold's state through the newest record (``fold_live`` first)."""
         if self._live is None:
             raise RuntimeError("no live fold: call fold_live first")
-        self._fold_live_frame()
+        self.catch_up()
         return self._live
 
-    def _fold_live_row(self, row: Row) -> None:
-        if self._live_frame is not None:
-            self._fold_live_frame()
-        if row[3] == KIND_ENGINE_FRAME:
-            self._live_frame = row  # its decode follows from the link (note_decoded), or it is decoded later
-        else:
-            fold_record(self._live, row_to_record(row))
+    def catch_up(self) -> None:
+        """Fold the records appended since the last catch-up (the end of each receive wake-up, after
+        its writes: ``runtime/lifetime/core.connect``; and before the live state is read)."""
+        unfolded = self._unfolded
+        if not unfolded:
+            return
+        self._unfolded = []
+        live = self._live
+        for row, decoded in unfolded:
+            if decoded is not None:
+                fold_record(live, Record(row[0], row[1], row[2], row[3], decoded))
+                continue
+            if row[3] == KIND_ENGINE_FRAME:
+                self._live_frames_decoded += 1
+            fold_record(live, row_to_record(row))
 
-    def _fold_live_frame(self) -> None:
-        row = self._live_frame
-        if row is not None:
-            self._live_frame = None
-            self._live_frames_decoded += 1
-            fold_record(self._live, row_to_record(row))
+    def _fold_live_row(self, row: Row) -> None:
+        unfolded = self._unfolded
+        unfolded.append([row, None])
+        if len(unfolded) >= UNFOLDED_MAX:
+            self.catch_up()
 
     def _drop_oldest_pending(self) -> None:
         pending = self._pending

@@ -62,9 +62,16 @@ def connect(link, hub, app, failed: trio.Event, on_failed=None) -> None:
 
     link.on_batch = on_batch
     link.on_crash = on_crash
-    # A wake-up's frames are written once, after the last (RequestHub.hold_writes).
+    # A wake-up's frames are written once, after the last (RequestHub.hold_writes); the journal's
+    # live fold takes the wake-up's records after those writes, off the frames' way to the clients.
     hub.hold_writes()
-    link.on_frames_done = hub.write_held
+    catch_up = hub.journal.catch_up
+
+    def frames_done(now: float) -> None:
+        hub.write_held(now)
+        catch_up()
+
+    link.on_frames_done = frames_done
     link.on_failure = on_failure
     link.load_probe = lambda: (hub.active_requests, pending_prefill_tokens(hub))
 

@@ -1,6 +1,7 @@
-"""The journal's live fold (started by the snapshot task) folds each record as it is appended, takes the
-link's decode of each engine frame instead of decoding the journaled bytes again, and its state and
-snapshots are exactly what replay folds from the bytes."""
+"""The journal's live fold (started by the snapshot task) folds each record at the end of the receive
+wake-up that appended it (after that wake-up's writes), takes the link's decode of each engine frame
+instead of decoding the journaled bytes again, and its state and snapshots are exactly what replay folds
+from the bytes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import trio
 from enginelink.journal import fold as fold_module
 from enginelink.journal import records as r
 from enginelink.journal.fold import FoldState, fold
-from enginelink.journal.journal import Journal
+from enginelink.journal.journal import UNFOLDED_MAX, Journal
 from enginelink.runtime.lifetime.snapshots import run_snapshots
 from enginelink.wire.vllm import EngineCoreOutput, EngineCoreOutputs, VllmCodec
 
@@ -140,6 +141,28 @@ def test_the_live_state_is_replays_after_every_record():
         assert encoded(state) == encoded(fold(journal.records()))
     with pytest.raises(RuntimeError, match="already running"):
         journal.fold_live()
+
+
+def test_the_live_fold_takes_a_wake_ups_records_at_its_end_and_never_more_than_its_bound():
+    """Folded at each append, a frame and the records its calls made sat between the frame's arrival
+    and its tokens' write; the fold now waits for the wake-up's end (``catch_up``, which
+    ``runtime/lifetime/core.connect`` calls after the writes), and a reader of the state gets it whole."""
+    journal = Journal(None)
+    state = journal.fold_live()
+    events = scenario()
+    for stream, kind, payload in events:
+        seq = journal.append(1.0, stream, kind, payload)
+        if kind == r.KIND_ENGINE_FRAME and payload[:1] != b"\xc1":
+            journal.note_decoded(seq, CODEC.decode_output([payload]))
+    assert state.last_seq == 0 and state.frames == 0  # nothing folded on the frames' way
+    journal.catch_up()
+    assert state.last_seq == len(events) and encoded(state) == encoded(fold(journal.records()))
+    assert journal.stats().live_fold_frames_decoded == 1  # only the unreadable frame, from its bytes
+    for _ in range(UNFOLDED_MAX):  # appends no wake-up ends (admissions to an engine that sends nothing)
+        journal.append(2.0, "run", r.KIND_RUN_STOP, {"exit_status": 0, "reason": "test"})
+    assert state.last_seq == len(events) + UNFOLDED_MAX  # the bound folded them itself
+    journal.append(3.0, "run", r.KIND_RUN_STOP, {"exit_status": 0, "reason": "test"})
+    assert journal.live_state() is state and state.last_seq == len(events) + UNFOLDED_MAX + 1
 
 
 def test_a_live_fold_started_late_folds_what_came_before_it():
