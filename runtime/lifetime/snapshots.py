@@ -1,8 +1,9 @@
 """Periodic snapshot records, so replay never has to start from the beginning.
 
 The journal's live fold (``Journal.fold_live``) advances a ``FoldState`` by
-each record as it is appended; every ``interval_s`` this task appends that
-state as a ``snapshot`` record. Replay = fold(latest snapshot, records after
+each record, at the end of the receive wake-up that appended it
+(``Journal.catch_up``); every ``interval_s`` this task appends that state as a
+``snapshot`` record. Replay = fold(latest snapshot, records after
 it), and equals the fold from the start: ``tests/journal`` checks the fold
 side, and the contract tests the live side.
 
