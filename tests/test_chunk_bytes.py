@@ -176,8 +176,9 @@ def streamed(name: str, request_id: str, frames: list[list[int]]):
 @pytest.mark.parametrize("name", ["sglang", "tokenspeed"])
 def test_a_streamed_call_gets_running_counts_from_bytes_then_a_complete(name):
     ways, replies = streamed(name, "ünï-1", [[11], [12, 13], [14]])
-    # The finishing frame's chunk goes with its complete, through ``encode`` (as vLLM's).
-    assert ways == ["bytes", "bytes", "protobuf", "protobuf"]
+    # The finishing frame's chunk goes as bytes with the frame's other chunks (as vLLM's), its complete
+    # after them through ``encode`` (``RequestHub._write_rest``).
+    assert ways == ["bytes", "bytes", "bytes", "protobuf"]
     chunks = [r.chunk for r in replies[:3]]
     assert [list(c.token_ids) for c in chunks] == [[11], [12, 13], [14]]
     assert [c.completion_tokens for c in chunks] == [1, 3, 4]  # running totals, as the reference's
@@ -189,7 +190,7 @@ def test_a_streamed_call_gets_running_counts_from_bytes_then_a_complete(name):
 
 def test_mlx_sends_single_tokens_as_bytes_and_a_several_token_chunk_as_one_message_each():
     ways, replies = streamed("mlx", "m-1", [[11], [12, 13], [14], [15]])
-    assert ways == ["bytes", "protobuf", "protobuf", "bytes", "protobuf", "protobuf"]
+    assert ways == ["bytes", "protobuf", "protobuf", "bytes", "bytes", "protobuf"]
     chunks = [r.chunk for r in replies[:5]]
     assert [list(c.token_ids) for c in chunks] == [[11], [12], [13], [14], [15]]
     assert [c.completion_tokens for c in chunks] == [1, 2, 3, 4, 5]

@@ -120,8 +120,8 @@ class TimedWire(Wire):
 
 
 def test_a_call_that_ends_does_not_hold_the_other_calls_tokens_of_its_frame():
-    """The first call in the engine's frame ends; the other two only get a token. Their chunks go out in
-    the connection's first write; the ending call's chunk, complete and trailers (a take, the journal's
+    """The first call in the engine's frame ends; the other two only get a token. Every call's token goes
+    out in the connection's first write; the ending call's complete and trailers (a take, the journal's
     records, protobuf encoding) follow in a second one. Written in frame order, every token of the
     frame waited for the ending call's work and went out in one write behind it."""
     for holding in (True, False):
@@ -136,9 +136,28 @@ def test_a_call_that_ends_does_not_hold_the_other_calls_tokens_of_its_frame():
         hub.on_batch(OutputBatch(0, [output(engine_id(first), [11], FinishReason.STOP),
                                      output(engine_id(second), [21]), output(engine_id(third), [31])]), 1.0)
         hub.write_held(1.0)
-        assert timeline == [("r2", "chunk"), ("r3", "chunk"), "flush",
-                            ("r1", "chunk"), ("r1", "complete"), ("r1", "trailers"), "flush"], holding
+        assert timeline == [("r1", "chunk"), ("r2", "chunk"), ("r3", "chunk"), "flush",
+                            ("r1", "complete"), ("r1", "trailers"), "flush"], holding
         assert "r1" not in hub.calls and {"r2", "r3"} <= set(hub.calls)
+        ending = calls[0].direct.written
+        assert list(ending[0].chunk.token_ids) == [11] and list(ending[1].complete.output_ids) == [11]
+        assert ending[1].complete.finish_reason == "stop"
+
+
+def test_a_call_that_ends_with_the_others_and_one_that_cannot_take_its_chunk_now_keep_their_order():
+    """The ending call's client window is full: nothing of it goes from the fan-out, its writer gets
+    chunk and complete in order; the others' tokens are not held for it."""
+    timeline: list = []
+    hub, calls, _, _ = held_hub(calls=2, max_tokens=8)
+    for number, call in enumerate(calls, start=1):
+        call.direct = TimedWire(f"r{number}", timeline)
+    calls[0].direct.room = 0
+    hub.end_of_batch = lambda: timeline.append("flush")
+    hub.on_batch(OutputBatch(0, [output(engine_id(calls[0]), [11], FinishReason.STOP),
+                                 output(engine_id(calls[1]), [21])]), 1.0)
+    hub.write_held(1.0)
+    assert timeline == [("r2", "chunk"), "flush", "flush"] and calls[0].wake.is_set()
+    assert kinds(hub.take(calls[0], 2.0)) == ["chunk", "complete"]
 
 
 def test_a_frame_of_plain_chunks_is_still_one_write():

@@ -365,15 +365,17 @@ class RequestHub:
         frame), so what it reads is read once per frame, not per call
         (docs/benchmarks-history.md, stop 15).
 
-        Every other call (one that ends, n > 1, logprobs, a backlog) goes
-        after the common ones are on the wire (``_write_rest``): its ``take``,
-        protobuf encoding, journal records and trailers cost ten plain chunks,
-        and written in frame order each one held every later call's token and,
-        in the connection's one write, every earlier one's too. At c = 32 on a
-        20 ms engine a fifth of the frames carried a call's end and went out
-        0.35 ms later than the others; that jitter was the inter-token p99
-        (docs/benchmarks-history.md, "A call's end no longer holds the frame").
-        A call's own messages stay in order: it is written in one pass only.
+        Every other call (n > 1, logprobs, a backlog) and the end of one that
+        ends goes after the common chunks are on the wire (``_write_rest``): its
+        ``take``, protobuf encoding, journal records and trailers cost ten plain
+        chunks, and written in frame order each one held every later call's
+        token and, in the connection's one write, every earlier one's too. At
+        c = 32 on a 20 ms engine a fifth of the frames carried a call's end and
+        went out 0.35 ms later than the others; that jitter was the inter-token
+        p99 (docs/benchmarks-history.md, "A call's end no longer holds the
+        frame"). A plain call that ends sends its last tokens with the others'
+        (its last gap is a token's gap too) and its complete and trailers after.
+        A call's own messages stay in order: its first pass's before its second's.
         """
         edge = self.edge
         chunk_body = None if edge is None else edge.chunk_body
@@ -386,17 +388,24 @@ class RequestHub:
             if direct is None:
                 self._wake(call)
                 continue
-            if (chunk_body is not None and call.plain_one and call.open_choices == 1
-                    and call.machine.writer is idle and call.failure is None):
+            if chunk_body is not None and call.plain_one and call.machine.writer is idle and call.failure is None:
                 choice = call.choices[0]
                 tokens = choice.pending
-                if not tokens:
-                    continue
-                body = chunk_body(call, choice, tokens)
-                if body is not None and direct.send_body(body):
-                    take_direct(call)
-                    written += 1
-                    continue
+                if call.open_choices == 1:
+                    if not tokens:
+                        continue
+                    body = chunk_body(call, choice, tokens)
+                    if body is not None and direct.send_body(body):
+                        take_direct(call)
+                        written += 1
+                        continue
+                elif tokens and choice.finished:
+                    # It ended in this frame: its last tokens go with the others', its complete
+                    # (which repeats them) and trailers after (``_write_rest``).
+                    body = chunk_body(call, choice, tokens)
+                    if body is not None and direct.send_body(body):
+                        take_direct(call)
+                        written += 1
             if rest is None:
                 rest = [call]
             else:
