@@ -438,6 +438,21 @@ def engine_pid(journal: Path) -> int:
     return wait_until(find, 5, "engine.facts record in the journal")
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (read from /proc; those that go meanwhile are skipped)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie is not)."""
     try:

@@ -25,10 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.runtime.engine.session import session_members
 from enginelink.runtime.contracts.vllm.launch import default_vllm_python
 from enginelink.runtime.engine.launchers import LauncherError
-from tests.harness import ReferenceAnswers, Servicer, end_process, wait_until
+from tests.harness import ReferenceAnswers, Servicer, children, end_process, wait_until
 from tests.vllm.vision_offline import build_vision_model, run_offline
 
 # --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).
@@ -144,15 +143,13 @@ def engine_core_pid(launcher: int) -> int:
     """The EngineCore process: the launcher's child that runs vLLM's engine (spawned by multiprocessing)."""
 
     def find():
-        for pid in session_members(launcher):
+        for pid in children(launcher):
             try:
-                with open(f"/proc/{pid}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
                 with open(f"/proc/{pid}/cmdline", "rb") as fh:
                     cmdline = fh.read()
             except OSError:
                 continue
-            if ppid == launcher and (b"spawn_main" in cmdline or b"EngineCore" in cmdline):
+            if b"spawn_main" in cmdline or b"EngineCore" in cmdline:
                 return pid
         return None
 

@@ -24,7 +24,6 @@ takes none of, are the client's error naming the bound.
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 

@@ -44,7 +44,7 @@ from tokenizers import Tokenizer
 from enginelink.tools.test_vision_model import NUM_QUERY_TOKENS
 from enginelink.wire import mm_sidecar as wire
 from tests.adversarial.media_origin import Origin
-from tests.harness import VENV_BIN, Router, Servicer, free_port, wait_until
+from tests.harness import VENV_BIN, Router, Servicer, children, free_port, wait_until
 from tests.redis_server import RedisServer
 from tests.router.openai_http import post
 from tests.vllm.conftest import START_TIMEOUT_S
@@ -228,18 +228,6 @@ def test_enginelinks_sidecar_serves_the_worker_as_vllm_offline_and_behind_the_ro
         sidecar.stop()
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            stat = open(f"/proc/{entry}/stat").read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
 def test_the_sidecar_stops_on_sigterm_and_redis_killed_mid_job_is_unavailable_at_once(
         servicer, offline, vision_model, redis, tmp_path):  # fmt: skip
     redis.client().delete(*redis.client().keys("smg:mm:v1:*") or ["none"])  # the last sidecar's hello, gone
@@ -247,7 +235,7 @@ def test_the_sidecar_stops_on_sigterm_and_redis_killed_mid_job_is_unavailable_at
     sidecar = _ours(vision_model, redis, tmp_path, "lifecycle")
     try:
         _advertised(servicer, sidecar)
-        helpers = _children(sidecar.process.pid)
+        helpers = children(sidecar.process.pid)
         assert helpers, "the processor helper runs under the sidecar"
     finally:
         started = time.monotonic()

@@ -32,7 +32,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from enginelink.journal import records as r
 from enginelink.journal.store import open_reader
 from enginelink.tools.inspect import render_view
-from tests.harness import VENV_BIN, Pidfd, Servicer, engine_pid, free_port, generate_request, scrape, wait_until
+from tests.harness import (
+    VENV_BIN, Pidfd, Servicer, children, engine_pid, free_port, generate_request, scrape, wait_until,
+)
 from tests.test_lifecycle import StreamReader
 from tests.vllm.conftest import START_TIMEOUT_S, engine_core_pid
 
@@ -126,15 +128,8 @@ def _child(pid: int) -> int:
     """The one child process of ``pid`` (/proc: the EngineCore's Worker)."""
 
     def find():
-        children = []
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        children.append(int(entry))
-            except (OSError, ValueError):
-                continue
-        return children[0] if len(children) == 1 else None
+        found = children(pid)
+        return found[0] if len(found) == 1 else None
 
     return wait_until(find, 10, f"the one child of {pid}")
 
