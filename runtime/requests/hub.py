@@ -382,7 +382,7 @@ class RequestHub:
         take_direct = self.core.take_direct
         idle = WriterState.IDLE
         written = 0
-        rest: list[Call] | None = None
+        rest: list[Call] = []
         for call in calls:
             direct = call.direct
             if direct is None:
@@ -391,27 +391,21 @@ class RequestHub:
             if chunk_body is not None and call.plain_one and call.machine.writer is idle and call.failure is None:
                 choice = call.choices[0]
                 tokens = choice.pending
-                if call.open_choices == 1:
-                    if not tokens:
-                        continue
+                going_on = call.open_choices == 1
+                # One that ended in this frame sends its last tokens here too; its complete (which
+                # repeats them) and trailers go after (``_write_rest``).
+                if tokens and (going_on or choice.finished):
                     body = chunk_body(call, choice, tokens)
                     if body is not None and direct.send_body(body):
                         take_direct(call)
                         written += 1
-                        continue
-                elif tokens and choice.finished:
-                    # It ended in this frame: its last tokens go with the others', its complete
-                    # (which repeats them) and trailers after (``_write_rest``).
-                    body = chunk_body(call, choice, tokens)
-                    if body is not None and direct.send_body(body):
-                        take_direct(call)
-                        written += 1
-            if rest is None:
-                rest = [call]
-            else:
-                rest.append(call)
+                        if going_on:
+                            continue
+                elif going_on:
+                    continue  # nothing new for it
+            rest.append(call)
         self.direct_writes += written
-        if rest is not None:
+        if rest:
             self._write_rest(rest, written, now)
 
     def _write_rest(self, calls: list[Call], plain_written: int, now: float) -> None:
