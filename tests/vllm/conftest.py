@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from enginelink.runtime.contracts.vllm.launch import default_vllm_python
 from enginelink.runtime.engine.launchers import LauncherError
-from tests.harness import ReferenceAnswers, Servicer, children, end_process, wait_until
+from tests.harness import Pidfd, ReferenceAnswers, Servicer, children, end_process, wait_until
 from tests.vllm.vision_offline import build_vision_model, run_offline
 
 # --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).
@@ -154,3 +156,102 @@ def engine_core_pid(launcher: int) -> int:
         return None
 
     return wait_until(find, 5, "the EngineCore process")
+
+
+def engine_worker_pid(core: int) -> int:
+    """The EngineCore's one child process (/proc): vLLM's Worker, which runs the model."""
+
+    def find():
+        found = children(core)
+        return found[0] if len(found) == 1 else None
+
+    return wait_until(find, 10, f"the one child of the EngineCore {core}")
+
+
+# The burst timer: its own process, holding the engine's pidfds (inherited), one burst per line read.
+BURSTER = """
+import ctypes, signal, struct, sys, time
+# A 0.1 ms EEVDF slice for this process (sched_attr.sched_runtime of SCHED_OTHER, Linux 6.12+; older kernels
+# ignore it): sched_getattr, then sched_setattr with the slice (x86_64's syscall numbers; others keep theirs).
+ATTR = struct.Struct("IIQiIQQQII")
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(ATTR.size)
+if __import__("platform").machine() == "x86_64" and libc.syscall(315, 0, buf, ATTR.size, 0) == 0:
+    attr = list(ATTR.unpack(buf.raw))
+    attr[0], attr[5] = ATTR.size, 100_000
+    libc.syscall(314, 0, ctypes.c_char_p(ATTR.pack(*attr)), 0)
+fds = [int(fd) for fd in sys.argv[1:]]
+def send(sig):
+    for fd in fds:
+        try:
+            signal.pidfd_send_signal(fd, sig)
+        except ProcessLookupError:
+            pass
+for line in sys.stdin:
+    send(signal.SIGCONT)
+    time.sleep(float(line))
+    send(signal.SIGSTOP)
+    print("stopped", flush=True)
+"""
+
+
+class StoppedEngine:
+    """An EngineCore and its Worker, both stopped (SIGSTOP) until ``run_for`` lets them run a burst.
+
+    With the EngineCore alone stopped, the Worker had already run ahead of the stop; and a burst timed on
+    what a client had read came seconds late on a loaded box, where the client and the servicer lag the
+    engine: 2,040-token streams ended before the test acted on them. Stopped by default, the engine only
+    runs the bursts the test gives it, so a stream cannot end behind the test's back. The bursts are timed
+    by a process of their own that asks the kernel for a 0.1 ms slice: beside the running engine's
+    busy-polls, on a box loaded with 8 busy loops, its 0.2 s sleep at the kernel's slice lasted 0.55-3.0 s
+    (EEVDF woke the sleeper seconds late), and one burst let the engine write four whole 2,000-token
+    streams; with the short slice it lasted 0.20-0.31 s. The signals go by pidfd (a pid
+    the suite's process churn reused once received another test's SIGCONT)."""
+
+    def __init__(self, launcher: int) -> None:
+        self.core = Pidfd(engine_core_pid(launcher))
+        self.worker = Pidfd(engine_worker_pid(self.core.pid))
+        self.stop()
+        self._burster = subprocess.Popen([sys.executable, "-c", BURSTER, str(self.core.fd), str(self.worker.fd)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                         pass_fds=(self.core.fd, self.worker.fd))
+
+    @property
+    def processes(self) -> tuple[Pidfd, Pidfd]:
+        return self.core, self.worker
+
+    def stop(self) -> None:
+        for process in (self.core, self.worker):
+            process.send(signal.SIGSTOP)
+
+    def run_for(self, seconds: float) -> None:
+        """Both continued for ``seconds``, then stopped again."""
+        self._burster.stdin.write(f"{seconds}\n")
+        self._burster.stdin.flush()
+        assert self._burster.stdout.readline() == "stopped\n", "the burst timer died"
+
+    def run_until(self, done, what: str, burst_s: float = 0.2, bursts: int = 10, settle_s: float = 5.0):
+        """Bursts until ``done()`` holds, each followed by up to ``settle_s`` for the servicer and the client
+        to read what it made; at most ``bursts`` (10 of 0.2 s: a few hundred of the tiny model's tokens)."""
+        for _ in range(bursts):
+            self.run_for(burst_s)
+            try:
+                return wait_until(done, settle_s, what, interval_s=0.05)
+            except TimeoutError:
+                continue
+        raise AssertionError(f"{what} not reached in {bursts} bursts of {burst_s} s")
+
+    def kill_core(self) -> None:
+        """SIGKILL the EngineCore; the Worker continued, to notice its death as vLLM's Worker does."""
+        self.core.send(signal.SIGKILL)
+        self.worker.send(signal.SIGCONT)
+
+    def close(self) -> None:
+        """The burst timer ended; both processes continued (a no-op for one that is gone), the pidfds closed."""
+        if self._burster.poll() is None:
+            self._burster.stdin.close()
+            self._burster.wait(10)
+        self._burster.stdout.close()
+        for process in (self.core, self.worker):
+            process.send(signal.SIGCONT)
+            process.close()

@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S
 from enginelink.runtime.engine.session import session_members
-from tests.harness import Servicer, engine_pid, free_port, frozen, generate_request, scrape, wait_until
+from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape, wait_until
 from tests.test_engine_stop import STOP_BOUND_OVER_GRACE_S
 from tests.test_lifecycle import StreamReader
-from tests.vllm.conftest import START_TIMEOUT_S, engine_core_pid, vllm_servicer
+from tests.vllm.conftest import START_TIMEOUT_S, StoppedEngine, engine_core_pid, vllm_servicer
 
 pytestmark = pytest.mark.vllm
 
@@ -51,22 +51,23 @@ def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_
     metrics_port = free_port()
     servicer = Servicer(tmp_path, model_dir=test_model_dir, extra=["--engine", "vllm", "--metrics-port", str(metrics_port)],
                         engine_args=ENGINE_ARGS, env=NO_WARMUP).start(timeout_s=START_TIMEOUT_S)
+    engine = None
     try:
         launcher = engine_pid(servicer.journal)
-        core = engine_core_pid(launcher)
+        # The engine is stopped before the four calls come, and runs in short bursts until each stream has
+        # its first tokens: the kill lands on four flowing streams, none of which can have ended (a CI box at
+        # load 17 once let a 2040-token stream finish between its first token and the last reader's).
+        engine = StoppedEngine(launcher)
         readers = [StreamReader(servicer.stub, generate_request(f"r-{i}", PROMPT, stream=True, temperature=0.0,
                                                                 max_tokens=LONG, ignore_eos=True)) for i in range(4)]
         for reader in readers:
             reader.start()
-        # The core is frozen once the first stream flows, then killed once all four calls are in
-        # the servicer: a CI box at load 17 once let a 2040-token stream finish between its first
-        # token and the last reader's, so the kill met a finished call. Frozen, nothing finishes.
-        wait_until(lambda: any(r.started_streaming.is_set() for r in readers), 30, "a first stream")
-        os.kill(core, signal.SIGSTOP)
-        wait_until(lambda: in_flight(metrics_port) == 4, 30, "all four calls in flight in the servicer")
+        wait_until(lambda: in_flight(metrics_port) == 4, 60, "all four calls in flight in the servicer")
+        engine.run_until(lambda: all(r.messages for r in readers), "every stream's first tokens at the client")
+        assert in_flight(metrics_port) == 4
         assert not any(r.completes for r in readers), "a call finished before the kill"
         killed_at = time.monotonic()
-        os.kill(core, signal.SIGKILL)
+        engine.kill_core()
         for reader in readers:
             reader.join(10)
         ended_within = time.monotonic() - killed_at
@@ -81,42 +82,47 @@ def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_
         assert session_members(launcher) == [], "processes of the engine's session outlived the servicer"
         assert servicer.socket_files() == [], "ipc socket files left behind"
     finally:
+        if engine is not None:
+            engine.close()
         servicer.stop()
 
 
 def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_python):
-    servicer = vllm_servicer(tmp_path, test_model_dir, ENGINE_ARGS,
-                             env={**NO_WARMUP, "ENGINELINK_DRAIN_SECS": str(DRAIN_S)}).start(timeout_s=START_TIMEOUT_S)
+    metrics_port = free_port()
+    servicer = Servicer(tmp_path, model_dir=test_model_dir, extra=["--engine", "vllm", "--metrics-port", str(metrics_port)],
+                        engine_args=ENGINE_ARGS,
+                        env={**NO_WARMUP, "ENGINELINK_DRAIN_SECS": str(DRAIN_S)}).start(timeout_s=START_TIMEOUT_S)
+    engine = None
     try:
         launcher = engine_pid(servicer.journal)
+        # Stopped before the six calls come, the engine runs in short bursts until the three short ones
+        # (8 tokens) are done, and stays stopped through the drain: the long ones (2040 tokens; the tiny
+        # model writes them in a few seconds) are surely open when the drain's time runs out. (Loaded CI
+        # boxes let a long stream finish first when the engine ran freely while the calls started.)
+        engine = StoppedEngine(launcher)
         short = [StreamReader(servicer.stub, generate_request(f"short-{i}", PROMPT, stream=True, temperature=0.0,
                                                               max_tokens=8, ignore_eos=True)) for i in range(3)]
         long = [StreamReader(servicer.stub, generate_request(f"long-{i}", PROMPT, stream=True, temperature=0.0,
                                                              max_tokens=LONG, ignore_eos=True)) for i in range(3)]
         for reader in short + long:
             reader.start()
-        core = engine_core_pid(launcher)
-        for reader in short + long:
-            assert reader.started_streaming.wait(30)
-        for reader in short:  # 8 tokens: done before the drain, which the long ones are not
-            reader.join(30)
-        # The tiny model writes 2040 tokens in a few seconds, and loaded CI boxes let a long
-        # stream finish before the drain's end: once when the core was unfrozen as the drain
-        # began (it had run close to its end while the six calls started). The core stays
-        # frozen until the drain's time has run out and the long streams have their abort,
-        # so they are surely open then.
-        with frozen(core):
-            assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
-            signalled = time.monotonic()
-            servicer.signal(signal.SIGTERM)
-            health = health_pb2_grpc.HealthStub(servicer.channel)
-            wait_until(
-                lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-                == health_pb2.HealthCheckResponse.NOT_SERVING,
-                1.0, "readiness NOT_SERVING right after SIGTERM", interval_s=0.02,
-            )
-            wait_until(lambda: all(reader.completes for reader in long), DRAIN_S + 10,
-                       "the long streams' abort at the drain's end", interval_s=0.02)
+        wait_until(lambda: in_flight(metrics_port) == 6, 60, "all six calls in flight in the servicer")
+        engine.run_until(lambda: all(r.completes for r in short) and all(r.messages for r in long),
+                         "the short streams done and the long ones flowing")
+        assert not any(r.completes for r in long), "a long call finished before the drain"
+        assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
+        signalled = time.monotonic()
+        servicer.signal(signal.SIGTERM)
+        health = health_pb2_grpc.HealthStub(servicer.channel)
+        wait_until(
+            lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+            == health_pb2.HealthCheckResponse.NOT_SERVING,
+            1.0, "readiness NOT_SERVING right after SIGTERM", interval_s=0.02,
+        )
+        wait_until(lambda: all(reader.completes for reader in long), DRAIN_S + 10,
+                   "the long streams' abort at the drain's end", interval_s=0.02)
+        engine.close()  # continued: the servicer stops it after the drain
+        engine = None
         with pytest.raises(grpc.RpcError) as refused:
             list(servicer.stub.Generate(generate_request("late", PROMPT, max_tokens=4), timeout=5))
         # Refused while draining or stopping, or (sent after the front closed) by the closed port.
@@ -138,6 +144,8 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
         no_process_left(launcher)
         assert servicer.socket_files() == [], "ipc socket files left behind"
     finally:
+        if engine is not None:
+            engine.close()
         servicer.stop()
 
 

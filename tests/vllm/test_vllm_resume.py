@@ -33,10 +33,10 @@ from enginelink.journal import records as r
 from enginelink.journal.store import open_reader
 from enginelink.tools.inspect import render_view
 from tests.harness import (
-    VENV_BIN, Pidfd, Servicer, children, engine_pid, free_port, generate_request, scrape, wait_until,
+    VENV_BIN, Servicer, engine_pid, free_port, generate_request, scrape, wait_until,
 )
 from tests.test_lifecycle import StreamReader
-from tests.vllm.conftest import START_TIMEOUT_S, engine_core_pid
+from tests.vllm.conftest import START_TIMEOUT_S, StoppedEngine, engine_core_pid
 
 pytestmark = pytest.mark.vllm
 
@@ -124,21 +124,6 @@ class InspectWatch:
         self.process.wait(30)
 
 
-def _child(pid: int) -> int:
-    """The one child process of ``pid`` (/proc: the EngineCore's Worker)."""
-
-    def find():
-        found = children(pid)
-        return found[0] if len(found) == 1 else None
-
-    return wait_until(find, 10, f"the one child of {pid}")
-
-
-def _signal(processes, sig: int) -> None:
-    for process in processes:
-        process.send(sig)
-
-
 def _state(pid: int) -> str:
     """The process's state letter (/proc): "T" while stopped."""
     with open(f"/proc/{pid}/stat") as fh:
@@ -161,6 +146,7 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
                         env={"ENGINELINK_WARMUP": "off"}).start(timeout_s=START_TIMEOUT_S)
     health = health_pb2_grpc.HealthStub(servicer.channel)
     watch: InspectWatch | None = None
+    engine: StoppedEngine | None = None
     try:
         # Uninterrupted, for reference.
         reference = [_stream(servicer.stub, f"ref-{i}", prompt) for i, prompt in enumerate(PROMPTS)]
@@ -169,18 +155,14 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
             assert reader.error is None and len(_tokens(reader)) == TOKENS, reader.error
         # Again, and the EngineCore killed under the four once each is a few hundred tokens in.
         launcher = engine_pid(servicer.journal)
-        core = Pidfd(engine_core_pid(launcher))
-        # Its Worker too: with only the EngineCore stopped, twice in full runs the four streams' 2,000 tokens
-        # were all there at the first burst (the EngineCore's stop held, /proc said "T"): the engine had run
-        # ahead of the stop. Both stopped, nothing runs between bursts.
-        worker = Pidfd(_child(core.pid))
-        engine = (core, worker)
         watch = InspectWatch(servicer.journal)
         wait_until(lambda: watch.views, 120, "inspect --watch's first view")
-        # The EngineCore runs in short bursts between SIGSTOPs, and each stop is read in a view taken after it:
-        # the kill lands with every stream a few hundred tokens in, however fast the engine or slow this box
-        # (timed on what the client had read, it once came 1,100 tokens late: the client lagged the servicer).
-        _signal(engine, signal.SIGSTOP)
+        # The engine (its EngineCore and its Worker: with only the EngineCore stopped, twice in full runs the
+        # four streams' 2,000 tokens were all there at the first burst) runs in short bursts between stops,
+        # and each stop is read in a view taken after it: the kill lands with every stream a few hundred tokens
+        # in, however fast the engine or slow this box (timed on what the client had read, it once came 1,100
+        # tokens late: the client lagged the servicer).
+        engine = StoppedEngine(launcher)
         readers = [_stream(servicer.stub, f"s-{i}", prompt) for i, prompt in enumerate(PROMPTS)]
         wait_until(lambda: all(watch.request(f"s-{i}") for i in range(len(PROMPTS))), 120,
                    "four calls sent to the engine")
@@ -188,21 +170,20 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
             view = watch.stable_view([f"s-{i}" for i in range(len(PROMPTS))])
             shown = [watch.request(f"s-{i}", view) for i in range(len(PROMPTS))]
             # Only this test continues the EngineCore; a stop it did not lift means something else did.
-            assert _state(core.pid) == "T", f"the EngineCore was continued behind this test's back: {shown}"
-            assert all(shown), f"a stream ended before the kill: {shown}"
+            assert _state(engine.core.pid) == "T", f"the EngineCore was continued behind this test's back: {shown}"
+            assert all(shown), (f"a stream ended before the kill: {shown}; the view's ended requests "
+                                f"{view['ended_recently']}, as of {view['as_of']}; the servicer's log ends:\n"
+                                f"{servicer.log()[-3000:]}")
             least = min(q["tokens"] for q in shown)
             if least >= KILL_AT:
                 break
-            _signal(engine, signal.SIGCONT)
-            time.sleep(BURST_S)
-            _signal(engine, signal.SIGSTOP)
+            engine.run_for(BURST_S)
         else:
             raise AssertionError(f"the streams did not reach {KILL_AT} tokens in 100 bursts: {shown}")
         assert max(q["tokens"] for q in shown) < TOKENS
-        core.send(signal.SIGKILL)
-        worker.send(signal.SIGCONT)  # to notice its EngineCore's death, as vLLM's Worker does
-        core.close()
-        worker.close()
+        engine.kill_core()
+        engine.close()
+        engine = None
         killed_at = time.monotonic()
         wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
                    == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING while the engine restarts")
@@ -246,6 +227,8 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
             assert "engine restarts stop: 2 crashes" in reader.error.details(), reader.error.details()
         assert servicer.wait(60) == 1
     finally:
+        if engine is not None:
+            engine.close()
         if watch is not None:
             watch.stop()
         servicer.stop()
