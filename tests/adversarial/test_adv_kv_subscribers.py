@@ -27,6 +27,7 @@ from tests.machines.kv_pair import Subscriber, msg, stored
 
 DATA_LOSS = grpc.StatusCode.DATA_LOSS.value[0]
 BLOCK = 16
+STALL_S = 8
 
 
 # ---- the machine: slots come back without the subscriber's help ----------------------
@@ -75,17 +76,25 @@ def subscribe_request(loads_first: bool = True) -> bytes:
     return grpc_frame(request.SerializeToString())
 
 
+def subscriptions(servicer) -> float:
+    """KV event subscriptions served so far, every mode (``smg_servicer_kv_subscriptions_total``)."""
+    return sum(value for key, value in scrape(servicer.metrics_port).items()
+               if key.split("{")[0] == "smg_servicer_kv_subscriptions_total")
+
+
 def non_reader(servicer, loads_first: bool = True, *, held: bool = False, source: str | None = None):
     """A subscriber that announces a zero receive window and never opens it: no message can reach it.
 
     ``held``: return once a message to it waits for its window (its response
     headers, which flow control does not hold, go out with the first message).
     """
-    before = metric(servicer, "smg_servicer_kv_subscribers")
+    before = subscriptions(servicer)
     client = H2Client(servicer.port, initial_window=0, source=source)
     call = client.start(SUBSCRIBE_KV, subscribe_request(loads_first), end=True)
-    # Subscribed: the relay counts it (its response headers wait for its first message).
-    wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == before + 1, 10, "the subscription")
+    # Subscribed: the relay counts it (its response headers wait for its first message). Counted by the
+    # subscriptions served, not the open ones: a subscriber set up earlier may end meanwhile (its stall
+    # bound), and on a loaded box the open count once stayed where it was as one came and one went.
+    wait_until(lambda: subscriptions(servicer) == before + 1, 10, "the subscription")
     client.pump(0.05)
     if held:
         client.wait(lambda: call.headers or call.ended, 10, "its first message")
@@ -95,7 +104,10 @@ def non_reader(servicer, loads_first: bool = True, *, held: bool = False, source
 
 @pytest.fixture(scope="module")
 def stall_servicer(tmp_path_factory, test_model_dir):
-    env = {"ENGINELINK_KV_MAX_SUBSCRIBERS": "4", "ENGINELINK_KV_SEND_STALL_SECS": "2"}
+    # The stall bound must outlast the setting up of the four held subscribers, one after the other: at
+    # 2 s, on a loaded box, the first was ended by it before the fourth was there (the eviction then had
+    # nobody to evict). At STALL_S the test waits that long for the stall's ends.
+    env = {"ENGINELINK_KV_MAX_SUBSCRIBERS": "4", "ENGINELINK_KV_SEND_STALL_SECS": str(STALL_S)}
     with shared(limited_servicer(tmp_path_factory.mktemp("adv-kv-stall"), test_model_dir, env)) as running:
         yield running
 
@@ -114,7 +126,7 @@ def test_subscribers_that_never_read_end_with_data_loss_and_free_every_slot(stal
             oldest_client.finish(oldest, timeout_s=5)
             assert oldest.status == DATA_LOSS and "needed its slot (ENGINELINK_KV_MAX_SUBSCRIBERS)" in oldest.message
             for client, call in rest:  # the others: the stall bound
-                client.finish(call, timeout_s=10)
+                client.finish(call, timeout_s=STALL_S + 10)
                 assert call.status == DATA_LOSS and "ENGINELINK_KV_SEND_STALL_SECS" in call.message, call.trailers
             assert extra.error is None
     finally:
@@ -125,7 +137,7 @@ def test_subscribers_that_never_read_end_with_data_loss_and_free_every_slot(stal
     assert labelled(samples, "smg_servicer_kv_data_loss_total", reason="evicted") >= 1
     wait_until(lambda: metric(servicer, "smg_servicer_kv_subscribers") == 0, 5, "every slot free")
     assert metric(servicer, "smg_servicer_kv_subscribers_max") == 4
-    assert metric(servicer, "smg_servicer_kv_send_stall_seconds") == 2
+    assert metric(servicer, "smg_servicer_kv_send_stall_seconds") == STALL_S
     with KvSubscription(servicer, 0) as reader:  # the slots are back
         reader.wait(lambda s: s.snapshot(), what="a first record")
         assert reader.error is None
