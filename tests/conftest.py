@@ -59,15 +59,17 @@ VLLM_VISION_SCOPE = "real vLLM: vision"
 # streams) and two modules of engines of their own (a pooling model, a Hub id): one engine set at a time.
 # Those two were the own-engines scope's, which alone ran from the suite's first second to its last (1,285 s
 # of 1,330 on 2026-12-07, its last four minutes with the box a third idle), while this one ended at 391 s
-# (its restart test has taken 110-570 s); split so, the two chains are about 890 and 780-1,250 s.
-VLLM_0_28_SCOPE = "real vLLM 0.28.0, engine restarts, pooling, Hub"
+# (its restart test has taken 110-570 s); split so, the two chains are about 890 and 780-1,250 s. The
+# lifecycle module (kills and drains under load) joined this chain once its tests stopped depending on
+# the box's pace (tests/vllm/conftest.py's StoppedEngine): at 59462ed the own-engines chain ended the
+# suite at 1,206 s with it, this one at 911 without it, the box idle 11-40% in those last minutes.
+VLLM_0_28_SCOPE = "real vLLM 0.28.0, engine restarts, pooling, Hub, lifecycle"
 # MLX's engine and, after it on the same worker, the real SGLang launcher run up to the engine launch
 # (no scheduler; minutes of SGLang imports). Apart, the two scopes were one more heavy worker on 2
 # cores: three CI runs in a row then lost servicers that could not even bind their port in 60 s.
 MLX_SCOPE = "real MLX, then the real SGLang launcher"
 ENGINE_SCOPES = (
     (VLLM_OWN_SCOPE, ("tests/vllm/test_vllm_dp.py", "tests/vllm/test_vllm_launcher_plugin.py",
-                      "tests/vllm/test_vllm_lifecycle.py",
                       "tests/vllm/test_vllm_operator.py", "tests/vllm/test_vllm_pd.py",
                       "tests/wire/test_vllm_logprobs.py"), ()),
     (VLLM_VISION_SCOPE, ("tests/vllm/test_vllm_vision.py", "tests/vllm/test_vllm_av.py", "tests/wire/test_vllm_mm.py",
@@ -75,7 +77,7 @@ ENGINE_SCOPES = (
     (VLLM_SHARED_SCOPE, ("tests/vllm/",), ("vllm_stack", "vllm_quiet")),
     (MLX_SCOPE, ("tests/mlx/", "tests/sglang/"), ("mlx_stack",)),
     (VLLM_0_28_SCOPE, ("tests/vllm_0_28/", "tests/vllm/test_vllm_resume.py", "tests/vllm/test_vllm_embed.py",
-                       "tests/vllm/test_vllm_hub.py"), ("vllm_0_28",)),
+                       "tests/vllm/test_vllm_hub.py", "tests/vllm/test_vllm_lifecycle.py"), ("vllm_0_28",)),
 )
 VLLM_SCOPES = (VLLM_SHARED_SCOPE, VLLM_OWN_SCOPE, VLLM_VISION_SCOPE, VLLM_0_28_SCOPE)
 # The simulation's seed sweeps (tests/sim: 400 seeds a module, each a second or so of CPU, on
