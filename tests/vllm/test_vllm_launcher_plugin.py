@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -147,7 +148,7 @@ def test_the_environment_selects_enginelink_and_vllm_plugins_filters_it(vllm_com
 
 
 HEADLESS_PARSE = """
-import sys
+import json, sys
 import vllm.entrypoints.cli.serve as serve
 from vllm.engine.arg_utils import AsyncEngineArgs
 def show(args):  # what the worker would build its engine from, then stop
@@ -156,22 +157,32 @@ def show(args):  # what the worker would build its engine from, then stop
     raise SystemExit(0)
 serve.run_headless = show
 from vllm.entrypoints.cli.main import main
-sys.argv = ["vllm", "serve", sys.argv[1], "--headless", "--nnodes", "2", "--node-rank", "1", "--master-addr",
-            "127.0.0.1", "--max-num-seqs", "32", *sys.argv[2:]]
-main()
+for extra in json.loads(sys.argv[2]):  # one import of vLLM, a parse per case
+    print("CASE", json.dumps(extra), flush=True)
+    sys.argv = ["vllm", "serve", sys.argv[1], "--headless", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                "127.0.0.1", "--max-num-seqs", "32", *extra]
+    try:
+        main()
+    except SystemExit as done:
+        print("EXIT", done.code, flush=True)
 """
 
 
 def test_a_headless_workers_engine_arguments_get_the_capture_cap(vllm_command, vllm_python, test_model_dir):
     """A multi-node worker (`vllm serve --headless --node-rank 1`) builds its engine with the leader's cap:
-    on CPU only its engine arguments show it (no CUDA graphs to capture)."""
-    for extra, engine, line in ((["--max-num-batched-tokens", "2048"], "ENGINE 512", "512, derived"),
-                                (["--enforce-eager"], "ENGINE None", "no CUDA graphs (--enforce-eager)")):
-        done = subprocess.run([vllm_python, "-c", HEADLESS_PARSE, str(test_model_dir), *extra], capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert engine in done.stdout
-        said = done.stdout + done.stderr
+    on CPU only its engine arguments show it (no CUDA graphs to capture). Both cases in one interpreter
+    (vLLM's imports are ~10 s of CPU), each parse's output read apart."""
+    cases = ((["--max-num-batched-tokens", "2048"], "ENGINE 512", "512, derived"),
+             (["--enforce-eager"], "ENGINE None", "no CUDA graphs (--enforce-eager)"))
+    done = subprocess.run([vllm_python, "-c", HEADLESS_PARSE, str(test_model_dir),
+                           json.dumps([extra for extra, _, _ in cases])],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    parts = re.split(r"(?m)^CASE ", done.stdout)[1:]
+    assert len(parts) == len(cases), done.stdout[-3000:]
+    for (extra, engine, line), said in zip(cases, parts):
+        assert said.startswith(json.dumps(extra)) and "EXIT 0" in said, said[-3000:]
+        assert engine in said
         assert said.count(f"CUDA-graph capture cap: {line}") == 1, said[-3000:]
 
 
