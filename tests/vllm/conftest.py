@@ -189,9 +189,10 @@ def send(sig):
             pass
 for line in sys.stdin:
     send(signal.SIGCONT)
+    began = time.monotonic()
     time.sleep(float(line))
     send(signal.SIGSTOP)
-    print("stopped", flush=True)
+    print(f"stopped {time.monotonic() - began:.3f}", flush=True)
 """
 
 
@@ -202,19 +203,22 @@ class StoppedEngine:
     what a client had read came seconds late on a loaded box, where the client and the servicer lag the
     engine: 2,040-token streams ended before the test acted on them. Stopped by default, the engine only
     runs the bursts the test gives it, so a stream cannot end behind the test's back. The bursts are timed
-    by a process of their own that asks the kernel for a 0.1 ms slice: beside the running engine's
-    busy-polls, on a box loaded with 8 busy loops, its 0.2 s sleep at the kernel's slice lasted 0.55-3.0 s
-    (EEVDF woke the sleeper seconds late), and one burst let the engine write four whole 2,000-token
-    streams; with the short slice it lasted 0.20-0.31 s. The signals go by pidfd (a pid
-    the suite's process churn reused once received another test's SIGCONT)."""
+    by a process of its own, in a session of its own: a session is a scheduling group (the kernel's
+    autogroups), and the test's session holds the whole suite's workers and servicers while each engine
+    has a session of its own, so on a busy box a timer in the test's session, sleeping or even spinning,
+    got the CPU seconds late (0.2 s bursts that lasted 0.55-4.2 s, one of which let the engine write four
+    whole 2,000-token streams); in its own session, under the same load (8 busy loops), 0.20-0.27 s. It
+    also asks for a 0.1 ms slice, which alone had not been enough. The signals go by pidfd (a pid the
+    suite's process churn reused once received another test's SIGCONT)."""
 
     def __init__(self, launcher: int) -> None:
         self.core = Pidfd(engine_core_pid(launcher))
         self.worker = Pidfd(engine_worker_pid(self.core.pid))
+        self.bursts: list[float] = []  # each burst's length, as the timer measured it
         self.stop()
         self._burster = subprocess.Popen([sys.executable, "-c", BURSTER, str(self.core.fd), str(self.worker.fd)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                         pass_fds=(self.core.fd, self.worker.fd))
+                                         pass_fds=(self.core.fd, self.worker.fd), start_new_session=True)
 
     @property
     def processes(self) -> tuple[Pidfd, Pidfd]:
@@ -228,7 +232,9 @@ class StoppedEngine:
         """Both continued for ``seconds``, then stopped again."""
         self._burster.stdin.write(f"{seconds}\n")
         self._burster.stdin.flush()
-        assert self._burster.stdout.readline() == "stopped\n", "the burst timer died"
+        said = self._burster.stdout.readline().split()
+        assert said[:1] == ["stopped"], "the burst timer died"
+        self.bursts.append(float(said[1]))  # how long the engine ran: what a failure should show
 
     def run_until(self, done, what: str, burst_s: float = 0.2, bursts: int = 10, settle_s: float = 5.0):
         """Bursts until ``done()`` holds, each followed by up to ``settle_s`` for the servicer and the client

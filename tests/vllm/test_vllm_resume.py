@@ -172,8 +172,8 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
             # Only this test continues the EngineCore; a stop it did not lift means something else did.
             assert _state(engine.core.pid) == "T", f"the EngineCore was continued behind this test's back: {shown}"
             assert all(shown), (f"a stream ended before the kill: {shown}; the view's ended requests "
-                                f"{view['ended_recently']}, as of {view['as_of']}; the servicer's log ends:\n"
-                                f"{servicer.log()[-3000:]}")
+                                f"{view['ended_recently']}, as of {view['as_of']}; the engine's bursts (s) "
+                                f"{engine.bursts}; the servicer's log ends:\n{servicer.log()[-3000:]}")
             least = min(q["tokens"] for q in shown)
             if least >= KILL_AT:
                 break
