@@ -125,6 +125,13 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
     raise TimeoutError(f"{what} not reached within {timeout_s} s (last error: {last_error!r})")
 
 
+def wait_not_serving(servicer, timeout_s: float, what: str, interval_s: float = 0.02):
+    """Until the servicer's overall health (service "") answers NOT_SERVING; a call that fails is tried again."""
+    health = health_pb2_grpc.HealthStub(servicer.channel)
+    wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+               == health_pb2.HealthCheckResponse.NOT_SERVING, timeout_s, what, interval_s=interval_s)
+
+
 class ReferenceAnswers:
     """A reference subprocess's answers (one JSON object a line on its stdout), for ``OfflineVllm``/``OfflineMlx``.
 

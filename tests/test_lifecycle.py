@@ -9,9 +9,8 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.harness import Servicer, alive, engine_pid, generate_request, wait_until
+from tests.harness import Servicer, alive, engine_pid, generate_request, wait_not_serving
 
 pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
 
@@ -59,12 +58,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, test_model_dir
         for reader in short + long:
             assert reader.started_streaming.wait(5)
         servicer.signal(signal.SIGTERM)
-        health = health_pb2_grpc.HealthStub(servicer.channel)
-        wait_until(
-            lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-            == health_pb2.HealthCheckResponse.NOT_SERVING,
-            1.0, "readiness NOT_SERVING right after SIGTERM", interval_s=0.02,
-        )
+        wait_not_serving(servicer, 1.0, "readiness NOT_SERVING right after SIGTERM")
         with pytest.raises(grpc.RpcError) as refused:
             list(servicer.stub.Generate(generate_request("late", PROMPT, max_tokens=4)))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

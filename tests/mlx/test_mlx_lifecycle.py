@@ -12,10 +12,9 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S, session_members
-from tests.harness import engine_pid, wait_until
+from tests.harness import engine_pid, wait_not_serving, wait_until
 from tests.mlx.conftest import START_TIMEOUT_S, mlx_request as generate_request, mlx_servicer
 from tests.test_engine_stop import STOP_BOUND_OVER_GRACE_S
 from tests.test_lifecycle import StreamReader
@@ -71,10 +70,7 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, mlx_py
             assert reader.started_streaming.wait(60)
         signalled = time.monotonic()
         servicer.signal(signal.SIGTERM)
-        health = health_pb2_grpc.HealthStub(servicer.channel)
-        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-                   == health_pb2.HealthCheckResponse.NOT_SERVING, 1.0, "NOT_SERVING right after SIGTERM",
-                   interval_s=0.02)  # fmt: skip
+        wait_not_serving(servicer, 1.0, "NOT_SERVING right after SIGTERM")
         with pytest.raises(grpc.RpcError) as refused:
             list(servicer.stub.Generate(generate_request("late", PROMPT, max_tokens=4), timeout=5))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -207,25 +207,22 @@ class StoppedEngine:
     autogroups), and the test's session holds the whole suite's workers and servicers while each engine
     has a session of its own, so on a busy box a timer in the test's session, sleeping or even spinning,
     got the CPU seconds late (0.2 s bursts that lasted 0.55-4.2 s, one of which let the engine write four
-    whole 2,000-token streams); in its own session, under the same load (8 busy loops), 0.20-0.27 s. It
-    also asks for a 0.1 ms slice, which alone had not been enough. The signals go by pidfd (a pid the
-    suite's process churn reused once received another test's SIGCONT)."""
+    whole 2,000-token streams). It needs both a session of its own and a 0.1 ms EEVDF slice: under 8 busy
+    loops, the slice alone gave bursts up to 4.2 s, the session alone up to 1.15 s, both 0.20-0.27 s. The
+    signals go by pidfd (a pid the suite's process churn reused once received another test's SIGCONT)."""
 
     def __init__(self, launcher: int) -> None:
         self.core = Pidfd(engine_core_pid(launcher))
         self.worker = Pidfd(engine_worker_pid(self.core.pid))
+        self.processes = (self.core, self.worker)
         self.bursts: list[float] = []  # each burst's length, as the timer measured it
         self.stop()
         self._burster = subprocess.Popen([sys.executable, "-c", BURSTER, str(self.core.fd), str(self.worker.fd)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                          pass_fds=(self.core.fd, self.worker.fd), start_new_session=True)
 
-    @property
-    def processes(self) -> tuple[Pidfd, Pidfd]:
-        return self.core, self.worker
-
     def stop(self) -> None:
-        for process in (self.core, self.worker):
+        for process in self.processes:
             process.send(signal.SIGSTOP)
 
     def run_for(self, seconds: float) -> None:
@@ -258,6 +255,6 @@ class StoppedEngine:
             self._burster.stdin.close()
             self._burster.wait(10)
         self._burster.stdout.close()
-        for process in (self.core, self.worker):
+        for process in self.processes:
             process.send(signal.SIGCONT)
             process.close()

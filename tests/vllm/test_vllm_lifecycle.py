@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S
 from enginelink.runtime.engine.session import session_members
-from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape, wait_until
+from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape, wait_not_serving, wait_until
 from tests.test_engine_stop import STOP_BOUND_OVER_GRACE_S
 from tests.test_lifecycle import StreamReader
 from tests.vllm.conftest import START_TIMEOUT_S, StoppedEngine, engine_core_pid, vllm_servicer
@@ -113,12 +113,7 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
         assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
         signalled = time.monotonic()
         servicer.signal(signal.SIGTERM)
-        health = health_pb2_grpc.HealthStub(servicer.channel)
-        wait_until(
-            lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-            == health_pb2.HealthCheckResponse.NOT_SERVING,
-            1.0, "readiness NOT_SERVING right after SIGTERM", interval_s=0.02,
-        )
+        wait_not_serving(servicer, 1.0, "readiness NOT_SERVING right after SIGTERM")
         wait_until(lambda: all(reader.completes for reader in long), DRAIN_S + 10,
                    "the long streams' abort at the drain's end", interval_s=0.02)
         engine.close()  # continued: the servicer stops it after the drain

@@ -27,13 +27,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginelink.journal import records as r
 from enginelink.journal.store import open_reader
 from enginelink.tools.inspect import render_view
 from tests.harness import (
-    VENV_BIN, Servicer, engine_pid, free_port, generate_request, scrape, wait_until,
+    VENV_BIN, Servicer, engine_pid, free_port, generate_request, scrape, wait_not_serving, wait_until,
 )
 from tests.test_lifecycle import StreamReader
 from tests.vllm.conftest import START_TIMEOUT_S, StoppedEngine, engine_core_pid
@@ -144,7 +143,6 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
                         extra=["--engine", "vllm", "--metrics-port", str(metrics_port), "--engine-restarts", "1",
                                "--resume-timeout", "300"],
                         env={"ENGINELINK_WARMUP": "off"}).start(timeout_s=START_TIMEOUT_S)
-    health = health_pb2_grpc.HealthStub(servicer.channel)
     watch: InspectWatch | None = None
     engine: StoppedEngine | None = None
     try:
@@ -185,8 +183,7 @@ def test_engine_core_killed_under_four_greedy_streams_each_completes_equal_to_an
         engine.close()
         engine = None
         killed_at = time.monotonic()
-        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-                   == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING while the engine restarts")
+        wait_not_serving(servicer, 10, "NOT_SERVING while the engine restarts", interval_s=0.1)
         during = wait_until(lambda: watch.rendered_showing("4 held for the restarting engine"), 120,
                             "inspect --watch showing the four streams held")
         _keep("inspect-during-restart.txt", during)
