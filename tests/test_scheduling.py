@@ -20,12 +20,28 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from enginelink.journal.store import open_reader
 from enginelink.journal.records import KIND_ENGINE_HANDSHAKE
-from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, autogroup_nice, cpu_list, describe_placement
-from enginelink.runtime.engine.session import session_members
+from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, cpu_list, describe_placement
+from enginelink.runtime.engine.engine_processes import engine_members
 from enginelink.runtime.rpc.fastpath import MAX_CONCURRENT_STREAMS, READY_CALLBACKS_MAX
 from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape
 
 PROMPT = [318, 283, 1552, 10, 90, 305]
+
+
+def autogroup_nice(pid: int | str) -> int | None:
+    """The nice value of the process's autogroup; None where autogroups do not apply (a cgroup)."""
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])  # "/autogroup-123 nice 0"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def autogroup_of(pid: int) -> str | None:
+    """The kernel's autogroup of ``pid`` ("/autogroup-123"), None where autogroups do not apply (a cgroup)."""
+    try:
+        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def priority_record(journal: Path) -> dict:
@@ -41,11 +57,15 @@ def test_engine_runs_at_the_servicers_priority_by_default(tmp_path, test_model_d
     with Servicer(tmp_path, model_dir=test_model_dir) as servicer:
         engine = engine_pid(servicer.journal)
         own = os.getpriority(os.PRIO_PROCESS, servicer.process.pid)
-        for pid in session_members(engine):
+        for pid in engine_members(engine):
             assert os.getpriority(os.PRIO_PROCESS, pid) == own, pid
-        group = autogroup_nice(servicer.process.pid)
-        if group is not None:
-            assert autogroup_nice(engine) == group
+        # The engine runs in the servicer's session, so under the kernel's autogroups in its scheduling
+        # group (docs/benchmarks-history.md, "the kernel's autogroups"); its own process group, not the
+        # foreground's: a terminal's ^C reaches the servicer alone, which drains and then stops it.
+        for pid in engine_members(engine):
+            assert autogroup_of(pid) == autogroup_of(servicer.process.pid), pid
+            assert os.getsid(pid) == os.getsid(servicer.process.pid) and os.getpgid(pid) != os.getpgid(servicer.process.pid)
+        assert os.getpgid(engine) == engine
         record = priority_record(servicer.journal)
         assert record["levels"] == 0 and "nice" not in record and "autogroup_nice" not in record
         assert f"engine process {engine} started, at the servicer's priority (ENGINELINK_ENGINE_NICE=0)" in servicer.log()
@@ -58,17 +78,15 @@ def test_engine_nice_ten_runs_the_engine_ten_levels_below_the_servicer(tmp_path,
         engine = engine_pid(servicer.journal)
         own = os.getpriority(os.PRIO_PROCESS, servicer.process.pid)
         expected = min(19, own + 10)
-        for pid in session_members(engine):
+        for pid in engine_members(engine):
             assert os.getpriority(os.PRIO_PROCESS, pid) == expected, pid
         record = priority_record(servicer.journal)
         assert record["nice"] == expected
         assert f"engine process {engine} started, 10 levels below the servicer: nice {expected}" in servicer.log()
-        group = autogroup_nice(servicer.process.pid)
-        if group is not None:  # the kernel groups sessions: the engine's group is lowered too
-            assert autogroup_nice(engine) == min(19, group + 10)
-            assert record["autogroup_nice"] == autogroup_nice(engine)
-        else:  # a cgroup (container, CI runner): nice alone ranks the tasks, and nothing claims a group
-            assert "autogroup_nice" not in record
+        # One scheduling group for the servicer and its engine, which nice alone ranks inside it: the
+        # group itself (the servicer's too) keeps its weight.
+        assert "autogroup_nice" not in record
+        assert autogroup_nice(engine) == autogroup_nice(servicer.process.pid) == autogroup_nice("self")
 
 
 def thread_policies(pid: int) -> dict[int, int]:
@@ -89,7 +107,7 @@ def test_servicer_threads_wait_for_the_engine_to_yield(tmp_path, test_model_dir)
         engine = engine_pid(servicer.journal)
         policies = thread_policies(servicer.process.pid)
         assert len(policies) > 1 and set(policies.values()) == {os.SCHED_BATCH}, policies
-        assert {os.sched_getscheduler(pid) for pid in session_members(engine)} == {os.SCHED_OTHER}
+        assert {os.sched_getscheduler(pid) for pid in engine_members(engine)} == {os.SCHED_OTHER}
         servicer_record = priority_record(servicer.journal)["servicer"]
         assert servicer_record["policy"] == "batch" and servicer_record["threads"] >= 1
         assert "threads run SCHED_BATCH, so they wait for the engine to yield" in servicer.log()
@@ -111,7 +129,7 @@ def test_a_servicer_started_as_batch_still_gives_its_engine_the_normal_policy(tm
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     try:
         engine = engine_pid(servicer.journal)
-        assert {os.sched_getscheduler(pid) for pid in session_members(engine)} == {os.SCHED_OTHER}
+        assert {os.sched_getscheduler(pid) for pid in engine_members(engine)} == {os.SCHED_OTHER}
         assert "policy_error" not in priority_record(servicer.journal)
     finally:
         servicer.stop()
@@ -131,7 +149,7 @@ def test_servicer_threads_keep_sched_other_by_default(tmp_path, test_model_dir):
         engine = engine_pid(servicer.journal)
         policies = thread_policies(servicer.process.pid)
         assert len(policies) > 1 and set(policies.values()) == {os.SCHED_OTHER}, policies
-        assert {os.sched_getscheduler(pid) for pid in session_members(engine)} == {os.SCHED_OTHER}
+        assert {os.sched_getscheduler(pid) for pid in engine_members(engine)} == {os.SCHED_OTHER}
         assert "servicer" not in priority_record(servicer.journal)
         assert "SCHED_BATCH" not in servicer.log()
 
@@ -224,18 +242,20 @@ def test_160_streams_on_one_connection_all_run_at_once(tmp_path, test_model_dir)
 
 
 @pytest.mark.process
-def test_without_autogroups_only_the_nice_value_is_set(monkeypatch):
-    """In a container the kernel prints an empty /proc/PID/autogroup: the launch goes on with nice alone."""
+def test_the_engines_nice_value_leaves_the_shared_autogroup_alone():
+    """The engine shares the servicer's session, so its autogroup too: lowering the engine lowers its
+    processes alone, never the group (that would lower the servicer with it)."""
     import subprocess
 
-    from enginelink.runtime.engine import placement as engine_process
+    from enginelink.runtime.engine.placement import lower_priority
 
-    monkeypatch.setattr(engine_process, "autogroup_nice", lambda pid: None)
-    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    before = autogroup_nice("self")
+    child = subprocess.Popen(["sleep", "30"], process_group=0)
     try:
-        applied = engine_process.lower_priority(child.pid, 5)
+        applied = lower_priority(child.pid, 5)
         assert applied == {"levels": 5, "nice": min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)}
         assert os.getpriority(os.PRIO_PROCESS, child.pid) == applied["nice"]
+        assert autogroup_nice(child.pid) == autogroup_nice("self") == before
     finally:
         child.kill()
         child.wait()

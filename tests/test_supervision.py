@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from enginelink.runtime.engine import engine_link as el
-from enginelink.runtime.engine import session as engine_session
+from enginelink.runtime.engine import engine_processes
 from enginelink.runtime.engine import socket_files
 from enginelink.runtime.engine.launchers import redact_args
 from enginelink.wire.vllm import VllmCodec
@@ -45,7 +45,7 @@ class RecordingJournal:
 
 @dataclass
 class ScriptLauncher:
-    """A stand-in engine: ``python -c CODE``, in its own session like a real one."""
+    """A stand-in engine: ``python -c CODE``, in its own process group like a real one."""
 
     code: str
     engine: str = "vllm"
@@ -77,8 +77,8 @@ async def test_startup_ceiling_bounds_an_engine_that_never_dials(socket_dir, mon
     assert 1.2 <= took < 4.0
     steps = [p["step"] for _, kind, p in link.journal.records if kind == "engine.handshake"]
     assert steps.count("startup_extended") >= 2
-    # The engine's whole session (the forked child too) is gone.
-    assert engine_session.session_members(link.process.pid) == []
+    # All of the engine (the forked child too) is gone.
+    assert engine_processes.engine_members(link.process.pid) == []
     assert not list(socket_dir.iterdir()), "socket files left behind"
 
 

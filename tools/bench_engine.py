@@ -142,8 +142,10 @@ def measure_raw(model_dir: Path, engine_args: list[str], concurrency: int, reque
         argv, env = launcher.command(f"tcp://127.0.0.1:{port}")
         env = {**os.environ, **env}
         env.pop("ENGINELINK_ENGINE_FACTS", None)
-        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        # The same engine as enginelink runs: its priority too (runtime/engine/placement.py).
+        # In a process group of its own in the bench's session, as enginelink runs its engine (in its
+        # servicer's session: under the kernel's autogroups, one scheduling group); its priority too
+        # (runtime/engine/placement.py).
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
         lower_priority(process.pid, engine_nice)
 
         # Handshake: HELLO -> init -> ready response (inputs) + READY (handshake).

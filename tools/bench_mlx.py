@@ -11,7 +11,7 @@ in flight, each with ``--prompt-tokens`` random prompt tokens, temperature 1,
 - raw: ``python -m enginelink.tools.bench_mlx --raw`` run by the MLX venv's
   python: the model loaded and force-evaluated, ``BatchGenerator`` with the
   same batch sizes driven in-process, requests topped up as they finish, no
-  wire, no servicer. It runs in a session of its own at the priority
+  wire, no servicer. It runs in a process group of its own at the priority
   enginelink gives its engine (``ENGINELINK_ENGINE_NICE``), as the engine runs.
 
 - reference (``--against smg-python``): the reference MLX servicer,
@@ -19,7 +19,7 @@ in flight, each with ``--prompt-tokens`` random prompt tokens, temperature 1,
   runs mlx-lm in its gRPC process), from the MLX venv with the reference on
   ``PYTHONPATH`` (``tools/setup-mlx --with-reference`` puts it in
   ``<MLX venv>/reference``; ``ENGINELINK_MLX_REFERENCE`` names another
-  folder), with the same batch sizes, in a session of its own at the
+  folder), with the same batch sizes, in a process group of its own at the
   engine's priority, driven by the same load client over the same
   ``MlxEngine`` contract. It joins the alternation.
 
@@ -75,11 +75,11 @@ def measure_raw(python: str, model_dir: Path, engine_args: list[str], concurrenc
             "completion_batch_size": _flag(engine_args, "--completion-batch-size", concurrency),
             "prefill_batch_size": _flag(engine_args, "--prefill-batch-size", 8),
             "prefill_step_size": _flag(engine_args, "--prefill-step-size", 2048)}  # fmt: skip
-    # Its own session, as enginelink starts its engine: with the kernel's autogroups a session is a
-    # scheduling group, so the raw arm must compete for CPU as the engine does, not inside ours.
+    # A process group of its own in our session, as enginelink starts its engine (in its servicer's
+    # session: under the kernel's autogroups, one scheduling group).
     process = subprocess.Popen([python, "-m", "enginelink.tools.bench_mlx", "--raw", json.dumps(plan)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)  # fmt: skip
+                               process_group=0)  # fmt: skip
     lower_priority(process.pid, _engine_nice())  # and at the engine's priority (ENGINELINK_ENGINE_NICE)
     try:
         out, err = process.communicate(timeout=RAW_TIMEOUT_S)
@@ -102,7 +102,7 @@ def reference_dir(python: str) -> Path:
 
 
 class ReferenceServicer:
-    """``python -m smg_grpc_servicer.mlx.server`` in its own session at the engine's priority, stopped by SIGTERM."""
+    """``python -m smg_grpc_servicer.mlx.server`` in a process group of its own at the engine's priority, stopped by SIGTERM."""
 
     def __init__(self, python: str, reference: Path, model_dir: Path, engine_args: list[str], tmp: Path) -> None:
         from enginelink.tools.bench_load import free_port
@@ -130,7 +130,7 @@ class ReferenceServicer:
 
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                        start_new_session=True)  # fmt: skip
+                                        process_group=0)  # fmt: skip
         lower_priority(self.process.pid, _engine_nice())  # its engine is in-process: it runs where an engine runs
         try:
             wait_serving(self.target, REFERENCE_START_TIMEOUT_S, self.process, "mlx")

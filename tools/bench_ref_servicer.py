@@ -70,8 +70,9 @@ def start_engine(spec_path: Path, handshake: str) -> subprocess.Popen:
     spec = json.loads(spec_path.read_text())
     argv = [arg.replace("{handshake}", handshake) for arg in spec["argv"]]
     env = {**os.environ, **spec.get("env", {})}
-    # Its own session, as enginelink and the raw driver run their engine (its own autogroup too).
-    return subprocess.Popen(argv, env=env, start_new_session=True)
+    # A process group of its own in the servicer's session, as enginelink and the raw driver run their
+    # engine (under the kernel's autogroups: one scheduling group with the servicer).
+    return subprocess.Popen(argv, env=env, process_group=0)
 
 
 def stop_engine(process: subprocess.Popen | None) -> None:

@@ -513,7 +513,7 @@ def build_config(args: argparse.Namespace, ref: ref_settings.Resolved | None = N
         SERVICER_SCHED_DEFAULT,
     )
     from enginelink.machines.liveness import IDLE_PROBE_INTERVAL_S, IDLE_PROBE_TIMEOUT_S
-    from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S
+    from enginelink.runtime.engine.engine_processes import ENGINE_STOP_GRACE_S
     from enginelink.runtime.lifetime.server import ServeConfig
 
     from enginelink.runtime.lifetime.engines import choose

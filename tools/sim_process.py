@@ -69,8 +69,8 @@ def log(message: str) -> None:
         print(f"sim-engine[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
 
 
-# The stray child: deaf to SIGTERM, in a process group of its own (still in the
-# engine's session), gone by itself only after STRAY_LIFETIME_S (so a failed
+# The stray child: deaf to SIGTERM, in a process group of its own (still a child
+# of the engine's), gone by itself only after STRAY_LIFETIME_S (so a failed
 # test leaks nothing for long).
 STRAY_LIFETIME_S = 300
 _STRAY = f"""

@@ -21,16 +21,16 @@ An engine link is three parts, none specialised by subclassing:
   and disconnect watches, the silence limit and the idle probe, the same
   for every transport, so the simulation runs the production supervision;
   beside it the engine's process as the link runs it (``link_process.py``:
-  launched in its session, output relayed, stopped within a bound) and what
+  launched in its own process group, output relayed, stopped within a bound) and what
   follows a death when restarts are on (``restarts.py``).
 
 Lifetime (``run``, one nursery): the transport starts the engine and the
 handshake (then ``started``); the link serves, its watches run, and the
 transport's receive loop decodes each output frame once (``handle_frames``:
 journaled as received, dispatched to the hub) until the engine goes.
-Stopping: the transport closes its sockets, then the engine's whole session
+Stopping: the transport closes its sockets, then all of the engine's processes
 is stopped while its last words are still relayed, bounded
-(``session.stop_session``; none of its processes may outlive us).
+(``engine_processes.stop_engine_processes``; none of them may outlive us).
 
 Restarts (docs/resume.md, ``restarts.py``): with a restart budget, an engine
 that dies while it serves is a crash (``restarting``), not a failure; the
@@ -41,7 +41,7 @@ counters its own.
 Data parallelism: a launch with ``--data-parallel-size N`` runs N engine
 ranks, each handshaking on its own identity; the link waits for every
 rank's HELLO, ready response and READY. All ranks share the transport, the
-process session and this link's one machine: one rank dying fails the link
+engine's processes and this link's one machine: one rank dying fails the link
 (docs/architecture.md, "Data-parallel ranks"). ``send(frames, rank)``
 routes to a rank; the hub picks the rank (``machines/ranks.py``). ``ready``
 is the first rank's ready response, ``rank_ready`` every rank's.

@@ -13,9 +13,10 @@ rules it keeps:
   makes libzmq drop that peer before buffering it (``ZMQ_MAXMSGSIZE``), and
   each peer may queue at most ``HANDSHAKE_QUEUE_MAX`` messages;
 - a stranger's frame is ignored, journaled and logged, never fatal: a frame
-  is the engine's only when it comes from a process of the engine's session
-  (for ipc, libzmq tells the sender's pid: the ``Peer-Address`` property
-  reads ``host:uid:gid:pid``; a session cannot be joined from outside) and,
+  is the engine's only when it comes from one of the engine's processes,
+  its launcher or a descendant (for ipc, libzmq tells the sender's pid: the
+  ``Peer-Address`` property reads ``host:uid:gid:pid``; no process can
+  choose its parent) and,
   from the identity of one of the engine's DP ranks (the rank, 2 bytes
   little-endian; each rank sends its own HELLO first), and, once HELLO was
   accepted, from the identity that sent it. A stranger's
@@ -36,7 +37,7 @@ from typing import Callable
 
 import zmq
 
-from enginelink.runtime.engine.session import session_of
+from enginelink.runtime.engine.engine_processes import descends_from
 from enginelink.runtime.engine.zmq_trio import has_message, wait_fd
 
 log = logging.getLogger("enginelink.link")
@@ -110,9 +111,9 @@ class HandshakeGate:
     refuses a broken handshake.
     """
 
-    def __init__(self, engine_session: int, journal_step, identities: frozenset[bytes],
+    def __init__(self, engine_pid: int, journal_step, identities: frozenset[bytes],
                  is_hello: Callable[[bytes], bool]) -> None:  # fmt: skip
-        self.engine_session = engine_session
+        self.engine_pid = engine_pid  # the launcher's: the engine's processes are it and its descendants
         self.allowed = identities  # the identities the engine's ranks speak from
         self._is_hello = is_hello
         self.hello_from: set[bytes] = set()  # where the pid is unknown: the ranks that sent HELLO
@@ -126,8 +127,8 @@ class HandshakeGate:
         size = sum(len(frame) for frame in frames[1:])  # what the sender sent (the identity is the ROUTER's)
         if len(frames) != 2:
             return self._stranger("not one frame", identity, peer, size)
-        if pid is not None and session_of(pid) != self.engine_session:
-            return self._stranger(f"pid {pid} is not in the engine's session", identity, peer, size)
+        if pid is not None and not descends_from(pid, self.engine_pid):
+            return self._stranger(f"pid {pid} is not one of the engine's processes", identity, peer, size)
         if identity not in self.allowed:
             return self._stranger("not the identity of one of the engine's DP ranks", identity, peer, size)
         payload = frames[1].bytes

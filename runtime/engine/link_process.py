@@ -1,4 +1,4 @@
-"""The engine's process as a link runs it: started in a session of its own, watched, stopped within a bound.
+"""The engine's process as a link runs it: started in a process group of its own, watched, stopped within a bound.
 
 Methods of ``EngineLink`` (``engine_link.py`` binds them), kept here beside
 the supervision that watches the process (``supervision.py``), so the link's
@@ -43,8 +43,13 @@ log = logging.getLogger("enginelink.link")
 
 async def launch(link, nursery: trio.Nursery, argv: list[str], env: dict[str, str], details: dict,
                  pass_fds: tuple[int, ...] = ()) -> None:
-    """Start the engine's process in a session of its own (a transport's ``start`` calls this):
-    journal the launch (secrets hidden), relay its output, lower its priority, supervise it."""
+    """Start the engine's process in a process group of its own (a transport's ``start`` calls this):
+    journal the launch (secrets hidden), relay its output, lower its priority, supervise it.
+
+    Its own process group inside the servicer's session, not a session of its own: a terminal's ^C
+    reaches the servicer alone (which drains, then stops the engine), and under the kernel's
+    autogroups the servicer and its engine are one scheduling group (``engine_processes``). Its
+    stdin is /dev/null: a background group that read the terminal would be stopped by it."""
     engine_env = {**os.environ, **env}
     # Secrets of the launch (argv's and the environment's), hidden wherever they appear.
     link.redactor = redactor = Redactor(launch_secrets(argv, engine_env))
@@ -54,8 +59,8 @@ async def launch(link, nursery: trio.Nursery, argv: list[str], env: dict[str, st
         log.warning("%s", warning)
     # Both of the engine's streams on one pipe, relayed with its secrets hidden.
     link.process = await trio.lowlevel.open_process(
-        argv, env=engine_env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        pass_fds=pass_fds,
+        argv, env=engine_env, process_group=0, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, pass_fds=pass_fds,
     )
     link._relay = EngineOutputRelay(link.process.stdout, redactor)
     nursery.start_soon(link._relay.pump)

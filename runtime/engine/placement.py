@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from enginelink.runtime.engine.session import session_members
+from enginelink.runtime.engine.engine_processes import engine_members
 
 # Nice levels between the servicer and its engine (ENGINELINK_ENGINE_NICE). Opt-in, 0 by default: a
 # reniced engine yields to every process on the host, not only to its servicer. In undisturbed pairs
@@ -28,35 +28,18 @@ PLACEMENT_DEFAULT = "off"  # opt-in: no throughput change measured on 2 cores (d
 NICE_MAX = 19
 
 
-def autogroup_nice(pid: int | str) -> int | None:
-    """The nice value of the process's autogroup, or None where autogroups do not apply.
-
-    None covers a kernel without them (no file) and a task in a cgroup other
-    than the root, which containers and CI runners use: there the kernel
-    prints nothing, and nice values rank the tasks of the cgroup directly.
-    """
-    try:
-        with open(f"/proc/{pid}/autogroup") as fh:
-            return int(fh.read().split()[-1])  # "/autogroup-123 nice 0"
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def lower_priority(session: int, levels: int) -> dict:
-    """Run the engine's new session ``levels`` nice steps below this process.
+def lower_priority(launcher: int, levels: int) -> dict:
+    """Run the engine's launcher (and so its EngineCore and Worker) ``levels`` nice steps below this process.
 
     Why: vLLM's EngineCore and Worker busy-poll (``sched_yield`` loops) while
     a step runs, so with few cores they are always runnable, and the servicer
-    (and the router) wait for a core every time they wake. Each hop they lag
-    is time the engine runs under-full: on 2 cores the servicer spent 15.8 s
-    of a 21 s load waiting to run, and the engine reached half of the tokens/s
-    a bare ZMQ driver gets (docs/benchmarks-history.md). The front end uses little CPU,
-    so letting it go first costs the engine almost nothing.
-
-    Two settings, because with the kernel's autogroups (a session is its own
-    scheduling group) a task's nice value only ranks it inside its group: the
-    launcher's nice value (EngineCore and the Worker inherit it; they start
-    seconds later) and its session's autogroup. Call it right after the launch.
+    (and the router) wait for a core every time they wake. The front end uses
+    little CPU, so letting it go first costs the engine almost nothing
+    (docs/benchmarks-history.md). The launcher's nice value is inherited by
+    EngineCore and the Worker (they start seconds later): call it right after
+    the launch. The engine shares the servicer's session, and so under the
+    kernel's autogroups its scheduling group, inside which nice values rank
+    tasks: the group's own weight is left alone (it is the servicer's too).
     Returns what it set, for the journal; nothing here may fail a launch.
 
     The engine also gets the normal scheduling policy explicitly: a servicer
@@ -66,26 +49,17 @@ def lower_priority(session: int, levels: int) -> dict:
     """
     applied: dict = {"levels": levels}
     try:
-        os.sched_setscheduler(session, os.SCHED_OTHER, os.sched_param(0))
+        os.sched_setscheduler(launcher, os.SCHED_OTHER, os.sched_param(0))
     except OSError as error:
         applied["policy_error"] = str(error)
     if levels <= 0:
         return applied
     try:
         nice = min(NICE_MAX, os.getpriority(os.PRIO_PROCESS, 0) + levels)
-        os.setpriority(os.PRIO_PROCESS, session, nice)
+        os.setpriority(os.PRIO_PROCESS, launcher, nice)
         applied["nice"] = nice
     except OSError as error:
         applied["nice_error"] = str(error)
-    own_group = autogroup_nice("self")
-    if own_group is not None:
-        group_nice = min(NICE_MAX, own_group + levels)
-        try:
-            with open(f"/proc/{session}/autogroup", "w") as fh:
-                fh.write(str(group_nice))
-            applied["autogroup_nice"] = group_nice
-        except OSError as error:
-            applied["autogroup_error"] = str(error)
     return applied
 
 
@@ -130,12 +104,8 @@ def describe_priority(applied: dict) -> str:
     if applied.get("levels", 0) <= 0:
         text = "at the servicer's priority (ENGINELINK_ENGINE_NICE=0)"
     else:
-        parts = [f"nice {applied['nice']}" if "nice" in applied else f"nice unchanged ({applied.get('nice_error')})"]
-        if "autogroup_nice" in applied:
-            parts.append(f"its session's autogroup nice {applied['autogroup_nice']}")
-        elif "autogroup_error" in applied:
-            parts.append(f"autogroup unchanged ({applied['autogroup_error']})")
-        text = f"{applied['levels']} levels below the servicer: " + ", ".join(parts)
+        nice = f"nice {applied['nice']}" if "nice" in applied else f"nice unchanged ({applied.get('nice_error')})"
+        text = f"{applied['levels']} levels below the servicer: {nice}"
     if "policy_error" in applied:
         text += f"; engine's scheduling policy unchanged ({applied['policy_error']})"
     servicer = applied.get("servicer")
@@ -147,7 +117,7 @@ def describe_priority(applied: dict) -> str:
     return text
 
 
-def place_front_end(session: int) -> dict:
+def place_front_end(group: int) -> dict:
     """Keep the servicer and the engine's unbound threads off the CPUs the engine binds its compute to.
 
     Why: vLLM's CPU backend binds its Worker's OpenMP threads one per CPU and
@@ -172,7 +142,7 @@ def place_front_end(session: int) -> dict:
     """
     allowed = os.sched_getaffinity(0)
     engine_threads: dict[int, set[int]] = {}
-    for pid in session_members(session):
+    for pid in engine_members(group):
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:

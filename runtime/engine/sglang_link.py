@@ -11,7 +11,7 @@ inherits (the sim's ``--ready-fd``; the real launcher forwards its
 
 ``SglangTransport`` is this wire's transport of an ``EngineLink``; everything
 else is the link's and its supervision's (``supervision.py``): the process
-in its own session, its output relayed with secrets hidden, the start-up
+in its own process group, its output relayed with secrets hidden, the start-up
 bound (silence extended while the process lives, the ceiling), the process
 watch, the dropped-connection watch, the silence limit and the bounded stop;
 the receive loop is the ZeroMQ transport's (``zmq_transport.receive_frames``).
@@ -48,7 +48,7 @@ import os
 import trio
 import zmq
 
-from enginelink.runtime.engine.session import stop_session
+from enginelink.runtime.engine.engine_processes import stop_engine_processes
 from enginelink.runtime.engine.link_errors import LinkFailed
 from enginelink.runtime.engine.grammar_labels import sglang_grammar_backend
 from enginelink.runtime.engine.zmq_transport import IpcSockets, link_paths
@@ -166,7 +166,7 @@ class SglangTransport:
         await self.ipc.wait_disconnected()
 
     async def stop_process(self, process, grace_s: float) -> None:
-        await stop_session(process, grace_s)
+        await stop_engine_processes(process, grace_s)
 
     def close(self) -> None:
         self._push = None

@@ -36,7 +36,7 @@ import trio
 
 from enginelink.machines.link import LinkState
 from enginelink.machines.liveness import PROBE_METHOD, IdleProbe, ProbeFailed, ProbeSend, ProbeTiming, ProbeWait
-from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S
+from enginelink.runtime.engine.engine_processes import ENGINE_STOP_GRACE_S
 from enginelink.runtime.engine.launchers import refused_arguments
 
 log = logging.getLogger("enginelink.link")

@@ -5,7 +5,7 @@ Its part of the link's lifetime (``EngineLink.run`` calls it):
 - ``start``: remove stale ipc socket files (only those nothing live is bound
   to); bind the handshake ROUTER, the input ROUTER and the output PULL (ipc
   sockets in a private 0700 directory; a TCP handshake on loopback for an
-  engine that dials only TCP); launch the engine in its own session
+  engine that dials only TCP); launch the engine in its own process group
   (``EngineLink.launch``: its output relayed with secrets hidden, its
   process watched, its start-up bounded), which dials the handshake socket;
   feed every rank's handshake messages (HELLO → init addresses → ready
@@ -18,7 +18,7 @@ Its part of the link's lifetime (``EngineLink.run`` calls it):
 - ``wait_disconnected``: returns when the engine's connection to the output
   socket dropped (a socket monitor; only connections that completed the
   ZMTP handshake count, so a stranger probing for stale files is ignored);
-- ``stop_process``: the engine's whole session stopped, bounded;
+- ``stop_process``: all of the engine's processes stopped, bounded;
 - ``close``: close every socket; ``remove_files``: remove its files.
 
 Frames from anyone but the engine on the handshake socket are ignored and
@@ -35,7 +35,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from enginelink.runtime.engine.session import stop_session
+from enginelink.runtime.engine.engine_processes import stop_engine_processes
 
 from enginelink.runtime.engine.socket_files import SOCKET_PREFIX, remove_stale_files, socket_dir
 from enginelink.runtime.engine.handshake_gate import (
@@ -217,7 +217,7 @@ class IpcSockets:
 
 
 class ZmqTransport:
-    """vLLM's headless wire over ipc sockets, to an engine process of its own session."""
+    """vLLM's headless wire over ipc sockets, to an engine process in its own process group."""
 
     idle_probes = True  # the wire has a side-effect-free utility call (machines/liveness.py)
 
@@ -282,8 +282,8 @@ class ZmqTransport:
         await self.ipc.wait_disconnected()
 
     async def stop_process(self, process, grace_s: float) -> None:
-        """Stop the engine's whole session, bounded (``session.stop_session``); we never outlive it."""
-        await stop_session(process, grace_s)
+        """Stop all of the engine, bounded (``engine_processes.stop_engine_processes``); we never outlive it."""
+        await stop_engine_processes(process, grace_s)
 
     def close(self) -> None:
         self._input = None

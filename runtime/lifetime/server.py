@@ -51,6 +51,7 @@ from enginelink.runtime.lifetime.compose import Composition, JournalPlan, Servic
 from enginelink.runtime.contracts.shared.media import media_record, media_settings
 from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, PLACEMENT_DEFAULT, SERVICER_SCHED_DEFAULT
 from enginelink.runtime.engine.engine_link import EngineLink, Supervision
+from enginelink.runtime.engine.engine_processes import become_subreaper
 from enginelink.runtime.rpc.grpc_limits import GrpcLimits
 from enginelink.runtime.rpc.fastpath import FrameWrites, GrpcServer, run_ready_callbacks_together
 from enginelink.runtime.rpc.reflection import with_reflection
@@ -82,7 +83,7 @@ class ServeConfig:
     silence_timeout_s: float = 300.0
     prefill_tokens_per_s: float = 2000.0
     drain_s: float = 5.0
-    engine_stop_grace_s: float = 5.0  # after SIGTERM, before SIGKILL to the engine's session
+    engine_stop_grace_s: float = 5.0  # after SIGTERM, before SIGKILL to all of the engine
     idle_probe_s: float = 5.0  # an idle engine quiet this long gets a liveness probe; 0 = none
     idle_probe_timeout_s: float = 30.0  # an unanswered probe fails the link after this
     engine_nice: int = ENGINE_NICE_DEFAULT  # nice levels below the servicer
@@ -264,7 +265,11 @@ def _tracing(config: ServeConfig):
 
 
 def _new_link(config: ServeConfig, journal) -> EngineLink:
-    """The engine link: the engine's process through the contract's transport, supervised."""
+    """The engine link: the engine's process through the contract's transport, supervised.
+
+    The servicer adopts the orphans of its engine's processes (a child subreaper), so that one which
+    left the engine's process group and outlived its parent is still found and stopped."""
+    become_subreaper()
     return EngineLink(
         name=f"{config.launcher.engine}-0",
         launcher=config.launcher,

@@ -160,7 +160,7 @@ async def test_garbage_before_hello_is_ignored_and_journaled(test_model_dir, soc
     strangers = link.journal.steps("stranger")
     assert len(strangers) == 3
     assert sorted(s["reason"] for s in strangers) == sorted(
-        [f"pid {os.getpid()} is not in the engine's session"] * 2 + ["not one frame"])
+        [f"pid {os.getpid()} is not one of the engine's processes"] * 2 + ["not one frame"])
     assert sorted(s["bytes"] for s in strangers) == sorted([len(b"\xc1 not msgpack at all"), 4, 9])
     assert all(s["peer"].endswith(f":{os.getpid()}") for s in strangers)  # who sent it, for the operator
     assert len(link.journal.steps("hello")) == 1  # the engine's own

@@ -24,7 +24,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from enginelink.runtime.engine.session import session_members
+from enginelink.runtime.engine.engine_processes import engine_members
 from tests.harness import Pidfd, Servicer, engine_pid, free_port, frozen, generate_request, scrape, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -97,7 +97,7 @@ def test_a_frozen_idle_engine_goes_not_serving_and_the_servicer_exits_1(tmp_path
         assert time.monotonic() - frozen_at >= timeout_s  # it waited for the answer the timeout allows
         assert servicer.wait(PROBE_S + timeout_s + SLACK_S + 10) == 1
         assert "answered no liveness probe" in servicer.log()
-        assert session_members(engine) == [], "the frozen engine outlived the servicer"
+        assert engine_members(engine) == [], "the frozen engine outlived the servicer"
     finally:
         servicer.stop()
 

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S, session_members
+from enginelink.runtime.engine.engine_processes import ENGINE_STOP_GRACE_S, engine_members
 from tests.harness import engine_pid, wait_not_serving, wait_until
 from tests.mlx.conftest import START_TIMEOUT_S, mlx_request as generate_request, mlx_servicer
 from tests.test_engine_stop import STOP_BOUND_OVER_GRACE_S
@@ -49,7 +49,7 @@ def test_engine_killed_under_load_fails_every_stream_unavailable_and_exits_1(tmp
         assert ended_within < 1.5, f"streams took {ended_within:.2f} s to end"
         assert servicer.wait(30) == 1
         assert "engine link failed" in servicer.log()
-        assert session_members(engine) == []
+        assert engine_members(engine) == []
         assert servicer.socket_files() == [], "ipc socket files left behind"
     finally:
         servicer.stop()
@@ -82,7 +82,7 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, mlx_py
             assert reader.error is None, reader.error
         assert [c.finish_reason for r in short for c in r.completes] == ["length"] * 3
         assert [c.finish_reason for r in long for c in r.completes] == ["abort"] * 3
-        wait_until(lambda: not session_members(engine), 10, "no process left in the engine's session")
+        wait_until(lambda: not engine_members(engine), 10, "no process of the engine left")
         assert servicer.socket_files() == [], "ipc socket files left behind"
     finally:
         servicer.stop()

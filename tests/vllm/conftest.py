@@ -204,9 +204,10 @@ class StoppedEngine:
     engine: 2,040-token streams ended before the test acted on them. Stopped by default, the engine only
     runs the bursts the test gives it, so a stream cannot end behind the test's back. The bursts are timed
     by a process of its own, in a session of its own: a session is a scheduling group (the kernel's
-    autogroups), and the test's session holds the whole suite's workers and servicers while each engine
-    has a session of its own, so on a busy box a timer in the test's session, sleeping or even spinning,
-    got the CPU seconds late (0.2 s bursts that lasted 0.55-4.2 s, one of which let the engine write four
+    autogroups), and the test's session holds the whole suite's workers and servicers (and, since the
+    engines run in their servicers' session, the engines; before that each engine had a session of its
+    own), so on a busy box a timer in the test's session, sleeping or even spinning, got the CPU seconds
+    late (0.2 s bursts that lasted 0.55-4.2 s, one of which let the engine write four
     whole 2,000-token streams). It needs both a session of its own and a 0.1 ms EEVDF slice: under 8 busy
     loops, the slice alone gave bursts up to 4.2 s, the session alone up to 1.15 s, both 0.20-0.27 s. The
     signals go by pidfd (a pid the suite's process churn reused once received another test's SIGCONT)."""

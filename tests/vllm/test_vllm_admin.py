@@ -12,7 +12,7 @@ from smg_grpc_proto.generated import common_pb2
 from enginelink.journal.records import KIND_ENGINE_FACTS, KIND_ENGINE_HANDSHAKE
 from enginelink.journal.store import open_reader
 from enginelink.runtime.engine.placement import ENGINE_NICE_DEFAULT, cpu_list
-from enginelink.runtime.engine.session import session_members
+from enginelink.runtime.engine.engine_processes import engine_members
 from tests.harness import engine_pid
 
 pytestmark = pytest.mark.vllm
@@ -38,7 +38,7 @@ def test_every_engine_process_runs_below_the_servicer(vllm_stack):
     """The launcher, EngineCore and the Worker run at the servicer's priority by default (issue 23)."""
     servicer, _ = vllm_stack
     launcher = engine_pid(servicer.journal)
-    members = session_members(launcher)
+    members = engine_members(launcher)
     names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in members}
     assert {"VLLM::EngineCor", "VLLM::Worker"} <= names, names  # comm is cut at 15 characters
     expected = min(19, os.getpriority(os.PRIO_PROCESS, servicer.process.pid) + ENGINE_NICE_DEFAULT)
@@ -61,7 +61,7 @@ def test_the_servicer_and_engine_core_keep_off_the_cpu_the_worker_binds(vllm_sta
     assert bound and front_end and not bound & front_end, placement
     assert bound | front_end == os.sched_getaffinity(0)
     threads = {}
-    for pid in [servicer.process.pid, *session_members(engine_pid(servicer.journal))]:
+    for pid in [servicer.process.pid, *engine_members(engine_pid(servicer.journal))]:
         process = Path(f"/proc/{pid}/comm").read_text().strip()
         for tid in os.listdir(f"/proc/{pid}/task"):
             threads[(process, int(tid))] = os.sched_getaffinity(int(tid))

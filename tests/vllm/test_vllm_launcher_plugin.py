@@ -49,7 +49,7 @@ def vllm_command(vllm_python) -> Path:
 
 
 def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (the engine runs in a session of its own, still a child)."""
+    """Every live process below ``pid`` (the engine, in a process group of its own, is still a child)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():

@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from enginelink.runtime.engine.session import ENGINE_STOP_GRACE_S
-from enginelink.runtime.engine.session import session_members
+from enginelink.runtime.engine.engine_processes import ENGINE_STOP_GRACE_S
+from enginelink.runtime.engine.engine_processes import engine_members
 from tests.harness import Servicer, engine_pid, free_port, generate_request, scrape, wait_not_serving, wait_until
 from tests.test_engine_stop import STOP_BOUND_OVER_GRACE_S
 from tests.test_lifecycle import StreamReader
@@ -44,7 +44,7 @@ def in_flight(metrics_port: int) -> float:
 
 
 def no_process_left(launcher: int) -> None:
-    wait_until(lambda: not session_members(launcher), 10, f"no process left in the engine's session {launcher}")
+    wait_until(lambda: not engine_members(launcher), 10, f"no process of the engine left {launcher}")
 
 
 def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_model_dir, vllm_python):
@@ -79,7 +79,7 @@ def test_engine_core_killed_under_load_fails_streams_and_exits_1(tmp_path, test_
         assert ended_within < 1.5, f"streams took {ended_within:.2f} s to end"
         assert servicer.wait(30) == 1
         assert "engine link failed" in servicer.log()
-        assert session_members(launcher) == [], "processes of the engine's session outlived the servicer"
+        assert engine_members(launcher) == [], "processes of the engine outlived the servicer"
         assert servicer.socket_files() == [], "ipc socket files left behind"
     finally:
         if engine is not None:
@@ -110,7 +110,7 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
         engine.run_until(lambda: all(r.completes for r in short) and all(r.messages for r in long),
                          "the short streams done and the long ones flowing")
         assert not any(r.completes for r in long), "a long call finished before the drain"
-        assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
+        assert len(engine_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
         signalled = time.monotonic()
         servicer.signal(signal.SIGTERM)
         wait_not_serving(servicer, 1.0, "readiness NOT_SERVING right after SIGTERM")
@@ -128,7 +128,7 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path, test_model_dir, vllm_p
         took = time.monotonic() - signalled
         # Issue 22: the servicer never exits before every process of its engine's
         # session is gone (a Worker was once left running, reparented to PID 1)...
-        assert session_members(launcher) == [], "processes of the engine's session outlived the servicer"
+        assert engine_members(launcher) == [], "processes of the engine outlived the servicer"
         # ...and the stop is bounded: the drain, then the engine stop's grace + 8 s (docs/running.md).
         assert took <= DRAIN_S + ENGINE_STOP_GRACE_S + STOP_BOUND_OVER_GRACE_S, f"SIGTERM to exit took {took:.1f} s"
         for reader in short + long:
@@ -150,10 +150,10 @@ def test_servicer_sigkilled_leaves_no_engine_behind(tmp_path, test_model_dir, vl
     servicer = vllm_servicer(tmp_path, test_model_dir, ENGINE_ARGS, env=NO_WARMUP).start(timeout_s=START_TIMEOUT_S)
     try:
         launcher = engine_pid(servicer.journal)
-        assert len(session_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
+        assert len(engine_members(launcher)) >= 3  # launcher, EngineCore, Worker (and a resource tracker)
         servicer.process.send_signal(signal.SIGKILL)
         servicer.wait(10)
-        wait_until(lambda: not session_members(launcher), 30, "the engine's session gone after the servicer died")
+        wait_until(lambda: not engine_members(launcher), 30, "the engine gone after the servicer died")
     finally:
         servicer.stop()
 
@@ -182,6 +182,6 @@ def test_a_frozen_idle_engine_core_is_noticed_by_the_idle_probe(tmp_path, test_m
         os.kill(core, signal.SIGSTOP)
         assert servicer.wait(probe_s + timeout_s + 30) == 1
         assert "answered no liveness probe" in servicer.log()
-        assert session_members(launcher) == [], "processes of the engine's session outlived the servicer"
+        assert engine_members(launcher) == [], "processes of the engine outlived the servicer"
     finally:
         servicer.stop()

@@ -38,7 +38,7 @@ import time
 from urllib.parse import urlsplit
 
 PARENT_POLL_S = 0.5
-# enginelink SIGKILLs the engine's session this long after its SIGTERM
+# enginelink SIGKILLs all of the engine this long after its SIGTERM
 # (ENGINELINK_ENGINE_STOP_GRACE_SECS, read here too; the default is enginelink's).
 STOP_GRACE_ENV = "ENGINELINK_ENGINE_STOP_GRACE_SECS"
 STOP_GRACE_DEFAULT_S = 5.0
