@@ -21,7 +21,7 @@ Run BY PATH with the references' venv (``tools/setup-bench-refs``; enginelink is
   the AsyncLLM starts none (``--data-parallel-size-local 0``) and waits for the engine at its handshake,
   which the sim engine dials as a remote headless rank.
 
-Rules: imports nothing of enginelink; stops its engine's session on every way out (SIGTERM, the server's
+Rules: imports nothing of enginelink; stops its engine's process group on every way out (SIGTERM, the server's
 failure, the engine's exit); KV events and the planned warm-up are off, as the bench runs enginelink.
 """
 
