@@ -23,7 +23,7 @@ import time
 import pytest
 
 from enginelink.runtime.engine.engine_processes import engine_members
-from tests.harness import Servicer, engine_pid, generate_request, wait_until
+from tests.harness import Servicer, alive, engine_pid, generate_request, wait_until
 from tests.test_lifecycle import PROMPT, SLOW_ENGINE, StreamReader
 
 pytestmark = pytest.mark.process  # starts processes: not in the fast loop (tests/fast_loop.py)
@@ -37,28 +37,11 @@ ENV = {"ENGINELINK_DRAIN_SECS": str(DRAIN_S), "ENGINELINK_ENGINE_STOP_GRACE_SECS
        "SMG_VLLM_SERVICER_WARMUP": "off"}  # fmt: skip
 
 
-def process_group(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[2])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has ended: what is left is its exit status)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def wait_for_stray(group: int) -> int:
     """The stray child: the engine's, once it has left the engine's process group for one of its own."""
 
     def stray():
-        return next((pid for pid in engine_members(group) if pid != group and process_group(pid) == pid), None)
+        return next((pid for pid in engine_members(group) if pid != group and os.getpgid(pid) == pid), None)
 
     return wait_until(stray, 20, f"a child of engine {group} in a process group of its own")
 

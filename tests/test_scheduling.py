@@ -28,19 +28,12 @@ from tests.harness import Servicer, engine_pid, free_port, generate_request, scr
 PROMPT = [318, 283, 1552, 10, 90, 305]
 
 
-def autogroup_nice(pid: int | str) -> int | None:
-    """The nice value of the process's autogroup; None where autogroups do not apply (a cgroup)."""
+def autogroup(pid: int | str) -> str | None:
+    """The kernel's autogroup of ``pid`` and its nice ("/autogroup-123 nice 0"); None where autogroups
+    do not apply (a cgroup prints nothing, a kernel without them has no file)."""
     try:
-        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])  # "/autogroup-123 nice 0"
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def autogroup_of(pid: int) -> str | None:
-    """The kernel's autogroup of ``pid`` ("/autogroup-123"), None where autogroups do not apply (a cgroup)."""
-    try:
-        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
-    except (OSError, IndexError):
+        return Path(f"/proc/{pid}/autogroup").read_text().strip() or None
+    except OSError:
         return None
 
 
@@ -63,7 +56,7 @@ def test_engine_runs_at_the_servicers_priority_by_default(tmp_path, test_model_d
         # group (docs/benchmarks-history.md, "the kernel's autogroups"); its own process group, not the
         # foreground's: a terminal's ^C reaches the servicer alone, which drains and then stops it.
         for pid in engine_members(engine):
-            assert autogroup_of(pid) == autogroup_of(servicer.process.pid), pid
+            assert autogroup(pid) == autogroup(servicer.process.pid), pid
             assert os.getsid(pid) == os.getsid(servicer.process.pid) and os.getpgid(pid) != os.getpgid(servicer.process.pid)
         assert os.getpgid(engine) == engine
         record = priority_record(servicer.journal)
@@ -86,7 +79,7 @@ def test_engine_nice_ten_runs_the_engine_ten_levels_below_the_servicer(tmp_path,
         # One scheduling group for the servicer and its engine, which nice alone ranks inside it: the
         # group itself (the servicer's too) keeps its weight.
         assert "autogroup_nice" not in record
-        assert autogroup_nice(engine) == autogroup_nice(servicer.process.pid) == autogroup_nice("self")
+        assert autogroup(engine) == autogroup(servicer.process.pid) == autogroup("self")
 
 
 def thread_policies(pid: int) -> dict[int, int]:
@@ -249,13 +242,13 @@ def test_the_engines_nice_value_leaves_the_shared_autogroup_alone():
 
     from enginelink.runtime.engine.placement import lower_priority
 
-    before = autogroup_nice("self")
+    before = autogroup("self")
     child = subprocess.Popen(["sleep", "30"], process_group=0)
     try:
         applied = lower_priority(child.pid, 5)
         assert applied == {"levels": 5, "nice": min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)}
         assert os.getpriority(os.PRIO_PROCESS, child.pid) == applied["nice"]
-        assert autogroup_nice(child.pid) == autogroup_nice("self") == before
+        assert autogroup(child.pid) == autogroup("self") == before
     finally:
         child.kill()
         child.wait()

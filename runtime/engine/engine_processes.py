@@ -39,7 +39,7 @@ PR_SET_CHILD_SUBREAPER = 36
 _subreaper = False  # set once this process adopts its descendants' orphans (``become_subreaper``)
 
 
-def become_subreaper() -> bool:
+def become_subreaper() -> None:
     """Make this process a child subreaper (Linux), so that the engine's orphans stay ours to find.
 
     The servicer calls it before it starts its first engine; any other process
@@ -51,7 +51,18 @@ def become_subreaper() -> bool:
             _subreaper = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
         except (OSError, AttributeError):
             _subreaper = False
-    return _subreaper
+
+
+def _stat(pid: int | str) -> tuple[bytes, int, int] | None:
+    """The process's (state, ppid, pgrp) from /proc/PID/stat; None when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        # pid (comm) state ppid pgrp session ...; comm may hold spaces and parens.
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        return fields[0], int(fields[1]), int(fields[2])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _processes() -> dict[int, tuple[bytes, int, int]] | None:
@@ -62,16 +73,8 @@ def _processes() -> dict[int, tuple[bytes, int, int]] | None:
         return None
     table = {}
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp session ...; comm may hold spaces and parens.
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        table[int(entry)] = (fields[0], int(fields[1]), int(fields[2]))
+        if entry.isdigit() and (stat := _stat(entry)) is not None:
+            table[int(entry)] = stat
     return table
 
 
@@ -122,17 +125,13 @@ def descends_from(pid: int, ancestor: int) -> bool:
     A process cannot choose its parent, so this, not the process group (which a
     process of the same session may join), says who belongs to the engine.
     """
-    seen = 0
-    while pid > 1 and seen < 64:
+    for _ in range(64):  # a chain of parents, bounded
         if pid == ancestor:
             return True
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                stat = fh.read()
-            pid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
+        stat = _stat(pid) if pid > 1 else None
+        if stat is None:
             return False
-        seen += 1
+        pid = stat[1]
     return False
 
 
