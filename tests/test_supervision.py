@@ -209,3 +209,21 @@ def test_sigkill_of_the_servicer_leaves_no_engine_behind(tmp_path, test_model_di
         assert not alive(pid), "the engine outlived a SIGKILLed servicer"
     finally:
         servicer.stop()
+
+
+def test_a_servicer_that_cannot_adopt_orphans_says_what_it_cannot_stop(monkeypatch, caplog):
+    """Where prctl refuses (or there is none), the servicer goes on and the operator reads what is lost."""
+
+    class RefusingLibc:
+        def prctl(self, *args):
+            engine_processes.ctypes.set_errno(1)  # EPERM
+            return -1
+
+    monkeypatch.setattr(engine_processes, "_subreaper", False)
+    monkeypatch.setattr(engine_processes.ctypes, "CDLL", lambda *args, **kwargs: RefusingLibc())
+    with caplog.at_level("WARNING", logger="enginelink.link"):
+        engine_processes.become_subreaper()
+    assert engine_processes._subreaper is False
+    assert ("cannot adopt the engine's orphans (prctl PR_SET_CHILD_SUBREAPER: Operation not permitted): a process "
+            "of the engine that leaves its process group and outlives its parent will not be stopped with it; "
+            "stop it by hand if one is left") in caplog.text

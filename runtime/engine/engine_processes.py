@@ -46,11 +46,17 @@ def become_subreaper() -> None:
     (a test looking at an engine from outside) sees the group and descendants only.
     """
     global _subreaper
+    if _subreaper:
+        return
+    try:
+        _subreaper = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        why = os.strerror(ctypes.get_errno())
+    except (OSError, AttributeError) as error:  # no prctl: not Linux
+        why = str(error)
     if not _subreaper:
-        try:
-            _subreaper = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-        except (OSError, AttributeError):
-            _subreaper = False
+        log.warning("cannot adopt the engine's orphans (prctl PR_SET_CHILD_SUBREAPER: %s): a process of the "
+                    "engine that leaves its process group and outlives its parent will not be stopped with it; "
+                    "stop it by hand if one is left", why)
 
 
 def _stat(pid: int | str) -> tuple[bytes, int, int] | None:
