@@ -34,6 +34,13 @@ from enginelink.journal.store import open_reader
 
 VENV_BIN = Path(sys.executable).parent
 VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
+# vLLM's offline ``LLM``, the reference the real-engine tests compare with, runs its engine inside its own
+# process: V1 multiprocessing off, and so (vLLM's CPU platform forces the multiprocess executor only while
+# it is on) no EngineCore and no Worker process beside it. The answers are the same tokens and logprobs;
+# a start costs a third of the CPU (16 CPU-s instead of 49 for the tiny model on this box: two processes
+# fewer to import torch, and no Worker spinning on its shared-memory queue), on a suite that is CPU-bound.
+# Only the reference: every engine enginelink serves is vLLM's default, multiprocess.
+OFFLINE_VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 # Listening ports for the tests' servers come from below the kernel's ephemeral range, one slice per

@@ -29,7 +29,7 @@ import pytest
 
 from enginelink.runtime.contracts.vllm.launch import default_vllm_python
 from enginelink.runtime.engine.launchers import LauncherError
-from tests.harness import Pidfd, ReferenceAnswers, Servicer, children, end_process, wait_until
+from tests.harness import OFFLINE_VLLM_ENV, Pidfd, ReferenceAnswers, Servicer, children, end_process, wait_until
 from tests.vllm.vision_offline import build_vision_model, run_offline
 
 # --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).
@@ -73,7 +73,8 @@ class OfflineVllm:
         self.process = subprocess.Popen(
             [python, str(OFFLINE_SCRIPT), str(model_dir), json.dumps(kwargs)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                 **OFFLINE_VLLM_ENV},
         )
         self._answers = ReferenceAnswers(self.process, "offline vLLM", log_path)
 

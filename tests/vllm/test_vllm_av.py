@@ -25,6 +25,7 @@ takes none of, are the client's error naming the bound.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import grpc
@@ -33,7 +34,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 from tokenizers import Tokenizer
 
 from enginelink.tools.test_media_models import make_media_model
-from tests.harness import Router, Servicer, generate_request
+from tests.harness import OFFLINE_VLLM_ENV, Router, Servicer, generate_request
 from tests.router.openai_http import post
 from tests.vllm.conftest import START_TIMEOUT_S
 
@@ -147,7 +148,7 @@ def case(request, tmp_path_factory, vllm_python):
     with open(logs / "stdout", "wb") as out, open(logs / "stderr", "wb") as err:
         reference = subprocess.Popen([vllm_python, "-c", OFFLINE, kind, str(model),
                                       json.dumps(chat_ids(tokenizer, kind)), json.dumps(io_kwargs)],
-                                     stdout=out, stderr=err)  # fmt: skip
+                                     stdout=out, stderr=err, env={**os.environ, **OFFLINE_VLLM_ENV})  # fmt: skip
     servicer = Servicer(tmp_path_factory.mktemp(kind), model_dir=model, extra=["--engine", "vllm"],
                         engine_args=ENGINE_ARGS[kind],
                         env={"ENGINELINK_WARMUP": "off", "ENGINELINK_DRAIN_SECS": "0.5",

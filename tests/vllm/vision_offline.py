@@ -12,12 +12,14 @@ engine start and a model build more on a CPU-bound suite.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from enginelink.tools.test_vision_model import make_vision_model
+from tests.harness import OFFLINE_VLLM_ENV
 
 COLORS = [(200, 30, 30), (10, 200, 30)]
 PROMPT = "describe the picture"
@@ -73,7 +75,8 @@ def chat_ids(model: Path) -> list[int]:
 def run_offline(model: Path, python: str) -> list[dict]:
     """vLLM offline on both images: tokens for the plain and the chat prompt, the pixels and the PNG."""
     done = subprocess.run([python, "-c", OFFLINE, str(model), PROMPT, str(MAX_TOKENS), json.dumps(COLORS),
-                           json.dumps(chat_ids(model))], capture_output=True, timeout=600)  # fmt: skip
+                           json.dumps(chat_ids(model))], capture_output=True, timeout=600,
+                          env={**os.environ, **OFFLINE_VLLM_ENV})  # fmt: skip
     lines = [line for line in done.stdout.decode().splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr.decode()[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
