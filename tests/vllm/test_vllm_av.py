@@ -201,11 +201,10 @@ def test_media_refs_give_vllm_offlines_tokens_and_the_engines_bounds_hold_before
         assert error.value.details() == words
 
 
+@pytest.mark.parametrize("case", ["video"], indirect=True)  # only the video engine has media kwargs
 def test_media_io_kwargs_and_the_frame_cap_change_the_sampled_video(case):
     """The video engine's --media-io-kwargs (at most 2 frames) reached the servicer's processor: its tokens are
     offline's under the same kwargs, and those differ from offline's without them."""
-    if case.kind != "video":
-        pytest.skip("the video engine's media kwargs")
     assert any(c["output_ids"] != c["default_output_ids"] for c in case.offline), case.offline
     replies = list(case.servicer.stub.Generate(case.ref_request(1, "video-kwargs"), timeout=300))
     assert list(replies[-1].complete.output_ids) == case.offline[1]["output_ids"]
