@@ -35,7 +35,9 @@ from tests.vllm.vision_offline import build_vision_model, run_offline
 # --max-logprobs -1: the logprobs tests ask for the whole vocabulary (vLLM's default is 20).
 ENGINE_ARGS = ["--max-model-len", "1024", "--enforce-eager", "--max-logprobs", "-1"]
 MAX_MODEL_LEN = 1024
-START_TIMEOUT_S = 300.0
+# A hung start still fails, with its log; but at the suite's start this box runs five engine scopes' starts
+# and four other workers at once, and the session's stack took over 300 s to serve there (twice, 2026-12-07).
+START_TIMEOUT_S = 600.0
 # vllm_quiet's --structured-outputs-config: the backend enginelink sends must be the configured
 # one, and compact JSON (disable_any_whitespace) keeps a random-weight model from spending its
 # tokens on the whitespace the default grammar allows between JSON tokens.
