@@ -372,8 +372,6 @@ _OWN_TOOLING = {
     "ENGINELINK_REQUIRE_VLLM_0_28": "a missing vLLM 0.28.0 install fails its tests instead of skipping them",
     "ENGINELINK_SKIP_REDIS": "tools/run-tests leaves Debian's redis-server out (tools/setup-redis)",
     "ENGINELINK_REQUIRE_REDIS": "a missing redis-server fails the Redis media sidecar's tests instead of skipping them",
-    "ENGINELINK_REF_SIDECAR_VENV": "the reference servicer's venv for the Redis sidecar interop tests",
-    "ENGINELINK_REQUIRE_REF_SIDECAR": "a missing reference venv fails the sidecar interop tests instead of skipping",
     **{f"ENGINELINK_SKIP_{e}": f"tools/run-tests leaves the {e.title()} venv out" for e in
        ("VLLM", "MLX", "SGLANG", "TOKENSPEED")},
     **{f"ENGINELINK_REQUIRE_{e}": f"a missing {e.title()} install fails its tests instead of skipping them" for e in

@@ -20,9 +20,9 @@ One enginelink servicer on the vision test model (``enginelink make-test-model
    expanded prompt and, after its cast to the model's dtype, the very pixels
    vLLM's offline processor makes.
 
-The reference's venv is ``tools/setup-bench-refs``' recipe (run-tests builds
-it as ``.venv-ref-sidecar``); without it the interop tests skip, unless
-``ENGINELINK_REQUIRE_REF_SIDECAR=1``.
+The reference's venv is ``tools/setup-bench-refs``' (``.venv-bench-refs``, which
+run-tests builds); without it the interop tests skip, unless
+``ENGINELINK_REQUIRE_BENCH_REFS=1``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer
 
+from enginelink.tools import bench_refs
 from enginelink.tools.test_vision_model import NUM_QUERY_TOKENS
 from enginelink.wire import mm_sidecar as wire
 from tests.adversarial.media_origin import Origin
@@ -53,7 +54,6 @@ from tests.vllm.vision_offline import MAX_TOKENS, PROMPT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 ENGINE_ARGS = ["--max-model-len", "512", "--enforce-eager"]
 SIDECAR_START_S = 300.0
 
@@ -94,12 +94,11 @@ asyncio.run(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(s
 
 
 def _ref_python() -> str:
-    for venv in (os.environ.get("ENGINELINK_REF_SIDECAR_VENV"), ROOT / ".venv-ref-sidecar", ROOT / ".venv-bench-refs"):
-        if venv and (Path(venv) / "bin" / "python").exists():
-            return str(Path(venv) / "bin" / "python")
-    if os.environ.get("ENGINELINK_REQUIRE_REF_SIDECAR") == "1":
-        pytest.fail("the reference's venv is required here: ENGINELINK_BENCH_REFS_VENV=.venv-ref-sidecar "
-                    "tools/setup-bench-refs")
+    python = Path(os.environ.get(bench_refs.REFS_VENV_ENV) or bench_refs.DEFAULT_REFS_VENV) / "bin" / "python"
+    if python.exists():
+        return str(python)
+    if os.environ.get("ENGINELINK_REQUIRE_BENCH_REFS") == "1":
+        pytest.fail(f"the reference's venv is required here: no {python} (tools/setup-bench-refs)")
     pytest.skip("no reference venv for the sidecar interop (tools/setup-bench-refs)")
 
 
