@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from enginelink.tools import compat_table, knobs
+from enginelink.tools import bench_refs, compat_table, knobs
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"\b(?:SMG|ENGINELINK)_[A-Z0-9_]*[A-Z0-9]\b")
@@ -63,7 +63,10 @@ def test_every_enginelink_name_registered_is_read_somewhere():
 
 
 def reference_source() -> Path | None:
-    venv = Path(os.environ.get("ENGINELINK_BENCH_REFS_VENV", ROOT / ".venv-bench-refs"))
+    try:
+        venv = bench_refs.refs_python().parent.parent
+    except RuntimeError:
+        return None
     found = sorted(venv.glob("lib/python3*/site-packages/smg_grpc_servicer"))
     return found[0] if found else None
 

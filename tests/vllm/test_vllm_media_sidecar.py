@@ -94,12 +94,12 @@ asyncio.run(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(s
 
 
 def _ref_python() -> str:
-    python = Path(os.environ.get(bench_refs.REFS_VENV_ENV) or bench_refs.DEFAULT_REFS_VENV) / "bin" / "python"
-    if python.exists():
-        return str(python)
-    if os.environ.get("ENGINELINK_REQUIRE_BENCH_REFS") == "1":
-        pytest.fail(f"the reference's venv is required here: no {python} (tools/setup-bench-refs)")
-    pytest.skip("no reference venv for the sidecar interop (tools/setup-bench-refs)")
+    try:
+        return str(bench_refs.refs_python())
+    except RuntimeError as missing:
+        if os.environ.get("ENGINELINK_REQUIRE_BENCH_REFS") == "1":
+            pytest.fail(f"the reference's venv is required here: {missing}")
+        pytest.skip(f"no reference venv for the sidecar interop: {missing}")
 
 
 class SidecarProcess:
