@@ -1,8 +1,9 @@
 """The engine's processes: who they are, and stopping all of them, bounded.
 
 An engine runs in a process group of its own inside the servicer's session
-(``process_group=0``): vLLM's launcher spawns EngineCore, which spawns a
-Worker, and none of them may outlive the servicer. Not a session of its own:
+(``process_group=0``): vLLM's launcher runs EngineCore (itself for one
+engine, a spawned process per DP rank), which spawns a Worker, and none of
+them may outlive the servicer. Not a session of its own:
 with the kernel's autogroups (``/proc/sys/kernel/sched_autogroup_enabled``,
 on by default outside cgroups) a session is a scheduling group, and an
 engine whose threads busy-poll every core, in a group of its own, made each
@@ -174,8 +175,9 @@ def ask_engine_to_stop(process: trio.Process, group: int) -> None:
 
     The launcher (the group's leader) alone gets SIGTERM, as ``kill`` on a
     ``vllm serve --headless`` does: vLLM's process manager then SIGTERMs each
-    EngineCore, which aborts its requests and shuts its executor's workers
-    down, and kills (with their children) those that do not exit in time:
+    EngineCore (or the launcher's own EngineCore takes the signal itself),
+    which aborts its requests and shuts its executor's workers down, and
+    kills (with their children) those that do not exit in time:
     the engine stops top down, in the order vLLM tears itself down. With the
     launcher gone already (the engine died), whatever is left of the engine
     gets the SIGTERM itself. Then SIGCONT to all of it: a stopped process

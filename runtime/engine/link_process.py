@@ -110,7 +110,7 @@ async def stop_engine(link) -> None:
             await link._stop_done.wait()
         return
     link._stop_done = trio.Event()
-    # After a crash with a restart to follow, what is left of the dead engine (vLLM's launcher outlives
+    # After a crash with a restart to follow, what is left of the dead engine (a DP launcher outlives
     # its EngineCore) has nothing to finish: it goes at once, so the restart does not wait the grace.
     grace_s = 0.0 if link.machine.state is LinkState.RESTARTING else link.supervision.stop_grace_s
     with trio.CancelScope(shield=True):

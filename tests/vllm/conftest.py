@@ -148,16 +148,23 @@ def vision_offline(vision_model, vllm_python):
     return run_offline(vision_model, vllm_python)
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
 def engine_core_pid(launcher: int) -> int:
-    """The EngineCore process: the launcher's child that runs vLLM's engine (spawned by multiprocessing)."""
+    """The EngineCore: the launcher itself for one engine without DP (it runs vLLM's core in-process and
+    titles itself ``VLLM::EngineCore``), else the launcher's child that multiprocessing spawned for it."""
 
     def find():
+        if b"EngineCore" in _cmdline(launcher):
+            return launcher
         for pid in children(launcher):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmdline = fh.read()
-            except OSError:
-                continue
+            cmdline = _cmdline(pid)
             if b"spawn_main" in cmdline or b"EngineCore" in cmdline:
                 return pid
         return None
@@ -166,13 +173,13 @@ def engine_core_pid(launcher: int) -> int:
 
 
 def engine_worker_pid(core: int) -> int:
-    """The EngineCore's one child process (/proc): vLLM's Worker, which runs the model."""
+    """The EngineCore's Worker (/proc): its one child titled ``VLLM::Worker``, which runs the model."""
 
     def find():
-        found = children(core)
+        found = [pid for pid in children(core) if b"Worker" in _cmdline(pid)]
         return found[0] if len(found) == 1 else None
 
-    return wait_until(find, 10, f"the one child of the EngineCore {core}")
+    return wait_until(find, 10, f"the one Worker of the EngineCore {core}")
 
 
 # The burst timer: its own process, holding the engine's pidfds (inherited), one burst per line read.

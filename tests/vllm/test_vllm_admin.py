@@ -41,6 +41,9 @@ def test_every_engine_process_runs_below_the_servicer(vllm_stack):
     members = engine_members(launcher)
     names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in members}
     assert {"VLLM::EngineCor", "VLLM::Worker"} <= names, names  # comm is cut at 15 characters
+    # One engine, no DP: the launcher runs the EngineCore itself (one process importing vLLM less).
+    cores = [pid for pid in members if Path(f"/proc/{pid}/comm").read_text().strip() == "VLLM::EngineCor"]
+    assert cores == [launcher], (cores, launcher)
     expected = min(19, os.getpriority(os.PRIO_PROCESS, servicer.process.pid) + ENGINE_NICE_DEFAULT)
     assert {pid: os.getpriority(os.PRIO_PROCESS, pid) for pid in members} == {pid: expected for pid in members}
     # Everyone keeps the normal policy: SCHED_BATCH for the servicer is opt-in (ENGINELINK_SERVICER_SCHED=batch).
