@@ -1,6 +1,6 @@
 """CPU per test, for finding where a CPU-bound suite's time goes (docs/testing.md, "CPU per test").
 
-    tools/run-tests -p tests.cpu_account --cpu-log DIR
+    tools/run-tests -p tests.cpu_account --cpu-log=DIR
 
 writes one JSON line per test to ``DIR/<xdist worker>.jsonl``: its node id, when it began, its wall time,
 and the CPU seconds of the test process and of every process it reaped meanwhile (``getrusage``:
@@ -8,6 +8,10 @@ and the CPU seconds of the test process and of every process it reaped meanwhile
 ``wait`` collects) is booked to the test that reaped it: totals are right, a single row may not be.
 Wall times alone mislead on a box whose cores are busy from start to end: a test waiting for the CPU
 looks as slow as one using it.
+
+Write it with the "=": a plugin loaded by ``-p`` adds its options after pytest has chosen its rootdir from
+the arguments that look like paths, so a bare ``--cpu-log DIR`` makes DIR the rootdir (the repository's
+pytest settings unread: hundreds of failures).
 """
 
 from __future__ import annotations

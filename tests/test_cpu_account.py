@@ -26,7 +26,7 @@ def test_each_test_gets_a_row_with_the_cpu_of_what_it_reaped(tmp_path):
     (tmp_path / "test_target.py").write_text(BUSY_CHILD)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-p",
-                           "tests.cpu_account", "--cpu-log", str(tmp_path / "log"), "-q", str(tmp_path / "test_target.py")],
+                           "tests.cpu_account", f"--cpu-log={tmp_path / 'log'}", "-q", str(tmp_path / "test_target.py")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = {row["id"].rsplit("::", 1)[1]: row
