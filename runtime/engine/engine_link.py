@@ -289,8 +289,10 @@ class EngineLink:
 
     # -- the start-up (the transports call these) ------------------------------------
 
-    def journal_handshake(self, step: str, message: dict, rank: int | None = None) -> None:
-        self.progress_at = trio.current_time()
+    def journal_handshake(self, step: str, message: dict, rank: int | None = None, progress: bool = True) -> None:
+        """One step of the start-up in the journal; a step of the engine's (``progress``) renews the start-up bound."""
+        if progress:
+            self.progress_at = trio.current_time()
         payload = {"step": step, "message": message}
         if rank is not None:
             payload["rank"] = rank

@@ -72,6 +72,12 @@ def _stat(pid: int | str) -> tuple[bytes, int, int] | None:
         return None
 
 
+def process_state(pid: int) -> str | None:
+    """The process's state letter from /proc (R running, S sleeping, D in the kernel, T stopped, Z zombie)."""
+    stat = _stat(pid)
+    return stat[0].decode() if stat is not None else None
+
+
 def _processes() -> dict[int, tuple[bytes, int, int]] | None:
     """Every process's (state, ppid, pgrp) from /proc; None where there is no /proc."""
     try:

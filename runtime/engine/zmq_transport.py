@@ -35,7 +35,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from enginelink.runtime.engine.engine_processes import stop_engine_processes
+from enginelink.runtime.engine.engine_processes import process_state, stop_engine_processes
 
 from enginelink.runtime.engine.socket_files import SOCKET_PREFIX, remove_stale_files, socket_dir
 from enginelink.runtime.engine.handshake_gate import (
@@ -216,6 +216,37 @@ class IpcSockets:
             path.unlink(missing_ok=True)
 
 
+# An engine says HELLO within seconds of its start (vLLM's EngineCore before it loads the model), so a
+# handshake still silent this long is journaled, and again at twice the wait, up to the last report.
+HELLO_WAIT_REPORT_S = 30.0
+HELLO_WAIT_LAST_REPORT_S = 960.0
+
+
+async def first_from_engine(link, handshake: zmq.Socket, gate: HandshakeGate) -> tuple[bytes, bytes]:
+    """The engine's first handshake message; while none comes, a journaled ``waiting`` step now and then
+    that says what the wait looks like from here (the engine's process state, the handshake file), so a
+    start that hangs before its HELLO can be told apart from one that is slow. Not progress: the
+    start-up bound runs on."""
+    report_after_s, waited_s = HELLO_WAIT_REPORT_S, 0.0
+    while True:
+        with trio.move_on_after(report_after_s - waited_s):
+            return await receive_from_engine(handshake, gate)
+        waited_s = report_after_s
+        pid = link.process.pid if link.process is not None else None
+        endpoint = handshake.getsockopt_string(zmq.LAST_ENDPOINT)
+        seen = {"after_s": waited_s, "engine_pid": pid, "engine_state": process_state(pid) if pid else None,
+                "handshake": endpoint}  # fmt: skip
+        if endpoint.startswith("ipc://"):
+            seen["handshake_file"] = Path(endpoint[len("ipc://"):]).is_socket()
+        link.journal_handshake("waiting", seen, progress=False)
+        log.info("no HELLO from engine %s %g s after its launch (process state %s, handshake %s%s)", pid,
+                    waited_s, seen["engine_state"], endpoint,
+                    "" if seen.get("handshake_file", True) else ": its socket file is gone")  # fmt: skip
+        if report_after_s >= HELLO_WAIT_LAST_REPORT_S:
+            return await receive_from_engine(handshake, gate)
+        report_after_s *= 2
+
+
 class ZmqTransport:
     """vLLM's headless wire over ipc sockets, to an engine process in its own process group."""
 
@@ -314,7 +345,7 @@ class ZmqTransport:
         def send_init(identity: bytes, payload: bytes) -> None:
             handshake.send_multipart([identity, payload])
 
-        first = await receive_from_engine(handshake, gate)  # nothing to poll for before the first HELLO
+        first = await first_from_engine(link, handshake, gate)  # nothing to poll for before the first HELLO
         while machine.done is None:
             judged = first or poll_engine_from(handshake, gate)
             first = None

@@ -308,3 +308,35 @@ def test_serve_holds_its_memory_while_a_stranger_pushes_hundreds_of_mb(tmp_path,
         servicer.stop()
     assert during - before < 32 * 1024 * 1024, (before, during)
     assert after - during < 32 * 1024 * 1024, (during, after)
+
+
+async def test_a_silent_start_is_journaled_as_waiting_without_renewing_the_start_up_bound(test_model_dir, sockets,
+                                                                                         tmp_path, monkeypatch):
+    """An engine that says no HELLO: the link journals what the wait looks like (the engine's process state,
+    whether the handshake file is there), twice as late each time, and the start-up bound runs on."""
+    from enginelink.runtime.engine import zmq_transport
+
+    monkeypatch.setattr(zmq_transport, "HELLO_WAIT_REPORT_S", 0.5)
+    monkeypatch.setattr(zmq_transport, "HELLO_WAIT_LAST_REPORT_S", 1.0)
+    gate = tmp_path / "go"
+    link = _link(test_model_dir, sockets, gate, monkeypatch)
+    async with trio.open_nursery() as nursery:
+        up = trio.Event()
+
+        async def run_link():
+            await nursery.start(link.run)
+            up.set()
+
+        nursery.start_soon(run_link)
+        waits = await _wait_for(lambda: len(link.journal.steps("waiting")) >= 2 and link.journal.steps("waiting"),
+                                "two waiting steps")
+        assert [w["after_s"] for w in waits] == [0.5, 1.0]  # the last report: no third
+        first = waits[0]
+        assert first["engine_pid"] == link.process.pid and first["engine_state"] in ("R", "S")
+        assert first["handshake"] == f"ipc://{_handshake_path(sockets)}" and first["handshake_file"] is True
+        # The engine said nothing: only the launch steps renewed the bound.
+        assert link.progress_at < trio.current_time() - 0.5
+        gate.touch()
+        await _wait_for(lambda: up.is_set(), "the engine up once its HELLO was let through")
+        assert len(link.journal.steps("waiting")) == 2 and len(link.journal.steps("hello")) == 1
+        nursery.cancel_scope.cancel()
