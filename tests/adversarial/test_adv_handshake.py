@@ -119,17 +119,23 @@ def _stranger(address: str, identity: bytes | None = None) -> zmq.Socket:
     return sock
 
 
+def _start(nursery: trio.Nursery, link) -> trio.Event:
+    """Start ``link`` in ``nursery``; the event is set once it is up."""
+    up = trio.Event()
+
+    async def run_link():
+        await nursery.start(link.run)
+        up.set()
+
+    nursery.start_soon(run_link)
+    return up
+
+
 async def _attack_then_start(link, sockets: Path, gate: Path, attack) -> list:
     """Run ``attack(address)`` once the handshake socket exists, before the engine's HELLO;
     release the engine once the link has journaled what the attack expects; return the strangers."""
     async with trio.open_nursery() as nursery:
-        up = trio.Event()
-
-        async def run_link():
-            await nursery.start(link.run)
-            up.set()
-
-        nursery.start_soon(run_link)
+        up = _start(nursery, link)
         path = await _wait_for(lambda: _handshake_path(sockets), "handshake socket")
         expected, sockets_used = attack(f"ipc://{path}")
         await _wait_for(lambda: len(link.journal.steps("stranger")) >= expected, "the strangers journaled")
@@ -321,13 +327,7 @@ async def test_a_silent_start_is_journaled_as_waiting_without_renewing_the_start
     gate = tmp_path / "go"
     link = _link(test_model_dir, sockets, gate, monkeypatch)
     async with trio.open_nursery() as nursery:
-        up = trio.Event()
-
-        async def run_link():
-            await nursery.start(link.run)
-            up.set()
-
-        nursery.start_soon(run_link)
+        up = _start(nursery, link)
         waits = await _wait_for(lambda: len(link.journal.steps("waiting")) >= 2 and link.journal.steps("waiting"),
                                 "two waiting steps")
         assert [w["after_s"] for w in waits] == [0.5, 1.0]  # the last report: no third
