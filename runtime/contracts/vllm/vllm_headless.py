@@ -202,9 +202,9 @@ def run_engine(handshake: str, facts_path: str | None, engine_argv: list[str]) -
     if facts_path:
         _write_facts(facts_path, vllm_config)
 
+    executor_class, log_stats = Executor.get_class(vllm_config), not engine_args.disable_log_stats
     if _core_runs_here(parallel):
-        return _run_core_here(vllm_config, handshake, Executor.get_class(vllm_config),
-                              log_stats=not engine_args.disable_log_stats)  # fmt: skip
+        return _run_core_here(vllm_config, handshake, executor_class, log_stats)
 
     shutdown_requested = False
 
@@ -224,8 +224,8 @@ def run_engine(handshake: str, facts_path: str | None, engine_argv: list[str]) -
         vllm_config=vllm_config,
         local_client=False,
         handshake_address=handshake,
-        executor_class=Executor.get_class(vllm_config),
-        log_stats=not engine_args.disable_log_stats,
+        executor_class=executor_class,
+        log_stats=log_stats,
     )
     try:
         manager.monitor_engine_liveness()
@@ -246,9 +246,9 @@ def _core_runs_here(parallel) -> bool:
     ``CoreEngineProcManager`` would spawn a process that imports torch and vLLM
     again only to run ``EngineCoreProc.run_engine_core``, which this process can
     run itself: measured on CPU with the test model, 25.0 -> 18.3-18.9 CPU-s and
-    23 -> 17 s from launch to serving, and the same engine (the same handshake, the same executor and Worker). DP
-    ranks keep the manager (one process per rank), and so does ``--numa-bind``,
-    which wraps the spawned EngineCore in numactl."""
+    23 -> 17 s from launch to serving, and the same engine (the same handshake,
+    executor and Worker). DP ranks keep the manager (one process per rank), and
+    so does ``--numa-bind``, which wraps the spawned EngineCore in numactl."""
     return (parallel.data_parallel_size == 1 and parallel.data_parallel_size_local == 1
             and not getattr(parallel, "numa_bind", False))  # fmt: skip
 
